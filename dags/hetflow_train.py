@@ -1,0 +1,86 @@
+"""hetflow_train: prepare data, provision replicas, train, tear down, evaluate, register.
+
+Wiring only: every task calls a stage in ``tasks.stages``, imported inside the task so that parsing
+this file never imports TensorFlow (the dag-processor re-parses it every few seconds). The trigger
+form's fields are generated from ``tasks.spec.RunSpec``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.sdk import dag, task
+
+from tasks.spec import airflow_params
+
+
+@dag(
+    dag_id="hetflow_train",
+    schedule=None,
+    catchup=False,
+    params=airflow_params(),
+    tags=["hetflow"],
+    doc_md=__doc__,
+    default_args={"retries": 0},
+)
+def hetflow_train():
+    @task
+    def validate_spec(params: dict[str, Any] | None = None, dag_run=None, run_id: str | None = None):
+        from tasks import stages
+
+        # params hold the form values (conf applied); conf may also carry keys the form does not
+        # know, which must be rejected rather than ignored.
+        return stages.validate_spec({**params, **(dag_run.conf or {})}, run_id)
+
+    @task
+    def prepare_data(run_id: str | None = None):
+        from tasks import stages
+
+        return stages.prepare_data(run_id)
+
+    @task
+    def provision_cluster(run_id: str | None = None):
+        from tasks import stages
+
+        return stages.provision_cluster(run_id)
+
+    @task
+    def train(run_id: str | None = None):
+        from tasks import stages
+
+        return stages.train(run_id)
+
+    @task
+    def teardown_cluster(run_id: str | None = None):
+        from tasks import stages
+
+        return stages.teardown_cluster(run_id)
+
+    @task
+    def evaluate(run_id: str | None = None):
+        from tasks import stages
+
+        return stages.evaluate(run_id)
+
+    @task
+    def register(run_id: str | None = None, dag=None):
+        from tasks import stages
+
+        return stages.register(run_id, dag.dag_id)
+
+    @task(trigger_rule="all_done")
+    def summarize(run_id: str | None = None):
+        from tasks import stages
+
+        return stages.summarize(run_id)
+
+    cluster = provision_cluster()
+    trained = train()
+    down = teardown_cluster().as_teardown(setups=cluster)
+    registered = register()
+    validate_spec() >> prepare_data() >> cluster >> trained >> down
+    trained >> evaluate() >> registered
+    [registered, down] >> summarize()
+
+
+hetflow_train()

@@ -1,0 +1,1 @@
+"""Provisioning: a backend-neutral cluster layout, and the backends that start its replicas."""

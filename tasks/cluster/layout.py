@@ -1,0 +1,63 @@
+"""The cluster layout: which replica has which role and address, and each replica's TF_CONFIG.
+
+Backend-neutral: the local backend fills addresses with 127.0.0.1 and free ports; container
+backends will fill them with service names. Nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from tasks.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class Replica:
+    role: str  # "chief", "worker" or "ps", as TF_CONFIG names them
+    index: int
+    address: str  # host:port of the replica's gRPC server
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    run_id: str
+    replicas: tuple[Replica, ...]
+
+    def cluster_spec(self) -> dict[str, list[str]]:
+        spec: dict[str, list[str]] = {}
+        for replica in self.replicas:
+            spec.setdefault(replica.role, []).append(replica.address)
+        return spec
+
+    def tf_config(self, replica: Replica) -> str:
+        return json.dumps({"cluster": self.cluster_spec(), "task": {"type": replica.role, "index": replica.index}})
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_id, "replicas": [asdict(r) for r in self.replicas]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ClusterLayout":
+        return cls(data["run_id"], tuple(Replica(**r) for r in data["replicas"]))
+
+
+def free_local_port() -> int:
+    """A port free on 127.0.0.1 right now (the OS picks it; a replica binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def plan_cluster(
+    spec: RunSpec, run_id: str, host: str = "127.0.0.1", pick_port: Callable[[], int] = free_local_port
+) -> ClusterLayout:
+    """Roles for the spec's strategy. ``one_device`` is one worker, its own chief (worker 0 is the
+    chief in TensorFlow's convention when the cluster has no ``chief`` role)."""
+    roles = [("worker", 0)]
+    return ClusterLayout(run_id, tuple(Replica(role, index, f"{host}:{pick_port()}") for role, index in roles))

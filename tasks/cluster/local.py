@@ -1,0 +1,185 @@
+"""Local backend: every replica is a subprocess on 127.0.0.1.
+
+Each replica runs ``python -m tasks.replica`` with its own ``TF_CONFIG`` and ``HETFLOW_RUN_ID``,
+in its own process group (so teardown can end it with everything it started), and dies with the
+process that started it (Linux parent-death signal), so a killed supervisor leaves no orphan.
+Its output goes line by line to the supervisor's log, prefixed by the replica's name, and to
+``logs/<role>-<index>.log`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from tasks.cluster.layout import ClusterLayout, Replica
+from tasks.paths import REPO_ROOT
+
+log = logging.getLogger("hetflow.cluster")
+
+RUN_ID_ENV = "HETFLOW_RUN_ID"
+_PR_SET_PDEATHSIG = 1
+_TERM_GRACE_SECONDS = 10.0
+
+
+class ReplicaFailed(RuntimeError):
+    pass
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class LocalCluster:
+    """Starts, watches and stops the replicas of one run."""
+
+    def __init__(self, layout: ClusterLayout, run_dir: Path, logs_dir: Path):
+        self.layout = layout
+        self.run_dir = run_dir
+        self.logs_dir = logs_dir
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._tails: dict[str, deque[str]] = {}
+        self._pumps: list[threading.Thread] = []
+
+    def start(self) -> None:
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        for replica in self.layout.replicas:
+            self._start_replica(replica)
+
+    def _start_replica(self, replica: Replica) -> None:
+        env = {
+            **os.environ,
+            "TF_CONFIG": self.layout.tf_config(replica),
+            RUN_ID_ENV: self.layout.run_id,
+            "HETFLOW_LAUNCH_TIME": repr(time.time()),
+            "PYTHONUNBUFFERED": "1",
+            "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1"),
+        }
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tasks.replica", "--run-dir", str(self.run_dir)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        self.processes[replica.name] = process
+        self._tails[replica.name] = deque(maxlen=20)
+        pump = threading.Thread(target=self._pump, args=(replica.name, process), daemon=True)
+        pump.start()
+        self._pumps.append(pump)
+        log.info("started %s (pid %d) at %s", replica.name, process.pid, replica.address)
+
+    def _pump(self, name: str, process: subprocess.Popen) -> None:
+        with open(self.logs_dir / f"{name}.log", "w", encoding="utf-8") as log_file:
+            for raw in process.stdout:
+                line = raw.decode("utf-8", "replace").rstrip()
+                log_file.write(line + "\n")
+                log_file.flush()
+                self._tails[name].append(line)
+                log.info("[%s] %s", name, line)
+
+    def wait(self) -> dict[str, int]:
+        """Block until every replica exits; on the first failure stop the rest and raise."""
+        while True:
+            codes = {name: p.poll() for name, p in self.processes.items()}
+            failed = [name for name, code in codes.items() if code not in (None, 0)]
+            if failed:
+                self.stop()
+                self._drain()
+                name = failed[0]
+                tail = " | ".join(self._tails[name]) or "(no output)"
+                raise ReplicaFailed(f"replica {name} exited with code {codes[name]}; last output: {tail}")
+            if all(code == 0 for code in codes.values()):
+                self._drain()
+                return codes
+            time.sleep(0.2)
+
+    def _drain(self) -> None:
+        for pump in self._pumps:
+            pump.join(timeout=5)
+
+    def stop(self) -> None:
+        stop_process_groups([p.pid for p in self.processes.values()])
+
+
+def stop_process_groups(pids: list[int], grace: float = _TERM_GRACE_SECONDS) -> list[int]:
+    """SIGTERM each process group, then SIGKILL what is left after ``grace`` seconds.
+
+    The escalation is needed: a TF worker waiting for a peer ignores SIGTERM (TF's preemption
+    handler catches it). Returns the pids that were still alive.
+    """
+    alive = [pid for pid in pids if _signal_group(pid, signal.SIGTERM)]
+    deadline = time.monotonic() + grace
+    while alive and time.monotonic() < deadline:
+        _reap(alive)
+        alive_now = [pid for pid in alive if _exists(pid)]
+        if not alive_now:
+            break
+        time.sleep(0.1)
+    for pid in alive:
+        _signal_group(pid, signal.SIGKILL)
+    _reap(alive)
+    return alive
+
+
+def _signal_group(pid: int, sig: int) -> bool:
+    try:
+        os.killpg(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _reap(pids: list[int]) -> None:
+    """Collect exit statuses of our own children so they do not linger as zombies."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def run_processes(run_id: str) -> list[int]:
+    """Pids of every live process that carries this run's id in its environment."""
+    needle = f"{RUN_ID_ENV}={run_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def teardown_run(run_id: str) -> list[int]:
+    """End every process of the run, found by run id whatever started it. Returns the pids ended."""
+    pids = run_processes(run_id)
+    if pids:
+        stop_process_groups(pids)
+        for pid in pids:
+            if _exists(pid):
+                os.kill(pid, signal.SIGKILL)
+    return pids

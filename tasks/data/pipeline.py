@@ -1,0 +1,53 @@
+"""The tf.data input pipeline every strategy shares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+import tasks.data.uci_digits  # noqa: F401  (registers the offline builder)
+
+
+def _load(dataset: dict[str, Any], split: str) -> tf.data.Dataset:
+    return tfds.load(
+        dataset["load_name"], split=split, data_dir=dataset["data_dir"], as_supervised=True, shuffle_files=False
+    )
+
+
+def train_input(
+    dataset: dict[str, Any],
+    *,
+    per_worker_batch: int,
+    shuffle: bool,
+    seed: int,
+    num_workers: int = 1,
+    worker_index: int = 0,
+) -> tf.data.Dataset:
+    """Endless, shuffled, per-worker sharded training batches.
+
+    Every worker shuffles with the same seed, then keeps every ``num_workers``-th element: so the
+    union of the workers' k-th batches is exactly the k-th batch one worker with the global batch
+    would see, whatever the number of workers (what makes sync training match single-replica
+    training). Endless, so every worker yields the same number of batches per epoch
+    (``steps_per_epoch`` decides where an epoch ends).
+    """
+    examples = _load(dataset, "train").cache()
+    if shuffle:
+        examples = examples.shuffle(dataset["splits"]["train"], seed=seed, reshuffle_each_iteration=True)
+    examples = examples.repeat()
+    if num_workers > 1:
+        examples = examples.shard(num_workers, worker_index)
+    return examples.batch(per_worker_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def eval_input(dataset: dict[str, Any], split: str, batch_size: int = 256) -> tf.data.Dataset:
+    """One ordered pass over ``split``, for validation and test."""
+    return _load(dataset, split).cache().batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def split_arrays(dataset: dict[str, Any], split: str) -> tuple[Any, Any]:
+    """The whole split as numpy arrays (images uint8, labels int64), for scoring and plots."""
+    images, labels = tfds.as_numpy(_load(dataset, split).batch(dataset["splits"][split]).get_single_element())
+    return images, labels

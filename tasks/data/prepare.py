@@ -1,0 +1,77 @@
+"""prepare_data: build a TFDS dataset once into the shared data dir and fingerprint it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+# Builders that need no network. Importing their module registers them with TFDS.
+OFFLINE_DATASETS = ("uci_digits",)
+
+_FINGERPRINT_CACHE = "hetflow_fingerprint.json"
+
+
+def _builder(name: str, data_dir: Path):
+    import tensorflow_datasets as tfds
+
+    import tasks.data.uci_digits  # noqa: F401  (registers the offline builder)
+
+    try:
+        return tfds.builder(name, data_dir=str(data_dir))
+    except tfds.core.registered.DatasetNotFoundError:
+        raise ValueError(
+            f"dataset={name!r} is not a TFDS dataset; offline datasets: {', '.join(OFFLINE_DATASETS)}"
+        ) from None
+
+
+def _fingerprint(version_dir: Path) -> str:
+    """SHA-256 over the prepared shard files (names and bytes), cached beside them by name and size."""
+    shards = sorted(p for p in version_dir.iterdir() if ".tfrecord-" in p.name or ".array_record-" in p.name)
+    listing = {p.name: p.stat().st_size for p in shards}
+    cache = version_dir / _FINGERPRINT_CACHE
+    if cache.exists():
+        cached = json.loads(cache.read_text())
+        if cached["files"] == listing:
+            return cached["fingerprint"]
+    digest = hashlib.sha256()
+    for shard in shards:
+        digest.update(shard.name.encode())
+        with shard.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    fingerprint = digest.hexdigest()
+    cache.write_text(json.dumps({"files": listing, "fingerprint": fingerprint}, indent=2))
+    return fingerprint
+
+
+def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
+    """Download (where needed) and prepare ``name`` under ``data_dir``; re-use it when already there.
+
+    Returns what later stages need: the versioned name to load, split sizes, input shape, classes
+    and the fingerprint of the prepared files.
+    """
+    import tensorflow_datasets as tfds
+
+    builder = _builder(name, data_dir)
+    prepared_before = builder.is_prepared()
+    if not prepared_before:
+        shards = getattr(builder, "NUM_SHARDS", None)
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(num_shards=shards))
+    info = builder.info
+    image_key, label_key = info.supervised_keys
+    version_dir = Path(builder.data_dir)
+    return {
+        "name": info.name,
+        "version": str(info.version),
+        "load_name": f"{info.name}:{info.version}",
+        "data_dir": str(data_dir),
+        "prepared_dir": str(version_dir),
+        "reused": prepared_before,
+        "splits": {split: info.splits[split].num_examples for split in info.splits},
+        "shards": {split: info.splits[split].num_shards for split in info.splits},
+        "input_shape": list(info.features[image_key].shape),
+        "num_classes": info.features[label_key].num_classes,
+        "fingerprint": _fingerprint(version_dir),
+    }

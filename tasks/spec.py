@@ -1,0 +1,154 @@
+"""RunSpec: the one typed, validated description of a run.
+
+The Airflow trigger form (``Param``s), ``hetflow run --set key=value`` and JSON config files are
+three views of this schema; ``parse_spec`` is the single validation path behind all of them. This
+module must stay cheap to import: the DAG file imports it at parse time (no TensorFlow here).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+def _field(default: Any, section: str, description: str, **constraints: Any) -> Any:
+    return Field(default, description=description, json_schema_extra={"section": section}, **constraints)
+
+
+class RunSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dataset: str = _field(
+        "uci_digits",
+        "Data",
+        "TFDS dataset name, optionally with a version (`mnist:3.0.1`). `uci_digits` is built offline "
+        "from the UCI optical digits shipped with scikit-learn; other names need network access.",
+        pattern=r"^[a-z][a-z0-9_]*(:[0-9]+\.[0-9]+\.[0-9]+)?$",
+    )
+    model: Literal["mlp", "cnn"] = _field(
+        "mlp", "Model", "`mlp`: flatten, dense 128 relu, dense logits. `cnn`: two conv blocks and a dense head."
+    )
+    strategy: Literal["one_device"] = _field(
+        "one_device", "Cluster", "tf.distribute strategy. `one_device`: one replica on one device."
+    )
+    backend: Literal["local"] = _field(
+        "local", "Cluster", "Where replicas run. `local`: subprocesses on 127.0.0.1."
+    )
+    epochs: int = _field(40, "Training", "Passes over the training split.", ge=1, le=1000)
+    steps_per_epoch: int | None = _field(
+        None, "Training", "Steps per epoch; empty means one full pass over the training split.", ge=1, le=100_000
+    )
+    batch_size: int = _field(32, "Training", "Global batch size, summed over all replicas.", ge=1, le=65_536)
+    learning_rate: float = _field(0.001, "Training", "Base learning rate.", gt=0, le=10)
+    optimizer: Literal["sgd", "adam"] = _field("adam", "Training", "Optimizer.")
+    shuffle: bool = _field(True, "Training", "Shuffle training examples every epoch.")
+    seed: int = _field(42, "Training", "Seed for weights, shuffling and ops.", ge=0, le=2**31 - 1)
+    registered_model: str = _field(
+        "hetflow-digits",
+        "Registry",
+        "MLflow registered model name.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+    )
+    min_improvement: float = _field(
+        0.001,
+        "Registry",
+        "The new version becomes `champion` only if its test accuracy beats the champion's by at least this.",
+        ge=0,
+        le=1,
+    )
+
+
+SPEC_KEYS: tuple[str, ...] = tuple(RunSpec.model_fields)
+
+
+class SpecError(ValueError):
+    """Invalid spec: one line per problem, each naming the key, the value and what is allowed."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def _field_schema(key: str) -> dict[str, Any]:
+    """The JSON schema of one key, flattened: `int | None` renders as anyOf [{integer, bounds},
+    {null}], and a one-value Literal as `const`; the form and the messages want plain keywords."""
+    schema = dict(RunSpec.model_json_schema()["properties"][key])
+    schema.pop("default", None)
+    branches = schema.pop("anyOf", None)
+    if branches:
+        typed = [b for b in branches if b.get("type") != "null"]
+        schema.update(typed[0])
+        schema["nullable"] = len(typed) < len(branches)
+    if "const" in schema:
+        schema["enum"] = [schema.pop("const")]
+    return schema
+
+
+_TYPE_WORDS = {"integer": "an integer", "number": "a number", "boolean": "true or false", "string": "a string"}
+
+
+def allowed_values(key: str) -> str:
+    schema = _field_schema(key)
+    if "enum" in schema:
+        return "one of " + ", ".join(str(v) for v in schema["enum"])
+    bounds = [
+        f"{sign} {schema[bound]}"
+        for bound, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
+        if bound in schema
+    ]
+    words = _TYPE_WORDS.get(schema.get("type", ""), "a value")
+    if bounds:
+        words += " " + " and ".join(bounds)
+    if "pattern" in schema:
+        words += f" matching {schema['pattern']}"
+    if schema.get("nullable"):
+        words += ", or empty"
+    return words
+
+
+def _problem_line(error: dict[str, Any]) -> str:
+    key = str(error["loc"][0]) if error["loc"] else "spec"
+    value = json.dumps(error.get("input"), default=str)
+    if error["type"] == "extra_forbidden":
+        guess = difflib.get_close_matches(key, SPEC_KEYS, n=1)
+        hint = f" (did you mean {guess[0]!r}?)" if guess else ""
+        return f"unknown key {key!r}={value}{hint}; allowed keys: {', '.join(SPEC_KEYS)}"
+    if key in RunSpec.model_fields:
+        return f"{key}={value} is invalid: expected {allowed_values(key)}"
+    return f"{value} is invalid: {error['msg']}"
+
+
+def parse_spec(values: dict[str, Any]) -> RunSpec:
+    """Validate ``values`` (missing keys take defaults); raise SpecError listing every problem."""
+    try:
+        return RunSpec.model_validate(values)
+    except ValidationError as exc:
+        raise SpecError([_problem_line(e) for e in exc.errors()]) from None
+
+
+def parse_assignment(assignment: str) -> tuple[str, Any]:
+    """``key=value`` from the command line; the value is read as JSON when it parses (3, 0.1, true, null)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key:
+        raise SpecError([f"--set {assignment!r} is invalid: expected KEY=VALUE"])
+    try:
+        return key.strip(), json.loads(raw)
+    except json.JSONDecodeError:
+        return key.strip(), raw
+
+
+def airflow_params() -> dict[str, Any]:
+    """The DAG's ``Param``s (the trigger form), generated from the RunSpec schema."""
+    from airflow.sdk import Param
+
+    params = {}
+    for key, field in RunSpec.model_fields.items():
+        schema = _field_schema(key)
+        json_type = schema.pop("type")
+        if schema.pop("nullable", False):
+            json_type = [json_type, "null"]
+        params[key] = Param(field.default, type=json_type, **schema)
+    return params

@@ -1,0 +1,148 @@
+"""The stages of ``hetflow_train``: plain functions of the Airflow run id, no Airflow import.
+
+Each stage reads what earlier stages wrote in the run directory and writes its own file there, so
+any stage can be re-run (an Airflow retry) or run outside Airflow (``hetflow train``, tests).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from tasks.paths import RunPaths, data_dir, run_paths
+from tasks.spec import RunSpec, parse_spec
+
+log = logging.getLogger("hetflow.stages")
+
+# (stage, the file it leaves behind), in DAG order: the first missing file names the failed stage.
+STAGE_OUTPUTS = (
+    ("validate_spec", "spec"),
+    ("prepare_data", "dataset"),
+    ("provision_cluster", "cluster"),
+    ("train", "training"),
+    ("evaluate", "evaluation"),
+    ("register", "registry"),
+)
+
+
+def _read(path) -> Any:
+    return json.loads(path.read_text())
+
+
+def load_spec(paths: RunPaths) -> RunSpec:
+    return RunSpec.model_validate_json(paths.spec.read_text())
+
+
+def validate_spec(values: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """Validate the run's conf (form values plus any extra keys); nothing starts when it is invalid."""
+    spec = parse_spec(values)
+    paths = run_paths(run_id)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.spec.write_text(spec.model_dump_json(indent=2))
+    log.info("spec: %s", spec.model_dump())
+    return spec.model_dump()
+
+
+def prepare_data(run_id: str) -> dict[str, Any]:
+    from tasks.data.prepare import prepare_dataset
+
+    paths = run_paths(run_id)
+    record = prepare_dataset(load_spec(paths).dataset, data_dir())
+    paths.dataset.write_text(json.dumps(record, indent=2))
+    log.info(
+        "dataset %s %s %s (fingerprint %s)",
+        record["name"],
+        record["version"],
+        "re-used" if record["reused"] else "prepared",
+        record["fingerprint"][:12],
+    )
+    return record
+
+
+def provision_cluster(run_id: str) -> dict[str, Any]:
+    from tasks.cluster.layout import plan_cluster
+
+    paths = run_paths(run_id)
+    layout = plan_cluster(load_spec(paths), run_id)
+    paths.cluster.write_text(json.dumps(layout.to_dict(), indent=2))
+    log.info("cluster: %s", layout.cluster_spec())
+    return layout.to_dict()
+
+
+def train(run_id: str) -> dict[str, Any]:
+    """Start the replicas, stream their output here, wait for all; this process only supervises."""
+    from tasks.cluster.layout import ClusterLayout
+    from tasks.cluster.local import LocalCluster
+
+    paths = run_paths(run_id)
+    cluster = LocalCluster(ClusterLayout.from_dict(_read(paths.cluster)), paths.root, paths.logs)
+    try:
+        cluster.start()
+        cluster.wait()
+    finally:
+        cluster.stop()
+    return _read(paths.training)
+
+
+def teardown_cluster(run_id: str) -> list[int]:
+    from tasks.cluster.local import teardown_run
+
+    ended = teardown_run(run_id)
+    log.info("teardown: %s", f"ended pids {ended}" if ended else "no replica was left running")
+    return ended
+
+
+def evaluate(run_id: str) -> dict[str, Any]:
+    from tasks.evaluate import evaluate as evaluate_model
+
+    paths = run_paths(run_id)
+    result = evaluate_model(paths, _read(paths.dataset))
+    log.info("test accuracy %.4f, loss %.4f", result["test_accuracy"], result["test_loss"])
+    return {k: v for k, v in result.items() if k != "confusion_matrix"}
+
+
+def register(run_id: str, dag_id: str) -> dict[str, Any]:
+    from tasks.registry import register as register_model
+
+    paths = run_paths(run_id)
+    return register_model(load_spec(paths), paths, _read(paths.dataset), dag_id, run_id)
+
+
+def summarize(run_id: str) -> dict[str, Any]:
+    """Write summary.json from whatever the stages left; status is ``failed`` if any stage did not finish."""
+    paths = run_paths(run_id)
+    outputs = {name: getattr(paths, attr) for name, attr in STAGE_OUTPUTS}
+    failed_stage = next((name for name, path in outputs.items() if not path.exists()), None)
+    read = {name: _read(path) if path.exists() else None for name, path in outputs.items()}
+    training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
+    dataset = read["prepare_data"] or {}
+    summary = {
+        "run_id": run_id,
+        "status": "failed" if failed_stage else "success",
+        "failed_stage": failed_stage,
+        "run_dir": str(paths.root),
+        "spec": read["validate_spec"],
+        "dataset": {k: dataset.get(k) for k in ("name", "version", "fingerprint", "splits")},
+        "mlflow_tracking_uri": registry.get("mlflow_tracking_uri"),
+        "mlflow_run_id": registry.get("mlflow_run_id"),
+        "metrics": {
+            "test_accuracy": evaluation.get("test_accuracy"),
+            "test_loss": evaluation.get("test_loss"),
+            "train_seconds": training.get("train_seconds"),
+            "examples_per_second": training.get("examples_per_second"),
+            "time_to_first_step_seconds": training.get("time_to_first_step_seconds"),
+        },
+        "artifacts": {
+            "model": {"path": str(paths.model), "bytes": paths.model.stat().st_size} if paths.model.exists() else None,
+            "replica_logs": sorted(str(p) for p in paths.logs.glob("*.log")),
+            "plots": sorted(str(p) for p in paths.plots.glob("*.png")),
+        },
+        "registry": {k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate")}
+        if registry
+        else None,
+    }
+    paths.summary.write_text(json.dumps(summary, indent=2))
+    if failed_stage:
+        raise RuntimeError(f"run {run_id} failed at stage {failed_stage}; summary: {paths.summary}")
+    return summary
