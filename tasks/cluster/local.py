@@ -61,7 +61,6 @@ class LocalCluster:
             RUN_ID_ENV: self.layout.run_id,
             "HETFLOW_LAUNCH_TIME": repr(time.time()),
             "PYTHONUNBUFFERED": "1",
-            "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1"),
         }
         process = subprocess.Popen(
             [sys.executable, "-m", "tasks.replica", "--run-dir", str(self.run_dir)],

@@ -1,0 +1,144 @@
+"""End to end: `hetflow run` drives the real DAG through Airflow; results read back as a user would."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import hetflow
+
+pytestmark = pytest.mark.slow
+
+MODEL = "e2e-digits"
+
+
+def _run(env, *sets: str) -> tuple[object, dict]:
+    args = ["run", "--set", f"registered_model={MODEL}"]
+    for assignment in sets:
+        args += ["--set", assignment]
+    done = hetflow(env, *args)
+    summary_path = Path(done.stdout.strip().splitlines()[-1])
+    assert summary_path.name == "summary.json", done.stdout[-3000:] + done.stderr[-3000:]
+    return done, json.loads(summary_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def first(hetflow_env):
+    return _run(hetflow_env, "epochs=15")
+
+
+@pytest.fixture(scope="module")
+def second(hetflow_env, first):
+    """A later run that cannot pass the gate (min_improvement=1)."""
+    return _run(hetflow_env, "epochs=2", "min_improvement=1")
+
+
+@pytest.fixture(scope="module")
+def client(hetflow_env):
+    from mlflow import MlflowClient
+
+    return MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
+
+
+def test_run_succeeds_and_streams_replica_progress(first):
+    done, summary = first
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert summary["status"] == "success" and summary["failed_stage"] is None
+    assert "[worker-0] Epoch 1/15" in done.stdout and "[worker-0] Epoch 15/15" in done.stdout
+    replica_log = Path(summary["run_dir"]) / "logs" / "worker-0.log"
+    assert summary["artifacts"]["replica_logs"] == [str(replica_log)]
+    assert "Epoch 15/15" in replica_log.read_text()
+    assert summary["metrics"]["test_accuracy"] >= 0.9
+    assert summary["metrics"]["examples_per_second"] > 0
+    assert summary["artifacts"]["model"]["bytes"] > 10_000
+    assert summary["artifacts"]["plots"][0].endswith("confusion_matrix.png")
+
+
+def test_no_replica_or_port_outlives_the_run(first):
+    from tasks.cluster.local import run_processes
+
+    _, summary = first
+    assert run_processes(summary["run_id"]) == []
+    cluster = json.loads((Path(summary["run_dir"]) / "cluster.json").read_text())
+    for replica in cluster["replicas"]:
+        host, port = replica["address"].rsplit(":", 1)
+        with socket.socket() as probe:
+            assert probe.connect_ex((host, int(port))) != 0, f"{replica['address']} still listening"
+
+
+def test_mlflow_run_records_tags_params_curves_and_artifacts(first, client):
+    _, summary = first
+    run = client.get_run(summary["mlflow_run_id"])
+    tags = run.data.tags
+    assert tags["airflow.dag_id"] == "hetflow_train"
+    assert tags["airflow.run_id"] == summary["run_id"]
+    assert tags["dataset.name"] == "uci_digits" and tags["dataset.version"] == "1.0.0"
+    assert tags["dataset.fingerprint"] == summary["dataset"]["fingerprint"]
+    assert re.fullmatch(r"[0-9a-f]{40}", tags["mlflow.source.git.commit"])
+    params = run.data.params
+    assert params["epochs"] == "15" and params["model"] == "mlp" and params["registered_model"] == MODEL
+    assert set(params) >= set(summary["spec"])
+    assert run.data.metrics["test_accuracy"] == pytest.approx(summary["metrics"]["test_accuracy"])
+    curve = client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(m.step for m in curve) == list(range(1, 16))
+    assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 15
+    artifacts = {a.path for folder in ("run", "logs", "plots") for a in client.list_artifacts(run.info.run_id, folder)}
+    assert {"run/spec.json", "run/training.json", "logs/worker-0.log", "plots/confusion_matrix.png"} <= artifacts
+
+
+def test_first_version_is_candidate_and_champion_and_predicts_the_test_split(first, client):
+    import mlflow
+
+    from tasks.data.pipeline import split_arrays
+
+    _, summary = first
+    assert summary["registry"]["version"] == 1
+    assert summary["registry"]["aliases"] == ["candidate", "champion"]
+    champion = client.get_model_version_by_alias(MODEL, "champion")
+    assert int(champion.version) == 1 and champion.run_id == summary["mlflow_run_id"]
+    assert float(champion.tags["test_accuracy"]) == pytest.approx(summary["metrics"]["test_accuracy"], abs=1e-6)
+
+    dataset = json.loads((Path(summary["run_dir"]) / "dataset.json").read_text())
+    images, labels = split_arrays(dataset, "test")
+    model = mlflow.pyfunc.load_model(f"models:/{MODEL}@champion")
+    logits = np.asarray(model.predict(images))
+    accuracy = float(np.mean(np.argmax(logits, axis=1) == labels))
+    assert accuracy == pytest.approx(summary["metrics"]["test_accuracy"], abs=1e-9)
+
+
+def test_a_retried_register_task_makes_no_second_run_or_version(first, client):
+    from tasks import stages
+
+    _, summary = first
+    again = stages.register(summary["run_id"], "hetflow_train")
+    assert again["version"] == 1 and again["mlflow_run_id"] == summary["mlflow_run_id"]
+    assert len(client.search_model_versions(f"name='{MODEL}'")) >= 1
+    assert [int(v.version) for v in client.search_model_versions(f"run_id='{summary['mlflow_run_id']}'")] == [1]
+    assert len(client.get_metric_history(summary["mlflow_run_id"], "train_loss")) == 15
+
+
+def test_second_run_reuses_data_and_does_not_take_champion_below_the_gate(first, second, client):
+    _, first_summary = first
+    done, summary = second
+    assert done.returncode == 0, done.stderr[-3000:]
+    dataset = json.loads((Path(summary["run_dir"]) / "dataset.json").read_text())
+    assert dataset["reused"] and dataset["fingerprint"] == first_summary["dataset"]["fingerprint"]
+    assert summary["mlflow_run_id"] != first_summary["mlflow_run_id"]
+    assert summary["registry"]["version"] == 2
+    assert summary["registry"]["aliases"] == ["candidate"] and not summary["registry"]["promoted"]
+    assert "does not beat champion v1" in summary["registry"]["gate"]
+    assert int(client.get_model_version_by_alias(MODEL, "champion").version) == 1
+    assert int(client.get_model_version_by_alias(MODEL, "candidate").version) == 2
+
+
+def test_a_failing_stage_fails_the_run_and_says_where(hetflow_env, second, client):
+    done, summary = _run(hetflow_env, "dataset=no_such_dataset")
+    assert done.returncode == 1
+    assert summary["status"] == "failed" and summary["failed_stage"] == "prepare_data"
+    assert "dataset='no_such_dataset' is not a TFDS dataset" in done.stdout + done.stderr
+    assert len(client.search_model_versions(f"name='{MODEL}'")) == 2

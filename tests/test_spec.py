@@ -1,0 +1,103 @@
+"""RunSpec: defaults, every invalid value rejected with one line, and the Params generated from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import hetflow
+from tasks.spec import SPEC_KEYS, RunSpec, SpecError, airflow_params, parse_assignment, parse_spec
+
+
+def test_defaults_are_valid():
+    spec = parse_spec({})
+    assert spec == RunSpec()
+    assert (spec.dataset, spec.model, spec.strategy, spec.backend) == ("uci_digits", "mlp", "one_device", "local")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"epoch": 3}, "unknown key 'epoch'=3 (did you mean 'epochs'?); allowed keys: dataset,"),
+        ({"strategy": "horovod"}, 'strategy="horovod" is invalid: expected one of one_device'),
+        ({"backend": "slurm"}, 'backend="slurm" is invalid: expected one of local'),
+        ({"model": "resnet"}, 'model="resnet" is invalid: expected one of mlp, cnn'),
+        ({"optimizer": "rmsprop"}, 'optimizer="rmsprop" is invalid: expected one of sgd, adam'),
+        ({"epochs": 0}, "epochs=0 is invalid: expected an integer >= 1 and <= 1000"),
+        ({"epochs": 2.5}, "epochs=2.5 is invalid: expected an integer >= 1 and <= 1000"),
+        ({"epochs": "many"}, 'epochs="many" is invalid: expected an integer >= 1 and <= 1000'),
+        ({"learning_rate": 0}, "learning_rate=0 is invalid: expected a number > 0 and <= 10"),
+        ({"learning_rate": -0.1}, "learning_rate=-0.1 is invalid: expected a number > 0 and <= 10"),
+        ({"batch_size": 0}, "batch_size=0 is invalid: expected an integer >= 1 and <= 65536"),
+        ({"steps_per_epoch": 0}, "steps_per_epoch=0 is invalid: expected an integer >= 1 and <= 100000, or empty"),
+        ({"shuffle": "sometimes"}, 'shuffle="sometimes" is invalid: expected true or false'),
+        ({"seed": -1}, "seed=-1 is invalid: expected an integer >= 0 and <= 2147483647"),
+        ({"min_improvement": 2}, "min_improvement=2 is invalid: expected a number >= 0 and <= 1"),
+        ({"dataset": "My Data"}, 'dataset="My Data" is invalid: expected a string matching'),
+        ({"registered_model": "bad name!"}, 'registered_model="bad name!" is invalid: expected a string matching'),
+    ],
+)
+def test_invalid_values_are_rejected_with_one_line_naming_key_value_and_allowed(values, message):
+    with pytest.raises(SpecError) as caught:
+        parse_spec(values)
+    assert len(caught.value.problems) == 1
+    assert caught.value.problems[0].startswith(message)
+    assert "\n" not in caught.value.problems[0]
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(SpecError) as caught:
+        parse_spec({"epochs": 0, "model": "x", "nope": 1})
+    assert len(caught.value.problems) == 3
+
+
+def test_set_values_are_read_as_json_when_they_parse():
+    assert parse_assignment("epochs=3") == ("epochs", 3)
+    assert parse_assignment("learning_rate=1e-2") == ("learning_rate", 0.01)
+    assert parse_assignment("shuffle=false") == ("shuffle", False)
+    assert parse_assignment("steps_per_epoch=null") == ("steps_per_epoch", None)
+    assert parse_assignment("model=cnn") == ("model", "cnn")
+    with pytest.raises(SpecError, match="expected KEY=VALUE"):
+        parse_assignment("epochs")
+
+
+def test_params_are_generated_from_the_spec():
+    params = airflow_params()
+    assert tuple(params) == SPEC_KEYS
+    for key, param in params.items():
+        assert param.value == RunSpec.model_fields[key].default
+        assert param.description, key
+        assert param.schema["title"] and param.schema["section"], key
+    assert params["model"].schema["enum"] == ["mlp", "cnn"]
+    assert params["strategy"].schema["enum"] == ["one_device"]
+    assert (params["epochs"].schema["minimum"], params["epochs"].schema["maximum"]) == (1, 1000)
+    assert params["steps_per_epoch"].schema["type"] == ["integer", "null"]
+    assert params["learning_rate"].schema["exclusiveMinimum"] == 0
+    # The form validates with the same bounds as the spec.
+    params["epochs"].resolve(5)
+    with pytest.raises(Exception):
+        params["epochs"].resolve(0)
+
+
+def test_cli_validate_merges_config_and_set(hetflow_env, tmp_path):
+    config = tmp_path / "spec.json"
+    config.write_text(json.dumps({"model": "cnn", "epochs": 7}))
+    done = hetflow(hetflow_env, "validate", "--config", str(config), "--set", "epochs=9")
+    assert done.returncode == 0, done.stderr
+    spec = json.loads(done.stdout)
+    assert (spec["model"], spec["epochs"]) == ("cnn", 9)
+
+
+def test_cli_rejects_a_bad_spec_with_one_line_per_problem_and_starts_nothing(hetflow_env):
+    runs = Path(hetflow_env["HETFLOW_HOME"]) / "runs"
+    runs_before = set(runs.iterdir()) if runs.exists() else set()
+    done = hetflow(hetflow_env, "run", "--set", "epochs=0", "--set", "strategy=gossip")
+    assert done.returncode == 2
+    assert sorted(done.stderr.strip().splitlines()) == [
+        "hetflow: invalid spec: epochs=0 is invalid: expected an integer >= 1 and <= 1000",
+        'hetflow: invalid spec: strategy="gossip" is invalid: expected one of one_device',
+    ]
+    assert done.stdout == ""
+    assert (set(runs.iterdir()) if runs.exists() else set()) == runs_before
