@@ -201,7 +201,7 @@ def register(
         "dataset.name": dataset["name"],
         "dataset.fingerprint": dataset["fingerprint"],
         "strategy": spec.strategy,
-        "test_accuracy": f"{accuracy:.6f}",
+        "test_accuracy": repr(accuracy),
     }.items():
         client.set_model_version_tag(name, version.version, key, value)
     client.set_registered_model_alias(name, CANDIDATE, version.version)
