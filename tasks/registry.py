@@ -69,16 +69,39 @@ def find_or_create_run(client: MlflowClient, dag_id: str, airflow_run_id: str, r
     return run.info.run_id
 
 
-def _epoch_curves(training: dict) -> list[Metric]:
-    """Keras history (loss, accuracy, val_loss, ...) as MLflow metrics with step = epoch."""
+def _stepped_metrics(training: dict) -> list[Metric]:
+    """Metrics with a step: the per-epoch history (loss, accuracy, val_*), epoch time and learning
+    rate (step = epoch), and under async training the staleness histogram (step = staleness,
+    value = updates that saw it)."""
     now = get_current_time_millis()
-    curves = [
-        Metric(name if name.startswith("val_") else f"train_{name}", value, now, epoch)
-        for name, values in training["history"].items()
-        for epoch, value in enumerate(values, start=1)
+    series = {name if name.startswith("val_") else f"train_{name}": values for name, values in training["history"].items()}
+    series["epoch_seconds"] = training["epoch_seconds"]
+    series["learning_rate"] = training["learning_rate_per_epoch"]
+    metrics = [
+        Metric(name, value, now, epoch) for name, values in series.items() for epoch, value in enumerate(values, start=1)
     ]
-    curves += [Metric("epoch_seconds", value, now, epoch) for epoch, value in enumerate(training["epoch_seconds"], 1)]
-    return curves
+    if "staleness" in training:
+        histogram = training["staleness"]["histogram"]
+        metrics += [Metric("staleness_updates", count, now, int(stale)) for stale, count in histogram.items()]
+    return metrics
+
+
+def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
+    """One value per run: test scores, speed, and per-worker speed and share of the steps."""
+    metrics = {
+        "test_loss": evaluation["test_loss"],
+        "test_accuracy": evaluation["test_accuracy"],
+        "train_seconds": training["train_seconds"],
+        "examples_per_second": training["examples_per_second"],
+        "time_to_first_step_seconds": training["time_to_first_step_seconds"],
+    }
+    for worker, numbers in training["per_worker"].items():
+        for key, value in numbers.items():
+            metrics[f"{worker.replace('-', '_')}_{key}"] = value
+    if "staleness" in training:
+        metrics["staleness_mean"] = training["staleness"]["mean"]
+        metrics["staleness_max"] = training["staleness"]["max"]
+    return metrics
 
 
 def log_run_record(
@@ -92,19 +115,17 @@ def log_run_record(
         "mlflow.source.git.commit": _git_commit(),
         "strategy": spec.strategy,
     }
-    params = {**spec.model_dump(), "effective_steps_per_epoch": training["steps_per_epoch"]}
-    now = get_current_time_millis()
-    finals = {
-        "test_loss": evaluation["test_loss"],
-        "test_accuracy": evaluation["test_accuracy"],
-        "train_seconds": training["train_seconds"],
-        "examples_per_second": training["examples_per_second"],
-        "time_to_first_step_seconds": training["time_to_first_step_seconds"],
+    params = {
+        **spec.model_dump(),
+        "effective_steps_per_epoch": training["steps_per_epoch"],
+        "replicas_in_sync": training["replicas_in_sync"],
+        "per_replica_batch": training["per_replica_batch"],
     }
-    metrics = [Metric(key, value, now, 0) for key, value in finals.items()]
+    now = get_current_time_millis()
+    metrics = [Metric(key, value, now, 0) for key, value in _summary_metrics(training, evaluation).items()]
     # A retried task must not append a second copy of the per-epoch history.
     if not client.get_metric_history(run_id, "train_loss"):
-        metrics += _epoch_curves(training)
+        metrics += _stepped_metrics(training)
     client.log_batch(
         run_id,
         params=[Param(key, str(value)) for key, value in params.items()],

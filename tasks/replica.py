@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> None:
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     print(f"replica {task['type']}-{task['index']} pid {os.getpid()} strategy={spec.strategy}", flush=True)
 
-    from tasks.training import train
+    from tasks.strategies import run_replica
 
-    train(spec, dataset, paths)
+    run_replica(spec, dataset, paths, task)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ def _field(default: Any, section: str, description: str, **constraints: Any) -> 
     return Field(default, description=description, json_schema_extra={"section": section}, **constraints)
 
 
+STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
+SYNC_STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "model_parallel")
+
+
 class RunSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -28,14 +32,40 @@ class RunSpec(BaseModel):
         "from the UCI optical digits shipped with scikit-learn; other names need network access.",
         pattern=r"^[a-z][a-z0-9_]*(:[0-9]+\.[0-9]+\.[0-9]+)?$",
     )
-    model: Literal["mlp", "cnn"] = _field(
-        "mlp", "Model", "`mlp`: flatten, dense 128 relu, dense logits. `cnn`: two conv blocks and a dense head."
+    model: Literal["mlp", "cnn", "convnet"] = _field(
+        "mlp",
+        "Model",
+        "`mlp`: flatten, dense 128 relu, dense logits. `cnn`: two conv blocks and a dense head. "
+        "`convnet`: the benchmark CNN (conv32-conv32-pool-conv64-conv64-pool-dense256), for 32x32 images.",
     )
-    strategy: Literal["one_device"] = _field(
-        "one_device", "Cluster", "tf.distribute strategy. `one_device`: one replica on one device."
+    strategy: Literal[STRATEGIES] = _field(
+        "one_device",
+        "Cluster",
+        "`one_device`: one replica, one device. `mirrored`: one replica, several devices, sync all-reduce. "
+        "`multi_worker_mirrored`: several workers, sync all-reduce (worker 0 is chief). `parameter_server`: "
+        "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: one "
+        "replica, the model's layer groups placed on different devices.",
     )
     backend: Literal["local"] = _field(
         "local", "Cluster", "Where replicas run. `local`: subprocesses on 127.0.0.1."
+    )
+    workers: int = _field(
+        1, "Cluster", "Training workers (several only with multi_worker_mirrored or parameter_server).", ge=1, le=16
+    )
+    ps: int = _field(0, "Cluster", "Parameter servers (parameter_server needs at least one).", ge=0, le=8)
+    devices_per_worker: int = _field(
+        1,
+        "Cluster",
+        "Devices per worker: GPUs where there are, else logical CPU devices (mirrored, "
+        "multi_worker_mirrored, model_parallel).",
+        ge=1,
+        le=8,
+    )
+    replica_threads: int = _field(
+        0, "Cluster", "TensorFlow intra- and inter-op threads per replica; 0 leaves TensorFlow's default.", ge=0, le=64
+    )
+    pin_cores: bool = _field(
+        False, "Cluster", "Pin each replica to one CPU core (round robin), so replicas do not compete for cores."
     )
     epochs: int = _field(40, "Training", "Passes over the training split.", ge=1, le=1000)
     steps_per_epoch: int | None = _field(
@@ -43,6 +73,15 @@ class RunSpec(BaseModel):
     )
     batch_size: int = _field(32, "Training", "Global batch size, summed over all replicas.", ge=1, le=65_536)
     learning_rate: float = _field(0.001, "Training", "Base learning rate.", gt=0, le=10)
+    lr_scaling: Literal["none", "linear"] = _field(
+        "none",
+        "Training",
+        "`linear`: sync strategies multiply the learning rate by the number of replicas in sync "
+        "(the linear scaling rule: learning_rate is the rate for one replica's share of the batch).",
+    )
+    warmup_epochs: float = _field(
+        0.0, "Training", "Epochs over which the learning rate ramps linearly up to its scaled value.", ge=0, le=100
+    )
     optimizer: Literal["sgd", "adam"] = _field("adam", "Training", "Optimizer.")
     shuffle: bool = _field(True, "Training", "Shuffle training examples every epoch.")
     seed: int = _field(42, "Training", "Seed for weights, shuffling and ops.", ge=0, le=2**31 - 1)
@@ -61,7 +100,52 @@ class RunSpec(BaseModel):
     )
 
 
+    @property
+    def replicas_in_sync(self) -> int:
+        """Model replicas whose gradients are averaged into one update (1 for async and model parallel)."""
+        if self.strategy in ("mirrored", "multi_worker_mirrored"):
+            return self.workers * self.devices_per_worker
+        return 1
+
+
 SPEC_KEYS: tuple[str, ...] = tuple(RunSpec.model_fields)
+
+
+def cluster_problems(spec: RunSpec) -> list[str]:
+    """Checks across keys: the cluster shape must fit the strategy, the batch the replicas."""
+    problems = []
+    if spec.workers > 1 and spec.strategy not in ("multi_worker_mirrored", "parameter_server"):
+        problems.append(
+            f"workers={spec.workers} is invalid with strategy={spec.strategy}: expected 1 "
+            "(several workers need multi_worker_mirrored or parameter_server)"
+        )
+    if spec.strategy == "parameter_server" and spec.ps < 1:
+        problems.append("ps=0 is invalid with strategy=parameter_server: expected an integer >= 1 and <= 8")
+    if spec.strategy != "parameter_server" and spec.ps > 0:
+        problems.append(
+            f"ps={spec.ps} is invalid with strategy={spec.strategy}: expected 0 "
+            "(parameter servers serve only strategy=parameter_server; sync training all-reduces)"
+        )
+    if spec.strategy == "parameter_server" and not spec.shuffle:
+        problems.append(
+            "shuffle=false is invalid with strategy=parameter_server: expected true (async workers get "
+            "distinct batches only by shuffling independently)"
+        )
+    if spec.devices_per_worker > 1 and spec.strategy in ("one_device", "parameter_server"):
+        problems.append(
+            f"devices_per_worker={spec.devices_per_worker} is invalid with strategy={spec.strategy}: expected 1"
+        )
+    if spec.strategy == "model_parallel" and spec.devices_per_worker < 2:
+        problems.append(
+            f"devices_per_worker={spec.devices_per_worker} is invalid with strategy=model_parallel: "
+            "expected 2 or more (one device per layer group)"
+        )
+    if spec.batch_size % spec.replicas_in_sync:
+        problems.append(
+            f"batch_size={spec.batch_size} is invalid with {spec.replicas_in_sync} replicas in sync: "
+            f"expected a multiple of {spec.replicas_in_sync} (every replica gets an equal share)"
+        )
+    return problems
 
 
 class SpecError(ValueError):
@@ -124,9 +208,13 @@ def _problem_line(error: dict[str, Any]) -> str:
 def parse_spec(values: dict[str, Any]) -> RunSpec:
     """Validate ``values`` (missing keys take defaults); raise SpecError listing every problem."""
     try:
-        return RunSpec.model_validate(values)
+        spec = RunSpec.model_validate(values)
     except ValidationError as exc:
         raise SpecError([_problem_line(e) for e in exc.errors()]) from None
+    problems = cluster_problems(spec)
+    if problems:
+        raise SpecError(problems)
+    return spec
 
 
 def parse_assignment(assignment: str) -> tuple[str, Any]:

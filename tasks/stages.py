@@ -76,7 +76,8 @@ def train(run_id: str) -> dict[str, Any]:
     from tasks.cluster.local import LocalCluster
 
     paths = run_paths(run_id)
-    cluster = LocalCluster(ClusterLayout.from_dict(_read(paths.cluster)), paths.root, paths.logs)
+    layout = ClusterLayout.from_dict(_read(paths.cluster))
+    cluster = LocalCluster(layout, paths.root, paths.logs, pin_cores=load_spec(paths).pin_cores)
     try:
         cluster.start()
         cluster.wait()

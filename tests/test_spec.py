@@ -15,15 +15,52 @@ def test_defaults_are_valid():
     spec = parse_spec({})
     assert spec == RunSpec()
     assert (spec.dataset, spec.model, spec.strategy, spec.backend) == ("uci_digits", "mlp", "one_device", "local")
+    assert (spec.workers, spec.ps, spec.replicas_in_sync) == (1, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"strategy": "mirrored", "devices_per_worker": 2},
+        {"strategy": "multi_worker_mirrored", "workers": 2, "devices_per_worker": 2, "batch_size": 64},
+        {"strategy": "parameter_server", "workers": 2, "ps": 2},
+        {"strategy": "model_parallel", "devices_per_worker": 2},
+    ],
+)
+def test_valid_cluster_shapes(values):
+    assert parse_spec(values).strategy == values["strategy"]
 
 
 @pytest.mark.parametrize(
     ("values", "message"),
     [
         ({"epoch": 3}, "unknown key 'epoch'=3 (did you mean 'epochs'?); allowed keys: dataset,"),
-        ({"strategy": "horovod"}, 'strategy="horovod" is invalid: expected one of one_device'),
+        ({"strategy": "horovod"}, 'strategy="horovod" is invalid: expected one of one_device, mirrored, multi_worker'),
+        ({"workers": 0}, "workers=0 is invalid: expected an integer >= 1 and <= 16"),
+        ({"ps": -1}, "ps=-1 is invalid: expected an integer >= 0 and <= 8"),
+        ({"lr_scaling": "sqrt"}, 'lr_scaling="sqrt" is invalid: expected one of none, linear'),
+        ({"warmup_epochs": -1}, "warmup_epochs=-1 is invalid: expected a number >= 0 and <= 100"),
+        ({"strategy": "parameter_server"}, "ps=0 is invalid with strategy=parameter_server: expected an integer >= 1"),
+        ({"ps": 1}, "ps=1 is invalid with strategy=one_device: expected 0 (parameter servers serve only"),
+        ({"strategy": "multi_worker_mirrored", "ps": 2}, "ps=2 is invalid with strategy=multi_worker_mirrored"),
+        ({"workers": 2}, "workers=2 is invalid with strategy=one_device: expected 1 (several workers need"),
+        ({"strategy": "mirrored", "workers": 2}, "workers=2 is invalid with strategy=mirrored: expected 1"),
+        (
+            {"strategy": "multi_worker_mirrored", "workers": 3, "batch_size": 32},
+            "batch_size=32 is invalid with 3 replicas in sync: expected a multiple of 3",
+        ),
+        (
+            {"strategy": "multi_worker_mirrored", "workers": 2, "devices_per_worker": 2, "batch_size": 2},
+            "batch_size=2 is invalid with 4 replicas in sync: expected a multiple of 4",
+        ),
+        (
+            {"strategy": "parameter_server", "ps": 1, "shuffle": False},
+            "shuffle=false is invalid with strategy=parameter_server: expected true",
+        ),
+        ({"strategy": "model_parallel"}, "devices_per_worker=1 is invalid with strategy=model_parallel: expected 2"),
+        ({"devices_per_worker": 2}, "devices_per_worker=2 is invalid with strategy=one_device: expected 1"),
         ({"backend": "slurm"}, 'backend="slurm" is invalid: expected one of local'),
-        ({"model": "resnet"}, 'model="resnet" is invalid: expected one of mlp, cnn'),
+        ({"model": "resnet"}, 'model="resnet" is invalid: expected one of mlp, cnn, convnet'),
         ({"optimizer": "rmsprop"}, 'optimizer="rmsprop" is invalid: expected one of sgd, adam'),
         ({"epochs": 0}, "epochs=0 is invalid: expected an integer >= 1 and <= 1000"),
         ({"epochs": 2.5}, "epochs=2.5 is invalid: expected an integer >= 1 and <= 1000"),
@@ -70,8 +107,10 @@ def test_params_are_generated_from_the_spec():
         assert param.value == RunSpec.model_fields[key].default
         assert param.description, key
         assert param.schema["title"] and param.schema["section"], key
-    assert params["model"].schema["enum"] == ["mlp", "cnn"]
-    assert params["strategy"].schema["enum"] == ["one_device"]
+    assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet"]
+    assert params["strategy"].schema["enum"] == [
+        "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel"
+    ]
     assert (params["epochs"].schema["minimum"], params["epochs"].schema["maximum"]) == (1, 1000)
     assert params["steps_per_epoch"].schema["type"] == ["integer", "null"]
     assert params["learning_rate"].schema["exclusiveMinimum"] == 0
@@ -97,7 +136,8 @@ def test_cli_rejects_a_bad_spec_with_one_line_per_problem_and_starts_nothing(het
     assert done.returncode == 2
     assert sorted(done.stderr.strip().splitlines()) == [
         "hetflow: invalid spec: epochs=0 is invalid: expected an integer >= 1 and <= 1000",
-        'hetflow: invalid spec: strategy="gossip" is invalid: expected one of one_device',
+        'hetflow: invalid spec: strategy="gossip" is invalid: expected one of one_device, mirrored, '
+        "multi_worker_mirrored, parameter_server, model_parallel",
     ]
     assert done.stdout == ""
     assert (set(runs.iterdir()) if runs.exists() else set()) == runs_before

@@ -19,6 +19,9 @@ class Replica:
     role: str  # "chief", "worker" or "ps", as TF_CONFIG names them
     index: int
     address: str  # host:port of the replica's gRPC server
+    # A server replica (ps, and workers under parameter_server) serves until it is stopped; a
+    # training replica exits when training ends.
+    serves_until_stopped: bool = False
 
     @property
     def name(self) -> str:
@@ -54,10 +57,32 @@ def free_local_port() -> int:
         return probe.getsockname()[1]
 
 
+def replica_roles(spec: RunSpec) -> list[tuple[str, int, bool]]:
+    """(role, index, serves_until_stopped) for the spec's strategy.
+
+    Sync strategies run only workers, worker 0 being the chief (TensorFlow's convention when the
+    cluster has no ``chief`` role); one replica even for one device, so the Airflow task only
+    supervises. ``parameter_server`` runs a coordinating chief, workers and ps.
+    """
+    if spec.strategy == "parameter_server":
+        return (
+            [("chief", 0, False)]
+            + [("worker", i, True) for i in range(spec.workers)]
+            + [("ps", i, True) for i in range(spec.ps)]
+        )
+    return [("worker", i, False) for i in range(spec.workers)]
+
+
 def plan_cluster(
     spec: RunSpec, run_id: str, host: str = "127.0.0.1", pick_port: Callable[[], int] = free_local_port
 ) -> ClusterLayout:
-    """Roles for the spec's strategy. ``one_device`` is one worker, its own chief (worker 0 is the
-    chief in TensorFlow's convention when the cluster has no ``chief`` role)."""
-    roles = [("worker", 0)]
-    return ClusterLayout(run_id, tuple(Replica(role, index, f"{host}:{pick_port()}") for role, index in roles))
+    roles = replica_roles(spec)
+    ports: list[int] = []
+    while len(ports) < len(roles):  # the OS may hand out a just-released port twice
+        port = pick_port()
+        if port not in ports:
+            ports.append(port)
+    return ClusterLayout(
+        run_id,
+        tuple(Replica(role, index, f"{host}:{port}", serves) for (role, index, serves), port in zip(roles, ports)),
+    )

@@ -34,17 +34,34 @@ class ReplicaFailed(RuntimeError):
     pass
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _replica_preexec(core: int | None):
+    """Runs in the child before exec: die with the supervisor; optionally stay on one core."""
+
+    def preexec() -> None:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+
+    return preexec
+
+
+def core_assignment(layout: ClusterLayout) -> dict[str, int]:
+    """One core per replica, round robin; workers first, as they do the compute, then ps, then
+    the chief (which under parameter_server only coordinates)."""
+    cores = sorted(os.sched_getaffinity(0))
+    order = {"worker": 0, "ps": 1, "chief": 2}
+    replicas = sorted(layout.replicas, key=lambda r: (order[r.role], r.index))
+    return {replica.name: cores[i % len(cores)] for i, replica in enumerate(replicas)}
 
 
 class LocalCluster:
     """Starts, watches and stops the replicas of one run."""
 
-    def __init__(self, layout: ClusterLayout, run_dir: Path, logs_dir: Path):
+    def __init__(self, layout: ClusterLayout, run_dir: Path, logs_dir: Path, pin_cores: bool = False):
         self.layout = layout
         self.run_dir = run_dir
         self.logs_dir = logs_dir
+        self.cores = core_assignment(layout) if pin_cores else {}
         self.processes: dict[str, subprocess.Popen] = {}
         self._tails: dict[str, deque[str]] = {}
         self._pumps: list[threading.Thread] = []
@@ -70,14 +87,16 @@ class LocalCluster:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_replica_preexec(self.cores.get(replica.name)),
         )
         self.processes[replica.name] = process
         self._tails[replica.name] = deque(maxlen=20)
         pump = threading.Thread(target=self._pump, args=(replica.name, process), daemon=True)
         pump.start()
         self._pumps.append(pump)
-        log.info("started %s (pid %d) at %s", replica.name, process.pid, replica.address)
+        core = self.cores.get(replica.name)
+        pinned = f", pinned to core {core}" if core is not None else ""
+        log.info("started %s (pid %d) at %s%s", replica.name, process.pid, replica.address, pinned)
 
     def _pump(self, name: str, process: subprocess.Popen) -> None:
         with open(self.logs_dir / f"{name}.log", "w", encoding="utf-8") as log_file:
@@ -89,17 +108,23 @@ class LocalCluster:
                 log.info("[%s] %s", name, line)
 
     def wait(self) -> dict[str, int]:
-        """Block until every replica exits; on the first failure stop the rest and raise."""
+        """Block until every training replica has exited 0, then stop the server replicas.
+
+        Raises on the first replica that fails, or a server replica that exits by itself, after
+        stopping the rest.
+        """
+        serving = {r.name for r in self.layout.replicas if r.serves_until_stopped}
         while True:
             codes = {name: p.poll() for name, p in self.processes.items()}
-            failed = [name for name, code in codes.items() if code not in (None, 0)]
+            failed = [name for name, code in codes.items() if code is not None and (code != 0 or name in serving)]
             if failed:
                 self.stop()
                 self._drain()
                 name = failed[0]
                 tail = " | ".join(self._tails[name]) or "(no output)"
                 raise ReplicaFailed(f"replica {name} exited with code {codes[name]}; last output: {tail}")
-            if all(code == 0 for code in codes.values()):
+            if all(codes[name] == 0 for name in codes if name not in serving):
+                self.stop()
                 self._drain()
                 return codes
             time.sleep(0.2)

@@ -1,0 +1,36 @@
+"""Training inside a replica, one module per way of distributing it.
+
+- ``sync``: one_device, mirrored, multi_worker_mirrored, with ``model.fit`` (all-reduce).
+- ``parameter_server``: async updates with ``ClusterCoordinator`` and a custom loop.
+- ``model_parallel``: one replica, layer groups placed on different devices, custom loop.
+
+Only the chief writes the model and ``training.json``; the supervising Airflow task reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tasks.paths import RunPaths
+from tasks.spec import RunSpec
+
+
+def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
+    from tasks.strategies.common import configure_runtime
+
+    configure_runtime(spec)
+    if spec.strategy == "parameter_server":
+        from tasks.strategies import parameter_server
+
+        if task["type"] == "chief":
+            parameter_server.train(spec, dataset, paths)
+        else:
+            parameter_server.serve(task)
+    elif spec.strategy == "model_parallel":
+        from tasks.strategies import model_parallel
+
+        model_parallel.train(spec, dataset, paths)
+    else:
+        from tasks.strategies import sync
+
+        sync.train(spec, dataset, paths, task)

@@ -1,0 +1,120 @@
+"""What every strategy shares: runtime settings, the learning-rate schedule, the training record."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from tasks.models import build_model
+from tasks.paths import RunPaths
+from tasks.spec import RunSpec
+
+
+def configure_runtime(spec: RunSpec) -> None:
+    """Threads and devices; must run before TensorFlow executes its first op."""
+    if spec.replica_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(spec.replica_threads)
+        tf.config.threading.set_inter_op_parallelism_threads(spec.replica_threads)
+    if spec.devices_per_worker > 1 and not tf.config.list_physical_devices("GPU"):
+        # No GPUs: split the CPU into logical devices, so mirrored and model-parallel placement
+        # run for real (on one machine's cores) with the same code as on several GPUs.
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * spec.devices_per_worker
+        )
+
+
+def local_devices(count: int) -> list[str]:
+    """The names of ``count`` local devices: GPUs where there are, else (logical) CPUs."""
+    devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    if len(devices) < count:
+        raise RuntimeError(f"devices_per_worker={count} but this replica has {len(devices)} devices")
+    return [d.name for d in devices[:count]]
+
+
+def steps_per_epoch(spec: RunSpec, dataset: dict[str, Any]) -> int:
+    return spec.steps_per_epoch or max(1, dataset["splits"]["train"] // spec.batch_size)
+
+
+class WarmupLinearScaling(tf.keras.optimizers.schedules.LearningRateSchedule):
+    """Ramp linearly from ``base`` to ``peak`` over ``warmup_steps``, then hold ``peak``."""
+
+    def __init__(self, base: float, peak: float, warmup_steps: int):
+        self.base, self.peak, self.warmup_steps = base, peak, warmup_steps
+
+    def __call__(self, step):
+        if not self.warmup_steps:
+            return tf.constant(self.peak, tf.float32)
+        progress = tf.minimum(tf.cast(step, tf.float32) / self.warmup_steps, 1.0)
+        return self.base + (self.peak - self.base) * progress
+
+    def get_config(self):
+        return {"base": self.base, "peak": self.peak, "warmup_steps": self.warmup_steps}
+
+
+def learning_rate(spec: RunSpec, replicas_in_sync: int, steps: int) -> tuple[WarmupLinearScaling, list[float]]:
+    """The schedule, and its value at the start of each epoch (logged as the effective schedule).
+
+    The linear scaling rule: a sync update averages ``replicas_in_sync`` replicas' gradients, so
+    it can take a step that many times larger; the warmup avoids the instability of starting there.
+    """
+    peak = spec.learning_rate * (replicas_in_sync if spec.lr_scaling == "linear" else 1)
+    schedule = WarmupLinearScaling(spec.learning_rate, peak, round(spec.warmup_epochs * steps))
+    return schedule, [float(schedule(epoch * steps)) for epoch in range(spec.epochs)]
+
+
+def make_optimizer(spec: RunSpec, schedule) -> tf.keras.optimizers.Optimizer:
+    optimizers = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam}
+    return optimizers[spec.optimizer](learning_rate=schedule)
+
+
+class TrainingClock(tf.keras.callbacks.Callback):
+    """Wall time per epoch, and time from replica launch to the end of the first step."""
+
+    def __init__(self):
+        super().__init__()
+        self.launched_at = float(os.environ.get("HETFLOW_LAUNCH_TIME", time.time()))
+        self.first_step_seconds: float | None = None
+        self.epoch_seconds: list[float] = []
+        self._epoch_start = 0.0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.first_step_done()
+
+    def first_step_done(self) -> None:
+        if self.first_step_seconds is None:
+            self.first_step_seconds = time.time() - self.launched_at
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_seconds.append(time.perf_counter() - self._epoch_start)
+
+
+def write_training_record(paths: RunPaths, record: dict[str, Any]) -> None:
+    paths.training.write_text(json.dumps(record, indent=2))
+    print(
+        f"trained {record['epochs']} epochs x {record['steps_per_epoch']} steps in {record['train_seconds']:.1f} s "
+        f"({record['examples_per_second']:.0f} examples/s); model saved to {paths.model}",
+        flush=True,
+    )
+
+
+def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], path) -> None:
+    """Save the trained weights in a fresh, uncompiled copy of the model.
+
+    The copy is plain: no optimizer (its custom schedule would be needed to load it), no
+    distribution (variables sharded over parameter servers are concatenated back).
+    """
+    plain = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
+    # A checkpoint stores each variable whole, whatever its distribution, and restores by name.
+    with tempfile.TemporaryDirectory() as scratch:
+        prefix = tf.train.Checkpoint(model=model).write(f"{scratch}/weights")
+        tf.train.Checkpoint(model=plain).read(prefix).expect_partial().assert_existing_objects_matched()
+    plain.save(path)

@@ -1,0 +1,192 @@
+"""Asynchronous parameter-server training: ``ParameterServerStrategy`` + ``ClusterCoordinator``.
+
+The chief coordinates: it schedules training steps, and whichever worker is free runs the next
+one, reading the current variables from the ps and applying its gradients there without waiting
+for the others. Large variables are sharded over the ps by a size-based partitioner.
+
+A custom loop serves this mode best: it can measure each update's staleness (how many other
+updates landed between reading the parameters and applying the gradient) and which worker ran
+it, which ``model.fit`` hides. ``STEPS_PER_CLOSURE`` steps run per scheduled function, since each
+schedule costs a round trip (the same idea as ``steps_per_execution``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tasks.data.pipeline import eval_input, train_input
+from tasks.models import build_model
+from tasks.paths import RunPaths
+from tasks.spec import RunSpec
+from tasks.strategies.common import (
+    TrainingClock,
+    learning_rate,
+    make_optimizer,
+    save_model,
+    steps_per_epoch,
+    write_training_record,
+)
+
+STEPS_PER_CLOSURE = 10
+# Variables above this size are split over the ps (at most one shard per ps).
+MIN_SHARD_BYTES = 16 << 10
+
+
+def serve(task: dict[str, Any]) -> None:
+    """A worker or ps: run a TF server until the supervisor stops this process."""
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    server = tf.distribute.Server(
+        resolver.cluster_spec(), job_name=task["type"], task_index=task["index"], protocol="grpc", start=True
+    )
+    print(f"{task['type']}-{task['index']} serving at {resolver.cluster_spec().task_address(task['type'], task['index'])}", flush=True)
+    server.join()
+
+
+def _per_worker_ids(coordinator):
+    """Each worker's index, held on that worker: the coordinator hands a scheduled function the
+    value of the worker that runs it, which is how a step reports where it ran. (TensorFlow has
+    no public call to create a different value per worker, hence ``_cluster``.)"""
+    hold = tf.function(tf.identity)
+    ids = tuple(
+        worker.create_resource(hold, args=(tf.constant(index, tf.int64),))
+        for index, worker in enumerate(coordinator._cluster.workers)
+    )
+    return tf.distribute.experimental.coordinator.PerWorkerValues(ids)
+
+
+def _validation_metrics(model: tf.keras.Model, dataset: dict[str, Any]) -> tuple[float, float]:
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    total_loss, correct, count = 0.0, 0, 0
+    for images, labels in eval_input(dataset, "validation"):
+        logits = model(images, training=False)
+        total_loss += float(loss_fn(labels, logits))
+        correct += int(tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.int32)))
+        count += int(tf.shape(labels)[0])
+    return total_loss / count, correct / count
+
+
+def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.ParameterServerStrategy(
+        resolver,
+        variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=MIN_SHARD_BYTES, max_shards=spec.ps
+        ),
+    )
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    steps = steps_per_epoch(spec, dataset)
+    # Async: every update is one worker's batch_size examples; nothing is averaged across workers.
+    schedule, lr_per_epoch = learning_rate(spec, 1, steps)
+    with strategy.scope():
+        model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
+        optimizer = make_optimizer(spec, schedule)
+        # Counts applied updates; lives on a ps, so every worker sees the others' increments.
+        updates_applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates_applied")
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def worker_batches() -> tf.data.Dataset:
+        # Every worker builds the same pipeline; an unseeded shuffle gives each its own order
+        # (TensorFlow tells workers apart no other way under ParameterServerStrategy). Async
+        # training is not reproducible anyway: which worker runs which step is up to scheduling.
+        return train_input(dataset, per_worker_batch=spec.batch_size, shuffle=True, seed=None)
+
+    iterator = iter(coordinator.create_per_worker_dataset(worker_batches))
+    worker_ids = _per_worker_ids(coordinator)
+
+    def one_update(images, labels):
+        read_at = updates_applied.read_value()
+        with tf.control_dependencies([read_at]):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(labels, model(images, training=True)))
+            gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        with tf.control_dependencies([optimizer.iterations]):
+            applied_at = updates_applied.assign_add(1)
+        return loss, applied_at - read_at - 1
+
+    @tf.function
+    def run_closure(iterator, worker_id):
+        losses = tf.TensorArray(tf.float32, size=STEPS_PER_CLOSURE)
+        staleness = tf.TensorArray(tf.int64, size=STEPS_PER_CLOSURE)
+        for i in tf.range(STEPS_PER_CLOSURE):
+            images, labels = next(iterator)
+            loss, stale = strategy.run(one_update, args=(images, labels))
+            losses = losses.write(i, loss)
+            staleness = staleness.write(i, stale)
+        return losses.stack(), staleness.stack(), tf.identity(worker_id)
+
+    closures_per_epoch = -(-steps // STEPS_PER_CLOSURE)  # ceil: at least the steps asked for
+    steps = closures_per_epoch * STEPS_PER_CLOSURE
+    clock = TrainingClock()
+    history: dict[str, list[float]] = {"loss": [], "val_loss": [], "val_accuracy": []}
+    all_staleness: list[int] = []
+    steps_by_worker: Counter[int] = Counter()
+    started = time.perf_counter()
+    for epoch in range(spec.epochs):
+        clock.on_epoch_begin(epoch)
+        results = [coordinator.schedule(run_closure, args=(iterator, worker_ids)) for _ in range(closures_per_epoch)]
+        coordinator.join()  # bounds the updates in flight, and so the staleness, to one epoch's
+        clock.first_step_done()
+        epoch_losses = []
+        for result in results:
+            losses, staleness, worker = result.fetch()
+            epoch_losses.extend(losses.tolist())
+            all_staleness.extend(int(s) for s in staleness)
+            steps_by_worker[int(worker)] += STEPS_PER_CLOSURE
+        val_loss, val_accuracy = _validation_metrics(model, dataset)
+        clock.on_epoch_end(epoch)
+        history["loss"].append(float(np.mean(epoch_losses)))
+        history["val_loss"].append(val_loss)
+        history["val_accuracy"].append(val_accuracy)
+        print(
+            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s - loss: {history['loss'][-1]:.4f} "
+            f"- val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f} - staleness mean "
+            f"{np.mean(all_staleness[-steps:]):.2f} max {max(all_staleness[-steps:])}",
+            flush=True,
+        )
+    train_seconds = time.perf_counter() - started
+    save_model(model, spec, dataset, paths.model)
+
+    # The model lists a sharded variable as its parts, named <variable>/part_<i>.
+    shards: dict[str, list[dict[str, Any]]] = {}
+    for variable in model.weights:
+        whole, marker, _ = variable.name.rpartition("/part_")
+        if marker:
+            shards.setdefault(whole, []).append({"shape": variable.shape.as_list(), "device": variable.device})
+    total_steps = spec.epochs * steps
+    write_training_record(
+        paths,
+        {
+            "strategy": spec.strategy,
+            "replicas_in_sync": 1,
+            "global_batch": spec.batch_size,
+            "per_replica_batch": spec.batch_size,
+            "steps_per_epoch": steps,
+            "epochs": spec.epochs,
+            "history": history,
+            "learning_rate_per_epoch": lr_per_epoch,
+            "epoch_seconds": clock.epoch_seconds,
+            "train_seconds": train_seconds,
+            "time_to_first_step_seconds": clock.first_step_seconds,
+            "examples_per_second": spec.batch_size * total_steps / train_seconds,
+            "per_worker": {
+                f"worker-{worker}": {
+                    "steps": count,
+                    "examples_per_second": spec.batch_size * count / train_seconds,
+                    "step_seconds": train_seconds / count,
+                }
+                for worker, count in sorted(steps_by_worker.items())
+            },
+            "staleness": {
+                "mean": float(np.mean(all_staleness)),
+                "max": int(max(all_staleness)),
+                "histogram": {str(k): v for k, v in sorted(Counter(all_staleness).items())},
+            },
+            "sharded_variables": shards,
+        },
+    )

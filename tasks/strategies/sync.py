@@ -1,0 +1,121 @@
+"""Synchronous data-parallel training with ``model.fit``: one_device, mirrored, multi_worker_mirrored.
+
+``model.fit`` serves sync training best: Keras all-reduces the gradients, scales the loss by the
+global batch and aggregates metrics over replicas itself, and prints per-epoch progress. (tf_keras
+is required: Keras 3's fit fails under MultiWorkerMirroredStrategy on TF 2.21.)
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+import tensorflow as tf
+
+from tasks.data.pipeline import eval_input, train_input
+from tasks.models import build_model
+from tasks.paths import RunPaths
+from tasks.spec import RunSpec
+from tasks.strategies.common import (
+    TrainingClock,
+    learning_rate,
+    local_devices,
+    make_optimizer,
+    save_model,
+    steps_per_epoch,
+    write_training_record,
+)
+
+
+def make_strategy(spec: RunSpec) -> tf.distribute.Strategy:
+    if spec.strategy == "one_device":
+        return tf.distribute.OneDeviceStrategy(local_devices(1)[0])
+    if spec.strategy == "mirrored":
+        return tf.distribute.MirroredStrategy(local_devices(spec.devices_per_worker))
+    # Ring all-reduce over gRPC between the workers named in TF_CONFIG (no NCCL on CPU).
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING
+    )
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def _is_chief(task: dict[str, Any]) -> bool:
+    return task["type"] == "worker" and task["index"] == 0
+
+
+def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
+    strategy = make_strategy(spec)
+    replicas = strategy.num_replicas_in_sync
+    steps = steps_per_epoch(spec, dataset)
+    schedule, lr_per_epoch = learning_rate(spec, replicas, steps)
+    with strategy.scope():
+        model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
+        model.compile(
+            optimizer=make_optimizer(spec, schedule),
+            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[tf.keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        )
+
+    def worker_batches(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        return train_input(
+            dataset,
+            per_worker_batch=context.get_per_replica_batch_size(spec.batch_size),
+            shuffle=spec.shuffle,
+            seed=spec.seed,
+            num_workers=context.num_input_pipelines,
+            worker_index=context.input_pipeline_id,
+        )
+
+    validation = eval_input(dataset, "validation")
+    # Every worker evaluates its share of the validation examples; Keras sums the metrics.
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    clock = TrainingClock()
+    started = time.perf_counter()
+    history = model.fit(
+        tf.keras.utils.experimental.DatasetCreator(worker_batches),
+        epochs=spec.epochs,
+        steps_per_epoch=steps,
+        validation_data=validation.with_options(options),
+        callbacks=[clock],
+        verbose=2,  # one line per epoch: readable in the Airflow task log
+    )
+    train_seconds = time.perf_counter() - started
+
+    if not _is_chief(task):
+        # Every worker must take part in saving (it may run collectives); only the chief's copy is kept.
+        with tempfile.TemporaryDirectory() as scratch:
+            save_model(model, spec, dataset, f"{scratch}/model.keras")
+        return
+    save_model(model, spec, dataset, paths.model)
+    workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
+    per_worker_batch = spec.batch_size // workers
+    total_steps = spec.epochs * steps
+    # Sync steps are lockstep: every worker does every step in the same wall time.
+    per_worker = {
+        f"worker-{i}": {
+            "steps": total_steps,
+            "examples_per_second": per_worker_batch * total_steps / train_seconds,
+            "step_seconds": train_seconds / total_steps,
+        }
+        for i in range(workers)
+    }
+    write_training_record(
+        paths,
+        {
+            "strategy": spec.strategy,
+            "replicas_in_sync": replicas,
+            "global_batch": spec.batch_size,
+            "per_replica_batch": spec.batch_size // replicas,
+            "steps_per_epoch": steps,
+            "epochs": spec.epochs,
+            "history": {name: [float(v) for v in values] for name, values in history.history.items()},
+            "learning_rate_per_epoch": lr_per_epoch,
+            "epoch_seconds": clock.epoch_seconds,
+            "train_seconds": train_seconds,
+            "time_to_first_step_seconds": clock.first_step_seconds,
+            "examples_per_second": spec.batch_size * total_steps / train_seconds,
+            "per_worker": per_worker,
+        },
+    )
