@@ -1,37 +1,91 @@
 """Models. Each takes raw uint8 pixels (scaling lives inside the model, so an exported model needs
-no preprocessing) and outputs logits, trained with a from-logits loss."""
+no preprocessing) and outputs logits, trained with a from-logits loss.
+
+Every model is a chain of layers, so it can also be split into consecutive layer groups placed on
+different devices (model parallelism).
+"""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "cnn", "convnet")
+
+
+def _layer_chain(kind: str, num_classes: int) -> list[tf.keras.layers.Layer]:
+    layers = tf.keras.layers
+    chain: list[tf.keras.layers.Layer] = [layers.Rescaling(1.0 / 255.0)]
+    if kind == "mlp":
+        chain += [layers.Flatten(), layers.Dense(128, activation="relu")]
+    elif kind == "cnn":
+        chain += [
+            layers.Conv2D(32, 3, padding="same", activation="relu"),
+            layers.MaxPooling2D(),
+            layers.Conv2D(64, 3, padding="same", activation="relu"),
+            layers.GlobalAveragePooling2D(),
+            layers.Dense(64, activation="relu"),
+        ]
+    elif kind == "convnet":
+        # The benchmark model (DESIGN.md section 7): ~1.1 M parameters on 32x32x3, enough compute
+        # per step that multi-worker all-reduce can hide behind it.
+        for filters in (32, 64):
+            chain += [
+                layers.Conv2D(filters, 3, padding="same", activation="relu"),
+                layers.Conv2D(filters, 3, padding="same", activation="relu"),
+                layers.MaxPooling2D(),
+            ]
+        chain += [layers.Flatten(), layers.Dense(256, activation="relu")]
+    else:
+        raise ValueError(f"model={kind!r} is invalid: expected one of {', '.join(MODELS)}")
+    return chain + [layers.Dense(num_classes, name="logits")]
+
+
+def _connect(kind: str, input_shape: list[int], groups: list[tuple[str | None, list]]) -> tf.keras.Model:
+    pixels = tf.keras.Input(shape=input_shape, dtype=tf.uint8, name="image")
+    x = pixels
+    for device, layers in groups:
+        with tf.device(device):  # variables are created where their layer group runs
+            for layer in layers:
+                x = layer(x)
+    return tf.keras.Model(pixels, x, name=kind)
 
 
 def build_model(kind: str, input_shape: list[int], num_classes: int, seed: int) -> tf.keras.Model:
     tf.keras.utils.set_random_seed(seed)
-    layers = tf.keras.layers
-    pixels = tf.keras.Input(shape=input_shape, dtype=tf.uint8, name="image")
-    x = layers.Rescaling(1.0 / 255.0)(pixels)
-    if kind == "mlp":
-        x = layers.Flatten()(x)
-        x = layers.Dense(128, activation="relu")(x)
-    elif kind == "cnn":
-        x = layers.Conv2D(32, 3, padding="same", activation="relu")(x)
-        x = layers.MaxPooling2D()(x)
-        x = layers.Conv2D(64, 3, padding="same", activation="relu")(x)
-        x = layers.GlobalAveragePooling2D()(x)
-        x = layers.Dense(64, activation="relu")(x)
-    else:
-        raise ValueError(f"model={kind!r} is invalid: expected one of {', '.join(MODELS)}")
-    logits = layers.Dense(num_classes, name="logits")(x)
-    return tf.keras.Model(pixels, logits, name=kind)
+    return _connect(kind, input_shape, [(None, _layer_chain(kind, num_classes))])
 
 
-def compile_model(model: tf.keras.Model, optimizer: str, learning_rate: float) -> None:
-    optimizers = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam}
+def split_by_parameters(counts: list[int], parts: int) -> list[int]:
+    """Group boundaries for consecutive items so each group holds about 1/parts of the total;
+    returns the start index of each group after the first. Every group gets at least one item."""
+    total = sum(counts) or 1
+    bounds, running = [], 0
+    for index, count in enumerate(counts[:-1]):
+        running += count
+        remaining_items, remaining_groups = len(counts) - index - 1, parts - 1 - len(bounds)
+        due = running >= total * (len(bounds) + 1) / parts
+        if remaining_groups and (due or remaining_items == remaining_groups):
+            bounds.append(index + 1)
+    return bounds
+
+
+def build_model_parallel(
+    kind: str, input_shape: list[int], num_classes: int, seed: int, devices: list[str]
+) -> tuple[tf.keras.Model, list[tuple[str, list[tf.keras.layers.Layer]]]]:
+    """The model split into ``len(devices)`` consecutive layer groups of about equal parameter
+    count, each group's variables on its device. Same weights as ``build_model`` with this seed."""
+    counts = [layer.count_params() for layer in build_model(kind, input_shape, num_classes, seed).layers[1:]]
+    bounds = split_by_parameters(counts, len(devices))
+    tf.keras.utils.set_random_seed(seed)
+    chain = _layer_chain(kind, num_classes)
+    starts, ends = [0, *bounds], [*bounds, len(chain)]
+    groups = [(device, chain[start:end]) for device, start, end in zip(devices, starts, ends)]
+    return _connect(kind, input_shape, groups), groups
+
+
+def compile_model(model: tf.keras.Model, optimizer: tf.keras.optimizers.Optimizer) -> None:
     model.compile(
-        optimizer=optimizers[optimizer](learning_rate=learning_rate),
+        optimizer=optimizer,
         loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=[tf.keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
     )

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,3 +40,22 @@ def hetflow(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess
         text=True,
         timeout=timeout,
     )
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
+
+
+def listening(address: str) -> bool:
+    """A socket in LISTEN state on the port, on any interface (TF servers bind 0.0.0.0).
+
+    Asked of the kernel, not by connecting: a connect to a free ephemeral port can connect to
+    itself (TCP simultaneous open) and look like a listener."""
+    port = int(address.rsplit(":", 1)[1])
+    return any(c.laddr.port == port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN)

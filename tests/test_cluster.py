@@ -9,10 +9,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, listening, wait_for
 from tasks.cluster.layout import ClusterLayout, Replica, plan_cluster
 from tasks.spec import parse_spec
 
@@ -28,27 +29,42 @@ def test_one_device_layout_is_one_worker_on_loopback():
     assert ClusterLayout.from_dict(json.loads(json.dumps(layout.to_dict()))) == layout
 
 
-def _wait_for(predicate, timeout: float, interval: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
+@pytest.fixture()
+def provisioned(hetflow_env, request):
+    """Makes runs with a validated spec (long training by default) and prepared data, provisioned;
+    tears them all down after the test."""
+    from tasks import stages
+
+    made = []
+
+    def provision(**values) -> str:
+        run = f"test_{request.node.name}_{len(made)}_{os.getpid()}"
+        stages.validate_spec({"epochs": 1000, **values}, run)
+        stages.prepare_data(run)
+        stages.provision_cluster(run)
+        made.append(run)
+        return run
+
+    yield provision
+    for run in made:
+        stages.teardown_cluster(run)
 
 
 @pytest.fixture()
-def run_id(hetflow_env, request):
-    """A run with a validated spec and prepared data, ready to provision."""
-    from tasks import stages
+def run_id(provisioned):
+    return provisioned()
 
-    run = f"test_{request.node.name}_{os.getpid()}"
-    stages.validate_spec({"epochs": 1000}, run)
-    stages.prepare_data(run)
-    stages.provision_cluster(run)
-    yield run
-    stages.teardown_cluster(run)
+
+def _replica_pid(run_id: str, name: str) -> int:
+    from tasks.cluster.local import run_processes
+
+    for pid in run_processes(run_id):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        tf_config = next(e for e in environ if e.startswith(b"TF_CONFIG="))
+        task = json.loads(tf_config.split(b"=", 1)[1])["task"]
+        if f"{task['type']}-{task['index']}" == name:
+            return pid
+    raise LookupError(name)
 
 
 def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
@@ -82,12 +98,12 @@ def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
     supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=hetflow_env)
     try:
         log = run_paths(run_id).logs / "worker-0.log"
-        assert _wait_for(lambda: log.exists() and "Epoch 1/" in log.read_text(), timeout=120), "replica never trained"
+        assert wait_for(lambda: log.exists() and "Epoch 1/" in log.read_text(), timeout=120), "replica never trained"
         replicas = run_processes(run_id)
         assert len(replicas) == 1
         supervisor.send_signal(signal.SIGKILL)
         supervisor.wait(timeout=10)
-        assert _wait_for(lambda: run_processes(run_id) == [], timeout=10), "replica outlived its supervisor"
+        assert wait_for(lambda: run_processes(run_id) == [], timeout=10), "replica outlived its supervisor"
     finally:
         supervisor.kill()
 
@@ -116,3 +132,70 @@ def test_teardown_ends_a_replica_that_ignores_sigterm(hetflow_env):
         assert run_processes("stubborn-run") == []
     finally:
         stubborn.kill()
+
+
+def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(provisioned, hetflow_env):
+    from tasks.cluster.local import run_processes
+    from tasks.paths import run_paths
+
+    run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=hetflow_env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        log = run_paths(run_id).logs / "worker-1.log"
+        assert wait_for(lambda: log.exists() and "Epoch 2/" in log.read_text(), timeout=120), "never trained"
+        os.kill(_replica_pid(run_id, "worker-1"), signal.SIGKILL)
+        _, stderr = supervisor.communicate(timeout=60)
+        assert supervisor.returncode != 0
+        assert "ReplicaFailed: replica worker-" in stderr
+        assert run_processes(run_id) == []
+        layout = json.loads(run_paths(run_id).cluster.read_text())
+        assert wait_for(lambda: not any(listening(r["address"]) for r in layout["replicas"]), timeout=5)
+    finally:
+        supervisor.kill()
+
+
+def test_killing_the_supervisor_ends_servers_and_chief_of_a_parameter_server_run(provisioned, hetflow_env):
+    from tasks.cluster.local import run_processes
+    from tasks.paths import run_paths
+
+    run_id = provisioned(strategy="parameter_server", workers=2, ps=1)
+    supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=hetflow_env)
+    try:
+        log = run_paths(run_id).logs / "chief-0.log"
+        assert wait_for(lambda: log.exists() and "Epoch 1/" in log.read_text(), timeout=120), "never trained"
+        assert len(run_processes(run_id)) == 4
+        layout = json.loads(run_paths(run_id).cluster.read_text())
+        assert all(listening(r["address"]) for r in layout["replicas"] if r["role"] != "chief")
+        supervisor.send_signal(signal.SIGKILL)
+        supervisor.wait(timeout=10)
+        assert wait_for(lambda: run_processes(run_id) == [], timeout=10), "replicas outlived their supervisor"
+        # (a killed process leaves /proc's view of it before the kernel has closed its sockets)
+        assert wait_for(lambda: not any(listening(r["address"]) for r in layout["replicas"]), timeout=5)
+    finally:
+        supervisor.kill()
+
+
+def test_parameter_server_layout_and_core_pinning():
+    from tasks.cluster.local import core_assignment
+
+    ports = iter(range(42000, 42010))
+    spec = parse_spec({"strategy": "parameter_server", "workers": 2, "ps": 1})
+    layout = plan_cluster(spec, "run-ps", pick_port=lambda: next(ports))
+    assert [(r.name, r.serves_until_stopped) for r in layout.replicas] == [
+        ("chief-0", False), ("worker-0", True), ("worker-1", True), ("ps-0", True)
+    ]
+    assert layout.cluster_spec() == {
+        "chief": ["127.0.0.1:42000"], "worker": ["127.0.0.1:42001", "127.0.0.1:42002"], "ps": ["127.0.0.1:42003"]
+    }
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = core_assignment(layout)
+    assert pinned["worker-0"] == cores[0] and pinned["worker-1"] == cores[1 % len(cores)]
+
+
+def test_ports_are_distinct_even_when_the_os_repeats_one():
+    ports = iter([43000, 43000, 43001])
+    spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
+    layout = plan_cluster(spec, "run-mw", pick_port=lambda: next(ports))
+    assert [r.address for r in layout.replicas] == ["127.0.0.1:43000", "127.0.0.1:43001"]

@@ -45,3 +45,40 @@ def test_two_workers_with_half_batches_match_one_worker_with_the_whole_batch(het
     initial = build_model("mlp", [8, 8, 1], 10, seed=42).get_weights()
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(single_weights, initial))
     assert moved > 100 * difference and moved > 1e-3  # training changed the weights; both runs alike
+
+
+def test_model_parallel_places_layer_groups_and_their_variables_on_different_devices(hetflow_env):
+    record, run_dir = train(hetflow_env, "strategy=model_parallel", "devices_per_worker=2", "epochs=2")
+    placement = {entry["layer"]: entry for entry in record["layer_placement"]}
+    devices = sorted({entry["device"] for entry in placement.values()})
+    assert len(devices) == 2 and devices[0].endswith("CPU:0") and devices[1].endswith("CPU:1")
+    logits = placement["logits"]
+    assert logits["device"] == devices[1] and logits["variables"][0].endswith("CPU:1")
+    first_dense = next(e for e in record["layer_placement"] if e["variables"])
+    assert first_dense["variables"][0].endswith("CPU:0")
+    assert record["history"]["val_accuracy"][-1] > record["history"]["val_accuracy"][0]
+
+
+def test_parameter_server_shards_variables_and_measures_staleness_per_worker(hetflow_env):
+    record, _ = train(
+        hetflow_env, "strategy=parameter_server", "workers=2", "ps=2", "epochs=2", "steps_per_epoch=300"
+    )
+    shards = record["sharded_variables"]["dense/kernel"]
+    assert [s["shape"] for s in shards] == [[32, 128], [32, 128]]  # the 64x128 kernel split over 2 ps
+    assert sorted(s["device"].split("/device")[0] for s in shards) == ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
+    steps = {name: w["steps"] for name, w in record["per_worker"].items()}
+    assert sum(steps.values()) == record["epochs"] * record["steps_per_epoch"] == 600
+    assert set(steps) == {"worker-0", "worker-1"}  # both workers took scheduled steps
+    staleness = record["staleness"]
+    assert sum(staleness["histogram"].values()) == 600
+    assert 0 <= staleness["mean"] <= staleness["max"]
+    assert record["history"]["val_accuracy"][-1] >= 0.85
+
+
+def test_linear_lr_scaling_with_warmup(hetflow_env):
+    record, _ = train(
+        hetflow_env, "strategy=mirrored", "devices_per_worker=2", "optimizer=sgd", "learning_rate=0.05",
+        "lr_scaling=linear", "warmup_epochs=2", "epochs=4",
+    )
+    assert record["replicas_in_sync"] == 2
+    assert record["learning_rate_per_epoch"] == pytest.approx([0.05, 0.075, 0.1, 0.1])

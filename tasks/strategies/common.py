@@ -10,6 +10,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tasks.data.pipeline import eval_input
 from tasks.models import build_model
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
@@ -95,6 +96,18 @@ class TrainingClock(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch_seconds.append(time.perf_counter() - self._epoch_start)
+
+
+def validation_metrics(predict, dataset: dict[str, Any]) -> tuple[float, float]:
+    """Loss and accuracy of ``predict`` (images -> logits) on the validation split, for custom loops."""
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+    total_loss, correct, count = 0.0, 0, 0
+    for images, labels in eval_input(dataset, "validation"):
+        logits = predict(images)
+        total_loss += float(loss_fn(labels, logits))
+        correct += int(tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.int32)))
+        count += int(tf.shape(labels)[0])
+    return total_loss / count, correct / count
 
 
 def write_training_record(paths: RunPaths, record: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tasks.data.pipeline import eval_input, train_input
+from tasks.data.pipeline import train_input
 from tasks.models import build_model
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
@@ -29,6 +29,7 @@ from tasks.strategies.common import (
     make_optimizer,
     save_model,
     steps_per_epoch,
+    validation_metrics,
     write_training_record,
 )
 
@@ -57,17 +58,6 @@ def _per_worker_ids(coordinator):
         for index, worker in enumerate(coordinator._cluster.workers)
     )
     return tf.distribute.experimental.coordinator.PerWorkerValues(ids)
-
-
-def _validation_metrics(model: tf.keras.Model, dataset: dict[str, Any]) -> tuple[float, float]:
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
-    total_loss, correct, count = 0.0, 0, 0
-    for images, labels in eval_input(dataset, "validation"):
-        logits = model(images, training=False)
-        total_loss += float(loss_fn(labels, logits))
-        correct += int(tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.int32)))
-        count += int(tf.shape(labels)[0])
-    return total_loss / count, correct / count
 
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
@@ -138,7 +128,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             epoch_losses.extend(losses.tolist())
             all_staleness.extend(int(s) for s in staleness)
             steps_by_worker[int(worker)] += STEPS_PER_CLOSURE
-        val_loss, val_accuracy = _validation_metrics(model, dataset)
+        val_loss, val_accuracy = validation_metrics(lambda images: model(images, training=False), dataset)
         clock.on_epoch_end(epoch)
         history["loss"].append(float(np.mean(epoch_losses)))
         history["val_loss"].append(val_loss)

@@ -14,7 +14,7 @@ from typing import Any
 import tensorflow as tf
 
 from tasks.data.pipeline import eval_input, train_input
-from tasks.models import build_model
+from tasks.models import build_model, compile_model
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
 from tasks.strategies.common import (
@@ -51,11 +51,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     schedule, lr_per_epoch = learning_rate(spec, replicas, steps)
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
-        model.compile(
-            optimizer=make_optimizer(spec, schedule),
-            loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=[tf.keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-        )
+        compile_model(model, make_optimizer(spec, schedule))
 
     def worker_batches(context: tf.distribute.InputContext) -> tf.data.Dataset:
         return train_input(
