@@ -64,6 +64,14 @@ class RunSpec(BaseModel):
     replica_threads: int = _field(
         0, "Cluster", "TensorFlow intra- and inter-op threads per replica; 0 leaves TensorFlow's default.", ge=0, le=64
     )
+    train_timeout_seconds: int = _field(
+        3600,
+        "Cluster",
+        "Training is stopped and fails after this many seconds (a hung replica, e.g. one waiting for a peer "
+        "that never came up, would otherwise block the run forever).",
+        ge=10,
+        le=7 * 24 * 3600,
+    )
     pin_cores: bool = _field(
         False, "Cluster", "Pin each replica to one CPU core (round robin), so replicas do not compete for cores."
     )

@@ -76,11 +76,11 @@ def train(run_id: str) -> dict[str, Any]:
     from tasks.cluster.local import LocalCluster
 
     paths = run_paths(run_id)
-    layout = ClusterLayout.from_dict(_read(paths.cluster))
-    cluster = LocalCluster(layout, paths.root, paths.logs, pin_cores=load_spec(paths).pin_cores)
+    spec = load_spec(paths)
+    cluster = LocalCluster(ClusterLayout.from_dict(_read(paths.cluster)), paths.root, paths.logs, spec.pin_cores)
     try:
         cluster.start()
-        cluster.wait()
+        cluster.wait(timeout=spec.train_timeout_seconds)
     finally:
         cluster.stop()
     return _read(paths.training)

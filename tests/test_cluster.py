@@ -199,3 +199,15 @@ def test_ports_are_distinct_even_when_the_os_repeats_one():
     spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
     layout = plan_cluster(spec, "run-mw", pick_port=lambda: next(ports))
     assert [r.address for r in layout.replicas] == ["127.0.0.1:43000", "127.0.0.1:43001"]
+
+
+def test_a_run_past_its_timeout_is_stopped_and_fails(provisioned):
+    from tasks import stages
+    from tasks.cluster.local import ReplicaFailed, run_processes
+
+    run_id = provisioned(strategy="multi_worker_mirrored", workers=2, train_timeout_seconds=10)
+    started = time.monotonic()
+    with pytest.raises(ReplicaFailed, match=r"training timed out after 10 s \(train_timeout_seconds\); stopped worker-0, worker-1"):
+        stages.train(run_id)
+    assert time.monotonic() - started < 30
+    assert run_processes(run_id) == []

@@ -107,14 +107,20 @@ class LocalCluster:
                 self._tails[name].append(line)
                 log.info("[%s] %s", name, line)
 
-    def wait(self) -> dict[str, int]:
+    def wait(self, timeout: float) -> dict[str, int]:
         """Block until every training replica has exited 0, then stop the server replicas.
 
-        Raises on the first replica that fails, or a server replica that exits by itself, after
-        stopping the rest.
+        Raises, after stopping the rest, on the first replica that fails, on a server replica
+        that exits by itself, and when ``timeout`` seconds pass first.
         """
         serving = {r.name for r in self.layout.replicas if r.serves_until_stopped}
+        deadline = time.monotonic() + timeout
         while True:
+            if time.monotonic() > deadline:
+                running = ", ".join(name for name, p in self.processes.items() if p.poll() is None)
+                self.stop()
+                self._drain()
+                raise ReplicaFailed(f"training timed out after {timeout:.0f} s (train_timeout_seconds); stopped {running}")
             codes = {name: p.poll() for name, p in self.processes.items()}
             failed = [name for name, code in codes.items() if code is not None and (code != 0 or name in serving)]
             if failed:

@@ -7,6 +7,7 @@ from typing import Any
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+import tasks.data.synthetic_images  # noqa: F401  (registers the offline builder)
 import tasks.data.uci_digits  # noqa: F401  (registers the offline builder)
 
 

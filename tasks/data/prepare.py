@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 # Builders that need no network. Importing their module registers them with TFDS.
-OFFLINE_DATASETS = ("uci_digits",)
+OFFLINE_DATASETS = ("uci_digits", "synthetic_cifar")
 
 _FINGERPRINT_CACHE = "hetflow_fingerprint.json"
 
@@ -16,6 +16,7 @@ _FINGERPRINT_CACHE = "hetflow_fingerprint.json"
 def _builder(name: str, data_dir: Path):
     import tensorflow_datasets as tfds
 
+    import tasks.data.synthetic_images  # noqa: F401  (registers the offline builder)
     import tasks.data.uci_digits  # noqa: F401  (registers the offline builder)
 
     try:
