@@ -15,12 +15,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import mlflow
-from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.utils.time import get_current_time_millis
 
+import mlflow
+from mlflow import MlflowClient
 from tasks.paths import REPO_ROOT, RunPaths
 from tasks.spec import RunSpec
 
@@ -74,11 +74,15 @@ def _stepped_metrics(training: dict) -> list[Metric]:
     rate (step = epoch), and under async training the staleness histogram (step = staleness,
     value = updates that saw it)."""
     now = get_current_time_millis()
-    series = {name if name.startswith("val_") else f"train_{name}": values for name, values in training["history"].items()}
+    series = {
+        name if name.startswith("val_") else f"train_{name}": values for name, values in training["history"].items()
+    }
     series["epoch_seconds"] = training["epoch_seconds"]
     series["learning_rate"] = training["learning_rate_per_epoch"]
     metrics = [
-        Metric(name, value, now, epoch) for name, values in series.items() for epoch, value in enumerate(values, start=1)
+        Metric(name, value, now, epoch)
+        for name, values in series.items()
+        for epoch, value in enumerate(values, start=1)
     ]
     if "staleness" in training:
         histogram = training["staleness"]["histogram"]
@@ -150,7 +154,9 @@ def _register_model(client: MlflowClient, run_id: str, spec: RunSpec, paths: Run
     """Log the model into the run and register it, or return the version a previous try made."""
     existing = client.search_model_versions(f"name='{spec.registered_model}' and run_id='{run_id}'")
     if existing:
-        log.info("run %s already registered %s version %s: re-using it", run_id, spec.registered_model, existing[0].version)
+        log.info(
+            "run %s already registered %s version %s: re-using it", run_id, spec.registered_model, existing[0].version
+        )
         return existing[0]
     import tensorflow as tf
     from mlflow.models import infer_signature
@@ -204,9 +210,7 @@ def gate(spec: RunSpec, candidate_accuracy: float, champion, champion_score: flo
     }
 
 
-def register(
-    spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow_run_id: str
-) -> dict[str, Any]:
+def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow_run_id: str) -> dict[str, Any]:
     """Record the run in MLflow, register the model, move the aliases; writes registry.json."""
     training = json.loads(paths.training.read_text())
     evaluation = json.loads(paths.evaluation.read_text())

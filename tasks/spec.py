@@ -46,9 +46,7 @@ class RunSpec(BaseModel):
         "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: one "
         "replica, the model's layer groups placed on different devices.",
     )
-    backend: Literal["local"] = _field(
-        "local", "Cluster", "Where replicas run. `local`: subprocesses on 127.0.0.1."
-    )
+    backend: Literal["local"] = _field("local", "Cluster", "Where replicas run. `local`: subprocesses on 127.0.0.1.")
     workers: int = _field(
         1, "Cluster", "Training workers (several only with multi_worker_mirrored or parameter_server).", ge=1, le=16
     )
@@ -106,7 +104,6 @@ class RunSpec(BaseModel):
         ge=0,
         le=1,
     )
-
 
     @property
     def replicas_in_sync(self) -> int:

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, listening, wait_for
+
 from tasks.cluster.layout import ClusterLayout, Replica, plan_cluster
 from tasks.spec import parse_spec
 
@@ -75,7 +75,9 @@ def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
     paths = run_paths(run_id)
     dataset = json.loads(paths.dataset.read_text())
     paths.dataset.write_text(json.dumps({**dataset, "load_name": "uci_digits:9.9.9"}))
-    with pytest.raises(ReplicaFailed, match=r"replica worker-0 exited with code 1; last output: .*uci_digits") as caught:
+    with pytest.raises(
+        ReplicaFailed, match=r"replica worker-0 exited with code 1; last output: .*uci_digits"
+    ) as caught:
         stages.train(run_id)
     assert "9.9.9" in str(caught.value)
     assert "Traceback" in (paths.logs / "worker-0.log").read_text()
@@ -184,10 +186,15 @@ def test_parameter_server_layout_and_core_pinning():
     spec = parse_spec({"strategy": "parameter_server", "workers": 2, "ps": 1})
     layout = plan_cluster(spec, "run-ps", pick_port=lambda: next(ports))
     assert [(r.name, r.serves_until_stopped) for r in layout.replicas] == [
-        ("chief-0", False), ("worker-0", True), ("worker-1", True), ("ps-0", True)
+        ("chief-0", False),
+        ("worker-0", True),
+        ("worker-1", True),
+        ("ps-0", True),
     ]
     assert layout.cluster_spec() == {
-        "chief": ["127.0.0.1:42000"], "worker": ["127.0.0.1:42001", "127.0.0.1:42002"], "ps": ["127.0.0.1:42003"]
+        "chief": ["127.0.0.1:42000"],
+        "worker": ["127.0.0.1:42001", "127.0.0.1:42002"],
+        "ps": ["127.0.0.1:42003"],
     }
     cores = sorted(os.sched_getaffinity(0))
     pinned = core_assignment(layout)
@@ -207,7 +214,9 @@ def test_a_run_past_its_timeout_is_stopped_and_fails(provisioned):
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2, train_timeout_seconds=10)
     started = time.monotonic()
-    with pytest.raises(ReplicaFailed, match=r"training timed out after 10 s \(train_timeout_seconds\); stopped worker-0, worker-1"):
+    with pytest.raises(
+        ReplicaFailed, match=r"training timed out after 10 s \(train_timeout_seconds\); stopped worker-0, worker-1"
+    ):
         stages.train(run_id)
     assert time.monotonic() - started < 30
     assert run_processes(run_id) == []

@@ -81,8 +81,12 @@ def test_worker_shards_partition_the_global_batch(prepared):
 
     def batches(num_workers, index):
         pipeline = train_input(
-            record, per_worker_batch=global_batch // num_workers, shuffle=True, seed=7,
-            num_workers=num_workers, worker_index=index,
+            record,
+            per_worker_batch=global_batch // num_workers,
+            shuffle=True,
+            seed=7,
+            num_workers=num_workers,
+            worker_index=index,
         )
         return [images.numpy() for images, _ in pipeline.take(steps)]
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import hetflow
 
 pytestmark = pytest.mark.slow
@@ -60,12 +59,13 @@ def test_model_parallel_places_layer_groups_and_their_variables_on_different_dev
 
 
 def test_parameter_server_shards_variables_and_measures_staleness_per_worker(hetflow_env):
-    record, _ = train(
-        hetflow_env, "strategy=parameter_server", "workers=2", "ps=2", "epochs=2", "steps_per_epoch=300"
-    )
+    record, _ = train(hetflow_env, "strategy=parameter_server", "workers=2", "ps=2", "epochs=2", "steps_per_epoch=300")
     shards = record["sharded_variables"]["dense/kernel"]
     assert [s["shape"] for s in shards] == [[32, 128], [32, 128]]  # the 64x128 kernel split over 2 ps
-    assert sorted(s["device"].split("/device")[0] for s in shards) == ["/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"]
+    assert sorted(s["device"].split("/device")[0] for s in shards) == [
+        "/job:ps/replica:0/task:0",
+        "/job:ps/replica:0/task:1",
+    ]
     steps = {name: w["steps"] for name, w in record["per_worker"].items()}
     assert sum(steps.values()) == record["epochs"] * record["steps_per_epoch"] == 600
     assert set(steps) == {"worker-0", "worker-1"}  # both workers took scheduled steps
@@ -77,8 +77,14 @@ def test_parameter_server_shards_variables_and_measures_staleness_per_worker(het
 
 def test_linear_lr_scaling_with_warmup(hetflow_env):
     record, _ = train(
-        hetflow_env, "strategy=mirrored", "devices_per_worker=2", "optimizer=sgd", "learning_rate=0.05",
-        "lr_scaling=linear", "warmup_epochs=2", "epochs=4",
+        hetflow_env,
+        "strategy=mirrored",
+        "devices_per_worker=2",
+        "optimizer=sgd",
+        "learning_rate=0.05",
+        "lr_scaling=linear",
+        "warmup_epochs=2",
+        "epochs=4",
     )
     assert record["replicas_in_sync"] == 2
     assert record["learning_rate_per_epoch"] == pytest.approx([0.05, 0.075, 0.1, 0.1])

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import hetflow, listening
 
 pytestmark = pytest.mark.slow
@@ -89,7 +88,6 @@ def test_mlflow_run_records_tags_params_curves_and_artifacts(first, client):
 
 def test_first_version_is_candidate_and_champion_and_predicts_the_test_split(first, client):
     import mlflow
-
     from tasks.data.pipeline import split_arrays
 
     _, summary = first

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import hetflow
+
 from tasks.spec import SPEC_KEYS, RunSpec, SpecError, airflow_params, parse_assignment, parse_spec
 
 
@@ -109,7 +109,11 @@ def test_params_are_generated_from_the_spec():
         assert param.schema["title"] and param.schema["section"], key
     assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet"]
     assert params["strategy"].schema["enum"] == [
-        "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel"
+        "one_device",
+        "mirrored",
+        "multi_worker_mirrored",
+        "parameter_server",
+        "model_parallel",
     ]
     assert (params["epochs"].schema["minimum"], params["epochs"].schema["maximum"]) == (1, 1000)
     assert params["steps_per_epoch"].schema["type"] == ["integer", "null"]

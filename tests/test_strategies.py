@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import hetflow, listening
 
 pytestmark = pytest.mark.slow
@@ -56,7 +55,9 @@ def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
 
     if strategy == "multi_worker_mirrored":
         assert workers == ["worker-0", "worker-1"]
-        lr = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "learning_rate"), key=lambda m: m.step)]
+        lr = [
+            m.value for m in sorted(client.get_metric_history(run.info.run_id, "learning_rate"), key=lambda m: m.step)
+        ]
         assert lr[0] == pytest.approx(0.001) and lr[1:] == pytest.approx([0.002] * 5)  # 2 replicas, 1 warmup epoch
     if strategy == "parameter_server":
         assert workers == ["worker-0", "worker-1"]

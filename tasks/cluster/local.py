@@ -120,7 +120,9 @@ class LocalCluster:
                 running = ", ".join(name for name, p in self.processes.items() if p.poll() is None)
                 self.stop()
                 self._drain()
-                raise ReplicaFailed(f"training timed out after {timeout:.0f} s (train_timeout_seconds); stopped {running}")
+                raise ReplicaFailed(
+                    f"training timed out after {timeout:.0f} s (train_timeout_seconds); stopped {running}"
+                )
             codes = {name: p.poll() for name, p in self.processes.items()}
             failed = [name for name, code in codes.items() if code is not None and (code != 0 or name in serving)]
             if failed:

@@ -37,9 +37,7 @@ from tasks.strategies.common import (
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
     devices = local_devices(spec.devices_per_worker)
-    model, groups = build_model_parallel(
-        spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed, devices
-    )
+    model, groups = build_model_parallel(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed, devices)
     for device, layers in groups:
         print(f"{device}: {', '.join(layer.name for layer in layers)}", flush=True)
     steps = steps_per_epoch(spec, dataset)

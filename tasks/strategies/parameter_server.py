@@ -44,7 +44,8 @@ def serve(task: dict[str, Any]) -> None:
     server = tf.distribute.Server(
         resolver.cluster_spec(), job_name=task["type"], task_index=task["index"], protocol="grpc", start=True
     )
-    print(f"{task['type']}-{task['index']} serving at {resolver.cluster_spec().task_address(task['type'], task['index'])}", flush=True)
+    address = resolver.cluster_spec().task_address(task["type"], task["index"])
+    print(f"{task['type']}-{task['index']} serving at {address}", flush=True)
     server.join()
 
 
