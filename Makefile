@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup run test test-fast lint clean
+.PHONY: setup run test test-fast bench lint clean
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,15 @@ test: setup
 ## unit tests only (seconds)
 test-fast: setup
 	$(BIN)/pytest -v -m "not slow"
+
+## training throughput per strategy, written to bench/RESULTS.md (subset: ARGS="--cases baseline,one_worker")
+bench: setup
+	$(BIN)/python bench/run.py $(ARGS)
+
+## style and static checks
+lint: setup
+	$(BIN)/ruff check tasks tests dags bench
+	$(BIN)/ruff format --check tasks tests dags bench
 
 clean:
 	rm -rf .hetflow mlflow/mlflow.db mlflow/artifacts

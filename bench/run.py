@@ -1,0 +1,352 @@
+"""``make bench``: training throughput (examples/s) of the benchmark convnet on generated CIFAR-shaped data.
+
+Every case trains ``model=convnet`` on ``dataset=synthetic_cifar`` (generated data, see
+tasks/data/synthetic_images.py) with 64 examples per worker per step, for a fixed number of steps:
+
+  baseline     a plain single-process ``model.fit`` (bench/baseline.py): no hetflow cluster, default threads
+  one_worker   ``hetflow train``, one replica, one_device, one TensorFlow thread
+  mwms_2       ``hetflow train``, 2 workers, multi_worker_mirrored, one thread each, pinned to a core each
+  ps_2w_1ps    ``hetflow train``, a chief, 2 workers and 1 ps, parameter_server, one thread each, pinned
+
+The figure is ``examples_per_second`` as a hetflow replica records it in training.json: examples
+trained over the wall time of ``model.fit`` (start-up, dataset preparation and process launch are
+outside it; the first step's tracing and the per-epoch validation are inside it, for every case
+alike). ``steady`` is the same over the last epoch only, which leaves the first step's tracing
+out. Each case runs ``--repeats`` times, the repeats interleaved across cases so a drift of the
+machine hits every case alike; medians are reported.
+
+Writes bench/results/throughput-<UTC timestamp>.json and bench/RESULTS.md.
+
+    make bench
+    make bench ARGS="--cases baseline,one_worker --repeats 1 --steps-per-epoch 50"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = REPO_ROOT / "bench"
+BIN = Path(sys.executable).parent  # the virtualenv's bin, where `hetflow` is installed
+
+# What every case shares, passed explicitly to hetflow and to the baseline alike.
+COMMON = {"dataset": "synthetic_cifar", "model": "convnet", "optimizer": "adam", "learning_rate": 0.001, "seed": 42}
+PER_WORKER_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    what: str
+    # hetflow spec keys on top of COMMON and the step counts; None for the baseline, which is no
+    # hetflow run. batch_size is global: PER_WORKER_BATCH times the workers that share one step.
+    settings: dict[str, Any] | None
+
+
+CASES = (
+    Case("baseline", "plain single-process model.fit, TensorFlow's default threads", None),
+    Case(
+        "one_worker",
+        "hetflow, 1 replica, one_device, 1 thread",
+        {"strategy": "one_device", "batch_size": PER_WORKER_BATCH, "replica_threads": 1},
+    ),
+    Case(
+        "mwms_2",
+        "hetflow, 2 workers, multi_worker_mirrored, 1 thread each, pinned",
+        {
+            "strategy": "multi_worker_mirrored",
+            "workers": 2,
+            "batch_size": 2 * PER_WORKER_BATCH,
+            "replica_threads": 1,
+            "pin_cores": True,
+        },
+    ),
+    Case(
+        "ps_2w_1ps",
+        "hetflow, chief + 2 workers + 1 ps, parameter_server (async), 1 thread each, pinned",
+        # Under parameter_server each step runs on one worker, so its batch is one worker's.
+        {
+            "strategy": "parameter_server",
+            "workers": 2,
+            "ps": 1,
+            "batch_size": PER_WORKER_BATCH,
+            "replica_threads": 1,
+            "pin_cores": True,
+        },
+    ),
+)
+CASE_NAMES = tuple(case.name for case in CASES)
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+def _spec_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def case_command(case: Case, epochs: int, steps_per_epoch: int) -> list[str]:
+    if case.settings is None:
+        return [
+            str(BIN / "python"),
+            "bench/baseline.py",
+            f"--dataset={COMMON['dataset']}",
+            f"--model={COMMON['model']}",
+            f"--epochs={epochs}",
+            f"--steps-per-epoch={steps_per_epoch}",
+            f"--batch-size={PER_WORKER_BATCH}",
+            f"--optimizer={COMMON['optimizer']}",
+            f"--learning-rate={COMMON['learning_rate']}",
+            f"--seed={COMMON['seed']}",
+        ]
+    settings = {**COMMON, "epochs": epochs, "steps_per_epoch": steps_per_epoch, **case.settings}
+    command = [str(BIN / "hetflow"), "train"]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={_spec_value(value)}"]
+    return command
+
+
+def prepare_dataset(env: dict[str, str]) -> None:
+    """Prepare the dataset in the bench's home before the first case, so no case's time to first
+    step includes building it. In a subprocess: the bench process itself stays free of TensorFlow."""
+    code = (
+        "from tasks.data.prepare import prepare_dataset; from tasks.paths import data_dir; "
+        f"prepare_dataset({COMMON['dataset']!r}, data_dir())"
+    )
+    done = subprocess.run([str(BIN / "python"), "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"bench: preparing {COMMON['dataset']} failed:\n{done.stderr[-3000:]}")
+
+
+def run_once(case: Case, command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run one case once; return its training record (training.json's fields, less the history)."""
+    env = {**env, "HETFLOW_LAUNCH_TIME": repr(time.time())}
+    try:
+        done = subprocess.run(
+            command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        # hetflow's replicas die with the killed `hetflow train` (parent-death signal).
+        raise RunFailed(f"{case.name}: no result after {timeout:.0f} s") from None
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
+        raise RunFailed(f"{case.name}: exit code {done.returncode}; last output:\n{tail}")
+    last_line = done.stdout.strip().splitlines()[-1]
+    if case.settings is None:
+        return json.loads(last_line)
+    # `hetflow train` prints the path of the run's training.json last.
+    training = Path(last_line)
+    record = {k: v for k, v in json.loads(training.read_text()).items() if k != "history"}
+    # Which replicas ran, from the run's cluster.json: evidence the case ran what it says it did.
+    cluster = json.loads((training.parent / "cluster.json").read_text())
+    record["cluster"] = [f"{r['role']}-{r['index']}" for r in cluster["replicas"]]
+    return record
+
+
+def sample(record: dict[str, Any]) -> dict[str, Any]:
+    """The figures compared across cases, from one run's record."""
+    examples_per_epoch = record["steps_per_epoch"] * record["global_batch"]
+    return {
+        "examples_per_second": record["examples_per_second"],
+        "steady_examples_per_second": examples_per_epoch / record["epoch_seconds"][-1],
+        "train_seconds": record["train_seconds"],
+        # Time inside model.fit but in no epoch (fit's set-up and tear-down): large values point
+        # at start-up rather than steady-state work.
+        "fit_seconds_outside_epochs": record["train_seconds"] - sum(record["epoch_seconds"]),
+        "time_to_first_step_seconds": record["time_to_first_step_seconds"],
+        "record": record,
+    }
+
+
+def machine_facts() -> dict[str, Any]:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu_model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "unknown")
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    commit = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], cwd=REPO_ROOT, capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu_model": cpu_model,
+        "memory_gib": round(int(meminfo["MemTotal"].split()[0]) / 2**20, 1),
+        "tensorflow": metadata.version("tensorflow"),
+        "tf_keras": metadata.version("tf-keras"),
+        "python": platform.python_version(),
+        "git": commit or "unknown",
+    }
+
+
+def shown(command: list[str]) -> str:
+    """A command as one shell line, paths relative to the repository (where it runs)."""
+    return shlex.join(os.path.relpath(arg, REPO_ROOT) if arg.startswith("/") else arg for arg in command)
+
+
+def summarize(
+    cases: list[Case], commands: dict[str, list[str]], samples: dict[str, list[dict]], errors: dict[str, str]
+) -> dict[str, Any]:
+    medians = {
+        name: {key: statistics.median(s[key] for s in runs) for key in runs[0] if key != "record"}
+        for name, runs in samples.items()
+        if runs
+    }
+
+    def ratio(name: str, reference: str) -> float | None:
+        if name not in medians or reference not in medians:
+            return None
+        return medians[name]["examples_per_second"] / medians[reference]["examples_per_second"]
+
+    return {
+        case.name: {
+            "what": case.what,
+            "command": shown(commands[case.name]),
+            "samples": samples[case.name],
+            "median": medians.get(case.name),
+            "ratio_to_baseline": ratio(case.name, "baseline"),
+            "ratio_to_one_worker": ratio(case.name, "one_worker"),
+            "error": errors.get(case.name),
+        }
+        for case in cases
+    }
+
+
+def _number(value: float | None, digits: int = 0) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    machine, settings = report["machine"], report["settings"]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Training throughput of `model={COMMON['model']}` (≈1.1 M parameters) on `dataset={COMMON['dataset']}` "
+        "(generated 32×32×3 images, 10 classes: synthetic data, see `tasks/data/synthetic_images.py`), "
+        f"{PER_WORKER_BATCH} examples per worker per step, {settings['epochs']} epochs × "
+        f"{settings['steps_per_epoch']} steps, median of {settings['repeats']} runs per case.",
+        "",
+        f"- date: {report['date']}",
+        f"- command: `{report['command']}`",
+        f"- machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['memory_gib']} GiB memory, "
+        f"TensorFlow {machine['tensorflow']}, tf-keras {machine['tf_keras']}, Python {machine['python']}, "
+        f"git {machine['git']}",
+        f"- 1-minute load average before the first run: {report['load_average_1min_at_start']:.2f} "
+        "(well above 0: other work was competing for the cores)",
+        "",
+        "| case | what | examples/s (median) | samples | vs baseline | vs one_worker | steady examples/s | "
+        "time to first step (s) |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for name, result in report["cases"].items():
+        median = result["median"] or {}
+        samples = ", ".join(f"{s['examples_per_second']:.0f}" for s in result["samples"]) or "–"
+        what = result["what"] + (" — **failed**, see below" if result["error"] else "")
+        lines.append(
+            f"| {name} | {what} | {_number(median.get('examples_per_second'))} | {samples} | "
+            f"{_number(result['ratio_to_baseline'], 2)} | {_number(result['ratio_to_one_worker'], 2)} | "
+            f"{_number(median.get('steady_examples_per_second'))} | "
+            f"{_number(median.get('time_to_first_step_seconds'), 1)} |"
+        )
+    lines += [
+        "",
+        "examples/s: examples trained / wall time of `model.fit` (as `training.json` records it), which "
+        "includes the first step's tracing and each epoch's validation pass but no process start-up. "
+        "steady: the last epoch alone. Time to first step: from process launch to the end of the first "
+        "training step (start-up cost, not in examples/s). Absolute numbers vary between machines; "
+        "ratios measured in one run are what counts.",
+        "",
+        "Each case's command (with `HETFLOW_HOME` and `MLFLOW_TRACKING_URI` in a temporary directory):",
+        "",
+    ]
+    lines += [f"- {name}: `{result['command']}`" for name, result in report["cases"].items()]
+    for name, result in report["cases"].items():
+        if result["error"]:
+            lines += ["", f"{name} failed:", "", "```", result["error"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=",".join(CASE_NAMES), help=f"comma-separated subset of {CASE_NAMES}")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case; medians are reported")
+    # Two epochs, so the last ("steady") epoch is free of the first step's tracing.
+    parser.add_argument("--epochs", type=int, default=2, choices=range(2, 101), metavar="N (2-100)")
+    parser.add_argument(
+        "--steps-per-epoch", type=int, default=200, help="steps per epoch (200: ~30-60 s per run on 2 cores)"
+    )
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    args = parser.parse_args()
+    chosen = args.cases.split(",")
+    unknown = [name for name in chosen if name not in CASE_NAMES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; cases: {', '.join(CASE_NAMES)}")
+    cases = [case for case in CASES if case.name in chosen]
+
+    started_at = datetime.now(timezone.utc)
+    # Other work on the machine skews every figure; the load before the first run shows whether
+    # some was going on (later samples would count the bench's own runs).
+    load_at_start = os.getloadavg()[0]
+    commands = {case.name: case_command(case, args.epochs, args.steps_per_epoch) for case in cases}
+    samples: dict[str, list[dict]] = {case.name: [] for case in cases}
+    errors: dict[str, str] = {}
+    # A home of its own, so bench runs leave the user's .hetflow and MLflow store alone.
+    with tempfile.TemporaryDirectory(prefix="hetflow-bench-") as home:
+        env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
+        print(f"[bench] preparing {COMMON['dataset']} in {home} ...", flush=True)
+        prepare_dataset(env)
+        for repeat in range(1, args.repeats + 1):
+            for case in cases:
+                if case.name in errors:
+                    continue  # a case that failed once is not retried: its failure is the result
+                print(f"[bench] {case.name} run {repeat}/{args.repeats} ...", flush=True)
+                try:
+                    result = sample(run_once(case, commands[case.name], env, args.timeout))
+                except RunFailed as exc:
+                    errors[case.name] = str(exc)
+                    print(f"[bench] {exc}", file=sys.stderr, flush=True)
+                    continue
+                samples[case.name].append(result)
+                print(
+                    f"[bench] {case.name} run {repeat}/{args.repeats}: {result['examples_per_second']:.0f} examples/s "
+                    f"(steady {result['steady_examples_per_second']:.0f}, fit {result['train_seconds']:.1f} s)",
+                    flush=True,
+                )
+
+    report = {
+        "date": started_at.isoformat(timespec="seconds"),
+        "command": shown([sys.executable, "bench/run.py", *sys.argv[1:]]),
+        "machine": machine_facts(),
+        "load_average_1min_at_start": load_at_start,
+        "settings": {
+            **COMMON,
+            "per_worker_batch": PER_WORKER_BATCH,
+            "epochs": args.epochs,
+            "steps_per_epoch": args.steps_per_epoch,
+            "repeats": args.repeats,
+        },
+        "cases": summarize(cases, commands, samples, errors),
+    }
+    results = BENCH_DIR / "results" / f"throughput-{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(report, indent=2) + "\n")
+    (BENCH_DIR / "RESULTS.md").write_text(markdown(report))
+    print((BENCH_DIR / "RESULTS.md").read_text())
+    print(results)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
