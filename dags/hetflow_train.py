@@ -1,4 +1,4 @@
-"""hetflow_train: prepare data, provision replicas, train, tear down, evaluate, register.
+"""hetflow_train: prepare data, provision replicas, train, tear down, evaluate, compress, export, register.
 
 Wiring only: every task calls a stage in ``tasks.stages``, imported inside the task so that parsing
 this file never imports TensorFlow (the dag-processor re-parses it every few seconds). The trigger
@@ -63,6 +63,18 @@ def hetflow_train():
         return stages.evaluate(run_id)
 
     @task
+    def compress(run_id: str | None = None):
+        from tasks import stages
+
+        return stages.compress(run_id)
+
+    @task
+    def export(run_id: str | None = None):
+        from tasks import stages
+
+        return stages.export(run_id)
+
+    @task
     def register(run_id: str | None = None, dag=None):
         from tasks import stages
 
@@ -79,7 +91,7 @@ def hetflow_train():
     down = teardown_cluster().as_teardown(setups=cluster)
     registered = register()
     validate_spec() >> prepare_data() >> cluster >> trained >> down
-    trained >> evaluate() >> registered
+    trained >> evaluate() >> compress() >> export() >> registered
     [registered, down] >> summarize()
 
 

@@ -57,6 +57,22 @@ class RunPaths:
         return self.root / "evaluation.json"
 
     @property
+    def compressed(self) -> Path:
+        return self.root / "compressed"
+
+    @property
+    def compression(self) -> Path:
+        return self.root / "compression.json"
+
+    @property
+    def saved_model(self) -> Path:
+        return self.root / "export" / "saved_model"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export.json"
+
+    @property
     def plots(self) -> Path:
         return self.root / "plots"
 

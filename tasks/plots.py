@@ -64,3 +64,20 @@ def training(record: dict[str, Any], folder: Path) -> None:
         fig.tight_layout()
         fig.savefig(folder / "staleness.png", dpi=100)
         plt.close(fig)
+
+
+def size_vs_accuracy(artifacts: dict[str, dict[str, Any]], float_accuracy: float, path: Path) -> None:
+    """Each exported artifact: gzipped size against test accuracy; rejected ones in red."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, artifact in artifacts.items():
+        color = "tab:blue" if artifact["accepted"] else "tab:red"
+        size_kb = artifact["gzip_bytes"] / 1024
+        ax.scatter(size_kb, artifact["test_accuracy"], color=color)
+        ax.annotate(name, (size_kb, artifact["test_accuracy"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(float_accuracy, color="gray", linestyle="--", linewidth=1, label="float model")
+    ax.set(xlabel="size, gzipped (KiB)", ylabel="test accuracy", title="Exported variants: size vs accuracy")
+    ax.set_xscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -12,11 +12,14 @@ import json
 import logging
 import os
 import subprocess
+from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
 from mlflow.utils.time import get_current_time_millis
 
 import mlflow
@@ -108,8 +111,24 @@ def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
     return metrics
 
 
+def _export_metrics(exported: dict) -> dict[str, float]:
+    """Per exported artifact: size raw and gzipped, test accuracy, agreement, latency."""
+    metrics = {}
+    for name, artifact in exported["artifacts"].items():
+        for key in ("bytes", "gzip_bytes", "test_accuracy", "agreement_with_float", "latency_ms"):
+            metrics[f"export_{name}_{key}"] = artifact[key]
+    return metrics
+
+
 def log_run_record(
-    client: MlflowClient, run_id: str, spec: RunSpec, paths: RunPaths, dataset: dict, training: dict, evaluation: dict
+    client: MlflowClient,
+    run_id: str,
+    spec: RunSpec,
+    paths: RunPaths,
+    dataset: dict,
+    training: dict,
+    evaluation: dict,
+    exported: dict,
 ) -> None:
     """Tags, params, curves, final metrics and artifacts of the run; safe to repeat on retry."""
     tags = {
@@ -126,7 +145,8 @@ def log_run_record(
         "per_replica_batch": training["per_replica_batch"],
     }
     now = get_current_time_millis()
-    metrics = [Metric(key, value, now, 0) for key, value in _summary_metrics(training, evaluation).items()]
+    summary = {**_summary_metrics(training, evaluation), **_export_metrics(exported)}
+    metrics = [Metric(key, value, now, 0) for key, value in summary.items()]
     # A retried task must not append a second copy of the per-epoch history.
     if not client.get_metric_history(run_id, "train_loss"):
         metrics += _stepped_metrics(training)
@@ -137,7 +157,7 @@ def log_run_record(
     )
     for start in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH])
-    for path in (paths.spec, paths.dataset, paths.training, paths.evaluation):
+    for path in (paths.spec, paths.dataset, paths.training, paths.evaluation, paths.compression, paths.export):
         client.log_artifact(run_id, str(path), "run")
     client.log_artifacts(run_id, str(paths.logs), "logs")
     client.log_artifacts(run_id, str(paths.plots), "plots")
@@ -150,31 +170,44 @@ def _version_by_alias(client: MlflowClient, name: str, alias: str):
         return None
 
 
-def _register_model(client: MlflowClient, run_id: str, spec: RunSpec, paths: RunPaths, dataset: dict):
-    """Log the model into the run and register it, or return the version a previous try made."""
-    existing = client.search_model_versions(f"name='{spec.registered_model}' and run_id='{run_id}'")
+def _register(client: MlflowClient, name: str, run_id: str, log_model: Callable[[], Any]):
+    """Log and register a model version, or return the one a previous try of this run made."""
+    existing = client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
     if existing:
-        log.info(
-            "run %s already registered %s version %s: re-using it", run_id, spec.registered_model, existing[0].version
-        )
+        log.info("run %s already registered %s version %s: re-using it", run_id, name, existing[0].version)
         return existing[0]
-    import tensorflow as tf
-    from mlflow.models import infer_signature
+    with mlflow.start_run(run_id=run_id):
+        info = log_model()
+    return client.get_model_version(name, str(info.registered_model_version))
 
-    from tasks.data.pipeline import split_arrays
+
+def _log_keras_model(paths: RunPaths, name: str, images: np.ndarray):
+    import tensorflow as tf
 
     model = tf.keras.models.load_model(paths.model)
-    images, _ = split_arrays(dataset, "test")
     example = images[:5]
-    with mlflow.start_run(run_id=run_id):
-        info = mlflow.tensorflow.log_model(
-            model,
-            name="model",
-            signature=infer_signature(example, model.predict(example, verbose=0)),
-            input_example=example,
-            registered_model_name=spec.registered_model,
-        )
-    return client.get_model_version(spec.registered_model, str(info.registered_model_version))
+    return mlflow.tensorflow.log_model(
+        model,
+        name="model",
+        signature=infer_signature(example, model.predict(example, verbose=0)),
+        input_example=example,
+        registered_model_name=name,
+    )
+
+
+def _log_tflite_model(tflite_path: str, name: str, images: np.ndarray):
+    from tasks.export import tflite_predictor
+
+    example = images[:5]
+    return mlflow.pyfunc.log_model(
+        name="tflite_model",
+        python_model=str(Path(__file__).with_name("tflite_pyfunc.py")),
+        artifacts={"tflite": tflite_path},
+        signature=infer_signature(example, tflite_predictor(Path(tflite_path))(example)),
+        input_example=example,
+        registered_model_name=name,
+        pip_requirements=[f"ai-edge-litert=={version('ai-edge-litert')}", f"numpy=={np.__version__}"],
+    )
 
 
 def champion_accuracy(client: MlflowClient, champion, dataset: dict) -> float:
@@ -185,8 +218,6 @@ def champion_accuracy(client: MlflowClient, champion, dataset: dict) -> float:
     """
     if champion.tags.get("dataset.fingerprint") == dataset["fingerprint"]:
         return float(champion.tags["test_accuracy"])
-    import numpy as np
-
     from tasks.data.pipeline import split_arrays
 
     images, labels = split_arrays(dataset, "test")
@@ -210,54 +241,101 @@ def gate(spec: RunSpec, candidate_accuracy: float, champion, champion_score: flo
     }
 
 
-def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow_run_id: str) -> dict[str, Any]:
-    """Record the run in MLflow, register the model, move the aliases; writes registry.json."""
-    training = json.loads(paths.training.read_text())
-    evaluation = json.loads(paths.evaluation.read_text())
-    mlflow.set_tracking_uri(tracking_uri())
-    client = MlflowClient()
-    run_id = find_or_create_run(client, dag_id, airflow_run_id, run_name=paths.root.name)
-    log_run_record(client, run_id, spec, paths, dataset, training, evaluation)
-
-    version = _register_model(client, run_id, spec, paths, dataset)
-    name, accuracy = spec.registered_model, evaluation["test_accuracy"]
-    for key, value in {
-        "airflow.run_id": airflow_run_id,
-        "dataset.name": dataset["name"],
-        "dataset.fingerprint": dataset["fingerprint"],
-        "strategy": spec.strategy,
-        "test_accuracy": repr(accuracy),
-    }.items():
+def _promote(
+    client: MlflowClient, spec: RunSpec, version, accuracy: float, dataset: dict, tags: dict[str, str], report: str
+) -> dict[str, Any]:
+    """Tag the version, give it ``candidate``, and ``champion`` when the gate passes; describe it."""
+    name = version.name
+    for key, value in {**tags, "test_accuracy": repr(accuracy)}.items():
         client.set_model_version_tag(name, version.version, key, value)
     client.set_registered_model_alias(name, CANDIDATE, version.version)
-
     champion = _version_by_alias(client, name, CHAMPION)
-    if champion is not None and champion.version == version.version:
-        decision = {"promote": True, "reason": "already champion (task retried)"}
+    is_champion = champion is not None and champion.version == version.version
+    # A retried task finds the gate already applied to this version: its decision stands.
+    decided = client.get_model_version(name, version.version).tags.get("gate")
+    if decided is None and is_champion:
+        decided = "already champion (task retried)"
+    if decided is not None:
+        decision = {"promote": is_champion, "reason": decided}
     else:
         score = champion_accuracy(client, champion, dataset) if champion is not None else None
         decision = gate(spec, accuracy, champion, score)
         if decision["promote"]:
             client.set_registered_model_alias(name, CHAMPION, version.version)
-    log.info("gate: %s -> %s", decision["reason"], "champion" if decision["promote"] else "stays candidate")
-    client.update_model_version(
-        name,
-        version.version,
-        description=(
-            f"Trained by Airflow run `{airflow_run_id}` ({spec.strategy}, {spec.model}) on "
-            f"{dataset['name']} {dataset['version']}.\n\n- test accuracy: {accuracy:.4f}\n- gate: {decision['reason']}"
-        ),
-    )
-    client.set_tag(run_id, "registry.gate", decision["reason"])
-
-    aliases = client.get_model_version(name, version.version).aliases
-    record = {
+        client.set_model_version_tag(name, version.version, "gate", decision["reason"])
+        client.update_model_version(name, version.version, description=f"{report}\n- gate: {decision['reason']}")
+    log.info("%s gate: %s -> %s", name, decision["reason"], "champion" if decision["promote"] else "stays candidate")
+    return {
         "model_name": name,
         "version": int(version.version),
         "model_uri": f"models:/{name}/{version.version}",
-        "aliases": sorted(aliases),
+        "aliases": sorted(client.get_model_version(name, version.version).aliases),
         "promoted": decision["promote"],
         "gate": decision["reason"],
+    }
+
+
+def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow_run_id: str) -> dict[str, Any]:
+    """Record the run in MLflow, register the float model and the chosen TFLite variant, move the
+    aliases; writes registry.json."""
+    from tasks.data.pipeline import split_arrays
+
+    training = json.loads(paths.training.read_text())
+    evaluation = json.loads(paths.evaluation.read_text())
+    exported = json.loads(paths.export.read_text())
+    compression = json.loads(paths.compression.read_text())
+    mlflow.set_tracking_uri(tracking_uri())
+    client = MlflowClient()
+    run_id = find_or_create_run(client, dag_id, airflow_run_id, run_name=paths.root.name)
+    log_run_record(client, run_id, spec, paths, dataset, training, evaluation, exported)
+    images, _ = split_arrays(dataset, "test")
+    tags = {
+        "airflow.run_id": airflow_run_id,
+        "dataset.name": dataset["name"],
+        "dataset.fingerprint": dataset["fingerprint"],
+        "strategy": spec.strategy,
+        "model": spec.model,
+    }
+    headline = (
+        f"Trained by Airflow run `{airflow_run_id}` ({spec.strategy}, {spec.model}) on "
+        f"{dataset['name']} {dataset['version']}.\n\n"
+    )
+
+    name = spec.registered_model
+    version = _register(client, name, run_id, lambda: _log_keras_model(paths, name, images))
+    accuracy = evaluation["test_accuracy"]
+    report = headline + f"- test accuracy: {accuracy:.4f}\n- float model, {paths.model.stat().st_size} bytes (.keras)"
+    models = [_promote(client, spec, version, accuracy, dataset, tags, report)]
+
+    chosen = exported["chosen_tflite"]
+    if chosen is not None:
+        artifact = exported["artifacts"][chosen]
+        tflite_name = f"{name}-tflite"
+        tflite_version = _register(
+            client, tflite_name, run_id, lambda: _log_tflite_model(artifact["path"], tflite_name, images)
+        )
+        compression_tags = {
+            "variant": artifact["variant"],
+            "prune": str(spec.prune),
+            "target_sparsity": str(compression.get("target_sparsity", 0.0)),
+            "quantize": artifact["quantize"],
+            "size_bytes": str(artifact["bytes"]),
+            "size_gzip_bytes": str(artifact["gzip_bytes"]),
+        }
+        report = headline + (
+            f"- TFLite variant `{artifact['variant']}`: {artifact['bytes']} bytes, {artifact['gzip_bytes']} gzipped\n"
+            f"- test accuracy: {artifact['test_accuracy']:.4f} (float model {exported['float_test_accuracy']:.4f}, "
+            f"agreement {artifact['agreement_with_float']:.4f})\n- latency at batch 1: {artifact['latency_ms']:.4f} ms"
+        )
+        models.append(
+            _promote(
+                client, spec, tflite_version, artifact["test_accuracy"], dataset, {**tags, **compression_tags}, report
+            )
+        )
+    client.set_tag(run_id, "registry.gate", models[0]["gate"])
+    record = {
+        **models[0],
+        "models": models,
         "mlflow_run_id": run_id,
         "mlflow_tracking_uri": tracking_uri(),
     }

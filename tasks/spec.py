@@ -46,7 +46,57 @@ class RunSpec(BaseModel):
         "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: one "
         "replica, the model's layer groups placed on different devices.",
     )
-    backend: Literal["local"] = _field("local", "Cluster", "Where replicas run. `local`: subprocesses on 127.0.0.1.")
+    backend: Literal["local", "docker", "kubernetes"] = _field(
+        "local",
+        "Cluster",
+        "Where replicas run. `local`: subprocesses on 127.0.0.1. `docker`: one container per replica on a "
+        "network of the run's own (needs a Docker engine). `kubernetes`: one pod per replica behind a headless "
+        "service (needs a kubeconfig or an in-cluster service account).",
+    )
+    image: str = _field(
+        "hetflow-replica:0.1.0",
+        "Cluster",
+        "Replica image for the docker and kubernetes backends (built from docker/Dockerfile).",
+        pattern=r"^[a-z0-9][a-z0-9._/:@-]{0,254}$",
+    )
+    replica_cpus: float = _field(
+        0.0, "Cluster", "CPU limit of each replica container or pod (docker, kubernetes); 0 = no limit.", ge=0, le=256
+    )
+    replica_memory_mb: int = _field(
+        0,
+        "Cluster",
+        "Memory limit of each replica container or pod in MiB (docker, kubernetes); 0 = no limit.",
+        ge=0,
+        le=4_194_304,
+    )
+    request_gpus: bool = _field(
+        False,
+        "Cluster",
+        "Request `devices_per_worker` GPUs for each computing replica (docker, kubernetes); ps and a "
+        "parameter_server chief get none.",
+    )
+    restart_policy: Literal["never", "on_failure"] = _field(
+        "never",
+        "Cluster",
+        "`never`: a failed replica fails the run. `on_failure`: the engine restarts it, up to `backoff_limit` "
+        "times (docker, kubernetes; a ps or parameter_server worker rejoins by itself).",
+    )
+    backoff_limit: int = _field(
+        3, "Cluster", "Restarts of one replica before it fails the run (on_failure).", ge=0, le=20
+    )
+    kubernetes_namespace: str = _field(
+        "default",
+        "Cluster",
+        "Namespace of the run's pods and service (kubernetes).",
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+    )
+    kubernetes_volume_claim: str = _field(
+        "hetflow-home",
+        "Cluster",
+        "PersistentVolumeClaim (ReadWriteMany) holding HETFLOW_HOME, mounted in every pod at the same path "
+        "(kubernetes).",
+        pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+    )
     workers: int = _field(
         1, "Cluster", "Training workers (several only with multi_worker_mirrored or parameter_server).", ge=1, le=16
     )
@@ -91,6 +141,32 @@ class RunSpec(BaseModel):
     optimizer: Literal["sgd", "adam"] = _field("adam", "Training", "Optimizer.")
     shuffle: bool = _field(True, "Training", "Shuffle training examples every epoch.")
     seed: int = _field(42, "Training", "Seed for weights, shuffling and ops.", ge=0, le=2**31 - 1)
+    prune: bool = _field(
+        True, "Compression", "Magnitude-prune the trained model (fine-tuned with a polynomial-decay schedule)."
+    )
+    target_sparsity: float = _field(
+        0.5, "Compression", "Fraction of each kernel's weights set to zero by pruning.", ge=0, lt=1
+    )
+    prune_epochs: int = _field(2, "Compression", "Fine-tuning epochs while pruning ramps up.", ge=1, le=100)
+    quantize: Literal["none", "dynamic", "float16", "int8"] = _field(
+        "int8",
+        "Compression",
+        "Post-training quantization of the TFLite variant: `dynamic` (int8 weights), `float16`, `int8` "
+        "(full integer, calibrated on the train split), or `none`.",
+    )
+    max_accuracy_drop: float = _field(
+        0.01,
+        "Export",
+        "A compressed variant whose test accuracy is more than this below the float model's is rejected.",
+        ge=0,
+        le=1,
+    )
+    export_formats: list[Literal["saved_model", "tflite"]] = _field(
+        ["saved_model", "tflite"],
+        "Export",
+        "What export writes: a SavedModel (serving_default takes raw uint8 images) and/or TFLite variants.",
+        min_length=1,
+    )
     registered_model: str = _field(
         "hetflow-digits",
         "Registry",
@@ -116,6 +192,10 @@ class RunSpec(BaseModel):
 SPEC_KEYS: tuple[str, ...] = tuple(RunSpec.model_fields)
 
 
+# Keys that only the container backends honour, with the value that leaves them off.
+CONTAINER_ONLY_KEYS = {"replica_cpus": 0.0, "replica_memory_mb": 0, "request_gpus": False, "restart_policy": "never"}
+
+
 def cluster_problems(spec: RunSpec) -> list[str]:
     """Checks across keys: the cluster shape must fit the strategy, the batch the replicas."""
     problems = []
@@ -136,6 +216,11 @@ def cluster_problems(spec: RunSpec) -> list[str]:
             "shuffle=false is invalid with strategy=parameter_server: expected true (async workers get "
             "distinct batches only by shuffling independently)"
         )
+    if spec.quantize != "none" and "tflite" not in spec.export_formats:
+        problems.append(
+            f"quantize={spec.quantize} is invalid with export_formats={json.dumps(spec.export_formats)}: "
+            'expected quantize=none, or "tflite" in export_formats (quantized variants are TFLite files)'
+        )
     if spec.devices_per_worker > 1 and spec.strategy in ("one_device", "parameter_server"):
         problems.append(
             f"devices_per_worker={spec.devices_per_worker} is invalid with strategy={spec.strategy}: expected 1"
@@ -149,6 +234,20 @@ def cluster_problems(spec: RunSpec) -> list[str]:
         problems.append(
             f"batch_size={spec.batch_size} is invalid with {spec.replicas_in_sync} replicas in sync: "
             f"expected a multiple of {spec.replicas_in_sync} (every replica gets an equal share)"
+        )
+    if spec.backend == "local":
+        # Plain processes: nothing enforces a limit, requests a GPU or restarts a replica.
+        for key, off in CONTAINER_ONLY_KEYS.items():
+            value = getattr(spec, key)
+            if value != off:
+                problems.append(
+                    f"{key}={json.dumps(value)} is invalid with backend=local: expected {json.dumps(off)} "
+                    "(limits, GPU requests and restarts apply to backend=docker or kubernetes)"
+                )
+    elif spec.pin_cores:
+        problems.append(
+            f"pin_cores=true is invalid with backend={spec.backend}: expected false "
+            "(a container's CPUs are set by replica_cpus)"
         )
     return problems
 
@@ -183,6 +282,9 @@ def allowed_values(key: str) -> str:
     schema = _field_schema(key)
     if "enum" in schema:
         return "one of " + ", ".join(str(v) for v in schema["enum"])
+    if schema.get("type") == "array":
+        items = schema["items"]["enum"]
+        return f"a list of {schema.get('minItems', 0)} or more of " + ", ".join(items)
     bounds = [
         f"{sign} {schema[bound]}"
         for bound, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
@@ -206,7 +308,8 @@ def _problem_line(error: dict[str, Any]) -> str:
         hint = f" (did you mean {guess[0]!r}?)" if guess else ""
         return f"unknown key {key!r}={value}{hint}; allowed keys: {', '.join(SPEC_KEYS)}"
     if key in RunSpec.model_fields:
-        return f"{key}={value} is invalid: expected {allowed_values(key)}"
+        item = "".join(f"[{index}]" for index in error["loc"][1:])  # an element of a list
+        return f"{key}{item}={value} is invalid: expected {allowed_values(key)}"
     return f"{value} is invalid: {error['msg']}"
 
 

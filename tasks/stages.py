@@ -22,6 +22,8 @@ STAGE_OUTPUTS = (
     ("provision_cluster", "cluster"),
     ("train", "training"),
     ("evaluate", "evaluation"),
+    ("compress", "compression"),
+    ("export", "export"),
     ("register", "registry"),
 )
 
@@ -61,10 +63,10 @@ def prepare_data(run_id: str) -> dict[str, Any]:
 
 
 def provision_cluster(run_id: str) -> dict[str, Any]:
-    from tasks.cluster.layout import plan_cluster
+    from tasks.cluster import backends
 
     paths = run_paths(run_id)
-    layout = plan_cluster(load_spec(paths), run_id)
+    layout = backends.plan(load_spec(paths), run_id)
     paths.cluster.write_text(json.dumps(layout.to_dict(), indent=2))
     log.info("cluster: %s", layout.cluster_spec())
     return layout.to_dict()
@@ -72,12 +74,12 @@ def provision_cluster(run_id: str) -> dict[str, Any]:
 
 def train(run_id: str) -> dict[str, Any]:
     """Start the replicas, stream their output here, wait for all; this process only supervises."""
+    from tasks.cluster import backends
     from tasks.cluster.layout import ClusterLayout
-    from tasks.cluster.local import LocalCluster
 
     paths = run_paths(run_id)
     spec = load_spec(paths)
-    cluster = LocalCluster(ClusterLayout.from_dict(_read(paths.cluster)), paths.root, paths.logs, spec.pin_cores)
+    cluster = backends.make_cluster(spec, ClusterLayout.from_dict(_read(paths.cluster)), paths.root, paths.logs)
     try:
         cluster.start()
         cluster.wait(timeout=spec.train_timeout_seconds)
@@ -86,11 +88,13 @@ def train(run_id: str) -> dict[str, Any]:
     return _read(paths.training)
 
 
-def teardown_cluster(run_id: str) -> list[int]:
-    from tasks.cluster.local import teardown_run
+def teardown_cluster(run_id: str) -> list:
+    """End what is left of the run's replicas: pids (local), containers (docker), pods (kubernetes)."""
+    from tasks.cluster import backends
 
-    ended = teardown_run(run_id)
-    log.info("teardown: %s", f"ended pids {ended}" if ended else "no replica was left running")
+    paths = run_paths(run_id)
+    ended = backends.teardown(load_spec(paths) if paths.spec.exists() else None, run_id)
+    log.info("teardown: %s", f"ended {ended}" if ended else "no replica was left running")
     return ended
 
 
@@ -101,6 +105,34 @@ def evaluate(run_id: str) -> dict[str, Any]:
     result = evaluate_model(paths, _read(paths.dataset))
     log.info("test accuracy %.4f, loss %.4f", result["test_accuracy"], result["test_loss"])
     return {k: v for k, v in result.items() if k != "confusion_matrix"}
+
+
+def compress(run_id: str) -> dict[str, Any]:
+    from tasks.compress import compress as compress_model
+
+    paths = run_paths(run_id)
+    record = compress_model(load_spec(paths), paths, _read(paths.dataset))
+    log.info("compressed variants: %s; kernel sparsity %s", list(record["variants"]), record.get("kernel_sparsity"))
+    return record
+
+
+def export(run_id: str) -> dict[str, Any]:
+    from tasks.export import export as export_artifacts
+
+    paths = run_paths(run_id)
+    record = export_artifacts(load_spec(paths), paths, _read(paths.dataset))
+    for name, artifact in record["artifacts"].items():
+        log.info(
+            "%s: accuracy %.4f (drop %+.4f), %d bytes (%d gzipped), %.4f ms/example%s",
+            name,
+            artifact["test_accuracy"],
+            artifact["accuracy_drop"],
+            artifact["bytes"],
+            artifact["gzip_bytes"],
+            artifact["latency_ms"],
+            "" if artifact["accepted"] else f" -- rejected: {artifact['reason']}",
+        )
+    return {"chosen_tflite": record["chosen_tflite"], "float_test_accuracy": record["float_test_accuracy"]}
 
 
 def register(run_id: str, dag_id: str) -> dict[str, Any]:
@@ -117,6 +149,7 @@ def summarize(run_id: str) -> dict[str, Any]:
     failed_stage = next((name for name, path in outputs.items() if not path.exists()), None)
     read = {name: _read(path) if path.exists() else None for name, path in outputs.items()}
     training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
+    exported = (read["export"] or {}).get("artifacts", {})
     dataset = read["prepare_data"] or {}
     summary = {
         "run_id": run_id,
@@ -136,10 +169,17 @@ def summarize(run_id: str) -> dict[str, Any]:
         },
         "artifacts": {
             "model": {"path": str(paths.model), "bytes": paths.model.stat().st_size} if paths.model.exists() else None,
+            "exported": {
+                name: {k: a[k] for k in ("path", "bytes", "gzip_bytes", "test_accuracy", "accepted")}
+                for name, a in exported.items()
+            },
+            "chosen_tflite": (read["export"] or {}).get("chosen_tflite"),
             "replica_logs": sorted(str(p) for p in paths.logs.glob("*.log")),
             "plots": sorted(str(p) for p in paths.plots.glob("*.png")),
         },
-        "registry": {k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate")}
+        "registry": {
+            k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate", "models")
+        }
         if registry
         else None,
     }

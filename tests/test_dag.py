@@ -44,7 +44,9 @@ def test_dag_wiring(hetflow_env):
         "provision_cluster": ["teardown_cluster", "train"],
         "train": ["evaluate", "teardown_cluster"],
         "teardown_cluster": ["summarize"],
-        "evaluate": ["register"],
+        "evaluate": ["compress"],
+        "compress": ["export"],
+        "export": ["register"],
         "register": ["summarize"],
         "summarize": [],
     }

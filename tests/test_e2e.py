@@ -112,7 +112,9 @@ def test_a_retried_register_task_makes_no_second_run_or_version(first, client):
     again = stages.register(summary["run_id"], "hetflow_train")
     assert again["version"] == 1 and again["mlflow_run_id"] == summary["mlflow_run_id"]
     assert len(client.search_model_versions(f"name='{MODEL}'")) >= 1
-    assert [int(v.version) for v in client.search_model_versions(f"run_id='{summary['mlflow_run_id']}'")] == [1]
+    for name in (MODEL, f"{MODEL}-tflite"):
+        versions = client.search_model_versions(f"name='{name}' and run_id='{summary['mlflow_run_id']}'")
+        assert [int(v.version) for v in versions] == [1]
     assert len(client.get_metric_history(summary["mlflow_run_id"], "train_loss")) == 15
 
 
@@ -128,6 +130,9 @@ def test_second_run_reuses_data_and_does_not_take_champion_below_the_gate(first,
     assert "does not beat champion v1" in summary["registry"]["gate"]
     assert int(client.get_model_version_by_alias(MODEL, "champion").version) == 1
     assert int(client.get_model_version_by_alias(MODEL, "candidate").version) == 2
+    tflite = summary["registry"]["models"][1]
+    assert tflite["version"] == 2 and tflite["aliases"] == ["candidate"]
+    assert int(client.get_model_version_by_alias(f"{MODEL}-tflite", "champion").version) == 1
 
 
 def test_a_failing_stage_fails_the_run_and_says_where(hetflow_env, second, client):
@@ -136,3 +141,83 @@ def test_a_failing_stage_fails_the_run_and_says_where(hetflow_env, second, clien
     assert summary["status"] == "failed" and summary["failed_stage"] == "prepare_data"
     assert "dataset='no_such_dataset' is not a TFDS dataset" in done.stdout + done.stderr
     assert len(client.search_model_versions(f"name='{MODEL}'")) == 2
+
+
+_RESCORE = """
+import json, sys
+import numpy as np
+import tasks
+from tasks.data.pipeline import split_arrays
+from tasks.export import saved_model_predictor, tflite_predictor
+from pathlib import Path
+exported, dataset = json.loads(Path(sys.argv[1]).read_text()), json.loads(Path(sys.argv[2]).read_text())
+images, labels = split_arrays(dataset, "test")
+scores = {}
+for name, artifact in exported["artifacts"].items():
+    load = saved_model_predictor if artifact["format"] == "saved_model" else tflite_predictor
+    scores[name] = float(np.mean(np.argmax(load(Path(artifact["path"]))(images), axis=1) == labels))
+print(json.dumps(scores))
+"""
+
+
+def test_every_exported_artifact_rescored_in_a_fresh_process_matches_the_report(first, hetflow_env):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    _, summary = first
+    run_dir = Path(summary["run_dir"])
+    exported = json.loads((run_dir / "export.json").read_text())
+    assert set(exported["artifacts"]) == {
+        "saved_model",
+        "tflite_float",
+        "tflite_pruned",
+        "tflite_float_int8",
+        "tflite_pruned_int8",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _RESCORE, str(run_dir / "export.json"), str(run_dir / "dataset.json")],
+        cwd=REPO,
+        env=hetflow_env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rescored = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, artifact in exported["artifacts"].items():
+        assert rescored[name] == pytest.approx(artifact["test_accuracy"], abs=1e-9), name
+    assert exported["artifacts"]["saved_model"]["test_accuracy"] == summary["metrics"]["test_accuracy"]
+    assert summary["artifacts"]["exported"]["tflite_float_int8"]["bytes"] < (
+        0.4 * summary["artifacts"]["exported"]["tflite_float"]["bytes"]
+    )
+
+
+def test_pruning_reaches_the_target_sparsity(first):
+    _, summary = first
+    compression = json.loads((Path(summary["run_dir"]) / "compression.json").read_text())
+    assert compression["target_sparsity"] == 0.5
+    assert all(s == pytest.approx(0.5, abs=0.01) for s in compression["kernel_sparsity"].values())
+
+
+def test_chosen_tflite_variant_is_registered_and_its_champion_predicts(first, client):
+    import mlflow
+    from tasks.data.pipeline import split_arrays
+
+    _, summary = first
+    exported = json.loads((Path(summary["run_dir"]) / "export.json").read_text())
+    chosen = exported["artifacts"][summary["artifacts"]["chosen_tflite"]]
+    assert chosen["accepted"]
+    tflite = summary["registry"]["models"][1]
+    assert tflite["model_name"] == f"{MODEL}-tflite" and tflite["aliases"] == ["candidate", "champion"]
+    version = client.get_model_version_by_alias(f"{MODEL}-tflite", "champion")
+    assert version.tags["variant"] == chosen["variant"] and version.tags["quantize"] == chosen["quantize"]
+    assert int(version.tags["size_bytes"]) == chosen["bytes"]
+    assert version.tags["dataset.fingerprint"] == summary["dataset"]["fingerprint"]
+    assert "test accuracy" in version.description and "gate: no champion yet" in version.description
+
+    dataset = json.loads((Path(summary["run_dir"]) / "dataset.json").read_text())
+    images, labels = split_arrays(dataset, "test")
+    model = mlflow.pyfunc.load_model(f"models:/{MODEL}-tflite@champion")
+    accuracy = float(np.mean(np.argmax(np.asarray(model.predict(images)), axis=1) == labels))
+    assert accuracy == pytest.approx(chosen["test_accuracy"], abs=1e-9)

@@ -1,12 +1,16 @@
 """The cluster layout: which replica has which role and address, and each replica's TF_CONFIG.
 
-Backend-neutral: the local backend fills addresses with 127.0.0.1 and free ports; container
-backends will fill them with service names. Nothing here starts a process.
+Backend-neutral: the local backend fills addresses with 127.0.0.1 and free ports
+(``plan_cluster``); the container backends give every replica its own network name and the same
+port (``plan_named_cluster``). Roles and TF_CONFIG are the same either way. Nothing here starts a
+process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import socket
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -26,6 +30,10 @@ class Replica:
     @property
     def name(self) -> str:
         return f"{self.role}-{self.index}"
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -85,4 +93,34 @@ def plan_cluster(
     return ClusterLayout(
         run_id,
         tuple(Replica(role, index, f"{host}:{port}", serves) for (role, index, serves), port in zip(roles, ports)),
+    )
+
+
+# TensorFlow's customary gRPC port. Every container has a network namespace of its own, so every
+# replica can listen on the same one.
+SERVICE_PORT = 2222
+
+
+def run_slug(run_id: str) -> str:
+    """The run id as a DNS-label fragment (lowercase letters, digits, '-'; at most 30 characters).
+
+    Container, pod and service names and label values allow no ':' or '+' (Airflow run ids have
+    both) and at most 63 characters; the hash of the full id keeps two runs whose ids differ only
+    in cut or replaced characters apart."""
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
+    readable = re.sub(r"[^a-z0-9]+", "-", run_id.lower())[:21].strip("-")
+    return f"{readable}-{digest}" if readable else digest
+
+
+def plan_named_cluster(
+    spec: RunSpec, run_id: str, host_of: Callable[[str], str], port: int = SERVICE_PORT
+) -> ClusterLayout:
+    """The layout for the container backends: the same replicas as ``plan_cluster``, each
+    addressed by ``host_of(replica name)`` (a container or pod DNS name) and ``port``."""
+    return ClusterLayout(
+        run_id,
+        tuple(
+            Replica(role, index, f"{host_of(f'{role}-{index}')}:{port}", serves)
+            for role, index, serves in replica_roles(spec)
+        ),
     )

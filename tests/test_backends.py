@@ -1,0 +1,517 @@
+"""Docker and Kubernetes backends: the container configs and manifests they create, the supervision
+policy they share, the linters of docker/, and real runs where an engine or a cluster exists."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+from kubernetes.client import (
+    V1ContainerState,
+    V1ContainerStateRunning,
+    V1ContainerStateTerminated,
+    V1ContainerStateWaiting,
+    V1ContainerStatus,
+    V1Pod,
+    V1PodStatus,
+)
+
+from tasks.cluster import docker_backend as dk
+from tasks.cluster import kubernetes_backend as k8s
+from tasks.cluster.containers import ReplicaState, pump_lines, supervise, verdict
+from tasks.cluster.layout import plan_cluster, run_slug
+from tasks.cluster.local import ReplicaFailed
+from tasks.spec import SpecError, parse_spec
+
+RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"  # an Airflow run id: ':' and '+' included
+HOME = Path("/srv/hetflow")
+RUN_DIR = HOME / "runs" / "manual__2026-11-22T00_12_03.120579_00_00"
+BIN = Path(sys.executable).parent
+DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def ps_spec(backend: str, **values):
+    return parse_spec({"backend": backend, "strategy": "parameter_server", "workers": 2, "ps": 1, **values})
+
+
+def _roles_and_tasks(layout) -> list[tuple]:
+    """Each replica's role, index, server flag and TF_CONFIG with every address replaced by the
+    replica's name: what must not depend on the backend."""
+    names = {r.address: r.name for r in layout.replicas}
+    rows = []
+    for replica in layout.replicas:
+        config = json.loads(layout.tf_config(replica))
+        cluster = {role: [names[a] for a in addresses] for role, addresses in config["cluster"].items()}
+        rows.append((replica.role, replica.index, replica.serves_until_stopped, cluster, config["task"]))
+    return rows
+
+
+# --- layout: same roles and TF_CONFIG as the local backend, addresses by name ----------------------
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"strategy": "multi_worker_mirrored", "workers": 3, "batch_size": 48},
+        {"strategy": "parameter_server", "workers": 2, "ps": 2},
+    ],
+)
+def test_container_layouts_have_the_local_roles_and_tf_config_with_named_addresses(values):
+    ports = iter(range(45000, 45010))
+    local = plan_cluster(parse_spec(values), RUN_ID, pick_port=lambda: next(ports))
+    docker_layout = dk.plan(parse_spec({**values, "backend": "docker"}), RUN_ID)
+    kube_layout = k8s.plan(parse_spec({**values, "backend": "kubernetes"}), RUN_ID)
+    assert _roles_and_tasks(docker_layout) == _roles_and_tasks(local) == _roles_and_tasks(kube_layout)
+    slug = run_slug(RUN_ID)
+    for replica in docker_layout.replicas:
+        assert replica.address == f"hetflow-{slug}-{replica.name}:2222"
+    for replica in kube_layout.replicas:
+        # <pod hostname>.<headless service>: resolvable by name within the namespace
+        assert replica.address == f"hetflow-{slug}-{replica.name}.hetflow-{slug}:2222"
+
+
+def test_run_slug_is_a_dns_label_fragment_distinct_per_run():
+    slugs = {run_slug(r) for r in (RUN_ID, RUN_ID.replace("+", ":"), "x" * 300, "RUN_1", "run-1")}
+    assert len(slugs) == 5
+    for slug in slugs:
+        assert DNS_LABEL.match(slug) and len(slug) <= 30
+        # the longest name built on it still fits a DNS label (63)
+        assert len(f"hetflow-{slug}-worker-15") <= 63
+
+
+# --- the spec keys of the backends ----------------------------------------------------------------
+
+
+def test_container_only_keys_are_rejected_with_the_local_backend():
+    with pytest.raises(SpecError) as caught:
+        parse_spec({"replica_cpus": 2, "replica_memory_mb": 512, "request_gpus": True, "restart_policy": "on_failure"})
+    assert caught.value.problems == [
+        f"{key}={value} is invalid with backend=local: expected {off} "
+        "(limits, GPU requests and restarts apply to backend=docker or kubernetes)"
+        for key, value, off in (
+            ("replica_cpus", "2.0", "0.0"),
+            ("replica_memory_mb", "512", "0"),
+            ("request_gpus", "true", "false"),
+            ("restart_policy", '"on_failure"', '"never"'),
+        )
+    ]
+    with pytest.raises(SpecError, match=r"pin_cores=true is invalid with backend=docker: expected false"):
+        parse_spec({"backend": "docker", "pin_cores": True})
+    with pytest.raises(SpecError, match=r'kubernetes_namespace="Bad_NS" is invalid: expected a string matching'):
+        parse_spec({"backend": "kubernetes", "kubernetes_namespace": "Bad_NS"})
+    with pytest.raises(SpecError, match=r'backend="swarm" is invalid: expected one of local, docker, kubernetes'):
+        parse_spec({"backend": "swarm"})
+
+
+# --- docker: network and container configs --------------------------------------------------------
+
+
+def test_docker_network_is_internal_and_labelled_with_the_run():
+    assert dk.network_config(RUN_ID) == {
+        "name": f"hetflow-{run_slug(RUN_ID)}",
+        "driver": "bridge",
+        "internal": True,  # TF's gRPC servers listen on 0.0.0.0: nothing outside the run reaches them
+        "labels": {"hetflow.run": run_slug(RUN_ID), "hetflow.run-id": RUN_ID},
+    }
+
+
+def test_docker_container_configs_carry_tf_config_labels_limits_and_gpus():
+    spec = ps_spec("docker", replica_cpus=1.5, replica_memory_mb=2048, request_gpus=True, restart_policy="on_failure")
+    layout = dk.plan(spec, RUN_ID)
+    configs = {r.name: dk.container_config(layout, r, spec, HOME, RUN_DIR, "1000:1000", 12.5) for r in layout.replicas}
+    assert set(configs) == {"chief-0", "worker-0", "worker-1", "ps-0"}
+    for replica in layout.replicas:
+        config = configs[replica.name]
+        assert config["name"] == config["hostname"] == replica.host == f"hetflow-{run_slug(RUN_ID)}-{replica.name}"
+        assert config["image"] == "hetflow-replica:0.1.0"
+        assert config["command"] == ["--run-dir", str(RUN_DIR)]
+        assert config["environment"]["TF_CONFIG"] == layout.tf_config(replica)
+        assert config["environment"]["HETFLOW_RUN_ID"] == RUN_ID
+        assert config["environment"]["HETFLOW_HOME"] == str(HOME)
+        assert config["environment"]["HETFLOW_LAUNCH_TIME"] == "12.5"
+        assert config["labels"] == {
+            "hetflow.run": run_slug(RUN_ID),
+            "hetflow.run-id": RUN_ID,
+            "hetflow.role": replica.role,
+            "hetflow.index": str(replica.index),
+        }
+        assert config["network"] == dk.network_name(RUN_ID)
+        assert config["volumes"] == {str(HOME): {"bind": str(HOME), "mode": "rw"}}
+        assert config["user"] == "1000:1000"
+        assert config["nano_cpus"] == 1_500_000_000 and config["mem_limit"] == "2048m"
+        assert config["restart_policy"] == {"Name": "on-failure", "MaximumRetryCount": 3}
+    # GPUs for the replicas that compute: not the ps, not the chief that only schedules
+    gpus = {name: config.get("device_requests") for name, config in configs.items()}
+    assert gpus == {
+        "chief-0": None,
+        "ps-0": None,
+        "worker-0": [{"Driver": "", "Count": 1, "Capabilities": [["gpu"]]}],
+        "worker-1": [{"Driver": "", "Count": 1, "Capabilities": [["gpu"]]}],
+    }
+
+
+def test_docker_config_without_limits_sets_none_and_never_restarts():
+    spec = parse_spec({"backend": "docker", "strategy": "mirrored", "devices_per_worker": 2})
+    layout = dk.plan(spec, RUN_ID)
+    config = dk.container_config(layout, layout.replicas[0], spec, HOME, RUN_DIR, "0:0", 0.0)
+    assert not {"nano_cpus", "mem_limit", "device_requests"} & set(config)
+    assert config["restart_policy"] == {"Name": "no"}
+    with_gpus = parse_spec({"backend": "docker", "strategy": "mirrored", "devices_per_worker": 2, "request_gpus": True})
+    config = dk.container_config(layout, layout.replicas[0], with_gpus, HOME, RUN_DIR, "0:0", 0.0)
+    assert config["device_requests"][0]["Count"] == 2
+
+
+def test_docker_container_state_from_inspect():
+    assert dk.replica_state({"State": {"Status": "running", "ExitCode": 0}, "RestartCount": 0}) == ReplicaState()
+    assert dk.replica_state({"State": {"Status": "exited", "ExitCode": 3}, "RestartCount": 2}) == ReplicaState(3, 2)
+    assert dk.replica_state({"State": {"Status": "restarting", "ExitCode": 1}, "RestartCount": 1}) == ReplicaState(
+        None, 1
+    )
+
+
+# --- kubernetes: manifests ------------------------------------------------------------------------
+
+OWNER = k8s.owner_reference(k8s.run_name(RUN_ID), "0b8e4a3c-6f0e-4a8e-9c1b-2d3e4f5a6b7c")
+
+
+def _manifests(spec):
+    layout = k8s.plan(spec, RUN_ID)
+    pods = {r.name: k8s.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5) for r in layout.replicas}
+    return layout, k8s.headless_service(layout, spec.kubernetes_namespace, OWNER), pods
+
+
+def test_kubernetes_service_is_headless_and_selects_every_pod_of_the_run():
+    spec = ps_spec("kubernetes", kubernetes_namespace="ml")
+    layout, service, pods = _manifests(spec)
+    assert service["metadata"]["name"] == k8s.run_name(RUN_ID)
+    assert service["metadata"]["namespace"] == "ml"
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True  # peers resolve each other while starting
+    assert service["spec"]["ports"] == [{"name": "grpc", "port": 2222, "targetPort": 2222}]
+    for pod in pods.values():
+        labels = pod["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items()
+    assert service["metadata"]["ownerReferences"] == [OWNER]
+
+
+def test_kubernetes_pods_resolve_as_their_tf_config_addresses_and_are_owned_by_the_run():
+    spec = ps_spec("kubernetes", replica_cpus=2, replica_memory_mb=4096, request_gpus=True, kubernetes_namespace="ml")
+    layout, service, pods = _manifests(spec)
+    for replica in layout.replicas:
+        pod = pods[replica.name]
+        # hostname.subdomain is the pod's DNS name under a headless service of that name
+        assert f"{pod['spec']['hostname']}.{pod['spec']['subdomain']}:2222" == replica.address
+        assert pod["spec"]["subdomain"] == service["metadata"]["name"]
+        assert pod["metadata"]["ownerReferences"] == [OWNER]
+        assert pod["metadata"]["labels"]["hetflow.dev/role"] == replica.role
+        assert pod["metadata"]["labels"]["hetflow.dev/index"] == str(replica.index)
+        assert pod["metadata"]["annotations"] == {"hetflow.dev/run-id": RUN_ID}
+        assert pod["spec"]["restartPolicy"] == "Never"
+        assert pod["spec"]["activeDeadlineSeconds"] > spec.train_timeout_seconds
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["TF_CONFIG"] == layout.tf_config(replica)
+        assert env["HETFLOW_RUN_ID"] == RUN_ID and env["HETFLOW_HOME"] == str(HOME)
+        assert container["args"] == ["--run-dir", str(RUN_DIR)]
+        assert container["ports"] == [{"name": "grpc", "containerPort": 2222}]
+        assert container["volumeMounts"] == [{"name": "hetflow-home", "mountPath": str(HOME)}]
+        assert pod["spec"]["volumes"] == [
+            {"name": "hetflow-home", "persistentVolumeClaim": {"claimName": "hetflow-home"}}
+        ]
+        gpus = {"nvidia.com/gpu": "1"} if replica.role == "worker" else {}
+        assert container["resources"]["limits"] == {"cpu": "2000m", "memory": "4096Mi", **gpus}
+        assert container["resources"]["requests"] == container["resources"]["limits"]
+
+
+def test_kubernetes_restart_policy_is_mapped_from_the_spec():
+    for policy, expected in (("never", "Never"), ("on_failure", "OnFailure")):
+        _, _, pods = _manifests(ps_spec("kubernetes", restart_policy=policy))
+        assert {pod["spec"]["restartPolicy"] for pod in pods.values()} == {expected}
+
+
+def test_kubernetes_manifests_pass_strict_schema_validation(tmp_path):
+    spec = ps_spec("kubernetes", replica_cpus=0.5, replica_memory_mb=1024, request_gpus=True)
+    layout, service, pods = _manifests(spec)
+    documents = [k8s.run_configmap(layout, spec, "default"), service, *pods.values()]
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(yaml.safe_dump_all(documents))
+    result = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # and the check bites: a misspelt field fails it
+    pods["ps-0"]["spec"]["restartPolicyy"] = "Never"
+    manifest.write_text(yaml.safe_dump(pods["ps-0"]))
+    result = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest], capture_output=True, text=True)
+    assert result.returncode != 0 and "restartPolicyy" in result.stdout + result.stderr
+
+
+def test_kubernetes_run_configmap_holds_the_spec_and_layout():
+    spec = ps_spec("kubernetes")
+    layout = k8s.plan(spec, RUN_ID)
+    configmap = k8s.run_configmap(layout, spec, "default")
+    assert configmap["metadata"]["name"] == OWNER["name"] == k8s.run_name(RUN_ID)
+    assert json.loads(configmap["data"]["cluster.json"]) == layout.to_dict()
+    assert json.loads(configmap["data"]["spec.json"]) == spec.model_dump()
+    assert OWNER["blockOwnerDeletion"] is True and OWNER["kind"] == "ConfigMap"
+
+
+def test_tfjob_manifest_has_the_same_replicas_and_cleans_up_running_ps():
+    spec = ps_spec("kubernetes", restart_policy="on_failure", backoff_limit=5)
+    tfjob = k8s.tfjob_manifest(k8s.plan(spec, RUN_ID), spec, RUN_DIR)
+    assert (tfjob["apiVersion"], tfjob["kind"]) == ("kubeflow.org/v1", "TFJob")
+    replicas = tfjob["spec"]["tfReplicaSpecs"]
+    assert {kind: r["replicas"] for kind, r in replicas.items()} == {"Chief": 1, "Worker": 2, "PS": 1}
+    assert {r["restartPolicy"] for r in replicas.values()} == {"OnFailure"}
+    assert tfjob["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"
+    assert tfjob["spec"]["runPolicy"]["backoffLimit"] == 5
+    for replica in replicas.values():
+        (container,) = replica["template"]["spec"]["containers"]
+        assert container["name"] == "tensorflow"  # the operator looks for this name
+        names = {e["name"] for e in container["env"]}
+        assert "TF_CONFIG" not in names and "HETFLOW_RUN_ID" in names  # the operator sets TF_CONFIG
+    sync = parse_spec({"backend": "kubernetes", "strategy": "multi_worker_mirrored", "workers": 2})
+    assert list(k8s.tfjob_manifest(k8s.plan(sync, RUN_ID), sync, RUN_DIR)["spec"]["tfReplicaSpecs"]) == ["Worker"]
+
+
+def _pod(phase, state=None, last=None, restarts=0):
+    status = V1ContainerStatus(
+        name="replica",
+        image="i",
+        image_id="",
+        ready=False,
+        restart_count=restarts,
+        state=state or V1ContainerState(),
+        last_state=last or V1ContainerState(),
+    )
+    return V1Pod(status=V1PodStatus(phase=phase, container_statuses=[status]))
+
+
+def test_kubernetes_pod_states():
+    terminated = V1ContainerState(terminated=V1ContainerStateTerminated(exit_code=3))
+    running = V1ContainerState(running=V1ContainerStateRunning())
+    assert k8s.pod_state(V1Pod(status=V1PodStatus(phase="Pending"))) == ReplicaState()
+    assert k8s.pod_state(_pod("Running", running)) == ReplicaState()
+    assert k8s.pod_state(_pod("Succeeded", V1ContainerState(terminated=V1ContainerStateTerminated(exit_code=0)))) == (
+        ReplicaState(0)
+    )
+    assert k8s.pod_state(_pod("Failed", terminated)) == ReplicaState(3)
+    assert k8s.pod_state(V1Pod(status=V1PodStatus(phase="Failed"))) == ReplicaState(1)  # evicted: no exit code
+    crash_loop = V1ContainerState(waiting=V1ContainerStateWaiting(reason="CrashLoopBackOff"))
+    assert k8s.pod_state(_pod("Running", crash_loop, terminated, restarts=2)) == ReplicaState(3, 2)
+    pull = V1ContainerState(waiting=V1ContainerStateWaiting(reason="ImagePullBackOff", message="no such image"))
+    assert k8s.pod_state(_pod("Pending", pull)) == ReplicaState(None, 0, "ImagePullBackOff: no such image")
+
+
+# --- the supervision policy, shared by both backends, as data -------------------------------------
+
+
+def _states(layout, **codes) -> dict[str, ReplicaState]:
+    """Every replica running, except those given as name_index=(exit_code, restarts)."""
+    given = {name.replace("_", "-"): value for name, value in codes.items()}
+    return {r.name: ReplicaState(*given[r.name]) if r.name in given else ReplicaState() for r in layout.replicas}
+
+
+def test_ps_and_serving_workers_are_stopped_when_the_chief_finishes():
+    layout = dk.plan(ps_spec("docker"), RUN_ID)
+    assert verdict(layout, _states(layout), "never", 0).outcome == "running"
+    done = verdict(layout, _states(layout, chief_0=(0, 0)), "never", 0)
+    assert (done.outcome, done.stop) == ("succeeded", ("worker-0", "worker-1", "ps-0"))
+
+
+def test_sync_workers_all_exiting_zero_is_success_and_one_failing_fails_the_run():
+    layout = dk.plan(parse_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2}), RUN_ID)
+    assert verdict(layout, _states(layout, worker_0=(0, 0)), "never", 0).outcome == "running"
+    assert verdict(layout, _states(layout, worker_0=(0, 0), worker_1=(0, 0)), "never", 0).stop == ()
+    failed = verdict(layout, _states(layout, worker_1=(137, 0)), "never", 0)
+    assert (failed.outcome, failed.failed, failed.stop) == ("failed", "worker-1", ("worker-0", "worker-1"))
+
+
+def test_restarts_are_allowed_up_to_the_backoff_limit():
+    layout = dk.plan(ps_spec("docker"), RUN_ID)
+    assert verdict(layout, _states(layout, ps_0=(1, 1)), "on_failure", 2).outcome == "running"
+    assert verdict(layout, _states(layout, ps_0=(1, 2)), "on_failure", 2).failed == "ps-0"
+    assert verdict(layout, _states(layout, ps_0=(1, 0)), "never", 2).failed == "ps-0"
+    # a server exiting by itself, even with 0, is a failure: it serves until stopped
+    assert verdict(layout, _states(layout, worker_1=(0, 0)), "on_failure", 2).failed == "worker-1"
+
+
+def test_supervise_stops_servers_on_success_and_names_the_failed_replica_with_its_output():
+    spec = ps_spec("docker")
+    layout = dk.plan(spec, RUN_ID)
+    polls = iter([_states(layout), _states(layout, chief_0=(0, 0))])
+    stopped = []
+    tails = {r.name: deque() for r in layout.replicas}
+    codes = supervise(layout, spec, lambda: next(polls), stopped.append, tails, timeout=60, interval=0)
+    assert codes == {"chief-0": 0} and stopped == [("worker-0", "worker-1", "ps-0")]
+
+    tails["ps-0"].extend(["serving", "OOM"])
+    with pytest.raises(ReplicaFailed, match=r"^replica ps-0 exited with code 137; last output: serving \| OOM$"):
+        supervise(layout, spec, lambda: _states(layout, ps_0=(137, 0)), stopped.append, tails, timeout=60)
+    stuck = {**_states(layout), "worker-0": ReplicaState(stuck="ErrImagePull: not found")}
+    with pytest.raises(ReplicaFailed, match=r"^replica worker-0 could not start: ErrImagePull: not found$"):
+        supervise(layout, spec, lambda: stuck, stopped.append, tails, timeout=60)
+    with pytest.raises(
+        ReplicaFailed, match=r"timed out after 0 s \(train_timeout_seconds\); stopped chief-0, worker-0"
+    ):
+        supervise(layout, spec, lambda: _states(layout), stopped.append, tails, timeout=0, interval=0)
+    assert stopped[-1] == ("chief-0", "worker-0", "worker-1", "ps-0")
+
+
+def test_log_chunks_become_lines(tmp_path):
+    tail = deque(maxlen=2)
+    pump_lines("worker-0", [b"Epoch 1/", b"2\nloss 0.5\nEpo", b"ch 2/2"], tmp_path / "w.log", tail)
+    assert (tmp_path / "w.log").read_text() == "Epoch 1/2\nloss 0.5\nEpoch 2/2\n"
+    assert list(tail) == ["loss 0.5", "Epoch 2/2"]
+
+
+def test_provision_stage_plans_named_addresses_for_the_docker_backend(hetflow_env):
+    from tasks import stages
+    from tasks.paths import run_paths
+
+    stages.validate_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2}, "named-run")
+    stages.provision_cluster("named-run")
+    cluster = json.loads(run_paths("named-run").cluster.read_text())
+    assert [r["address"] for r in cluster["replicas"]] == [
+        f"hetflow-{run_slug('named-run')}-worker-{i}:2222" for i in range(2)
+    ]
+
+
+# --- linters of docker/ ---------------------------------------------------------------------------
+
+
+def _run(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=REPO)
+
+
+def test_dockerfile_passes_hadolint_and_hadolint_rejects_a_bad_one(tmp_path):
+    result = _run(BIN / "hadolint", "docker/Dockerfile")
+    assert result.returncode == 0, result.stdout + result.stderr
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN apt-get install curl\nUSER root\n")
+    result = _run(BIN / "hadolint", bad)
+    assert result.returncode != 0 and "DL3007" in result.stdout  # "latest" is not a pinned base image
+
+
+def test_compose_file_passes_the_compose_schema_and_the_schema_rejects_a_bad_one(tmp_path):
+    result = _run(BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec", "docker/compose.yaml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    bad = tmp_path / "compose.yaml"
+    bad.write_text("services:\n  mlflow:\n    image: x\n    restart_policy: always\n")
+    result = _run(BIN / "check-jsonschema", "--builtin-schema", "vendor.compose-spec", bad)
+    assert result.returncode != 0 and "restart_policy" in result.stdout
+
+
+def test_compose_stack_has_postgres_airflow_and_mlflow_on_a_shared_home():
+    compose = yaml.safe_load((REPO / "docker/compose.yaml").read_text())
+    services = compose["services"]
+    assert {
+        "postgres",
+        "airflow-apiserver",
+        "airflow-scheduler",
+        "airflow-dag-processor",
+        "airflow-triggerer",
+        "mlflow",
+    } <= set(services)
+    mlflow_command = " ".join(services["mlflow"]["command"])
+    assert "--backend-store-uri=postgresql" in mlflow_command and "@postgres/mlflow" in mlflow_command
+    assert "--artifacts-destination=${HETFLOW_HOME}/mlflow-artifacts" in mlflow_command
+    for name in ("airflow-scheduler", "mlflow"):
+        assert "${HETFLOW_HOME}:${HETFLOW_HOME}" in services[name]["volumes"]
+    assert "postgresql" in services["airflow-scheduler"]["environment"]["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    assert all(port.startswith("127.0.0.1:") for s in services.values() for port in s.get("ports", []))
+
+
+# --- real runs, where an engine or a cluster exists -----------------------------------------------
+
+
+def _docker_engine():
+    if shutil.which("docker") is None:
+        return None
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        return None
+    import docker
+
+    return docker.from_env()
+
+
+def _kube_context() -> bool:
+    from kubernetes import config
+
+    try:
+        config.list_kube_config_contexts()
+    except (config.ConfigException, FileNotFoundError):
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def docker_client():
+    client = _docker_engine()
+    if client is None:
+        pytest.skip("no Docker engine: `docker info` failed")
+    import docker
+
+    try:
+        client.images.get("hetflow-replica:0.1.0")
+    except docker.errors.ImageNotFound:  # built once, from the repo's own Dockerfile
+        client.images.build(path=str(REPO), dockerfile="docker/Dockerfile", tag="hetflow-replica:0.1.0", rm=True)
+    return client
+
+
+@pytest.mark.slow
+def test_a_parameter_server_run_in_docker_trains_and_leaves_nothing(docker_client, hetflow_env):
+    from tasks import stages
+    from tasks.paths import run_paths
+
+    run = "docker-ps-run"
+    stages.validate_spec(
+        {"backend": "docker", "strategy": "parameter_server", "workers": 2, "ps": 1, "epochs": 2, "steps_per_epoch": 5},
+        run,
+    )
+    stages.prepare_data(run)
+    stages.provision_cluster(run)
+    try:
+        training = stages.train(run)
+        assert training["epochs"] == 2
+        assert "Epoch 2/" in (run_paths(run).logs / "chief-0.log").read_text()
+        selector = {"label": f"hetflow.run={run_slug(run)}"}
+        assert docker_client.containers.list(all=True, filters=selector) == []  # ps stopped and removed
+        assert docker_client.networks.list(filters=selector) == []
+    finally:
+        assert stages.teardown_cluster(run) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _kube_context(), reason="no Kubernetes cluster: no kubeconfig/context")
+def test_a_sync_run_on_kubernetes_trains_and_deleting_the_run_leaves_nothing(hetflow_env):
+    """Needs the current context's namespace `default` to hold a ReadWriteMany claim `hetflow-home`
+    that is this machine's HETFLOW_HOME (e.g. a hostPath volume of a kind cluster on this host)."""
+    import kubernetes
+
+    from tasks import stages
+    from tasks.paths import run_paths
+
+    run = "kube-mwms-run"
+    stages.validate_spec(
+        {"backend": "kubernetes", "strategy": "multi_worker_mirrored", "workers": 2, "epochs": 2, "steps_per_epoch": 5},
+        run,
+    )
+    stages.prepare_data(run)
+    stages.provision_cluster(run)
+    try:
+        assert stages.train(run)["epochs"] == 2
+        assert "Epoch 2/" in (run_paths(run).logs / "worker-0.log").read_text()
+    finally:
+        stages.teardown_cluster(run)
+    core = kubernetes.client.CoreV1Api()
+    left = core.list_namespaced_pod("default", label_selector=f"hetflow.dev/run={run_slug(run)}").items
+    assert all(p.metadata.deletion_timestamp for p in left)  # every pod is gone or going
