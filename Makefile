@@ -29,9 +29,11 @@ test: setup
 test-fast: setup
 	$(BIN)/pytest -v -m "not slow"
 
-## training throughput per strategy, written to bench/RESULTS.md (subset: ARGS="--cases baseline,one_worker")
+## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md) and stragglers (bench/STRAGGLER.md)
 bench: setup
 	$(BIN)/python bench/run.py $(ARGS)
+	$(BIN)/python bench/compression.py
+	$(BIN)/python bench/straggler.py
 
 ## style and static checks
 lint: setup lint-docker

@@ -41,6 +41,14 @@ class RunPaths:
         return self.root / "cluster.json"
 
     @property
+    def probes(self) -> Path:
+        return self.root / "probe"
+
+    @property
+    def plan(self) -> Path:
+        return self.root / "plan.json"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

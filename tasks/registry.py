@@ -105,6 +105,8 @@ def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
     for worker, numbers in training["per_worker"].items():
         for key, value in numbers.items():
             metrics[f"{worker.replace('-', '_')}_{key}"] = value
+    if training.get("seconds_to_target") is not None:
+        metrics["seconds_to_target_accuracy"] = training["seconds_to_target"]
     if "staleness" in training:
         metrics["staleness_mean"] = training["staleness"]["mean"]
         metrics["staleness_max"] = training["staleness"]["max"]
@@ -144,8 +146,17 @@ def log_run_record(
         "replicas_in_sync": training["replicas_in_sync"],
         "per_replica_batch": training["per_replica_batch"],
     }
-    now = get_current_time_millis()
     summary = {**_summary_metrics(training, evaluation), **_export_metrics(exported)}
+    if paths.plan.exists():  # the workers were probed (balance_batches, strategy=auto)
+        plan = json.loads(paths.plan.read_text())
+        params["requested_strategy"] = plan["requested"]["strategy"]
+        for probe in plan["probes"]:
+            summary[f"probe_{probe['worker'].replace('-', '_')}_examples_per_second"] = probe["examples_per_second"]
+        if "decision" in plan:
+            tags["auto.decision"] = plan["decision"]["reason"]
+        if "worker_batches" in plan:
+            params["worker_batches"] = plan["worker_batches"]
+    now = get_current_time_millis()
     metrics = [Metric(key, value, now, 0) for key, value in summary.items()]
     # A retried task must not append a second copy of the per-epoch history.
     if not client.get_metric_history(run_id, "train_loss"):
@@ -159,6 +170,8 @@ def log_run_record(
         client.log_batch(run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH])
     for path in (paths.spec, paths.dataset, paths.training, paths.evaluation, paths.compression, paths.export):
         client.log_artifact(run_id, str(path), "run")
+    if paths.plan.exists():
+        client.log_artifact(run_id, str(paths.plan), "run")
     client.log_artifacts(run_id, str(paths.logs), "logs")
     client.log_artifacts(run_id, str(paths.plots), "plots")
 

@@ -18,6 +18,7 @@ from tasks.spec import RunSpec
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--probe", action="store_true", help="measure this worker's speed alone, then exit")
     args = parser.parse_args(argv)
     paths = RunPaths(args.run_dir)
     spec = RunSpec.model_validate_json(paths.spec.read_text())
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from tasks.strategies import run_replica
 
-    run_replica(spec, dataset, paths, task)
+    run_replica(spec, dataset, paths, task, probe=args.probe)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,24 @@ def _field(default: Any, section: str, description: str, **constraints: Any) -> 
     return Field(default, description=description, json_schema_extra={"section": section}, **constraints)
 
 
-STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
-SYNC_STRATEGIES = ("one_device", "mirrored", "multi_worker_mirrored", "model_parallel")
+STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
+
+
+class WorkerDevice(BaseModel):
+    """One worker of a heterogeneous cluster."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: Literal["cpu", "gpu"] = Field("cpu", description="Device kind the worker computes on.")
+    count: int = Field(1, ge=1, le=8, description="Devices of that kind on the worker.")
+    threads: int = Field(0, ge=0, le=64, description="TensorFlow intra/inter-op threads; 0 takes replica_threads.")
+    slowdown: float = Field(
+        1.0,
+        ge=1.0,
+        le=20.0,
+        description="Simulates a slower machine on the local backend: the worker gets 1/slowdown of the "
+        "CPU time (its process is throttled from outside; the training code is unchanged).",
+    )
 
 
 class RunSpec(BaseModel):
@@ -41,7 +57,9 @@ class RunSpec(BaseModel):
     strategy: Literal[STRATEGIES] = _field(
         "one_device",
         "Cluster",
-        "`one_device`: one replica, one device. `mirrored`: one replica, several devices, sync all-reduce. "
+        "`auto`: measure every worker first, then choose one_device, balanced sync or async (the decision "
+        "and its numbers are logged). `one_device`: one replica, one device. `mirrored`: one replica, several "
+        "devices, sync all-reduce. "
         "`multi_worker_mirrored`: several workers, sync all-reduce (worker 0 is chief). `parameter_server`: "
         "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: one "
         "replica, the model's layer groups placed on different devices.",
@@ -101,6 +119,20 @@ class RunSpec(BaseModel):
         1, "Cluster", "Training workers (several only with multi_worker_mirrored or parameter_server).", ge=1, le=16
     )
     ps: int = _field(0, "Cluster", "Parameter servers (parameter_server needs at least one).", ge=0, le=8)
+    worker_devices: list[WorkerDevice] = _field(
+        [],
+        "Cluster",
+        "Per worker, for heterogeneous clusters: device kind, device count, threads and (simulation) slowdown, "
+        'e.g. [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 2}]. Empty: '
+        "every worker alike.",
+        max_length=16,
+    )
+    balance_batches: bool = _field(
+        False,
+        "Cluster",
+        "multi_worker_mirrored only: measure each worker's speed first and give it a share of the global batch "
+        "proportional to it; the loss is weighted so each update is still exactly the global-batch gradient.",
+    )
     devices_per_worker: int = _field(
         1,
         "Cluster",
@@ -129,6 +161,14 @@ class RunSpec(BaseModel):
     )
     batch_size: int = _field(32, "Training", "Global batch size, summed over all replicas.", ge=1, le=65_536)
     learning_rate: float = _field(0.001, "Training", "Base learning rate.", gt=0, le=10)
+    target_accuracy: float | None = _field(
+        None,
+        "Training",
+        "Stop training at the end of the first epoch whose validation accuracy reaches this (the time to "
+        "reach it is logged); empty trains all epochs.",
+        gt=0,
+        le=1,
+    )
     lr_scaling: Literal["none", "linear"] = _field(
         "none",
         "Training",
@@ -188,6 +228,12 @@ class RunSpec(BaseModel):
             return self.workers * self.devices_per_worker
         return 1
 
+    def worker_device(self, index: int) -> WorkerDevice:
+        """Worker ``index``'s device settings (the defaults where worker_devices is empty)."""
+        if self.worker_devices:
+            return self.worker_devices[index]
+        return WorkerDevice(count=self.devices_per_worker)
+
 
 SPEC_KEYS: tuple[str, ...] = tuple(RunSpec.model_fields)
 
@@ -229,6 +275,31 @@ def cluster_problems(spec: RunSpec) -> list[str]:
         problems.append(
             f"devices_per_worker={spec.devices_per_worker} is invalid with strategy=model_parallel: "
             "expected 2 or more (one device per layer group)"
+        )
+    if spec.worker_devices and len(spec.worker_devices) != spec.workers:
+        problems.append(
+            f"worker_devices has {len(spec.worker_devices)} entries with workers={spec.workers}: "
+            "expected one entry per worker, or none"
+        )
+    if spec.backend != "local" and any(d.slowdown != 1.0 for d in spec.worker_devices):
+        problems.append(
+            f"worker_devices slowdown is invalid with backend={spec.backend}: expected 1 "
+            "(the slowdown simulates slower machines on the local backend only)"
+        )
+    if (spec.strategy == "auto" or spec.balance_batches) and spec.backend != "local":
+        problems.append(
+            f"backend={spec.backend} is invalid with strategy={spec.strategy}, balance_batches="
+            f"{json.dumps(spec.balance_batches)}: expected backend=local (worker probes run as local processes)"
+        )
+    if spec.pin_cores and spec.strategy == "parameter_server":
+        problems.append(
+            "pin_cores=true is invalid with strategy=parameter_server: expected false (pinned ps, workers and "
+            "chief were seen to stall the coordinator here)"
+        )
+    if spec.balance_batches and (spec.strategy != "multi_worker_mirrored" or spec.devices_per_worker != 1):
+        problems.append(
+            f"balance_batches=true is invalid with strategy={spec.strategy}, devices_per_worker="
+            f"{spec.devices_per_worker}: expected strategy=multi_worker_mirrored with devices_per_worker=1"
         )
     if spec.batch_size % spec.replicas_in_sync:
         problems.append(
@@ -272,6 +343,9 @@ def _field_schema(key: str) -> dict[str, Any]:
         schema["nullable"] = len(typed) < len(branches)
     if "const" in schema:
         schema["enum"] = [schema.pop("const")]
+    reference = schema.get("items", {}).get("$ref")
+    if reference:  # a list of sub-models: the form needs the item schema inline
+        schema["items"] = RunSpec.model_json_schema()["$defs"][reference.rsplit("/", 1)[1]]
     return schema
 
 
@@ -282,9 +356,11 @@ def allowed_values(key: str) -> str:
     schema = _field_schema(key)
     if "enum" in schema:
         return "one of " + ", ".join(str(v) for v in schema["enum"])
-    if schema.get("type") == "array":
+    if schema.get("type") == "array" and "enum" in schema["items"]:
         items = schema["items"]["enum"]
         return f"a list of {schema.get('minItems', 0)} or more of " + ", ".join(items)
+    if schema.get("type") == "array":
+        return "a list of objects with keys " + ", ".join(schema["items"]["properties"])
     bounds = [
         f"{sign} {schema[bound]}"
         for bound, sign in (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
@@ -303,10 +379,16 @@ def allowed_values(key: str) -> str:
 def _problem_line(error: dict[str, Any]) -> str:
     key = str(error["loc"][0]) if error["loc"] else "spec"
     value = json.dumps(error.get("input"), default=str)
+    if error["type"] == "extra_forbidden" and len(error["loc"]) > 2:
+        index, field = error["loc"][1], error["loc"][2]
+        return f"unknown key {key}[{index}].{field}; allowed keys: {', '.join(WorkerDevice.model_fields)}"
     if error["type"] == "extra_forbidden":
         guess = difflib.get_close_matches(key, SPEC_KEYS, n=1)
         hint = f" (did you mean {guess[0]!r}?)" if guess else ""
         return f"unknown key {key!r}={value}{hint}; allowed keys: {', '.join(SPEC_KEYS)}"
+    if len(error["loc"]) > 2:  # a field of a list element (worker_devices[1].slowdown)
+        index, field = error["loc"][1], ".".join(str(part) for part in error["loc"][2:])
+        return f"{key}[{index}].{field}={value} is invalid: {error['msg'].lower()}"
     if key in RunSpec.model_fields:
         item = "".join(f"[{index}]" for index in error["loc"][1:])  # an element of a list
         return f"{key}{item}={value} is invalid: expected {allowed_values(key)}"

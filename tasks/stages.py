@@ -66,7 +66,14 @@ def provision_cluster(run_id: str) -> dict[str, Any]:
     from tasks.cluster import backends
 
     paths = run_paths(run_id)
-    layout = backends.plan(load_spec(paths), run_id)
+    spec = load_spec(paths)
+    if spec.strategy == "auto" or spec.balance_batches:
+        from tasks.auto import plan_training
+
+        spec = plan_training(spec, run_id, paths)
+        # From here on the run trains with the resolved spec; the request stays in plan.json.
+        paths.spec.write_text(spec.model_dump_json(indent=2))
+    layout = backends.plan(spec, run_id)
     paths.cluster.write_text(json.dumps(layout.to_dict(), indent=2))
     log.info("cluster: %s", layout.cluster_spec())
     return layout.to_dict()

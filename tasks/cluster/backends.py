@@ -33,7 +33,7 @@ def make_cluster(spec: RunSpec, layout: ClusterLayout, run_dir: Path, logs_dir: 
         return KubernetesCluster(layout, spec, run_dir, logs_dir)
     from tasks.cluster.local import LocalCluster
 
-    return LocalCluster(layout, run_dir, logs_dir, spec.pin_cores)
+    return LocalCluster(layout, spec, run_dir, logs_dir)
 
 
 def teardown(spec: RunSpec | None, run_id: str) -> list:

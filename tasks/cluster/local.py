@@ -22,6 +22,7 @@ from pathlib import Path
 
 from tasks.cluster.layout import ClusterLayout, Replica
 from tasks.paths import REPO_ROOT
+from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
 
@@ -54,14 +55,60 @@ def core_assignment(layout: ClusterLayout) -> dict[str, int]:
     return {replica.name: cores[i % len(cores)] for i, replica in enumerate(replicas)}
 
 
+def visible_gpus(layout: ClusterLayout, spec: RunSpec) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES per replica: each GPU worker gets its own GPUs, in worker order; CPU
+    workers, the chief of parameter_server and the ps see none."""
+    visible, next_gpu = {}, 0
+    for replica in layout.replicas:
+        device = spec.worker_device(replica.index) if replica.role == "worker" else None
+        if device is not None and device.device == "gpu":
+            visible[replica.name] = ",".join(str(next_gpu + i) for i in range(device.count))
+            next_gpu += device.count
+        else:
+            visible[replica.name] = ""
+    return visible
+
+
+class Throttle(threading.Thread):
+    """Simulates a machine ``slowdown`` times slower: the replica's process group runs for
+    1/slowdown of every period and is stopped (SIGSTOP) for the rest, the way ``cpulimit`` does.
+    A real limit on CPU time from outside the process, not a sleep inside the training loop."""
+
+    PERIOD_SECONDS = 0.1
+
+    def __init__(self, pid: int, slowdown: float):
+        super().__init__(daemon=True)
+        self.pid, self.running_share = pid, 1.0 / slowdown
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            if self.done.wait(self.PERIOD_SECONDS * self.running_share):
+                break
+            if not _signal_group(self.pid, signal.SIGSTOP):
+                return
+            self.done.wait(self.PERIOD_SECONDS * (1 - self.running_share))
+            _signal_group(self.pid, signal.SIGCONT)
+        _signal_group(self.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=1)
+
+
 class LocalCluster:
     """Starts, watches and stops the replicas of one run."""
 
-    def __init__(self, layout: ClusterLayout, run_dir: Path, logs_dir: Path, pin_cores: bool = False):
+    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, logs_dir: Path, probe: bool = False):
+        """``probe``: start the workers to measure their speed alone (``tasks.replica --probe``)."""
         self.layout = layout
+        self.probe = probe
+        self.spec = spec
         self.run_dir = run_dir
         self.logs_dir = logs_dir
-        self.cores = core_assignment(layout) if pin_cores else {}
+        self.cores = core_assignment(layout) if spec.pin_cores else {}
+        self.gpus = visible_gpus(layout, spec)
+        self.throttles: list[Throttle] = []
         self.processes: dict[str, subprocess.Popen] = {}
         self._tails: dict[str, deque[str]] = {}
         self._pumps: list[threading.Thread] = []
@@ -78,9 +125,17 @@ class LocalCluster:
             RUN_ID_ENV: self.layout.run_id,
             "HETFLOW_LAUNCH_TIME": repr(time.time()),
             "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": self.gpus[replica.name],
         }
         process = subprocess.Popen(
-            [sys.executable, "-m", "tasks.replica", "--run-dir", str(self.run_dir)],
+            [
+                sys.executable,
+                "-m",
+                "tasks.replica",
+                "--run-dir",
+                str(self.run_dir),
+                *(["--probe"] if self.probe else []),
+            ],
             cwd=REPO_ROOT,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -94,18 +149,28 @@ class LocalCluster:
         pump = threading.Thread(target=self._pump, args=(replica.name, process), daemon=True)
         pump.start()
         self._pumps.append(pump)
-        core = self.cores.get(replica.name)
-        pinned = f", pinned to core {core}" if core is not None else ""
-        log.info("started %s (pid %d) at %s%s", replica.name, process.pid, replica.address, pinned)
+        notes = []
+        if replica.name in self.cores:
+            notes.append(f"pinned to core {self.cores[replica.name]}")
+        slowdown = self.spec.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
+        if slowdown > 1:
+            throttle = Throttle(process.pid, slowdown)
+            throttle.start()
+            self.throttles.append(throttle)
+            notes.append(f"throttled to 1/{slowdown:g} of the CPU time (simulated slower machine)")
+        log.info(
+            "started %s (pid %d) at %s%s", replica.name, process.pid, replica.address, "".join(f", {n}" for n in notes)
+        )
 
     def _pump(self, name: str, process: subprocess.Popen) -> None:
-        with open(self.logs_dir / f"{name}.log", "w", encoding="utf-8") as log_file:
+        log_name = f"probe-{name}" if self.probe else name
+        with open(self.logs_dir / f"{log_name}.log", "w", encoding="utf-8") as log_file:
             for raw in process.stdout:
                 line = raw.decode("utf-8", "replace").rstrip()
                 log_file.write(line + "\n")
                 log_file.flush()
                 self._tails[name].append(line)
-                log.info("[%s] %s", name, line)
+                log.info("[%s] %s", log_name, line)
 
     def wait(self, timeout: float) -> dict[str, int]:
         """Block until every training replica has exited 0, then stop the server replicas.
@@ -142,6 +207,8 @@ class LocalCluster:
             pump.join(timeout=5)
 
     def stop(self) -> None:
+        for throttle in self.throttles:  # a stopped process would not see SIGTERM
+            throttle.stop()
         stop_process_groups([p.pid for p in self.processes.values()])
 
 

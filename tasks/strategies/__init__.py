@@ -1,6 +1,8 @@
 """Training inside a replica, one module per way of distributing it.
 
+- ``probe``: a short measured run of one worker alone (for balance_batches and auto).
 - ``sync``: one_device, mirrored, multi_worker_mirrored, with ``model.fit`` (all-reduce).
+- ``balanced``: multi_worker_mirrored with per-worker batches proportional to speed (custom loop).
 - ``parameter_server``: async updates with ``ClusterCoordinator`` and a custom loop.
 - ``model_parallel``: one replica, layer groups placed on different devices, custom loop.
 
@@ -15,17 +17,27 @@ from tasks.paths import RunPaths
 from tasks.spec import RunSpec
 
 
-def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
+def run_replica(
+    spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], probe: bool = False
+) -> None:
     from tasks.strategies.common import configure_runtime
 
-    configure_runtime(spec)
-    if spec.strategy == "parameter_server":
+    configure_runtime(spec, task)
+    if probe:
+        from tasks.strategies.probe import measure
+
+        measure(spec, dataset, paths, task)
+    elif spec.strategy == "parameter_server":
         from tasks.strategies import parameter_server
 
         if task["type"] == "chief":
             parameter_server.train(spec, dataset, paths)
         else:
             parameter_server.serve(task)
+    elif spec.balance_batches:
+        from tasks.strategies import balanced
+
+        balanced.train(spec, dataset, paths, task)
     elif spec.strategy == "model_parallel":
         from tasks.strategies import model_parallel
 

@@ -13,21 +13,36 @@ import tensorflow as tf
 from tasks.data.pipeline import eval_input
 from tasks.models import build_model
 from tasks.paths import RunPaths
-from tasks.spec import RunSpec
+from tasks.spec import RunSpec, WorkerDevice
 
 
-def configure_runtime(spec: RunSpec) -> None:
+def replica_device(spec: RunSpec, task: dict[str, Any]) -> WorkerDevice:
+    """This replica's device settings: its worker_devices entry; a chief or ps computes nothing
+    and takes one CPU."""
+    if task["type"] == "worker":
+        return spec.worker_device(task["index"])
+    return WorkerDevice()
+
+
+def configure_runtime(spec: RunSpec, task: dict[str, Any]) -> None:
     """Threads and devices; must run before TensorFlow executes its first op."""
-    if spec.replica_threads:
-        tf.config.threading.set_intra_op_parallelism_threads(spec.replica_threads)
-        tf.config.threading.set_inter_op_parallelism_threads(spec.replica_threads)
-    if spec.devices_per_worker > 1 and not tf.config.list_physical_devices("GPU"):
-        # No GPUs: split the CPU into logical devices, so mirrored and model-parallel placement
-        # run for real (on one machine's cores) with the same code as on several GPUs.
+    device = replica_device(spec, task)
+    threads = device.threads or spec.replica_threads
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    gpus = tf.config.list_physical_devices("GPU")
+    if device.device == "gpu":
+        if len(gpus) < device.count:
+            raise RuntimeError(f"this replica asks for {device.count} GPU(s) but sees {len(gpus)}")
+        tf.config.set_visible_devices(gpus[: device.count], "GPU")
+        return
+    tf.config.set_visible_devices([], "GPU")
+    if device.count > 1:
+        # Split the CPU into logical devices, so mirrored and model-parallel placement run for
+        # real (on one machine's cores) with the same code as on several GPUs.
         cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * spec.devices_per_worker
-        )
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * device.count)
 
 
 def local_devices(count: int) -> list[str]:
@@ -75,13 +90,17 @@ def make_optimizer(spec: RunSpec, schedule) -> tf.keras.optimizers.Optimizer:
 
 
 class TrainingClock(tf.keras.callbacks.Callback):
-    """Wall time per epoch, and time from replica launch to the end of the first step."""
+    """Wall time per epoch; time from replica launch to the end of the first step; and, given a
+    target accuracy, the training time until validation accuracy first reached it (training
+    stops there: ``reached`` for custom loops, ``stop_training`` for ``model.fit``)."""
 
-    def __init__(self):
+    def __init__(self, target_accuracy: float | None = None):
         super().__init__()
         self.launched_at = float(os.environ.get("HETFLOW_LAUNCH_TIME", time.time()))
+        self.target_accuracy = target_accuracy
         self.first_step_seconds: float | None = None
         self.epoch_seconds: list[float] = []
+        self.seconds_to_target: float | None = None
         self._epoch_start = 0.0
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -96,6 +115,29 @@ class TrainingClock(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch_seconds.append(time.perf_counter() - self._epoch_start)
+        accuracy = (logs or {}).get("val_accuracy")
+        if self.target_accuracy is not None and not self.reached and accuracy >= self.target_accuracy:
+            self.seconds_to_target = sum(self.epoch_seconds)
+            if self.model is not None:
+                self.model.stop_training = True
+
+    @property
+    def reached(self) -> bool:
+        return self.seconds_to_target is not None
+
+    @property
+    def epochs_done(self) -> int:
+        return len(self.epoch_seconds)
+
+    def record(self) -> dict[str, Any]:
+        """The timing part of training.json."""
+        return {
+            "epochs_done": self.epochs_done,
+            "epoch_seconds": self.epoch_seconds,
+            "time_to_first_step_seconds": self.first_step_seconds,
+            "target_accuracy": self.target_accuracy,
+            "seconds_to_target": self.seconds_to_target,
+        }
 
 
 def validation_metrics(predict, dataset: dict[str, Any]) -> tuple[float, float]:

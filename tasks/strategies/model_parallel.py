@@ -65,7 +65,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
 
     predict = tf.function(lambda images: forward(images, training=False))
     batches = iter(train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed))
-    clock = TrainingClock()
+    clock = TrainingClock(spec.target_accuracy)
     history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
     started = time.perf_counter()
     for epoch in range(spec.epochs):
@@ -77,7 +77,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             losses.append(float(loss))
             correct += float(hits)
         val_loss, val_accuracy = validation_metrics(predict, dataset)
-        clock.on_epoch_end(epoch)
+        clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
         for name, value in zip(history, (np.mean(losses), correct / (steps * spec.batch_size), val_loss, val_accuracy)):
             history[name].append(float(value))
         print(
@@ -85,9 +85,11 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             f"accuracy: {history['accuracy'][-1]:.4f} - val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f}",
             flush=True,
         )
+        if clock.reached:
+            break
     train_seconds = time.perf_counter() - started
     save_model(model, spec, dataset, paths.model)
-    total_steps = spec.epochs * steps
+    total_steps = clock.epochs_done * steps
     write_training_record(
         paths,
         {
@@ -99,9 +101,8 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             "epochs": spec.epochs,
             "history": history,
             "learning_rate_per_epoch": lr_per_epoch,
-            "epoch_seconds": clock.epoch_seconds,
             "train_seconds": train_seconds,
-            "time_to_first_step_seconds": clock.first_step_seconds,
+            **clock.record(),
             "examples_per_second": spec.batch_size * total_steps / train_seconds,
             "per_worker": {
                 "worker-0": {

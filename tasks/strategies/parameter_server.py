@@ -113,10 +113,10 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
 
     closures_per_epoch = -(-steps // STEPS_PER_CLOSURE)  # ceil: at least the steps asked for
     steps = closures_per_epoch * STEPS_PER_CLOSURE
-    clock = TrainingClock()
+    clock = TrainingClock(spec.target_accuracy)
     history: dict[str, list[float]] = {"loss": [], "val_loss": [], "val_accuracy": []}
     all_staleness: list[int] = []
-    steps_by_worker: Counter[int] = Counter()
+    staleness_by_worker: dict[int, list[int]] = {}
     started = time.perf_counter()
     for epoch in range(spec.epochs):
         clock.on_epoch_begin(epoch)
@@ -128,9 +128,9 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             losses, staleness, worker = result.fetch()
             epoch_losses.extend(losses.tolist())
             all_staleness.extend(int(s) for s in staleness)
-            steps_by_worker[int(worker)] += STEPS_PER_CLOSURE
+            staleness_by_worker.setdefault(int(worker), []).extend(int(s) for s in staleness)
         val_loss, val_accuracy = validation_metrics(lambda images: model(images, training=False), dataset)
-        clock.on_epoch_end(epoch)
+        clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
         history["loss"].append(float(np.mean(epoch_losses)))
         history["val_loss"].append(val_loss)
         history["val_accuracy"].append(val_accuracy)
@@ -140,6 +140,8 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             f"{np.mean(all_staleness[-steps:]):.2f} max {max(all_staleness[-steps:])}",
             flush=True,
         )
+        if clock.reached:
+            break
     train_seconds = time.perf_counter() - started
     save_model(model, spec, dataset, paths.model)
 
@@ -149,7 +151,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
         whole, marker, _ = variable.name.rpartition("/part_")
         if marker:
             shards.setdefault(whole, []).append({"shape": variable.shape.as_list(), "device": variable.device})
-    total_steps = spec.epochs * steps
+    total_steps = clock.epochs_done * steps
     write_training_record(
         paths,
         {
@@ -161,17 +163,19 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             "epochs": spec.epochs,
             "history": history,
             "learning_rate_per_epoch": lr_per_epoch,
-            "epoch_seconds": clock.epoch_seconds,
             "train_seconds": train_seconds,
-            "time_to_first_step_seconds": clock.first_step_seconds,
+            **clock.record(),
             "examples_per_second": spec.batch_size * total_steps / train_seconds,
+            # Each worker's share of the steps, and the staleness of the updates it applied.
             "per_worker": {
                 f"worker-{worker}": {
-                    "steps": count,
-                    "examples_per_second": spec.batch_size * count / train_seconds,
-                    "step_seconds": train_seconds / count,
+                    "steps": len(seen),
+                    "examples_per_second": spec.batch_size * len(seen) / train_seconds,
+                    "step_seconds": train_seconds / len(seen),
+                    "staleness_mean": float(np.mean(seen)),
+                    "staleness_max": int(max(seen)),
                 }
-                for worker, count in sorted(steps_by_worker.items())
+                for worker, seen in sorted(staleness_by_worker.items())
             },
             "staleness": {
                 "mean": float(np.mean(all_staleness)),

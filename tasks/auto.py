@@ -1,0 +1,122 @@
+"""Acting on measured speeds: the probe of every worker, batch shares proportional to speed, and
+``strategy=auto``'s choice between one device, sync, balanced sync and async.
+
+The advice this encodes (DESIGN.md §1): synchronous training when workers are about equally fast,
+since every step waits for the slowest; with unequal workers either give each a share of the
+batch proportional to its speed (balanced sync: nobody waits, the update stays exact) or let each
+apply its own updates (async). And do not distribute at all when a step is so short that
+all-reduce would cost more than it saves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from tasks.paths import RunPaths
+from tasks.spec import RunSpec, parse_spec
+
+log = logging.getLogger("hetflow.auto")
+
+# A step shorter than this on the fastest worker is dominated by all-reduce on CPU replicas
+# (2 gRPC workers ran a small MLP 2-3x slower than one: DESIGN.md §5).
+MIN_STEP_SECONDS_TO_DISTRIBUTE = 0.020
+# Speed spread (fastest / slowest) up to which workers count as even.
+EVEN_SPREAD = 1.2
+# Beyond this spread the slowest worker's share of a balanced batch gets too small to use its
+# device well: async lets it work on full batches of its own.
+ASYNC_SPREAD = 4.0
+
+
+def probe_workers(spec: RunSpec, run_id: str, paths: RunPaths) -> list[dict[str, Any]]:
+    """Run every worker alone for a few seconds, all at once (as they will train), and collect
+    their measured speed, in worker order."""
+    from tasks.cluster.layout import plan_cluster
+    from tasks.cluster.local import LocalCluster
+
+    workers_only = spec.model_copy(update={"strategy": "multi_worker_mirrored", "ps": 0})
+    cluster = LocalCluster(plan_cluster(workers_only, run_id), spec, paths.root, paths.logs, probe=True)
+    try:
+        cluster.start()
+        cluster.wait(timeout=spec.train_timeout_seconds)
+    finally:
+        cluster.stop()
+    return [json.loads((paths.probes / f"worker-{i}.json").read_text()) for i in range(spec.workers)]
+
+
+def split_batch(global_batch: int, speeds: list[float]) -> list[int]:
+    """Shares of ``global_batch`` proportional to ``speeds``, each at least 1, summing exactly."""
+    total = sum(speeds)
+    shares = [max(1, int(global_batch * speed / total)) for speed in speeds]
+    # Hand out what rounding left over (or take back the excess) largest-remainder first.
+    order = sorted(range(len(speeds)), key=lambda i: global_batch * speeds[i] / total - shares[i], reverse=True)
+    while sum(shares) < global_batch:
+        shares[order[0]] += 1
+        order = order[1:] + order[:1]
+    while sum(shares) > global_batch:
+        largest = max(range(len(shares)), key=lambda i: shares[i])
+        shares[largest] -= 1
+    return shares
+
+
+def decide(spec: RunSpec, probes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The strategy for ``spec`` given the probes: the settings to apply and a sentence saying why."""
+    speeds = [p["examples_per_second"] for p in probes]
+    fastest = max(range(len(speeds)), key=lambda i: speeds[i])
+    spread = max(speeds) / min(speeds)
+    step = probes[fastest]["step_seconds"]
+    measured = (
+        f"measured {', '.join(f'{s:.0f}' for s in speeds)} examples/s (spread {spread:.2f}x), "
+        f"{1000 * step:.1f} ms per step on the fastest worker for a {probes[0]['model_parameters']:,}-parameter model"
+    )
+    if spec.workers == 1 or step < MIN_STEP_SECONDS_TO_DISTRIBUTE:
+        why = "one worker" if spec.workers == 1 else f"steps under {1000 * MIN_STEP_SECONDS_TO_DISTRIBUTE:.0f} ms"
+        device = spec.worker_device(fastest)
+        return {
+            "strategy": "one_device",
+            "settings": {"strategy": "one_device", "workers": 1, "ps": 0, "worker_devices": [device.model_dump()]},
+            "reason": f"auto chose one_device on worker-{fastest}: {measured}; {why} would spend more time in "
+            "all-reduce than a second worker saves",
+        }
+    if spread <= EVEN_SPREAD and spec.batch_size % spec.workers == 0:
+        return {
+            "strategy": "multi_worker_mirrored",
+            "settings": {"strategy": "multi_worker_mirrored", "ps": 0},
+            "reason": f"auto chose sync all-reduce (multi_worker_mirrored): {measured}; the workers are even "
+            f"(spread <= {EVEN_SPREAD}), so equal batches make no one wait",
+        }
+    shares = split_batch(spec.batch_size, speeds)
+    if spread <= ASYNC_SPREAD:
+        return {
+            "strategy": "multi_worker_mirrored",
+            "settings": {"strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": True},
+            "reason": f"auto chose balanced sync: {measured}; per-worker batches {'/'.join(map(str, shares))} "
+            f"(global {spec.batch_size}) let every worker finish a step at the same time, with the exact "
+            "global-batch update",
+        }
+    per_worker = max(1, spec.batch_size // spec.workers)
+    return {
+        "strategy": "parameter_server",
+        "settings": {"strategy": "parameter_server", "ps": max(spec.ps, 1), "batch_size": per_worker},
+        "reason": f"auto chose async (parameter_server): {measured}; beyond a {ASYNC_SPREAD}x spread the slowest "
+        f"worker's balanced share would be {min(shares)} examples, so each worker applies its own batches of "
+        f"{per_worker} instead",
+    }
+
+
+def plan_training(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
+    """Probe the workers; resolve ``auto``; fix balanced batch shares. Writes plan.json and
+    returns the spec to train with (the requested one stays in the plan)."""
+    probes = probe_workers(spec, run_id, paths)
+    plan: dict[str, Any] = {"requested": spec.model_dump(), "probes": probes}
+    if spec.strategy == "auto":
+        decision = decide(spec, probes)
+        plan["decision"] = decision
+        log.info("%s", decision["reason"])
+        spec = parse_spec({**spec.model_dump(), **decision["settings"]})
+    if spec.balance_batches:
+        plan["worker_batches"] = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
+        log.info("balanced per-worker batches: %s", plan["worker_batches"])
+    paths.plan.write_text(json.dumps(plan, indent=2))
+    return spec

@@ -1,0 +1,133 @@
+"""Balanced synchronous training: multi_worker_mirrored with per-worker batches proportional to
+each worker's measured speed (``balance_batches``, chosen by ``strategy=auto`` for uneven workers).
+
+With equal batches every step waits for the slowest worker. Here worker i takes a share b_i of
+each global batch B (b_i proportional to its probed examples/s, sum b_i = B), so all finish a step
+at about the same time. Every worker reads the same global batches (same seed) and keeps its own
+contiguous slice, so the slices of a step are exactly the global batch. Each worker's loss is its
+examples' summed loss divided by B, not by b_i; all-reduce sums the gradients, so the update is
+exactly the mean gradient over the global batch, as one replica with batch B would compute it.
+
+A custom loop serves this: ``model.fit`` divides each replica's loss by its own batch size and
+would weight a small share as much as a large one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from tasks.data.pipeline import train_input
+from tasks.models import build_model
+from tasks.paths import RunPaths
+from tasks.spec import RunSpec
+from tasks.strategies.common import (
+    TrainingClock,
+    learning_rate,
+    make_optimizer,
+    save_model,
+    steps_per_epoch,
+    validation_metrics,
+    write_training_record,
+)
+from tasks.strategies.sync import is_chief, make_strategy
+
+
+def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
+    shares = json.loads(paths.plan.read_text())["worker_batches"]
+    offsets = [0, *itertools.accumulate(shares)]
+    strategy = make_strategy(spec)
+    steps = steps_per_epoch(spec, dataset)
+    schedule, lr_per_epoch = learning_rate(spec, strategy.num_replicas_in_sync, steps)
+    with strategy.scope():
+        model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
+        optimizer = make_optimizer(spec, schedule)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+
+    def worker_slice(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        start, end = offsets[context.input_pipeline_id], offsets[context.input_pipeline_id + 1]
+        global_batches = train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed)
+        return global_batches.map(lambda images, labels: (images[start:end], labels[start:end]))
+
+    batches = iter(strategy.distribute_datasets_from_function(worker_slice))
+
+    def replica_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = tf.reduce_sum(loss_fn(labels, logits)) / spec.batch_size
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # all-reduce: sum over workers
+        correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
+        return loss, correct
+
+    @tf.function
+    def train_step(iterator):
+        loss, correct = strategy.run(replica_step, args=next(iterator))
+        total = tf.distribute.ReduceOp.SUM
+        return strategy.reduce(total, loss, axis=None), strategy.reduce(total, correct, axis=None)
+
+    predict = tf.function(lambda images: model(images, training=False))
+    clock = TrainingClock(spec.target_accuracy)
+    history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
+    print(f"balanced batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
+    started = time.perf_counter()
+    for epoch in range(spec.epochs):
+        clock.on_epoch_begin(epoch)
+        losses, correct = [], 0.0
+        for _ in range(steps):
+            loss, hits = train_step(batches)
+            clock.first_step_done()
+            losses.append(float(loss))
+            correct += float(hits)
+        val_loss, val_accuracy = validation_metrics(predict, dataset)
+        clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
+        for name, value in zip(history, (np.mean(losses), correct / (steps * spec.batch_size), val_loss, val_accuracy)):
+            history[name].append(float(value))
+        print(
+            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s - loss: {history['loss'][-1]:.4f} - "
+            f"accuracy: {history['accuracy'][-1]:.4f} - val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f}",
+            flush=True,
+        )
+        if clock.reached:  # every worker sees the same validation accuracy, so all stop together
+            break
+    train_seconds = time.perf_counter() - started
+
+    if not is_chief(task):
+        with tempfile.TemporaryDirectory() as scratch:
+            save_model(model, spec, dataset, f"{scratch}/model.keras")
+        return
+    save_model(model, spec, dataset, paths.model)
+    total_steps = clock.epochs_done * steps
+    write_training_record(
+        paths,
+        {
+            "strategy": spec.strategy,
+            "balanced": True,
+            "worker_batches": shares,
+            "replicas_in_sync": strategy.num_replicas_in_sync,
+            "global_batch": spec.batch_size,
+            "per_replica_batch": spec.batch_size // strategy.num_replicas_in_sync,
+            "steps_per_epoch": steps,
+            "epochs": spec.epochs,
+            "history": history,
+            "learning_rate_per_epoch": lr_per_epoch,
+            **clock.record(),
+            "train_seconds": train_seconds,
+            "examples_per_second": spec.batch_size * total_steps / train_seconds,
+            "per_worker": {
+                f"worker-{i}": {
+                    "steps": total_steps,
+                    "batch": share,
+                    "examples_per_second": share * total_steps / train_seconds,
+                    "step_seconds": train_seconds / total_steps,
+                }
+                for i, share in enumerate(shares)
+            },
+        },
+    )

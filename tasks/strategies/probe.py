@@ -1,0 +1,52 @@
+"""The probe: a short measured training run on one worker, alone, with its own devices, threads
+and throttle, before the cluster trains. Its examples/s is what ``balance_batches`` and
+``strategy=auto`` act on."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from tasks.data.pipeline import train_input
+from tasks.models import build_model, compile_model
+from tasks.paths import RunPaths
+from tasks.spec import RunSpec
+from tasks.strategies.common import make_optimizer
+
+WARMUP_STEPS = 5  # tracing and first-touch costs stay out of the measurement
+MIN_MEASURED_STEPS = 10
+MIN_MEASURED_SECONDS = 3.0
+
+
+def measure(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> dict[str, Any]:
+    """Train this worker's share of an even global batch until at least MIN_MEASURED_STEPS steps
+    and MIN_MEASURED_SECONDS have passed; write probe/<worker>.json."""
+    batch = max(1, spec.batch_size // spec.workers)
+    model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
+    compile_model(model, make_optimizer(spec, spec.learning_rate))
+    batches = iter(train_input(dataset, per_worker_batch=batch, shuffle=spec.shuffle, seed=spec.seed))
+    for _ in range(WARMUP_STEPS):
+        model.train_on_batch(*next(batches))
+    steps, started = 0, time.perf_counter()
+    while steps < MIN_MEASURED_STEPS or time.perf_counter() - started < MIN_MEASURED_SECONDS:
+        model.train_on_batch(*next(batches))
+        steps += 1
+    seconds = time.perf_counter() - started
+    name = f"{task['type']}-{task['index']}"
+    result = {
+        "worker": name,
+        "batch": batch,
+        "steps": steps,
+        "step_seconds": seconds / steps,
+        "examples_per_second": batch * steps / seconds,
+        "model_parameters": model.count_params(),
+    }
+    paths.probes.mkdir(parents=True, exist_ok=True)
+    (paths.probes / f"{name}.json").write_text(json.dumps(result, indent=2))
+    print(
+        f"probe {name}: {result['examples_per_second']:.0f} examples/s ({1000 * result['step_seconds']:.1f} ms "
+        f"per step of {batch})",
+        flush=True,
+    )
+    return result

@@ -1,0 +1,176 @@
+"""Heterogeneous clusters: throttled workers, probes, balanced sync, strategy=auto, target accuracy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import hetflow
+
+from tasks.auto import ASYNC_SPREAD, decide, split_batch
+from tasks.spec import parse_spec
+
+SLOW_WORKER = '[{"threads": 1}, {"threads": 1, "slowdown": 3}]'
+
+
+def _probe(worker: int, speed: float, step_seconds: float) -> dict:
+    return {
+        "worker": f"worker-{worker}",
+        "examples_per_second": speed,
+        "step_seconds": step_seconds,
+        "batch": 32,
+        "model_parameters": 1_116_970,
+    }
+
+
+def _spec(**values):
+    return parse_spec({"strategy": "auto", "workers": 2, "batch_size": 64, **values})
+
+
+def test_split_batch_is_proportional_and_exact():
+    assert split_batch(64, [800, 400]) == [43, 21]
+    assert split_batch(64, [1, 1]) == [32, 32]
+    assert split_batch(10, [100, 1, 1]) == [8, 1, 1]
+    for speeds in ([3, 7], [1, 2, 3], [5, 5, 1]):
+        assert sum(split_batch(31, speeds)) == 31
+
+
+def test_auto_keeps_short_steps_on_one_device():
+    decision = decide(_spec(), [_probe(0, 9000, 0.004), _probe(1, 8800, 0.004)])
+    assert decision["strategy"] == "one_device" and decision["settings"]["workers"] == 1
+    assert "steps under 20 ms" in decision["reason"]
+
+
+def test_auto_uses_plain_sync_for_an_even_cluster():
+    decision = decide(_spec(), [_probe(0, 700, 0.09), _probe(1, 680, 0.094)])
+    assert decision["settings"] == {"strategy": "multi_worker_mirrored", "ps": 0}
+    assert "spread 1.03x" in decision["reason"]
+
+
+def test_auto_balances_a_worker_twice_as_slow():
+    decision = decide(_spec(), [_probe(0, 700, 0.09), _probe(1, 350, 0.18)])
+    assert decision["settings"]["balance_batches"] is True
+    assert "per-worker batches 43/21 (global 64)" in decision["reason"]
+
+
+def test_auto_goes_async_beyond_the_async_spread():
+    decision = decide(_spec(), [_probe(0, 1000, 0.03), _probe(1, 1000 / (ASYNC_SPREAD + 1), 0.15)])
+    assert decision["settings"] == {"strategy": "parameter_server", "ps": 1, "batch_size": 32}
+
+
+def test_visible_gpus_give_each_gpu_worker_its_own_devices():
+    from tasks.cluster.layout import plan_cluster
+    from tasks.cluster.local import visible_gpus
+
+    spec = parse_spec(
+        {
+            "strategy": "multi_worker_mirrored",
+            "workers": 3,
+            "batch_size": 60,
+            "worker_devices": [{"device": "gpu", "count": 2}, {"device": "cpu"}, {"device": "gpu"}],
+        }
+    )
+    assert visible_gpus(plan_cluster(spec, "r"), spec) == {"worker-0": "0,1", "worker-1": "", "worker-2": "2"}
+
+
+def test_throttle_limits_cpu_time_from_outside():
+    from tasks.cluster.local import Throttle
+
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    throttle = Throttle(busy.pid, slowdown=4)
+    try:
+        throttle.start()
+        started_cpu, started = _cpu_seconds(busy.pid), time.monotonic()
+        time.sleep(2.0)
+        share = (_cpu_seconds(busy.pid) - started_cpu) / (time.monotonic() - started)
+        assert 0.15 <= share <= 0.35  # 1/4 of the CPU time, give or take scheduling
+    finally:
+        throttle.stop()
+        busy.kill()
+        busy.wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / 100  # utime + stime, in clock ticks
+
+
+def _train(env, *sets: str) -> tuple[dict, object]:
+    args = ["train"]
+    for assignment in sets:
+        args += ["--set", assignment]
+    done = hetflow(env, *args)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    from pathlib import Path
+
+    record = Path(done.stdout.strip().splitlines()[-1])
+    return json.loads(record.read_text()), record.parent
+
+
+@pytest.mark.slow
+def test_balanced_update_on_unequal_shards_equals_the_single_replica_update(hetflow_env):
+    import tensorflow as tf
+
+    same = ["optimizer=sgd", "learning_rate=0.1", "shuffle=false", "epochs=1", "steps_per_epoch=8", "batch_size=32"]
+    _, single = _train(hetflow_env, "strategy=one_device", *same)
+    record, balanced = _train(
+        hetflow_env,
+        "strategy=multi_worker_mirrored",
+        "workers=2",
+        "balance_batches=true",
+        f"worker_devices={SLOW_WORKER}",
+        *same,
+    )
+    plan = json.loads((balanced / "plan.json").read_text())
+    speeds = [p["examples_per_second"] for p in plan["probes"]]
+    assert speeds[0] > 1.5 * speeds[1]  # the throttled worker measured slower
+    assert record["worker_batches"] == plan["worker_batches"] and sum(record["worker_batches"]) == 32
+    assert record["worker_batches"][0] > record["worker_batches"][1]
+    weights = [tf.keras.models.load_model(d / "model.keras", compile=False).get_weights() for d in (single, balanced)]
+    difference = max(float(np.max(np.abs(a - b))) for a, b in zip(*weights))
+    assert difference <= 1e-5
+
+
+@pytest.mark.slow
+def test_target_accuracy_stops_training_and_times_it(hetflow_env):
+    record, _ = _train(hetflow_env, "epochs=60", "target_accuracy=0.9")
+    assert record["epochs_done"] < 60
+    assert record["history"]["val_accuracy"][-1] >= 0.9 > max(record["history"]["val_accuracy"][:-1], default=0)
+    assert 0 < record["seconds_to_target"] <= record["train_seconds"]
+
+
+@pytest.mark.slow
+def test_auto_through_the_dag_logs_its_decision(hetflow_env):
+    from pathlib import Path
+
+    from mlflow import MlflowClient
+
+    done = hetflow(
+        hetflow_env,
+        "run",
+        "--set",
+        "strategy=auto",
+        "--set",
+        "workers=2",
+        "--set",
+        f"worker_devices={SLOW_WORKER}",
+        "--set",
+        "epochs=5",
+        "--set",
+        "registered_model=auto-digits",
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    summary = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
+    plan = json.loads((Path(summary["run_dir"]) / "plan.json").read_text())
+    # The digits MLP steps in a few ms: distributing it would cost more than it saves.
+    assert plan["decision"]["strategy"] == "one_device" and "auto chose one_device on worker-0" in done.stdout
+    run = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"]).get_run(summary["mlflow_run_id"])
+    assert run.data.params["requested_strategy"] == "auto" and run.data.params["strategy"] == "one_device"
+    assert run.data.tags["auto.decision"] == plan["decision"]["reason"]
+    assert (
+        run.data.metrics["probe_worker_0_examples_per_second"] > run.data.metrics["probe_worker_1_examples_per_second"]
+    )
