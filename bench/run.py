@@ -12,8 +12,8 @@ The figure is ``examples_per_second`` as a hetflow replica records it in trainin
 trained over the time spent in epochs (start-up, dataset preparation, process launch and the
 iterator teardown after the last epoch are outside it; the first step's tracing and the per-epoch
 validation are inside it, for every case alike). ``steady`` is the same over the last epoch only,
-which leaves the first step's tracing out. Each case runs ``--repeats`` times, the repeats interleaved across cases so a drift of the
-machine hits every case alike; medians are reported.
+which leaves the first step's tracing out. Each case runs ``--repeats`` times, the repeats
+interleaved across cases so a drift of the machine hits every case alike; medians are reported.
 
 Writes bench/results/throughput-<UTC timestamp>.json and bench/RESULTS.md.
 
