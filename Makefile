@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup run test test-fast bench lint lint-docker up-docker down-docker clean
+.PHONY: setup run test test-fast bench lint lint-docker up down up-docker down-docker clean
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,25 @@ lint: setup lint-docker
 lint-docker: setup
 	$(BIN)/hadolint docker/Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
+
+# make up options: ports, DB=postgres (Debian's PostgreSQL as Airflow's metadata DB, installed when
+# missing), LOGIN=off (no Airflow login: everyone is admin, for local development only).
+AIRFLOW_PORT ?= 8080
+MLFLOW_PORT ?= 5000
+DB ?= sqlite
+LOGIN ?= on
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+## Airflow (api-server, scheduler, dag-processor, triggerer) and the MLflow server on 127.0.0.1, same stores as make run
+up: setup
+	@if [ "$(DB)" = postgres ] && ! command -v pg_ctlcluster >/dev/null; then \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql; fi
+	$(BIN)/python -m tasks.stack up --airflow-port $(AIRFLOW_PORT) --mlflow-port $(MLFLOW_PORT) \
+		$(if $(filter postgres,$(DB)),--postgres) $(if $(filter off,$(LOGIN)),--no-login)
+
+## stop everything make up started
+down:
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -m tasks.stack down; fi
 
 ## the compose stack (PostgreSQL, Airflow, MLflow) on this host's Docker engine, and the replica image
 up-docker:

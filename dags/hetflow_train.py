@@ -9,15 +9,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from airflow.sdk import dag, task
+from airflow.sdk import Asset, AssetAlias, dag, task
 
+from tasks.retrain import PREPARED_DATA_URI
 from tasks.spec import airflow_params
+
+# prepare_data adds an event on the prepared-data Asset through this alias only when the data's
+# fingerprint changed: a task's plain outlets would get an event on every run.
+DATA_CHANGES = AssetAlias("hetflow_data_changes")
 
 
 @dag(
     dag_id="hetflow_train",
     schedule=None,
     catchup=False,
+    # Runs only when triggered; paused, a triggered run would wait in the queue.
+    is_paused_upon_creation=False,
     params=airflow_params(),
     tags=["hetflow"],
     doc_md=__doc__,
@@ -32,11 +39,15 @@ def hetflow_train():
         # know, which must be rejected rather than ignored.
         return stages.validate_spec({**params, **(dag_run.conf or {})}, run_id)
 
-    @task
-    def prepare_data(run_id: str | None = None):
+    @task(outlets=[DATA_CHANGES])
+    def prepare_data(run_id: str | None = None, outlet_events=None):
         from tasks import stages
 
-        return stages.prepare_data(run_id)
+        record = stages.prepare_data(run_id)
+        if record["data_changed"]:
+            extra = {key: record[key] for key in ("name", "version", "fingerprint")}
+            outlet_events[DATA_CHANGES].add(Asset(PREPARED_DATA_URI), extra=extra)
+        return record
 
     @task
     def provision_cluster(run_id: str | None = None):

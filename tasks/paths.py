@@ -49,6 +49,14 @@ class RunPaths:
         return self.root / "plan.json"
 
     @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def restarts(self) -> Path:
+        return self.root / "restarts.json"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

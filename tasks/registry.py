@@ -147,6 +147,12 @@ def log_run_record(
         "per_replica_batch": training["per_replica_batch"],
     }
     summary = {**_summary_metrics(training, evaluation), **_export_metrics(exported)}
+    if paths.restarts.exists():  # restart_policy restarted replicas
+        restarts = json.loads(paths.restarts.read_text())
+        summary["restarts"] = len(restarts)
+        tags["restarts"] = "; ".join(
+            f"{r['replica']} exited {r['exit_code']} ({r['cause']}): {r['action']}" for r in restarts
+        )[:5000]
     if paths.plan.exists():  # the workers were probed (balance_batches, strategy=auto)
         plan = json.loads(paths.plan.read_text())
         params["requested_strategy"] = plan["requested"]["strategy"]
@@ -170,8 +176,9 @@ def log_run_record(
         client.log_batch(run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH])
     for path in (paths.spec, paths.dataset, paths.training, paths.evaluation, paths.compression, paths.export):
         client.log_artifact(run_id, str(path), "run")
-    if paths.plan.exists():
-        client.log_artifact(run_id, str(paths.plan), "run")
+    for path in (paths.plan, paths.restarts):
+        if path.exists():
+            client.log_artifact(run_id, str(path), "run")
     client.log_artifacts(run_id, str(paths.logs), "logs")
     client.log_artifacts(run_id, str(paths.plots), "plots")
 

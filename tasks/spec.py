@@ -93,11 +93,13 @@ class RunSpec(BaseModel):
         "Request `devices_per_worker` GPUs for each computing replica (docker, kubernetes); ps and a "
         "parameter_server chief get none.",
     )
-    restart_policy: Literal["never", "on_failure"] = _field(
+    restart_policy: Literal["never", "on_failure", "exit_code"] = _field(
         "never",
         "Cluster",
-        "`never`: a failed replica fails the run. `on_failure`: the engine restarts it, up to `backoff_limit` "
-        "times (docker, kubernetes; a ps or parameter_server worker rejoins by itself).",
+        "`never`: a failed replica fails the run. `on_failure`: restart it, up to `backoff_limit` times: an "
+        "async worker alone (the coordinator goes on), anything else with its whole group, resuming from the "
+        "last checkpoint. `exit_code` (local): restart only replicas killed by a signal, not ones that exited "
+        "with an error a restart would repeat.",
     )
     backoff_limit: int = _field(
         3, "Cluster", "Restarts of one replica before it fails the run (on_failure).", ge=0, le=20
@@ -181,6 +183,14 @@ class RunSpec(BaseModel):
     optimizer: Literal["sgd", "adam"] = _field("adam", "Training", "Optimizer.")
     shuffle: bool = _field(True, "Training", "Shuffle training examples every epoch.")
     seed: int = _field(42, "Training", "Seed for weights, shuffling and ops.", ge=0, le=2**31 - 1)
+    checkpoint_every: int = _field(
+        1,
+        "Training",
+        "Save a checkpoint every this many epochs (model, optimizer, epoch); a restarted or retried run "
+        "resumes from the last one.",
+        ge=1,
+        le=1000,
+    )
     prune: bool = _field(
         True, "Compression", "Magnitude-prune the trained model (fine-tuned with a polynomial-decay schedule)."
     )
@@ -239,20 +249,20 @@ SPEC_KEYS: tuple[str, ...] = tuple(RunSpec.model_fields)
 
 
 # Keys that only the container backends honour, with the value that leaves them off.
-CONTAINER_ONLY_KEYS = {"replica_cpus": 0.0, "replica_memory_mb": 0, "request_gpus": False, "restart_policy": "never"}
+CONTAINER_ONLY_KEYS = {"replica_cpus": 0.0, "replica_memory_mb": 0, "request_gpus": False}
 
 
 def cluster_problems(spec: RunSpec) -> list[str]:
     """Checks across keys: the cluster shape must fit the strategy, the batch the replicas."""
     problems = []
-    if spec.workers > 1 and spec.strategy not in ("multi_worker_mirrored", "parameter_server"):
+    if spec.workers > 1 and spec.strategy not in ("auto", "multi_worker_mirrored", "parameter_server"):
         problems.append(
             f"workers={spec.workers} is invalid with strategy={spec.strategy}: expected 1 "
-            "(several workers need multi_worker_mirrored or parameter_server)"
+            "(several workers need multi_worker_mirrored, parameter_server or auto)"
         )
     if spec.strategy == "parameter_server" and spec.ps < 1:
         problems.append("ps=0 is invalid with strategy=parameter_server: expected an integer >= 1 and <= 8")
-    if spec.strategy != "parameter_server" and spec.ps > 0:
+    if spec.strategy not in ("parameter_server", "auto") and spec.ps > 0:
         problems.append(
             f"ps={spec.ps} is invalid with strategy={spec.strategy}: expected 0 "
             "(parameter servers serve only strategy=parameter_server; sync training all-reduces)"
@@ -307,15 +317,19 @@ def cluster_problems(spec: RunSpec) -> list[str]:
             f"expected a multiple of {spec.replicas_in_sync} (every replica gets an equal share)"
         )
     if spec.backend == "local":
-        # Plain processes: nothing enforces a limit, requests a GPU or restarts a replica.
+        # Plain processes: nothing enforces a limit or requests a GPU.
         for key, off in CONTAINER_ONLY_KEYS.items():
             value = getattr(spec, key)
             if value != off:
                 problems.append(
                     f"{key}={json.dumps(value)} is invalid with backend=local: expected {json.dumps(off)} "
-                    "(limits, GPU requests and restarts apply to backend=docker or kubernetes)"
+                    "(limits and GPU requests apply to backend=docker or kubernetes)"
                 )
-    elif spec.pin_cores:
+    elif spec.restart_policy == "exit_code":
+        problems.append(
+            f"restart_policy=exit_code is invalid with backend={spec.backend}: expected never or on_failure"
+        )
+    if spec.backend != "local" and spec.pin_cores:
         problems.append(
             f"pin_cores=true is invalid with backend={spec.backend}: expected false "
             "(a container's CPUs are set by replica_cpus)"

@@ -10,6 +10,7 @@ Its output goes line by line to the supervisor's log, prefixed by the replica's 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -21,7 +22,7 @@ from collections import deque
 from pathlib import Path
 
 from tasks.cluster.layout import ClusterLayout, Replica
-from tasks.paths import REPO_ROOT
+from tasks.paths import REPO_ROOT, RunPaths
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -96,6 +97,15 @@ class Throttle(threading.Thread):
         self.join(timeout=1)
 
 
+def restartable(policy: str, exit_code: int) -> bool:
+    """Whether restart_policy restarts a replica that exited with ``exit_code`` (TFJob's policies):
+    ``exit_code`` restarts only what was killed by a signal (negative here, or 128+N from a shell),
+    taking codes 1-127 for errors a restart would repeat."""
+    if policy == "on_failure":
+        return True
+    return policy == "exit_code" and (exit_code < 0 or exit_code > 128)
+
+
 class LocalCluster:
     """Starts, watches and stops the replicas of one run."""
 
@@ -109,12 +119,15 @@ class LocalCluster:
         self.cores = core_assignment(layout) if spec.pin_cores else {}
         self.gpus = visible_gpus(layout, spec)
         self.throttles: list[Throttle] = []
+        self.restarts: list[dict] = []
+        self._started_at = time.monotonic()
         self.processes: dict[str, subprocess.Popen] = {}
         self._tails: dict[str, deque[str]] = {}
         self._pumps: list[threading.Thread] = []
 
     def start(self) -> None:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+
         for replica in self.layout.replicas:
             self._start_replica(replica)
 
@@ -164,7 +177,8 @@ class LocalCluster:
 
     def _pump(self, name: str, process: subprocess.Popen) -> None:
         log_name = f"probe-{name}" if self.probe else name
-        with open(self.logs_dir / f"{log_name}.log", "w", encoding="utf-8") as log_file:
+        # Appended: a restarted replica's output follows its previous attempt's.
+        with open(self.logs_dir / f"{log_name}.log", "a", encoding="utf-8") as log_file:
             for raw in process.stdout:
                 line = raw.decode("utf-8", "replace").rstrip()
                 log_file.write(line + "\n")
@@ -191,16 +205,53 @@ class LocalCluster:
             codes = {name: p.poll() for name, p in self.processes.items()}
             failed = [name for name, code in codes.items() if code is not None and (code != 0 or name in serving)]
             if failed:
+                name = failed[0]
+                tail = list(self._tails[name]) or ["(no output)"]
+                if restartable(self.spec.restart_policy, codes[name]) and len(self.restarts) < self.spec.backoff_limit:
+                    self._restart(name, codes[name], tail[-1])
+                    continue
                 self.stop()
                 self._drain()
-                name = failed[0]
-                tail = " | ".join(self._tails[name]) or "(no output)"
-                raise ReplicaFailed(f"replica {name} exited with code {codes[name]}; last output: {tail}")
+                raise ReplicaFailed(f"replica {name} exited with code {codes[name]}; last output: {' | '.join(tail)}")
             if all(codes[name] == 0 for name in codes if name not in serving):
                 self.stop()
                 self._drain()
                 return codes
             time.sleep(0.2)
+
+    def _restart(self, name: str, exit_code: int, cause: str) -> None:
+        """restart_policy=on_failure. An async worker is restarted alone: the coordinator goes on with
+        the others and the worker rejoins on its address. Anything else restarts the whole group
+        (sync workers cannot go on without a peer; without its ps the chief fails): the replicas
+        resume from the last checkpoint."""
+        replica = next(r for r in self.layout.replicas if r.name == name)
+        alone = replica.serves_until_stopped and replica.role == "worker"
+        action = f"restarted {name}" if alone else "restarted every replica"
+        self.restarts.append(
+            {
+                "replica": name,
+                "exit_code": exit_code,
+                "cause": cause,
+                "action": action,
+                "after_seconds": time.monotonic() - self._started_at,
+            }
+        )
+        log.warning(
+            "%s exited with code %s (%s): %s (%d of backoff_limit %d)",
+            name,
+            exit_code,
+            cause,
+            action,
+            len(self.restarts),
+            self.spec.backoff_limit,
+        )
+        RunPaths(self.run_dir).restarts.write_text(json.dumps(self.restarts, indent=2))
+        if alone:
+            self._start_replica(replica)
+            return
+        self.stop()
+        self._drain()
+        self.start()
 
     def _drain(self) -> None:
         for pump in self._pumps:

@@ -11,6 +11,8 @@ from typing import Any
 OFFLINE_DATASETS = ("uci_digits", "synthetic_cifar")
 
 _FINGERPRINT_CACHE = "hetflow_fingerprint.json"
+# The last fingerprint prepared of each dataset, to tell new data from re-used or re-built data.
+_CURRENT_FINGERPRINTS = "hetflow_fingerprints.json"
 
 
 def _builder(name: str, data_dir: Path):
@@ -47,11 +49,23 @@ def _fingerprint(version_dir: Path) -> str:
     return fingerprint
 
 
+def fingerprint_changed(data_dir: Path, name: str, fingerprint: str) -> bool:
+    """Record ``fingerprint`` as ``name``'s current one; True when it replaces a different one (new
+    data: hetflow_retrain is triggered), False when it is unchanged or the dataset is new here."""
+    path = data_dir / _CURRENT_FINGERPRINTS
+    current = json.loads(path.read_text()) if path.exists() else {}
+    previous = current.get(name)
+    if previous != fingerprint:
+        current[name] = fingerprint
+        path.write_text(json.dumps(current, indent=2))
+    return previous is not None and previous != fingerprint
+
+
 def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
     """Download (where needed) and prepare ``name`` under ``data_dir``; re-use it when already there.
 
     Returns what later stages need: the versioned name to load, split sizes, input shape, classes
-    and the fingerprint of the prepared files.
+    and the fingerprint of the prepared files, and whether that fingerprint is new data.
     """
     import tensorflow_datasets as tfds
 
@@ -63,6 +77,7 @@ def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
     info = builder.info
     image_key, label_key = info.supervised_keys
     version_dir = Path(builder.data_dir)
+    fingerprint = _fingerprint(version_dir)
     return {
         "name": info.name,
         "version": str(info.version),
@@ -74,5 +89,6 @@ def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
         "shards": {split: info.splits[split].num_shards for split in info.splits},
         "input_shape": list(info.features[image_key].shape),
         "num_classes": info.features[label_key].num_classes,
-        "fingerprint": _fingerprint(version_dir),
+        "fingerprint": fingerprint,
+        "data_changed": fingerprint_changed(data_dir, info.name, fingerprint),
     }

@@ -28,6 +28,7 @@ from tasks.models import build_model
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
 from tasks.strategies.common import (
+    EpochCheckpoint,
     TrainingClock,
     learning_rate,
     make_optimizer,
@@ -73,11 +74,14 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         return strategy.reduce(total, loss, axis=None), strategy.reduce(total, correct, axis=None)
 
     predict = tf.function(lambda images: model(images, training=False))
+    with strategy.scope():
+        checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
+    first_epoch = checkpoint.restore()
     clock = TrainingClock(spec.target_accuracy)
     history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
     print(f"balanced batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
     started = time.perf_counter()
-    for epoch in range(spec.epochs):
+    for epoch in range(first_epoch, spec.epochs):
         clock.on_epoch_begin(epoch)
         losses, correct = [], 0.0
         for _ in range(steps):
@@ -94,6 +98,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
             f"accuracy: {history['accuracy'][-1]:.4f} - val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f}",
             flush=True,
         )
+        checkpoint.epoch_done(epoch + 1)
         if clock.reached:  # every worker sees the same validation accuracy, so all stop together
             break
     train_seconds = time.perf_counter() - started

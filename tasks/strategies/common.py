@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import tensorflow as tf
@@ -138,6 +139,35 @@ class TrainingClock(tf.keras.callbacks.Callback):
             "target_accuracy": self.target_accuracy,
             "seconds_to_target": self.seconds_to_target,
         }
+
+
+class EpochCheckpoint:
+    """Model, optimizer and the count of finished epochs, saved every ``checkpoint_every`` epochs
+    under the run directory, for custom loops (``model.fit`` uses BackupAndRestore). ``restore``
+    returns the epoch to resume from: 0 on a fresh start."""
+
+    def __init__(self, spec: RunSpec, paths: RunPaths, chief: bool, model, optimizer, **more):
+        self.every = spec.checkpoint_every
+        self.epochs_done = tf.Variable(0, dtype=tf.int64, trainable=False, name="epochs_done")
+        # Slots exist before restoring, so the optimizer state comes back too.
+        optimizer.build(model.trainable_variables)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, epochs_done=self.epochs_done, **more)
+        # Only the chief writes where the run can find it; the others write into a scratch dir.
+        directory = paths.checkpoints / "loop" if chief else Path(tempfile.mkdtemp(prefix="hetflow-ckpt-"))
+        self.manager = tf.train.CheckpointManager(checkpoint, str(directory), max_to_keep=1)
+
+    def restore(self) -> int:
+        if self.manager.latest_checkpoint:
+            self.manager.checkpoint.restore(self.manager.latest_checkpoint)
+            print(
+                f"resumed from {self.manager.latest_checkpoint} after epoch {int(self.epochs_done.numpy())}", flush=True
+            )
+        return int(self.epochs_done.numpy())
+
+    def epoch_done(self, epochs_done: int) -> None:
+        self.epochs_done.assign(epochs_done)
+        if epochs_done % self.every == 0:
+            self.manager.save()
 
 
 def validation_metrics(predict, dataset: dict[str, Any]) -> tuple[float, float]:

@@ -24,6 +24,7 @@ from tasks.models import build_model_parallel
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
 from tasks.strategies.common import (
+    EpochCheckpoint,
     TrainingClock,
     learning_rate,
     local_devices,
@@ -36,7 +37,7 @@ from tasks.strategies.common import (
 
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
-    devices = local_devices(spec.devices_per_worker)
+    devices = local_devices(spec.worker_device(0).count)
     model, groups = build_model_parallel(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed, devices)
     for device, layers in groups:
         print(f"{device}: {', '.join(layer.name for layer in layers)}", flush=True)
@@ -65,10 +66,12 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
 
     predict = tf.function(lambda images: forward(images, training=False))
     batches = iter(train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed))
+    checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer)
+    first_epoch = checkpoint.restore()
     clock = TrainingClock(spec.target_accuracy)
     history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
     started = time.perf_counter()
-    for epoch in range(spec.epochs):
+    for epoch in range(first_epoch, spec.epochs):
         clock.on_epoch_begin(epoch)
         losses, correct = [], 0.0
         for _ in range(steps):
@@ -85,6 +88,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             f"accuracy: {history['accuracy'][-1]:.4f} - val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f}",
             flush=True,
         )
+        checkpoint.epoch_done(epoch + 1)
         if clock.reached:
             break
     train_seconds = time.perf_counter() - started

@@ -24,6 +24,7 @@ from tasks.models import build_model
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
 from tasks.strategies.common import (
+    EpochCheckpoint,
     TrainingClock,
     learning_rate,
     make_optimizer,
@@ -113,12 +114,15 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
 
     closures_per_epoch = -(-steps // STEPS_PER_CLOSURE)  # ceil: at least the steps asked for
     steps = closures_per_epoch * STEPS_PER_CLOSURE
+    with strategy.scope():
+        checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer, updates_applied=updates_applied)
+    first_epoch = checkpoint.restore()
     clock = TrainingClock(spec.target_accuracy)
     history: dict[str, list[float]] = {"loss": [], "val_loss": [], "val_accuracy": []}
     all_staleness: list[int] = []
     staleness_by_worker: dict[int, list[int]] = {}
     started = time.perf_counter()
-    for epoch in range(spec.epochs):
+    for epoch in range(first_epoch, spec.epochs):
         clock.on_epoch_begin(epoch)
         results = [coordinator.schedule(run_closure, args=(iterator, worker_ids)) for _ in range(closures_per_epoch)]
         coordinator.join()  # bounds the updates in flight, and so the staleness, to one epoch's
@@ -140,6 +144,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             f"{np.mean(all_staleness[-steps:]):.2f} max {max(all_staleness[-steps:])}",
             flush=True,
         )
+        checkpoint.epoch_done(epoch + 1)
         if clock.reached:
             break
     train_seconds = time.perf_counter() - started

@@ -30,9 +30,10 @@ from tasks.strategies.common import (
 
 def make_strategy(spec: RunSpec) -> tf.distribute.Strategy:
     if spec.strategy == "one_device":
-        return tf.distribute.OneDeviceStrategy(local_devices(1)[0])
+        # The default strategy: one device, and (unlike OneDeviceStrategy) BackupAndRestore works with it.
+        return tf.distribute.get_strategy()
     if spec.strategy == "mirrored":
-        return tf.distribute.MirroredStrategy(local_devices(spec.devices_per_worker))
+        return tf.distribute.MirroredStrategy(local_devices(spec.worker_device(0).count))
     # Ring all-reduce over gRPC between the workers named in TF_CONFIG (no NCCL on CPU).
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING
@@ -68,13 +69,19 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     clock = TrainingClock(spec.target_accuracy)
+    # Saves model, optimizer and the epoch reached; a restarted (or retried) run resumes from it.
+    # Under multi_worker_mirrored only the chief writes there (the others into scratch dirs).
+    backup = tf.keras.callbacks.BackupAndRestore(
+        str(paths.checkpoints / "backup"),
+        save_freq="epoch" if spec.checkpoint_every == 1 else spec.checkpoint_every * steps,
+    )
     started = time.perf_counter()
     history = model.fit(
         strategy.distribute_datasets_from_function(worker_batches),
         epochs=spec.epochs,
         steps_per_epoch=steps,
         validation_data=validation.with_options(options),
-        callbacks=[clock],
+        callbacks=[backup, clock],
         verbose=2,  # one line per epoch: readable in the Airflow task log
     )
     train_seconds = time.perf_counter() - started

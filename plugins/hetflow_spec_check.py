@@ -1,0 +1,81 @@
+"""Reject an invalid ``hetflow_train`` conf at trigger time with hetflow's own messages.
+
+Airflow checks a triggered run's conf against each Param's JSON schema on its own, but accepts
+unknown keys and cannot check keys against each other (``workers=2`` with ``strategy=one_device``);
+those would fail only later, in the ``validate_spec`` task. This api-server middleware runs
+``tasks.spec.parse_spec`` on the conf of ``POST /api/v2/dags/hetflow_train/dagRuns`` — the request
+the UI's trigger form sends too — and answers HTTP 400 with one line per problem, the same lines
+``hetflow validate`` prints, before any run is created.
+"""
+
+from __future__ import annotations
+
+import json
+
+from airflow.configuration import conf
+from airflow.plugins_manager import AirflowPlugin
+from starlette.responses import JSONResponse
+
+from tasks.spec import SpecError, parse_spec
+
+TRIGGER_PATHS = {"/api/v2/dags/hetflow_train/dagRuns"}
+
+
+def conf_problems(body: bytes) -> list[str]:
+    """The spec problems of a trigger request's conf; [] when it is valid or not JSON (Airflow
+    answers malformed requests itself)."""
+    try:
+        values = json.loads(body or b"{}").get("conf") or {}
+    except (ValueError, AttributeError):
+        return []
+    if not isinstance(values, dict):
+        return []
+    try:
+        parse_spec(values)
+    except SpecError as error:
+        return [f"invalid spec: {problem}" for problem in error.problems]
+    return []
+
+
+class SpecCheckMiddleware:
+    """Pure ASGI: reads the request body once, and replays it to Airflow when the conf is valid."""
+
+    def __init__(self, app):
+        self.app = app
+        # Without login everyone may trigger; with it, an unauthenticated request must get
+        # Airflow's 401, not a validation answer.
+        self.open_access = conf.getboolean("core", "simple_auth_manager_all_admins", fallback=False)
+
+    def _authenticated_or_open(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        return self.open_access or b"authorization" in headers or b"_token=" in headers.get(b"cookie", b"")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in TRIGGER_PATHS:
+            await self.app(scope, receive, send)
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        problems = conf_problems(body)
+        if problems and self._authenticated_or_open(scope):
+            await JSONResponse({"detail": "\n".join(problems)}, status_code=400)(scope, receive, send)
+            return
+
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+class HetflowSpecCheck(AirflowPlugin):
+    name = "hetflow_spec_check"
+    fastapi_root_middlewares = [{"name": "hetflow_spec_check", "middleware": SpecCheckMiddleware}]

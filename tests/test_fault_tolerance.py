@@ -1,0 +1,134 @@
+"""Losing a worker or a parameter server mid-training: restart, resume from the checkpoint, finish."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, wait_for
+
+from tasks.cluster.local import restartable
+
+_SUPERVISOR = "import sys\nfrom tasks import stages\nstages.train(sys.argv[1])\n"
+
+
+def test_restart_policies():
+    assert restartable("on_failure", 1) and restartable("on_failure", -9)
+    assert restartable("exit_code", -9) and restartable("exit_code", 137)
+    assert not restartable("exit_code", 1) and not restartable("never", -9)
+
+
+def _pid_of(run_id: str, name: str) -> int:
+    from tasks.cluster.local import run_processes
+
+    for pid in run_processes(run_id):
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        config = json.loads(next(e for e in environ if e.startswith(b"TF_CONFIG=")).split(b"=", 1)[1])
+        if f"{config['task']['type']}-{config['task']['index']}" == name:
+            return pid
+    raise LookupError(name)
+
+
+def _attempts(log_text: str, name: str) -> list[str]:
+    """The log of each start of the replica (restarted replicas append to their log)."""
+    return re.split(rf"^replica {name} pid \d+ .*$", log_text, flags=re.M)[1:]
+
+
+def _epochs(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^Epoch (\d+)/", text, flags=re.M)]
+
+
+def _run_and_kill(run_id: str, env: dict, watch: str, when: str, victim: str) -> subprocess.CompletedProcess:
+    from tasks.paths import run_paths
+
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", _SUPERVISOR, run_id],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log = run_paths(run_id).logs / f"{watch}.log"
+    try:
+        assert wait_for(lambda: log.exists() and when in log.read_text(), timeout=180), f"{watch} never got to {when}"
+        os.kill(_pid_of(run_id, victim), signal.SIGKILL)
+        output, _ = supervisor.communicate(timeout=300)
+        return subprocess.CompletedProcess(supervisor.args, supervisor.returncode, output, "")
+    finally:
+        supervisor.kill()
+
+
+def _provision(env: dict, run_id: str, **values) -> None:
+    from tasks import stages
+
+    stages.validate_spec({"restart_policy": "on_failure", "backoff_limit": 2, **values}, run_id)
+    stages.prepare_data(run_id)
+    stages.provision_cluster(run_id)
+
+
+@pytest.mark.slow
+def test_sync_worker_killed_mid_epoch_restarts_the_group_and_resumes(hetflow_env):
+    from tasks import stages
+    from tasks.cluster.local import run_processes
+    from tasks.paths import run_paths
+
+    shape = {"strategy": "multi_worker_mirrored", "workers": 2, "epochs": 15}
+    undisturbed = f"ft_sync_ref_{os.getpid()}"
+    _provision(hetflow_env, undisturbed, **shape)
+    stages.train(undisturbed)
+    reference = stages.evaluate(undisturbed)
+
+    run_id = f"ft_sync_{os.getpid()}"
+    _provision(hetflow_env, run_id, **shape)
+    done = _run_and_kill(run_id, hetflow_env, watch="worker-1", when="Epoch 4/", victim="worker-1")
+    assert done.returncode == 0, done.stdout[-3000:]
+    paths = run_paths(run_id)
+    restarts = json.loads(paths.restarts.read_text())
+    assert len(restarts) == 1 and restarts[0]["action"] == "restarted every replica"
+    attempts = _attempts((paths.logs / "worker-0.log").read_text(), "worker-0")
+    assert len(attempts) == 2
+    killed_in = max(_epochs(attempts[0]))
+    assert min(_epochs(attempts[1])) >= killed_in - 1 >= 2  # resumed: at most one checkpoint interval lost
+    # Within one point of the undisturbed run on the test split.
+    assert abs(stages.evaluate(run_id)["test_accuracy"] - reference["test_accuracy"]) <= 0.01
+    assert run_processes(run_id) == []
+
+
+@pytest.mark.slow
+def test_async_worker_killed_is_restarted_alone_while_training_goes_on(hetflow_env):
+    from tasks.paths import run_paths
+
+    run_id = f"ft_async_{os.getpid()}"
+    _provision(hetflow_env, run_id, strategy="parameter_server", workers=2, ps=1, epochs=8, steps_per_epoch=100)
+    done = _run_and_kill(run_id, hetflow_env, watch="chief-0", when="Epoch 2/", victim="worker-1")
+    assert done.returncode == 0, done.stdout[-3000:]
+    paths = run_paths(run_id)
+    restarts = json.loads(paths.restarts.read_text())
+    assert [r["action"] for r in restarts] == ["restarted worker-1"]
+    assert len(_attempts((paths.logs / "chief-0.log").read_text(), "chief-0")) == 1  # the chief never stopped
+    assert len(_attempts((paths.logs / "worker-1.log").read_text(), "worker-1")) == 2
+    record = json.loads(paths.training.read_text())
+    assert record["epochs_done"] == 8 and record["history"]["val_accuracy"][-1] >= 0.9
+
+
+@pytest.mark.slow
+def test_ps_killed_restarts_ps_and_chief_from_the_checkpoint(hetflow_env):
+    from tasks.paths import run_paths
+
+    run_id = f"ft_ps_{os.getpid()}"
+    _provision(hetflow_env, run_id, strategy="parameter_server", workers=2, ps=1, epochs=8, steps_per_epoch=100)
+    done = _run_and_kill(run_id, hetflow_env, watch="chief-0", when="Epoch 3/", victim="ps-0")
+    assert done.returncode == 0, done.stdout[-3000:]
+    paths = run_paths(run_id)
+    restarts = json.loads(paths.restarts.read_text())
+    assert restarts[0]["action"] == "restarted every replica"
+    attempts = _attempts((paths.logs / "chief-0.log").read_text(), "chief-0")
+    assert len(attempts) == 2 and "resumed from" in attempts[1]
+    assert min(_epochs(attempts[1])) >= 3
+    assert json.loads(paths.training.read_text())["history"]["val_accuracy"][-1] >= 0.9

@@ -1,0 +1,261 @@
+"""Airflow and MLflow as users use them: the stack of ``make up``, the trigger form in headless
+Chromium, the REST API's answer to a bad conf, and retraining started by the data Asset.
+
+One stack for the module (``python -m tasks.stack up``, what ``make up`` runs) on free ports over
+a temporary HETFLOW_HOME; ``down`` after it, and then no process of it may be left. Screenshots go
+to tests/artifacts/ (the README's come from there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from conftest import REPO, wait_for
+
+pytestmark = pytest.mark.slow
+
+ARTIFACTS = REPO / "tests" / "artifacts"
+CHROMIUM = "/usr/bin/chromium"
+RUN_TIMEOUT = 420  # seconds for one tiny hetflow_train run on 2 cores
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _stack_processes(home: Path) -> list[psutil.Process]:
+    """Every process whose environment points at this stack's HETFLOW_HOME."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("HETFLOW_HOME") == str(home):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+class Api:
+    """Airflow's REST API with a JWT from /auth/token, as any client would use it."""
+
+    def __init__(self, url: str, username: str, password: str):
+        self.url = url
+        token = requests.post(f"{url}/auth/token", json={"username": username, "password": password}, timeout=30)
+        token.raise_for_status()
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {token.json()['access_token']}"
+
+    def get(self, path: str, **params) -> dict:
+        response = self.session.get(f"{self.url}/api/v2{path}", params=params, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body: dict) -> requests.Response:
+        return self.session.post(f"{self.url}/api/v2{path}", json=body, timeout=30)
+
+    def patch(self, path: str, body: dict) -> requests.Response:
+        return self.session.patch(f"{self.url}/api/v2{path}", json=body, timeout=30)
+
+    def runs(self, dag_id: str) -> list[dict]:
+        return self.get(f"/dags/{dag_id}/dagRuns", order_by="-run_after")["dag_runs"]
+
+    def wait_for_run(self, dag_id: str, run_id: str, timeout: float = RUN_TIMEOUT) -> dict:
+        finished = wait_for(
+            lambda: (run := self.get(f"/dags/{dag_id}/dagRuns/{run_id}"))["state"] in ("success", "failed") and run,
+            timeout,
+            interval=3,
+        )
+        assert finished, f"{dag_id} run {run_id} did not finish in {timeout} s"
+        return finished
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("ui_home")
+    (home / "mlflow").mkdir()
+    env = {
+        **os.environ,
+        "HETFLOW_HOME": str(home),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
+    }
+    ports = ["--airflow-port", str(_free_port()), "--mlflow-port", str(_free_port())]
+    command = [sys.executable, "-m", "tasks.stack"]
+    try:
+        up = subprocess.run([*command, "up", *ports], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        state = json.loads((home / "stack" / "state.json").read_text())
+        again = subprocess.run([*command, "up", *ports], cwd=REPO, env=env, capture_output=True, text=True)
+        assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
+        yield {"home": home, "env": env, "state": state, "up_output": up.stdout}
+    finally:
+        down = subprocess.run([*command, "down"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert wait_for(lambda: not _stack_processes(home), timeout=10), _stack_processes(home)
+        assert not (home / "stack" / "state.json").exists()
+
+
+@pytest.fixture(scope="module")
+def api(stack) -> Api:
+    from tasks.stack import password
+
+    client = Api(stack["state"]["airflow_url"], "admin", password(stack["state"]))
+    # The dag-processor parses dags/ within ~10 s of starting.
+    parsed = wait_for(
+        lambda: {d["dag_id"] for d in client.get("/dags")["dags"]} >= {"hetflow_train", "hetflow_retrain"}, 90
+    )
+    assert parsed, client.get("/dags")
+    return client
+
+
+def test_make_up_is_healthy_prints_the_urls_and_how_to_log_in(stack):
+    from tasks.stack import health, rss_bytes
+
+    state = stack["state"]
+    assert all(status == "healthy" for status in health(state).values()), health(state)
+    output = stack["up_output"]
+    assert state["airflow_url"] in output and state["mlflow_url"] in output
+    assert "log in as admin, password" in output
+    ARTIFACTS.mkdir(exist_ok=True)
+    measured = {"seconds_to_healthy": state["seconds_to_healthy"], "rss_gib": round(rss_bytes(state) / 2**30, 2)}
+    (ARTIFACTS / "stack.json").write_text(json.dumps(measured, indent=2))
+    print(f"\nmake up: {measured}")
+    # The login is on: the API refuses a request without a token.
+    assert requests.get(f"{state['airflow_url']}/api/v2/dags", timeout=30).status_code == 401
+
+
+def test_rest_trigger_with_a_bad_conf_gets_400_naming_the_field_and_starts_nothing(api):
+    before = api.runs("hetflow_train")
+    cases = {
+        "workers=99 is invalid: expected an integer >= 1 and <= 16": {"workers": 99},
+        'strategy="gossip" is invalid: expected one of auto, one_device': {"strategy": "gossip"},
+        "unknown key 'epoch'=3 (did you mean 'epochs'?)": {"epoch": 3},
+        "workers=2 is invalid with strategy=one_device": {"strategy": "one_device", "workers": 2},
+    }
+    for message, conf in cases.items():
+        response = api.post("/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": conf})
+        assert response.status_code == 400, (conf, response.text)
+        assert message in response.json()["detail"], (conf, response.json())
+    assert api.runs("hetflow_train") == before
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def form_run(stack, api, browser):
+    """Log in, open hetflow_train's trigger form, submit a bad cluster shape, read the error,
+    fix it, submit, and wait for the run through the REST API."""
+    from tasks.stack import password
+
+    state = stack["state"]
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(30_000)
+    page.goto(f"{state['airflow_url']}/dags/hetflow_train")
+    page.get_by_label("Username").fill("admin")
+    page.get_by_label("Password").fill(password(state))
+    page.get_by_role("button", name="Sign in").click()
+    page.get_by_role("button", name="Trigger").first.click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Cluster", exact=True).click()
+    dialog.get_by_label("Workers", exact=True).fill("2")
+    dialog.get_by_label("Ps", exact=True).fill("1")
+    dialog.get_by_text("Training", exact=True).click()
+    dialog.get_by_label("Epochs", exact=True).fill("2")
+    before = {run["dag_run_id"] for run in api.runs("hetflow_train")}
+    dialog.get_by_role("button", name="Trigger").click()
+    error = page.get_by_text("workers=2 is invalid with strategy=one_device")
+    error.wait_for()
+    page.screenshot(path=str(ARTIFACTS / "trigger_form_error.png"))
+    dialog.get_by_label("Strategy", exact=True).click()
+    page.get_by_role("option", name="parameter_server").click()
+    page.screenshot(path=str(ARTIFACTS / "trigger_form.png"))
+    dialog.get_by_role("button", name="Trigger").click()
+    page.get_by_text("Dag Run Triggered").wait_for()
+    new = wait_for(lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] not in before], 30)
+    assert len(new) == 1, new
+    run = api.wait_for_run("hetflow_train", new[0]["dag_run_id"])
+    page.goto(f"{state['airflow_url']}/dags/hetflow_train/runs/{run['dag_run_id']}")
+    page.get_by_text("success").first.wait_for()
+    page.screenshot(path=str(ARTIFACTS / "finished_run.png"))
+    yield page, run
+    page.close()
+
+
+def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form_run):
+    from mlflow import MlflowClient
+
+    page, run = form_run
+    assert run["state"] == "success", run
+    assert {k: run["conf"][k] for k in ("strategy", "workers", "ps", "epochs")} == {
+        "strategy": "parameter_server",
+        "workers": 2,
+        "ps": 1,
+        "epochs": 2,
+    }
+    client = MlflowClient(stack["state"]["mlflow_url"])  # through the MLflow server, as the UI reads it
+    [mlflow_run] = client.search_runs(
+        [client.get_experiment_by_name("hetflow").experiment_id],
+        filter_string=f"tags.`airflow.run_id` = '{run['dag_run_id']}'",
+    )
+    params = mlflow_run.data.params
+    assert (params["strategy"], params["workers"], params["ps"], params["epochs"]) == (
+        "parameter_server",
+        "2",
+        "1",
+        "2",
+    )
+    assert {"plots/training_curves.png", "plots/worker_throughput.png", "plots/staleness.png"} <= {
+        a.path for a in client.list_artifacts(mlflow_run.info.run_id, "plots")
+    }
+    page.goto(
+        f"{stack['state']['mlflow_url']}/#/experiments/{mlflow_run.info.experiment_id}/runs/{mlflow_run.info.run_id}"
+    )
+    page.get_by_text(mlflow_run.info.run_name).first.wait_for()
+    page.screenshot(path=str(ARTIFACTS / "mlflow_run.png"))
+
+
+def test_train_task_log_shows_per_worker_progress(api, form_run):
+    _, run = form_run
+    log = api.get(f"/dags/hetflow_train/dagRuns/{run['dag_run_id']}/taskInstances/train/logs/1", full_content=True)
+    text = json.dumps(log["content"])
+    assert "[worker-0]" in text and "[worker-1]" in text and "[chief-0]" in text
+
+
+def test_updating_the_data_asset_starts_retraining_on_the_champions_spec(api, form_run):
+    _, trained = form_run
+    assert api.patch("/dags/hetflow_retrain", {"is_paused": False}).status_code == 200
+    [asset] = api.get("/assets", uri_pattern="hetflow://prepared-data")["assets"]
+    event = api.post("/assets/events", {"asset_id": asset["id"], "extra": {"why": "new data (test)"}})
+    assert event.status_code == 200, event.text
+    retrain = wait_for(lambda: api.runs("hetflow_retrain"), 60, interval=2)
+    assert retrain and retrain[0]["run_type"] == "asset_triggered", retrain
+    # It triggers hetflow_train with the champion's spec: the form run's, the only version so far.
+    triggered = wait_for(
+        lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] != trained["dag_run_id"]], 90, interval=3
+    )
+    assert triggered, api.get(f"/dags/hetflow_retrain/dagRuns/{retrain[0]['dag_run_id']}/taskInstances")
+    assert {k: triggered[0]["conf"][k] for k in ("strategy", "workers", "ps", "epochs")} == {
+        k: trained["conf"][k] for k in ("strategy", "workers", "ps", "epochs")
+    }
