@@ -142,11 +142,29 @@ def export(run_id: str) -> dict[str, Any]:
     return {"chosen_tflite": record["chosen_tflite"], "float_test_accuracy": record["float_test_accuracy"]}
 
 
+class TrackingUnavailable(RuntimeError):
+    pass
+
+
 def register(run_id: str, dag_id: str) -> dict[str, Any]:
+    """Everything to MLflow. MLflow's client retries with backoff (MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+    MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR); when the server stays away the task fails saying so, and
+    the run's files stay in place for a retry of this task."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
     from tasks.registry import register as register_model
+    from tasks.registry import tracking_uri
 
     paths = run_paths(run_id)
-    return register_model(load_spec(paths), paths, _read(paths.dataset), dag_id, run_id)
+    try:
+        return register_model(load_spec(paths), paths, _read(paths.dataset), dag_id, run_id)
+    except (MlflowException, requests.exceptions.RequestException) as error:
+        reason = str(error).splitlines()[0][:300]
+        raise TrackingUnavailable(
+            f"MLflow at {tracking_uri()} failed: {reason}; the trained model and every stage's files are kept "
+            f"in {paths.root}: retry the register task once MLflow is reachable"
+        ) from error
 
 
 def summarize(run_id: str) -> dict[str, Any]:

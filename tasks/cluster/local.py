@@ -10,10 +10,12 @@ Its output goes line by line to the supervisor's log, prefixed by the replica's 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +23,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from tasks.cluster.layout import ClusterLayout, Replica
+from tasks.cluster.layout import ClusterLayout, Replica, free_local_port
 from tasks.paths import REPO_ROOT, RunPaths
 from tasks.spec import RunSpec
 
@@ -97,6 +99,17 @@ class Throttle(threading.Thread):
         self.join(timeout=1)
 
 
+def port_taken(port: int) -> bool:
+    """Whether something listens on ``port`` (on any interface: TF servers bind 0.0.0.0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not count
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
 def restartable(policy: str, exit_code: int) -> bool:
     """Whether restart_policy restarts a replica that exited with ``exit_code`` (TFJob's policies):
     ``exit_code`` restarts only what was killed by a signal (negative here, or 128+N from a shell),
@@ -127,9 +140,25 @@ class LocalCluster:
 
     def start(self) -> None:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        self._move_off_taken_ports()
 
         for replica in self.layout.replicas:
             self._start_replica(replica)
+
+    def _move_off_taken_ports(self) -> None:
+        """Ports were picked free at provisioning; whatever took one since, the replica moves to
+        another (and every TF_CONFIG with it, as they name each other)."""
+        replicas = []
+        for replica in self.layout.replicas:
+            host, port = replica.address.rsplit(":", 1)
+            if port_taken(int(port)):
+                moved = f"{host}:{free_local_port()}"
+                log.warning("port %s of %s is taken: %s uses %s instead", port, replica.name, replica.name, moved)
+                replica = dataclasses.replace(replica, address=moved)
+            replicas.append(replica)
+        if tuple(replicas) != self.layout.replicas:
+            self.layout = ClusterLayout(self.layout.run_id, tuple(replicas))
+            RunPaths(self.run_dir).cluster.write_text(json.dumps(self.layout.to_dict(), indent=2))
 
     def _start_replica(self, replica: Replica) -> None:
         env = {

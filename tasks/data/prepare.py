@@ -29,15 +29,48 @@ def _builder(name: str, data_dir: Path):
         ) from None
 
 
+def _shard_files(version_dir: Path) -> list[Path]:
+    return sorted(p for p in version_dir.iterdir() if ".tfrecord-" in p.name or ".array_record-" in p.name)
+
+
+def _cached_fingerprint(version_dir: Path) -> str | None:
+    """The recorded fingerprint, if the shard files are still the ones it was computed from."""
+    cache = version_dir / _FINGERPRINT_CACHE
+    if not cache.exists():
+        return None
+    cached = json.loads(cache.read_text())
+    listing = {p.name: p.stat().st_size for p in _shard_files(version_dir)}
+    return cached["fingerprint"] if cached["files"] == listing else None
+
+
+def verify_shards(info, version_dir: Path) -> None:
+    """Read every TFRecord shard and compare its record count with what TFDS recorded; a corrupt
+    or truncated shard raises, naming the file."""
+    import tensorflow as tf
+
+    for split in info.splits.values():
+        for filename, expected in zip(split.filenames, split.shard_lengths):
+            path = version_dir / filename
+            try:
+                found = int(tf.data.TFRecordDataset(str(path)).reduce(0, lambda count, _: count + 1))
+            except (tf.errors.DataLossError, tf.errors.NotFoundError) as error:
+                found, detail = None, error.message.splitlines()[0]
+            else:
+                detail = f"{found} records, {expected} expected"
+            if found != expected:
+                raise ValueError(
+                    f"corrupt or truncated data shard {path} ({detail}); delete {version_dir} to prepare it again"
+                )
+
+
 def _fingerprint(version_dir: Path) -> str:
     """SHA-256 over the prepared shard files (names and bytes), cached beside them by name and size."""
-    shards = sorted(p for p in version_dir.iterdir() if ".tfrecord-" in p.name or ".array_record-" in p.name)
+    cached = _cached_fingerprint(version_dir)
+    if cached is not None:
+        return cached
+    shards = _shard_files(version_dir)
     listing = {p.name: p.stat().st_size for p in shards}
     cache = version_dir / _FINGERPRINT_CACHE
-    if cache.exists():
-        cached = json.loads(cache.read_text())
-        if cached["files"] == listing:
-            return cached["fingerprint"]
     digest = hashlib.sha256()
     for shard in shards:
         digest.update(shard.name.encode())
@@ -61,6 +94,18 @@ def fingerprint_changed(data_dir: Path, name: str, fingerprint: str) -> bool:
     return previous is not None and previous != fingerprint
 
 
+def _check_writable(data_dir: Path) -> None:
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        probe = data_dir / ".hetflow-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(
+            f"data dir {data_dir} is not writable ({error.strerror}); set HETFLOW_HOME to a writable directory"
+        ) from None
+
+
 def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
     """Download (where needed) and prepare ``name`` under ``data_dir``; re-use it when already there.
 
@@ -71,7 +116,11 @@ def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
 
     builder = _builder(name, data_dir)
     prepared_before = builder.is_prepared()
+    if prepared_before and _cached_fingerprint(Path(builder.data_dir)) is None:
+        # The files changed since they were fingerprinted (or never were): check them first.
+        verify_shards(builder.info, Path(builder.data_dir))
     if not prepared_before:
+        _check_writable(data_dir)
         shards = getattr(builder, "NUM_SHARDS", None)
         builder.download_and_prepare(download_config=tfds.download.DownloadConfig(num_shards=shards))
     info = builder.info

@@ -20,7 +20,6 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from tasks.data.pipeline import train_input
@@ -32,9 +31,11 @@ from tasks.strategies.common import (
     TrainingClock,
     learning_rate,
     make_optimizer,
+    run_epochs,
     save_model,
     steps_per_epoch,
-    validation_metrics,
+    training_record,
+    worker_rate,
     write_training_record,
 )
 from tasks.strategies.sync import is_chief, make_strategy
@@ -76,31 +77,10 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     predict = tf.function(lambda images: model(images, training=False))
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
-    first_epoch = checkpoint.restore()
     clock = TrainingClock(spec.target_accuracy)
-    history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
     print(f"balanced batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
     started = time.perf_counter()
-    for epoch in range(first_epoch, spec.epochs):
-        clock.on_epoch_begin(epoch)
-        losses, correct = [], 0.0
-        for _ in range(steps):
-            loss, hits = train_step(batches)
-            clock.first_step_done()
-            losses.append(float(loss))
-            correct += float(hits)
-        val_loss, val_accuracy = validation_metrics(predict, dataset)
-        clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
-        for name, value in zip(history, (np.mean(losses), correct / (steps * spec.batch_size), val_loss, val_accuracy)):
-            history[name].append(float(value))
-        print(
-            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s - loss: {history['loss'][-1]:.4f} - "
-            f"accuracy: {history['accuracy'][-1]:.4f} - val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f}",
-            flush=True,
-        )
-        checkpoint.epoch_done(epoch + 1)
-        if clock.reached:  # every worker sees the same validation accuracy, so all stop together
-            break
+    history = run_epochs(spec, steps, lambda: train_step(batches), predict, dataset, checkpoint, clock)
     train_seconds = time.perf_counter() - started
 
     if not is_chief(task):
@@ -111,28 +91,19 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     total_steps = clock.epochs_done * steps
     write_training_record(
         paths,
-        {
-            "strategy": spec.strategy,
-            "balanced": True,
-            "worker_batches": shares,
-            "replicas_in_sync": strategy.num_replicas_in_sync,
-            "global_batch": spec.batch_size,
-            "per_replica_batch": spec.batch_size // strategy.num_replicas_in_sync,
-            "steps_per_epoch": steps,
-            "epochs": spec.epochs,
-            "history": history,
-            "learning_rate_per_epoch": lr_per_epoch,
-            **clock.record(),
-            "train_seconds": train_seconds,
-            "examples_per_second": spec.batch_size * total_steps / train_seconds,
-            "per_worker": {
-                f"worker-{i}": {
-                    "steps": total_steps,
-                    "batch": share,
-                    "examples_per_second": share * total_steps / train_seconds,
-                    "step_seconds": train_seconds / total_steps,
-                }
+        training_record(
+            spec,
+            steps=steps,
+            replicas_in_sync=strategy.num_replicas_in_sync,
+            history=history,
+            lr_per_epoch=lr_per_epoch,
+            clock=clock,
+            train_seconds=train_seconds,
+            per_worker={
+                f"worker-{i}": {**worker_rate(share, total_steps, train_seconds), "batch": share}
                 for i, share in enumerate(shares)
             },
-        },
+            balanced=True,
+            worker_batches=shares,
+        ),
     )

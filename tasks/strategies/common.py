@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from tasks.data.pipeline import eval_input
@@ -180,6 +181,75 @@ def validation_metrics(predict, dataset: dict[str, Any]) -> tuple[float, float]:
         correct += int(tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.int32)))
         count += int(tf.shape(labels)[0])
     return total_loss / count, correct / count
+
+
+def run_epochs(
+    spec: RunSpec, steps: int, train_step, predict, dataset: dict[str, Any], checkpoint, clock: TrainingClock
+) -> dict[str, list[float]]:
+    """The epoch loop of the custom sync loops (balanced, model_parallel), from the last checkpoint
+    on: ``train_step()`` runs one step and returns (loss, correctly classified examples); after each
+    epoch come validation, a progress line, the checkpoint, and a stop once the target is reached
+    (every replica sees the same validation accuracy, so all stop together)."""
+    history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
+    for epoch in range(checkpoint.restore(), spec.epochs):
+        clock.on_epoch_begin(epoch)
+        losses, correct = [], 0.0
+        for _ in range(steps):
+            loss, hits = train_step()
+            clock.first_step_done()
+            losses.append(float(loss))
+            correct += float(hits)
+        val_loss, val_accuracy = validation_metrics(predict, dataset)
+        clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
+        for name, value in zip(history, (np.mean(losses), correct / (steps * spec.batch_size), val_loss, val_accuracy)):
+            history[name].append(float(value))
+        print(
+            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s - loss: {history['loss'][-1]:.4f} - "
+            f"accuracy: {history['accuracy'][-1]:.4f} - val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f}",
+            flush=True,
+        )
+        checkpoint.epoch_done(epoch + 1)
+        if clock.reached:
+            break
+    return history
+
+
+def worker_rate(batch: int, steps: int, seconds: float) -> dict[str, float]:
+    """One worker's part: the steps it ran, its examples/s and its time per step."""
+    return {"steps": steps, "examples_per_second": batch * steps / seconds, "step_seconds": seconds / steps}
+
+
+def training_record(
+    spec: RunSpec,
+    *,
+    steps: int,
+    replicas_in_sync: int,
+    history: dict[str, list[float]],
+    lr_per_epoch: list[float],
+    clock: TrainingClock,
+    train_seconds: float,
+    per_worker: dict[str, dict[str, float]],
+    measured_seconds: float | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """training.json's content common to every strategy; throughput is measured over
+    ``measured_seconds`` (default: the whole training time)."""
+    seconds = measured_seconds or train_seconds
+    return {
+        "strategy": spec.strategy,
+        "replicas_in_sync": replicas_in_sync,
+        "global_batch": spec.batch_size,
+        "per_replica_batch": spec.batch_size // replicas_in_sync,
+        "steps_per_epoch": steps,
+        "epochs": spec.epochs,
+        "history": history,
+        "learning_rate_per_epoch": lr_per_epoch,
+        "train_seconds": train_seconds,
+        **clock.record(),
+        "examples_per_second": spec.batch_size * clock.epochs_done * steps / seconds,
+        "per_worker": per_worker,
+        **extra,
+    }
 
 
 def write_training_record(paths: RunPaths, record: dict[str, Any]) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from tasks.data.pipeline import train_input
@@ -29,9 +28,11 @@ from tasks.strategies.common import (
     learning_rate,
     local_devices,
     make_optimizer,
+    run_epochs,
     save_model,
     steps_per_epoch,
-    validation_metrics,
+    training_record,
+    worker_rate,
     write_training_record,
 )
 
@@ -67,58 +68,26 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
     predict = tf.function(lambda images: forward(images, training=False))
     batches = iter(train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed))
     checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer)
-    first_epoch = checkpoint.restore()
     clock = TrainingClock(spec.target_accuracy)
-    history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
     started = time.perf_counter()
-    for epoch in range(first_epoch, spec.epochs):
-        clock.on_epoch_begin(epoch)
-        losses, correct = [], 0.0
-        for _ in range(steps):
-            loss, hits = train_step(*next(batches))
-            clock.first_step_done()
-            losses.append(float(loss))
-            correct += float(hits)
-        val_loss, val_accuracy = validation_metrics(predict, dataset)
-        clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
-        for name, value in zip(history, (np.mean(losses), correct / (steps * spec.batch_size), val_loss, val_accuracy)):
-            history[name].append(float(value))
-        print(
-            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s - loss: {history['loss'][-1]:.4f} - "
-            f"accuracy: {history['accuracy'][-1]:.4f} - val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f}",
-            flush=True,
-        )
-        checkpoint.epoch_done(epoch + 1)
-        if clock.reached:
-            break
+    history = run_epochs(spec, steps, lambda: train_step(*next(batches)), predict, dataset, checkpoint, clock)
     train_seconds = time.perf_counter() - started
     save_model(model, spec, dataset, paths.model)
-    total_steps = clock.epochs_done * steps
     write_training_record(
         paths,
-        {
-            "strategy": spec.strategy,
-            "replicas_in_sync": 1,
-            "global_batch": spec.batch_size,
-            "per_replica_batch": spec.batch_size,
-            "steps_per_epoch": steps,
-            "epochs": spec.epochs,
-            "history": history,
-            "learning_rate_per_epoch": lr_per_epoch,
-            "train_seconds": train_seconds,
-            **clock.record(),
-            "examples_per_second": spec.batch_size * total_steps / train_seconds,
-            "per_worker": {
-                "worker-0": {
-                    "steps": total_steps,
-                    "examples_per_second": spec.batch_size * total_steps / train_seconds,
-                    "step_seconds": train_seconds / total_steps,
-                }
-            },
-            "layer_placement": [
+        training_record(
+            spec,
+            steps=steps,
+            replicas_in_sync=1,
+            history=history,
+            lr_per_epoch=lr_per_epoch,
+            clock=clock,
+            train_seconds=train_seconds,
+            per_worker={"worker-0": worker_rate(spec.batch_size, clock.epochs_done * steps, train_seconds)},
+            layer_placement=[
                 {"layer": layer.name, "device": device, "variables": sorted({v.device for v in layer.weights})}
                 for device, layers in groups
                 for layer in layers
             ],
-        },
+        ),
     )

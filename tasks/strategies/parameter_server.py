@@ -30,7 +30,9 @@ from tasks.strategies.common import (
     make_optimizer,
     save_model,
     steps_per_epoch,
+    training_record,
     validation_metrics,
+    worker_rate,
     write_training_record,
 )
 
@@ -156,37 +158,30 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
         whole, marker, _ = variable.name.rpartition("/part_")
         if marker:
             shards.setdefault(whole, []).append({"shape": variable.shape.as_list(), "device": variable.device})
-    total_steps = clock.epochs_done * steps
     write_training_record(
         paths,
-        {
-            "strategy": spec.strategy,
-            "replicas_in_sync": 1,
-            "global_batch": spec.batch_size,
-            "per_replica_batch": spec.batch_size,
-            "steps_per_epoch": steps,
-            "epochs": spec.epochs,
-            "history": history,
-            "learning_rate_per_epoch": lr_per_epoch,
-            "train_seconds": train_seconds,
-            **clock.record(),
-            "examples_per_second": spec.batch_size * total_steps / train_seconds,
+        training_record(
+            spec,
+            steps=steps,
+            replicas_in_sync=1,
+            history=history,
+            lr_per_epoch=lr_per_epoch,
+            clock=clock,
+            train_seconds=train_seconds,
             # Each worker's share of the steps, and the staleness of the updates it applied.
-            "per_worker": {
+            per_worker={
                 f"worker-{worker}": {
-                    "steps": len(seen),
-                    "examples_per_second": spec.batch_size * len(seen) / train_seconds,
-                    "step_seconds": train_seconds / len(seen),
+                    **worker_rate(spec.batch_size, len(seen), train_seconds),
                     "staleness_mean": float(np.mean(seen)),
                     "staleness_max": int(max(seen)),
                 }
                 for worker, seen in sorted(staleness_by_worker.items())
             },
-            "staleness": {
+            staleness={
                 "mean": float(np.mean(all_staleness)),
                 "max": int(max(all_staleness)),
                 "histogram": {str(k): v for k, v in sorted(Counter(all_staleness).items())},
             },
-            "sharded_variables": shards,
-        },
+            sharded_variables=shards,
+        ),
     )

@@ -24,6 +24,8 @@ from tasks.strategies.common import (
     make_optimizer,
     save_model,
     steps_per_epoch,
+    training_record,
+    worker_rate,
     write_training_record,
 )
 
@@ -93,36 +95,27 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         return
     save_model(model, spec, dataset, paths.model)
     workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
-    per_worker_batch = spec.batch_size // workers
     total_steps = clock.epochs_done * steps
     # Throughput over the epochs themselves: under multi_worker_mirrored, model.fit spends a further
     # ~15 s after its last epoch releasing the input iterators (seen in every run here; recorded
     # as fit_overhead_seconds).
     epochs_seconds = sum(clock.epoch_seconds)
-    # Sync steps are lockstep: every worker does every step in the same wall time.
-    per_worker = {
-        f"worker-{i}": {
-            "steps": total_steps,
-            "examples_per_second": per_worker_batch * total_steps / epochs_seconds,
-            "step_seconds": epochs_seconds / total_steps,
-        }
-        for i in range(workers)
-    }
     write_training_record(
         paths,
-        {
-            "strategy": spec.strategy,
-            "replicas_in_sync": replicas,
-            "global_batch": spec.batch_size,
-            "per_replica_batch": spec.batch_size // replicas,
-            "steps_per_epoch": steps,
-            "epochs": spec.epochs,
-            "history": {name: [float(v) for v in values] for name, values in history.history.items()},
-            "learning_rate_per_epoch": lr_per_epoch,
-            "train_seconds": train_seconds,
-            "fit_overhead_seconds": train_seconds - epochs_seconds,
-            **clock.record(),
-            "examples_per_second": spec.batch_size * total_steps / epochs_seconds,
-            "per_worker": per_worker,
-        },
+        training_record(
+            spec,
+            steps=steps,
+            replicas_in_sync=replicas,
+            history={name: [float(v) for v in values] for name, values in history.history.items()},
+            lr_per_epoch=lr_per_epoch,
+            clock=clock,
+            train_seconds=train_seconds,
+            measured_seconds=epochs_seconds,
+            # Sync steps are lockstep: every worker does every step in the same wall time.
+            per_worker={
+                f"worker-{i}": worker_rate(spec.batch_size // workers, total_steps, epochs_seconds)
+                for i in range(workers)
+            },
+            fit_overhead_seconds=train_seconds - epochs_seconds,
+        ),
     )

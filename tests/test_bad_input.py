@@ -1,0 +1,106 @@
+"""Bad input and broken surroundings: each fails with one clear line, and nothing produced is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from tasks.spec import SpecError, parse_spec
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"restart_policy": "sometimes"}, 'restart_policy="sometimes" is invalid: expected one of never, on_failure'),
+        ({"backoff_limit": -1}, "backoff_limit=-1 is invalid"),
+        ({"checkpoint_every": 0}, "checkpoint_every=0 is invalid: expected an integer >= 1 and <= 1000"),
+        (
+            {"backend": "docker", "restart_policy": "exit_code"},
+            "restart_policy=exit_code is invalid with backend=docker: expected never or on_failure",
+        ),
+    ],
+)
+def test_restart_keys_are_validated(values, message):
+    with pytest.raises(SpecError) as caught:
+        parse_spec(values)
+    assert caught.value.problems[0].startswith(message)
+
+
+def test_a_data_dir_that_is_not_writable_is_named(tmp_path):
+    from tasks.data.prepare import prepare_dataset
+
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    with pytest.raises(ValueError, match=rf"data dir {blocked}/data is not writable .*set HETFLOW_HOME"):
+        prepare_dataset("uci_digits", blocked / "data")
+
+
+def test_a_truncated_shard_is_named_and_the_rest_kept(tmp_path):
+    from tasks.data.prepare import prepare_dataset
+
+    prepare_dataset("uci_digits", tmp_path)
+    version_dir = tmp_path / "uci_digits" / "1.0.0"
+    shard = sorted(version_dir.glob("uci_digits-train.tfrecord-*"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"corrupt or truncated data shard {shard} .*delete {version_dir}"):
+        prepare_dataset("uci_digits", tmp_path)
+    assert len(list(version_dir.glob("*.tfrecord-*"))) == 12  # nothing deleted behind the user's back
+
+
+def test_a_taken_port_moves_the_replica_and_every_tf_config_follows(tmp_path):
+    from tasks.cluster.layout import plan_cluster
+    from tasks.cluster.local import LocalCluster, port_taken
+
+    spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        layout = plan_cluster(spec, "port-run", pick_port=iter([taken, _free_port()]).__next__)
+        cluster = LocalCluster(layout, spec, tmp_path, tmp_path / "logs")
+        assert port_taken(taken)
+        cluster._move_off_taken_ports()
+    moved = cluster.layout.replicas[0].address
+    assert moved != f"127.0.0.1:{taken}" and cluster.layout.replicas[1] == layout.replicas[1]
+    assert json.loads(cluster.layout.tf_config(cluster.layout.replicas[1]))["cluster"]["worker"][0] == moved
+    assert json.loads((tmp_path / "cluster.json").read_text())["replicas"][0]["address"] == moved
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_mlflow_unreachable_fails_register_clearly_and_a_retry_registers(hetflow_env, monkeypatch):
+    from tasks import stages
+    from tasks.paths import run_paths
+
+    run_id = f"unreachable_{os.getpid()}"
+    stages.validate_spec({"epochs": 2, "registered_model": "unreachable-digits"}, run_id)
+    for stage in (
+        stages.prepare_data,
+        stages.provision_cluster,
+        stages.train,
+        stages.evaluate,
+        stages.compress,
+        stages.export,
+    ):
+        stage(run_id)
+    stages.teardown_cluster(run_id)
+    store = hetflow_env["MLFLOW_TRACKING_URI"]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    with pytest.raises(
+        stages.TrackingUnavailable, match=r"MLflow at http://127.0.0.1:\d+ failed: .*retry the register task"
+    ):
+        stages.register(run_id, "hetflow_train")
+    paths = run_paths(run_id)
+    assert paths.model.exists() and paths.export.exists() and not paths.registry.exists()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    assert stages.register(run_id, "hetflow_train")["version"] == 1
