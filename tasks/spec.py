@@ -102,7 +102,11 @@ class RunSpec(BaseModel):
         "with an error a restart would repeat.",
     )
     backoff_limit: int = _field(
-        3, "Cluster", "Restarts allowed before a failure fails the run (restart_policy on_failure, exit_code).", ge=0, le=20
+        3,
+        "Cluster",
+        "Restarts allowed before a failure fails the run (restart_policy on_failure, exit_code).",
+        ge=0,
+        le=20,
     )
     kubernetes_namespace: str = _field(
         "default",
