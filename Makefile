@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup run test test-fast bench lint lint-docker up down up-docker down-docker clean
+.PHONY: setup run test test-fast bench chaos lint lint-docker up down up-docker down-docker clean
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ bench: setup
 	$(BIN)/python bench/run.py $(ARGS)
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/straggler.py
+
+## runs that lose a random replica at a random time (bench/CHAOS.md)
+chaos: setup
+	$(BIN)/python bench/chaos.py $(ARGS)
 
 ## style and static checks
 lint: setup lint-docker
