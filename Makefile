@@ -41,8 +41,8 @@ chaos: setup
 
 ## style and static checks
 lint: setup lint-docker
-	$(BIN)/ruff check tasks tests dags bench
-	$(BIN)/ruff format --check tasks tests dags bench
+	$(BIN)/ruff check tasks tests dags plugins bench
+	$(BIN)/ruff format --check tasks tests dags plugins bench
 
 ## the Dockerfile (hadolint) and the compose file (compose-spec schema), offline
 lint-docker: setup
@@ -79,5 +79,5 @@ up-docker:
 down-docker:
 	HETFLOW_HOME=$(CURDIR)/.hetflow docker compose -f docker/compose.yaml down
 
-clean:
+clean: down
 	rm -rf .hetflow mlflow/mlflow.db mlflow/artifacts

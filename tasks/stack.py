@@ -191,12 +191,13 @@ def _free(port: int) -> bool:
     return not any(c.laddr.port == port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
 
 
-def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> dict:
-    """Start the stack, or find it already running; wait until every component is healthy."""
+def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> tuple[dict, bool]:
+    """Start the stack, or find it already running; wait until every component is healthy.
+    Returns the stack's state and whether this call started it."""
     state = _read_state()
     if state and all(_alive(pid) for pid in state["pids"].values()):
         wait_healthy(state)
-        return state
+        return state, False
     if state:  # a component died: start over cleanly
         down()
     for port in (airflow_port, mlflow_port):
@@ -229,7 +230,7 @@ def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> dict
     wait_healthy(state)
     state["seconds_to_healthy"] = round(time.monotonic() - started_at, 1)
     _state_path().write_text(json.dumps(state, indent=2))
-    return state
+    return state, True
 
 
 def password(state: dict) -> str | None:
@@ -282,9 +283,9 @@ def down() -> list[str]:
     return list(state["pids"])
 
 
-def _print_up(state: dict) -> None:
+def _print_up(state: dict, started: bool) -> None:
     rss = rss_bytes(state) / 2**30
-    took = f" in {state['seconds_to_healthy']} s" if "seconds_to_healthy" in state else " (already running)"
+    took = f" in {state['seconds_to_healthy']} s" if started else " (already running)"
     print(f"hetflow stack healthy{took}; {rss:.1f} GiB resident; logs in {stack_dir() / 'logs'}")
     print(f"  Airflow  {state['airflow_url']}   metadata DB: {state['database']}")
     if state["login"]:
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("down", help="stop every process of the stack")
     args = parser.parse_args(argv)
     if args.command == "up":
-        _print_up(up(args.airflow_port, args.mlflow_port, not args.no_login, args.postgres))
+        _print_up(*up(args.airflow_port, args.mlflow_port, not args.no_login, args.postgres))
     else:
         stopped = down()
         print(f"stopped: {', '.join(stopped)}" if stopped else "hetflow stack: nothing running")

@@ -94,14 +94,14 @@ def test_run_slug_is_a_dns_label_fragment_distinct_per_run():
 def test_container_only_keys_are_rejected_with_the_local_backend():
     with pytest.raises(SpecError) as caught:
         parse_spec({"replica_cpus": 2, "replica_memory_mb": 512, "request_gpus": True, "restart_policy": "on_failure"})
+    # (restart_policy is honoured by every backend, the local one included)
     assert caught.value.problems == [
         f"{key}={value} is invalid with backend=local: expected {off} "
-        "(limits, GPU requests and restarts apply to backend=docker or kubernetes)"
+        "(limits and GPU requests apply to backend=docker or kubernetes)"
         for key, value, off in (
             ("replica_cpus", "2.0", "0.0"),
             ("replica_memory_mb", "512", "0"),
             ("request_gpus", "true", "false"),
-            ("restart_policy", '"on_failure"', '"never"'),
         )
     ]
     with pytest.raises(SpecError, match=r"pin_cores=true is invalid with backend=docker: expected false"):

@@ -35,7 +35,7 @@ def test_valid_cluster_shapes(values):
     ("values", "message"),
     [
         ({"epoch": 3}, "unknown key 'epoch'=3 (did you mean 'epochs'?); allowed keys: dataset,"),
-        ({"strategy": "horovod"}, 'strategy="horovod" is invalid: expected one of one_device, mirrored, multi_worker'),
+        ({"strategy": "horovod"}, 'strategy="horovod" is invalid: expected one of auto, one_device, mirrored, multi_worker'),
         ({"workers": 0}, "workers=0 is invalid: expected an integer >= 1 and <= 16"),
         ({"ps": -1}, "ps=-1 is invalid: expected an integer >= 0 and <= 8"),
         ({"lr_scaling": "sqrt"}, 'lr_scaling="sqrt" is invalid: expected one of none, linear'),
@@ -109,6 +109,7 @@ def test_params_are_generated_from_the_spec():
         assert param.schema["title"] and param.schema["section"], key
     assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet"]
     assert params["strategy"].schema["enum"] == [
+        "auto",
         "one_device",
         "mirrored",
         "multi_worker_mirrored",
@@ -140,7 +141,7 @@ def test_cli_rejects_a_bad_spec_with_one_line_per_problem_and_starts_nothing(het
     assert done.returncode == 2
     assert sorted(done.stderr.strip().splitlines()) == [
         "hetflow: invalid spec: epochs=0 is invalid: expected an integer >= 1 and <= 1000",
-        'hetflow: invalid spec: strategy="gossip" is invalid: expected one of one_device, mirrored, '
+        'hetflow: invalid spec: strategy="gossip" is invalid: expected one of auto, one_device, mirrored, '
         "multi_worker_mirrored, parameter_server, model_parallel",
     ]
     assert done.stdout == ""
