@@ -132,3 +132,35 @@ def test_ps_killed_restarts_ps_and_chief_from_the_checkpoint(hetflow_env):
     assert len(attempts) == 2 and "resumed from" in attempts[1]
     assert min(_epochs(attempts[1])) >= 3
     assert json.loads(paths.training.read_text())["history"]["val_accuracy"][-1] >= 0.9
+
+
+@pytest.mark.slow
+def test_a_hung_sync_worker_is_detected_within_a_minute_and_the_group_restarted(hetflow_env):
+    import time
+
+    from tasks.paths import run_paths
+
+    run_id = f"ft_hang_{os.getpid()}"
+    _provision(hetflow_env, run_id, strategy="multi_worker_mirrored", workers=2, epochs=8)
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", _SUPERVISOR, run_id],
+        cwd=REPO,
+        env=hetflow_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    paths = run_paths(run_id)
+    log = paths.logs / "worker-1.log"
+    try:
+        assert wait_for(lambda: log.exists() and "Epoch 3/" in log.read_text(), timeout=180), "never trained"
+        os.kill(_pid_of(run_id, "worker-1"), signal.SIGSTOP)  # hung, not dead: no socket closes
+        stopped_at = time.monotonic()
+        assert wait_for(paths.restarts.exists, timeout=90), "the hung worker was never noticed"
+        detected_after = time.monotonic() - stopped_at
+        output, _ = supervisor.communicate(timeout=300)
+        assert supervisor.returncode == 0, output[-3000:]
+    finally:
+        supervisor.kill()
+    assert detected_after <= 60
+    assert json.loads(paths.restarts.read_text())[0]["action"] == "restarted every replica"

@@ -35,7 +35,10 @@ def test_valid_cluster_shapes(values):
     ("values", "message"),
     [
         ({"epoch": 3}, "unknown key 'epoch'=3 (did you mean 'epochs'?); allowed keys: dataset,"),
-        ({"strategy": "horovod"}, 'strategy="horovod" is invalid: expected one of auto, one_device, mirrored, multi_worker'),
+        (
+            {"strategy": "horovod"},
+            'strategy="horovod" is invalid: expected one of auto, one_device, mirrored, multi_worker',
+        ),
         ({"workers": 0}, "workers=0 is invalid: expected an integer >= 1 and <= 16"),
         ({"ps": -1}, "ps=-1 is invalid: expected an integer >= 0 and <= 8"),
         ({"lr_scaling": "sqrt"}, 'lr_scaling="sqrt" is invalid: expected one of none, linear'),

@@ -202,7 +202,7 @@ def form_run(stack, api, browser):
     page.get_by_role("option", name="parameter_server", exact=True).click()
     page.screenshot(path=str(ARTIFACTS / "trigger_form.png"))
     dialog.get_by_role("button", name="Trigger").click()
-    page.get_by_text("Dag Run Triggered").wait_for()
+    page.get_by_text("Dag Run Triggered").first.wait_for()  # the toast may be rendered twice
     new = wait_for(lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] not in before], 30)
     assert len(new) == 1, new
     run = api.wait_for_run("hetflow_train", new[0]["dag_run_id"])
