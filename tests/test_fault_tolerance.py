@@ -43,10 +43,9 @@ def _epochs(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"^Epoch (\d+)/", text, flags=re.M)]
 
 
-def _run_and_kill(run_id: str, env: dict, watch: str, when: str, victim: str) -> subprocess.CompletedProcess:
-    from tasks.paths import run_paths
-
-    supervisor = subprocess.Popen(
+def _start_supervisor(run_id: str, env: dict) -> subprocess.Popen:
+    """The train stage in its own process, as an Airflow task would run it."""
+    return subprocess.Popen(
         [sys.executable, "-c", _SUPERVISOR, run_id],
         cwd=REPO,
         env=env,
@@ -54,6 +53,12 @@ def _run_and_kill(run_id: str, env: dict, watch: str, when: str, victim: str) ->
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def _run_and_kill(run_id: str, env: dict, watch: str, when: str, victim: str) -> subprocess.CompletedProcess:
+    from tasks.paths import run_paths
+
+    supervisor = _start_supervisor(run_id, env)
     log = run_paths(run_id).logs / f"{watch}.log"
     try:
         assert wait_for(lambda: log.exists() and when in log.read_text(), timeout=180), f"{watch} never got to {when}"
@@ -142,14 +147,7 @@ def test_a_hung_sync_worker_is_detected_within_a_minute_and_the_group_restarted(
 
     run_id = f"ft_hang_{os.getpid()}"
     _provision(hetflow_env, run_id, strategy="multi_worker_mirrored", workers=2, epochs=8)
-    supervisor = subprocess.Popen(
-        [sys.executable, "-c", _SUPERVISOR, run_id],
-        cwd=REPO,
-        env=hetflow_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    supervisor = _start_supervisor(run_id, hetflow_env)
     paths = run_paths(run_id)
     log = paths.logs / "worker-1.log"
     try:

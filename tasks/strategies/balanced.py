@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import tempfile
 import time
 from typing import Any
 
@@ -83,11 +82,9 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     history = run_epochs(spec, steps, lambda: train_step(batches), predict, dataset, checkpoint, clock)
     train_seconds = time.perf_counter() - started
 
+    save_model(model, spec, dataset, paths.model, chief=is_chief(task))
     if not is_chief(task):
-        with tempfile.TemporaryDirectory() as scratch:
-            save_model(model, spec, dataset, f"{scratch}/model.keras")
         return
-    save_model(model, spec, dataset, paths.model)
     total_steps = clock.epochs_done * steps
     write_training_record(
         paths,

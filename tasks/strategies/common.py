@@ -261,15 +261,17 @@ def write_training_record(paths: RunPaths, record: dict[str, Any]) -> None:
     )
 
 
-def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], path) -> None:
-    """Save the trained weights in a fresh, uncompiled copy of the model.
+def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], path, chief: bool = True) -> None:
+    """Save the trained weights in a fresh, uncompiled copy of the model at ``path``.
 
     The copy is plain: no optimizer (its custom schedule would be needed to load it), no
-    distribution (variables sharded over parameter servers are concatenated back).
+    distribution (variables sharded over parameter servers are concatenated back). Under
+    multi-worker strategies every worker must take part in saving (it may run collectives); only
+    the chief's copy is kept, the others write into a scratch dir.
     """
     plain = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
     # A checkpoint stores each variable whole, whatever its distribution, and restores by name.
     with tempfile.TemporaryDirectory() as scratch:
         prefix = tf.train.Checkpoint(model=model).write(f"{scratch}/weights")
         tf.train.Checkpoint(model=plain).read(prefix).expect_partial().assert_existing_objects_matched()
-    plain.save(path)
+        plain.save(path if chief else f"{scratch}/model.keras")

@@ -7,7 +7,6 @@ is required: Keras 3's fit fails under MultiWorkerMirroredStrategy on TF 2.21.)
 
 from __future__ import annotations
 
-import tempfile
 import time
 from typing import Any
 
@@ -88,12 +87,9 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     )
     train_seconds = time.perf_counter() - started
 
+    save_model(model, spec, dataset, paths.model, chief=is_chief(task))
     if not is_chief(task):
-        # Every worker must take part in saving (it may run collectives); only the chief's copy is kept.
-        with tempfile.TemporaryDirectory() as scratch:
-            save_model(model, spec, dataset, f"{scratch}/model.keras")
         return
-    save_model(model, spec, dataset, paths.model)
     workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
     total_steps = clock.epochs_done * steps
     # Throughput over the epochs themselves: under multi_worker_mirrored, model.fit spends a further
