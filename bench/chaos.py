@@ -51,22 +51,9 @@ finally:
 """
 
 
-def replica_pid(run_id: str, name: str) -> int | None:
-    from tasks.cluster.local import run_processes
-
-    for pid in run_processes(run_id):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        config = json.loads(next(e for e in environ if e.startswith(b"TF_CONFIG=")).split(b"=", 1)[1])
-        if f"{config['task']['type']}-{config['task']['index']}" == name:
-            return pid
-    return None
-
-
 def one_run(shape: str, run_id: str, env: dict, rng: random.Random | None) -> dict:
     """A run of ``shape``; with ``rng``, a random replica is killed at a random time."""
+    from tasks.cluster.local import run_replicas
     from tasks.paths import run_paths
 
     values = {**SHAPES[shape], "restart_policy": "on_failure", "backoff_limit": 3}
@@ -80,7 +67,7 @@ def one_run(shape: str, run_id: str, env: dict, rng: random.Random | None) -> di
             time.sleep(0.2)
         time.sleep(rng.uniform(0, 5))
         victim = rng.choice(VICTIMS[shape])
-        pid = replica_pid(run_id, victim)
+        pid = run_replicas(run_id).get(victim)
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             killed = {"replica": victim, "after_seconds": time.monotonic() - started}

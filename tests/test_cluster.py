@@ -9,12 +9,12 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 from conftest import REPO, listening, wait_for
 
 from tasks.cluster.layout import ClusterLayout, Replica, plan_cluster
+from tasks.cluster.local import run_replicas
 from tasks.spec import parse_spec
 
 
@@ -53,18 +53,6 @@ def provisioned(hetflow_env, request):
 @pytest.fixture()
 def run_id(provisioned):
     return provisioned()
-
-
-def _replica_pid(run_id: str, name: str) -> int:
-    from tasks.cluster.local import run_processes
-
-    for pid in run_processes(run_id):
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        tf_config = next(e for e in environ if e.startswith(b"TF_CONFIG="))
-        task = json.loads(tf_config.split(b"=", 1)[1])["task"]
-        if f"{task['type']}-{task['index']}" == name:
-            return pid
-    raise LookupError(name)
 
 
 def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
@@ -147,7 +135,7 @@ def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(prov
     try:
         log = run_paths(run_id).logs / "worker-1.log"
         assert wait_for(lambda: log.exists() and "Epoch 2/" in log.read_text(), timeout=120), "never trained"
-        os.kill(_replica_pid(run_id, "worker-1"), signal.SIGKILL)
+        os.kill(run_replicas(run_id)["worker-1"], signal.SIGKILL)
         _, stderr = supervisor.communicate(timeout=60)
         assert supervisor.returncode != 0
         assert "ReplicaFailed: replica worker-" in stderr

@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import REPO, wait_for
 
-from tasks.cluster.local import restartable
+from tasks.cluster.local import restartable, run_replicas
 
 _SUPERVISOR = "import sys\nfrom tasks import stages\nstages.train(sys.argv[1])\n"
 
@@ -21,17 +21,6 @@ def test_restart_policies():
     assert restartable("on_failure", 1) and restartable("on_failure", -9)
     assert restartable("exit_code", -9) and restartable("exit_code", 137)
     assert not restartable("exit_code", 1) and not restartable("never", -9)
-
-
-def _pid_of(run_id: str, name: str) -> int:
-    from tasks.cluster.local import run_processes
-
-    for pid in run_processes(run_id):
-        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        config = json.loads(next(e for e in environ if e.startswith(b"TF_CONFIG=")).split(b"=", 1)[1])
-        if f"{config['task']['type']}-{config['task']['index']}" == name:
-            return pid
-    raise LookupError(name)
 
 
 def _attempts(log_text: str, name: str) -> list[str]:
@@ -62,7 +51,7 @@ def _run_and_kill(run_id: str, env: dict, watch: str, when: str, victim: str) ->
     log = run_paths(run_id).logs / f"{watch}.log"
     try:
         assert wait_for(lambda: log.exists() and when in log.read_text(), timeout=180), f"{watch} never got to {when}"
-        os.kill(_pid_of(run_id, victim), signal.SIGKILL)
+        os.kill(run_replicas(run_id)[victim], signal.SIGKILL)
         output, _ = supervisor.communicate(timeout=300)
         return subprocess.CompletedProcess(supervisor.args, supervisor.returncode, output, "")
     finally:
@@ -152,7 +141,7 @@ def test_a_hung_sync_worker_is_detected_within_a_minute_and_the_group_restarted(
     log = paths.logs / "worker-1.log"
     try:
         assert wait_for(lambda: log.exists() and "Epoch 3/" in log.read_text(), timeout=180), "never trained"
-        os.kill(_pid_of(run_id, "worker-1"), signal.SIGSTOP)  # hung, not dead: no socket closes
+        os.kill(run_replicas(run_id)["worker-1"], signal.SIGSTOP)  # hung, not dead: no socket closes
         stopped_at = time.monotonic()
         assert wait_for(paths.restarts.exists, timeout=90), "the hung worker was never noticed"
         detected_after = time.monotonic() - stopped_at

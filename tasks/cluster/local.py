@@ -337,20 +337,36 @@ def _reap(pids: list[int]) -> None:
             pass
 
 
-def run_processes(run_id: str) -> list[int]:
-    """Pids of every live process that carries this run's id in its environment."""
+def _run_environments(run_id: str) -> dict[int, list[bytes]]:
+    """The environment of every live process that carries this run's id, by pid."""
     needle = f"{RUN_ID_ENV}={run_id}".encode()
-    found = []
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            environ = (entry / "environ").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry.name))
+        if needle in environ:
+            found[int(entry.name)] = environ
     return found
+
+
+def run_processes(run_id: str) -> list[int]:
+    """Pids of every live process that carries this run's id in its environment."""
+    return list(_run_environments(run_id))
+
+
+def run_replicas(run_id: str) -> dict[str, int]:
+    """Pid of each live replica of the run, by name (``worker-1``), read from its TF_CONFIG."""
+    replicas = {}
+    for pid, environ in _run_environments(run_id).items():
+        config = next((e for e in environ if e.startswith(b"TF_CONFIG=")), None)
+        if config is not None:
+            task = json.loads(config.split(b"=", 1)[1])["task"]
+            replicas[f"{task['type']}-{task['index']}"] = pid
+    return replicas
 
 
 def teardown_run(run_id: str) -> list[int]:
