@@ -1,12 +1,16 @@
-"""``make bench`` (straggler part): two workers, one slowed 2x, trained to the same target accuracy
-by naive sync, balanced sync, async and ``strategy=auto``.
+"""``make bench`` (heterogeneous part): naive sync, balanced sync, async, single device and
+``strategy=auto``, each trained to the same target accuracy on two clusters:
+
+- ``straggler``: 2 workers (1 thread each), worker 1 throttled to half the CPU time
+  (``worker_devices`` slowdown 2: a simulated 2x slower machine);
+- ``even``: the same 2 workers, neither slowed.
 
 Every case trains ``model=convnet`` on ``dataset=synthetic_cifar`` (generated data) with
-``hetflow train`` until validation accuracy reaches ``--target`` (checked every epoch of
-``--steps-per-epoch`` steps). Worker 1 is throttled to half the CPU time (``worker_devices``
-slowdown 2: a simulated slower machine). Reported per case, as medians over ``--repeats`` runs:
-wall time of the whole command (process start, the probe where there is one, training to target),
-training time to target, final validation accuracy and examples/s.
+``hetflow train`` and the same global batch until validation accuracy reaches ``--target``
+(checked every ``--steps-per-epoch`` steps). Reported per case, as medians over ``--repeats``
+runs: training time to target (from the first step, validation included), launch to target (from
+the command's start: process start-up and any probe included), wall time of the whole command,
+final validation accuracy and examples/s.
 
 Writes bench/results/straggler-<UTC timestamp>.json and bench/STRAGGLER.md.
 
@@ -31,49 +35,78 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = REPO_ROOT / "bench"
 BIN = Path(sys.executable).parent
 
-WORKERS = '[{"threads": 1}, {"threads": 1, "slowdown": 2}]'
-PER_WORKER_BATCH = 32
-CASES = {
-    "naive_sync": {"strategy": "multi_worker_mirrored", "batch_size": 2 * PER_WORKER_BATCH},
-    "balanced_sync": {
-        "strategy": "multi_worker_mirrored",
-        "batch_size": 2 * PER_WORKER_BATCH,
-        "balance_batches": "true",
+PER_WORKER_BATCH = 64  # as in bench/run.py's throughput cases
+GLOBAL_BATCH = 2 * PER_WORKER_BATCH
+SYNC = {"strategy": "multi_worker_mirrored", "batch_size": GLOBAL_BATCH}
+# Async: each update is one worker's batch.
+ASYNC = {"strategy": "parameter_server", "ps": 1, "batch_size": PER_WORKER_BATCH}
+AUTO = {"strategy": "auto", "batch_size": GLOBAL_BATCH}
+SCENARIOS = {
+    "straggler": {
+        "workers": '[{"threads": 1}, {"threads": 1, "slowdown": 2}]',
+        "baseline": "naive_sync",
+        "cases": {
+            "naive_sync": SYNC,
+            "balanced_sync": {**SYNC, "balance_batches": "true"},
+            "async": ASYNC,
+            "auto": AUTO,
+        },
     },
-    # Async: each update is one worker's batch.
-    "async": {"strategy": "parameter_server", "ps": 1, "batch_size": PER_WORKER_BATCH},
-    "auto": {"strategy": "auto", "batch_size": 2 * PER_WORKER_BATCH},
+    "even": {
+        "workers": '[{"threads": 1}, {"threads": 1}]',
+        "baseline": "sync",
+        "cases": {
+            "sync": SYNC,
+            "async": ASYNC,
+            # The fastest worker alone, the whole global batch on it.
+            "one_device": {
+                "strategy": "one_device",
+                "batch_size": GLOBAL_BATCH,
+                "workers": 1,
+                "worker_devices": '[{"threads": 1}]',
+            },
+            "auto": AUTO,
+        },
+    },
 }
+MEASURES = (
+    "seconds_to_target",
+    "launch_to_target_seconds",
+    "wall_seconds",
+    "final_val_accuracy",
+    "examples_per_second",
+)
 
 
-def run_case(name: str, args: argparse.Namespace, home: str) -> dict:
+def run_case(scenario: str, name: str, args: argparse.Namespace, home: str) -> dict:
     settings = {
         "dataset": "synthetic_cifar",
         "model": "convnet",
         "workers": 2,
-        "worker_devices": WORKERS,
+        "worker_devices": SCENARIOS[scenario]["workers"],
         "epochs": args.max_epochs,
         "steps_per_epoch": args.steps_per_epoch,
         "target_accuracy": args.target,
-        **CASES[name],
+        **SCENARIOS[scenario]["cases"][name],
     }
     command = [str(BIN / "hetflow"), "train", *(f"--set={k}={v}" for k, v in settings.items())]
     env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
-    started = time.monotonic()
+    launched_at, started = time.time(), time.monotonic()
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     wall = time.monotonic() - started
+    run = {"scenario": scenario, "case": name, "command": shlex.join(command)}
     if done.returncode:
-        return {"case": name, "failed": done.stderr[-2000:], "command": shlex.join(command)}
+        return run | {"failed": done.stderr[-2000:]}
     record_path = Path(done.stdout.strip().splitlines()[-1])
     record = json.loads(record_path.read_text())
     plan_path = record_path.parent / "plan.json"
     plan = json.loads(plan_path.read_text()) if plan_path.exists() else {}
-    return {
-        "case": name,
-        "command": shlex.join(command),
+    reached_at = record["target_reached_at"]
+    return run | {
         "wall_seconds": wall,
         "seconds_to_target": record["seconds_to_target"],
-        "reached": record["seconds_to_target"] is not None,
+        "launch_to_target_seconds": reached_at - launched_at if reached_at else None,
+        "reached": reached_at is not None,
         "epochs_done": record["epochs_done"],
         "final_val_accuracy": record["history"]["val_accuracy"][-1],
         "examples_per_second": record["examples_per_second"],
@@ -84,50 +117,70 @@ def run_case(name: str, args: argparse.Namespace, home: str) -> dict:
     }
 
 
-def summarize(runs: list[dict]) -> dict[str, dict]:
-    medians = {}
-    for name in CASES:
-        ok = [r for r in runs if r["case"] == name and "failed" not in r and r["reached"]]
-        if not ok:
-            medians[name] = {"failed": True}
-            continue
-        medians[name] = {
-            key: statistics.median(r[key] for r in ok)
-            for key in ("wall_seconds", "seconds_to_target", "final_val_accuracy", "examples_per_second")
-        } | {"runs": len(ok)}
+def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
+    """Medians per scenario and case, over the runs that reached the target."""
+    medians: dict[str, dict[str, dict]] = {}
+    for scenario in dict.fromkeys(r["scenario"] for r in runs):
+        medians[scenario] = {}
+        for name in SCENARIOS[scenario]["cases"]:
+            ok = [r for r in runs if (r["scenario"], r["case"]) == (scenario, name) and r.get("reached")]
+            medians[scenario][name] = (
+                {key: statistics.median(r[key] for r in ok) for key in MEASURES} | {"runs": len(ok)}
+                if ok
+                else {"failed": True}
+            )
     return medians
 
 
 def markdown(record: dict) -> str:
-    medians, naive = record["medians"], record["medians"]["naive_sync"]
     lines = [
-        "# Straggler benchmark",
+        "# Heterogeneous clusters: time to target",
         "",
-        f"2 workers (1 thread each), worker 1 throttled to half the CPU time (a simulated 2x slower machine); "
-        f"`model=convnet` on `dataset=synthetic_cifar` (generated), trained until validation accuracy >= "
+        f"2 workers (1 thread each); in `straggler` worker 1 is throttled to half the CPU time (a simulated 2x "
+        f"slower machine), in `even` neither is. `model=convnet` on `dataset=synthetic_cifar` (generated), global "
+        f"batch {GLOBAL_BATCH} (async: {PER_WORKER_BATCH} per update), trained until validation accuracy >= "
         f"{record['target']} (checked every {record['steps_per_epoch']} steps); medians of {record['repeats']} "
-        "runs per case. Wall: the whole `hetflow train` command (process start-up, the probe of balanced sync "
-        "and auto, training). Train: training time until the target was reached.",
+        "runs per case, cases interleaved.",
+        "",
+        "- **train s**: training time until the target was reached, from the first step (tracing and "
+        "validation included); `vs` columns divide by the scenario's baseline (naive or plain sync).",
+        "- **launch s**: from the command's start until the target: process start-up and, for balanced sync "
+        "and auto, the probe (a separate short run of every worker) included.",
+        "- **wall s**: the whole command, shutdown included.",
         "",
         f"- date: {record['date']}",
         f"- command: `{record['command']}`",
         f"- machine: {os.cpu_count()} CPUs",
-        "",
-        "| case | wall s | train s to target | train vs naive | wall vs naive | final val acc | examples/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name, m in medians.items():
-        if m.get("failed"):
-            lines.append(f"| {name} | failed or never reached the target | | | | | |")
-            continue
-        lines.append(
-            f"| {name} | {m['wall_seconds']:.1f} | {m['seconds_to_target']:.1f} | "
-            f"{m['seconds_to_target'] / naive['seconds_to_target']:.2f} | "
-            f"{m['wall_seconds'] / naive['wall_seconds']:.2f} | "
-            f"{m['final_val_accuracy']:.4f} | {m['examples_per_second']:.0f} |"
-        )
-    decisions = sorted({r["decision"] for r in record["runs"] if r.get("decision")})
-    lines += ["", "auto's decisions:", *[f"- {d}" for d in decisions]]
+    for scenario, cases in record["medians"].items():
+        baseline = cases[SCENARIOS[scenario]["baseline"]]
+        lines += [
+            "",
+            f"## {scenario}",
+            "",
+            "| case | train s | train vs | launch s | launch vs | wall s | final val acc | examples/s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name, m in cases.items():
+            if m.get("failed") or baseline.get("failed"):
+                lines.append(f"| {name} | failed or never reached the target | | | | | | |")
+                continue
+            lines.append(
+                f"| {name} | {m['seconds_to_target']:.1f} | "
+                f"{m['seconds_to_target'] / baseline['seconds_to_target']:.2f} | "
+                f"{m['launch_to_target_seconds']:.1f} | "
+                f"{m['launch_to_target_seconds'] / baseline['launch_to_target_seconds']:.2f} | "
+                f"{m['wall_seconds']:.1f} | {m['final_val_accuracy']:.4f} | {m['examples_per_second']:.0f} |"
+            )
+        others = {name: m for name, m in cases.items() if name != "auto" and not m.get("failed")}
+        auto = cases["auto"]
+        if others and not auto.get("failed"):
+            for measure in ("seconds_to_target", "launch_to_target_seconds"):
+                best = min(others, key=lambda name: others[name][measure])
+                ratio = auto[measure] / others[best][measure]
+                lines += ["", f"auto vs the best other case by {measure}: {best}, {ratio:.2f}x"]
+        decisions = sorted({r["decision"] for r in record["runs"] if r["scenario"] == scenario and r.get("decision")})
+        lines += ["", "auto's decisions:", *[f"- {d}" for d in decisions]]
     return "\n".join(lines) + "\n"
 
 
@@ -135,20 +188,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--target", type=float, default=0.95)
-    parser.add_argument("--steps-per-epoch", type=int, default=25)
+    parser.add_argument("--steps-per-epoch", type=int, default=10)
     parser.add_argument("--max-epochs", type=int, default=40)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of SCENARIOS")
     args = parser.parse_args()
     runs = []
     with tempfile.TemporaryDirectory(prefix="hetflow-bench-") as home:
         for repeat in range(args.repeats):
-            for name in CASES:  # interleaved, so drift of the machine hits every case alike
-                result = run_case(name, args, home)
-                runs.append(result)
-                print(
-                    f"[straggler] {name} run {repeat + 1}/{args.repeats}: "
-                    f"{result.get('seconds_to_target') or result.get('failed', '')}",
-                    flush=True,
-                )
+            for scenario in args.scenarios.split(","):
+                for name in SCENARIOS[scenario]["cases"]:  # interleaved: drift of the machine hits every case alike
+                    result = run_case(scenario, name, args, home)
+                    runs.append(result)
+                    print(
+                        f"[heterogeneous] {scenario}/{name} run {repeat + 1}/{args.repeats}: "
+                        f"{result.get('seconds_to_target') or result.get('failed', '')}",
+                        flush=True,
+                    )
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([".venv/bin/python", "bench/straggler.py", *sys.argv[1:]]),

@@ -77,7 +77,9 @@ class Throttle(threading.Thread):
     1/slowdown of every period and is stopped (SIGSTOP) for the rest, the way ``cpulimit`` does.
     A real limit on CPU time from outside the process, not a sleep inside the training loop."""
 
-    PERIOD_SECONDS = 0.1
+    # Short, so the replica is slow all the time rather than absent for long stretches: with 100 ms
+    # it was stopped for 50 ms at a time (slowdown 2) and every collective could wait that long.
+    PERIOD_SECONDS = 0.02
 
     def __init__(self, pid: int, slowdown: float):
         super().__init__(daemon=True)

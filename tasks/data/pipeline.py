@@ -43,9 +43,15 @@ def train_input(
     return examples.batch(per_worker_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
 
 
-def eval_input(dataset: dict[str, Any], split: str, batch_size: int = 256) -> tf.data.Dataset:
-    """One ordered pass over ``split``, for validation and test."""
-    return _load(dataset, split).cache().batch(batch_size).prefetch(tf.data.AUTOTUNE)
+def eval_input(
+    dataset: dict[str, Any], split: str, batch_size: int = 256, examples: tuple[int, int] | None = None
+) -> tf.data.Dataset:
+    """One ordered pass over ``split`` (or over its examples ``start:end``), for validation and test."""
+    ordered = _load(dataset, split)
+    if examples is not None:
+        start, end = examples
+        ordered = ordered.skip(start).take(end - start)
+    return ordered.cache().batch(batch_size).prefetch(tf.data.AUTOTUNE)
 
 
 def split_arrays(dataset: dict[str, Any], split: str) -> tuple[Any, Any]:

@@ -8,6 +8,10 @@ contiguous slice, so the slices of a step are exactly the global batch. Each wor
 examples' summed loss divided by B, not by b_i; all-reduce sums the gradients, so the update is
 exactly the mean gradient over the global batch, as one replica with batch B would compute it.
 
+Validation is balanced the same way: each worker scores its share of the validation split and the
+sums are all-reduced, so every worker sees the same accuracy (and stops at the target together)
+without the slow worker scoring the whole split.
+
 A custom loop serves this: ``model.fit`` divides each replica's loss by its own batch size and
 would weight a small share as much as a large one.
 """
@@ -21,7 +25,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.data.pipeline import train_input
+from tasks.data.pipeline import eval_input, train_input
 from tasks.models import build_model
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
@@ -34,6 +38,7 @@ from tasks.strategies.common import (
     save_model,
     steps_per_epoch,
     training_record,
+    validation_sums,
     worker_rate,
     write_training_record,
 )
@@ -69,17 +74,37 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
 
     @tf.function
     def train_step(iterator):
+        # This worker's part only: summing loss and accuracy over workers every step would add two
+        # collectives per step, each waiting on the slowest worker; run_epochs sums once per epoch.
         loss, correct = strategy.run(replica_step, args=next(iterator))
-        total = tf.distribute.ReduceOp.SUM
-        return strategy.reduce(total, loss, axis=None), strategy.reduce(total, correct, axis=None)
+        return strategy.experimental_local_results(loss)[0], strategy.experimental_local_results(correct)[0]
 
     predict = tf.function(lambda images: model(images, training=False))
+    validation_size = dataset["splits"]["validation"]
+    first, last = (round(offsets[i] * validation_size / spec.batch_size) for i in (task["index"], task["index"] + 1))
+    my_validation = eval_input(dataset, "validation", examples=(first, last))
+
+    @tf.function
+    def sum_values_over_workers(values):
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: values), axis=None)
+
+    def sum_over_workers(values: list[float]) -> list[float]:
+        return sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
+
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
     clock = TrainingClock(spec.target_accuracy)
     print(f"balanced batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
     started = time.perf_counter()
-    history = run_epochs(spec, steps, lambda: train_step(batches), predict, dataset, checkpoint, clock)
+    history = run_epochs(
+        spec,
+        steps,
+        lambda: train_step(batches),
+        lambda: validation_sums(predict, my_validation),
+        checkpoint,
+        clock,
+        sum_over_workers,
+    )
     train_seconds = time.perf_counter() - started
 
     save_model(model, spec, dataset, paths.model, chief=is_chief(task))

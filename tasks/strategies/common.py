@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tensorflow as tf
 
 from tasks.data.pipeline import eval_input
@@ -103,6 +102,7 @@ class TrainingClock(tf.keras.callbacks.Callback):
         self.first_step_seconds: float | None = None
         self.epoch_seconds: list[float] = []
         self.seconds_to_target: float | None = None
+        self.target_reached_at: float | None = None  # unix time: benchmarks time from their own start
         self._epoch_start = 0.0
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -120,6 +120,7 @@ class TrainingClock(tf.keras.callbacks.Callback):
         accuracy = (logs or {}).get("val_accuracy")
         if self.target_accuracy is not None and not self.reached and accuracy >= self.target_accuracy:
             self.seconds_to_target = sum(self.epoch_seconds)
+            self.target_reached_at = time.time()
             if self.model is not None:
                 self.model.stop_training = True
 
@@ -139,6 +140,7 @@ class TrainingClock(tf.keras.callbacks.Callback):
             "time_to_first_step_seconds": self.first_step_seconds,
             "target_accuracy": self.target_accuracy,
             "seconds_to_target": self.seconds_to_target,
+            "target_reached_at": self.target_reached_at,
         }
 
 
@@ -171,41 +173,57 @@ class EpochCheckpoint:
             self.manager.save()
 
 
-def validation_metrics(predict, dataset: dict[str, Any]) -> tuple[float, float]:
-    """Loss and accuracy of ``predict`` (images -> logits) on the validation split, for custom loops."""
+def validation_sums(predict, batches: tf.data.Dataset) -> tuple[float, float, float]:
+    """Summed loss, correctly classified examples and examples of ``predict`` (images -> logits)
+    over ``batches``, for custom loops."""
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
     total_loss, correct, count = 0.0, 0, 0
-    for images, labels in eval_input(dataset, "validation"):
+    for images, labels in batches:
         logits = predict(images)
         total_loss += float(loss_fn(labels, logits))
         correct += int(tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.int32)))
         count += int(tf.shape(labels)[0])
+    return total_loss, float(correct), float(count)
+
+
+def validation_metrics(predict, dataset: dict[str, Any]) -> tuple[float, float]:
+    """Loss and accuracy of ``predict`` (images -> logits) on the whole validation split."""
+    total_loss, correct, count = validation_sums(predict, eval_input(dataset, "validation"))
     return total_loss / count, correct / count
 
 
 def run_epochs(
-    spec: RunSpec, steps: int, train_step, predict, dataset: dict[str, Any], checkpoint, clock: TrainingClock
+    spec: RunSpec, steps: int, train_step, validation_sums, checkpoint, clock: TrainingClock, sum_over_workers=None
 ) -> dict[str, list[float]]:
     """The epoch loop of the custom sync loops (balanced, model_parallel), from the last checkpoint
-    on: ``train_step()`` runs one step and returns (loss, correctly classified examples); after each
-    epoch come validation, a progress line, the checkpoint, and a stop once the target is reached
-    (every replica sees the same validation accuracy, so all stop together)."""
+    on: ``train_step()`` runs one step and returns this replica's part of (loss, correctly
+    classified examples); after each epoch come ``validation_sums()`` (this replica's summed
+    validation loss, correct examples and examples), one ``sum_over_workers`` of all of it (the
+    identity for one process; a single collective per epoch, none per step), a progress line, the
+    checkpoint, and a stop once the target is reached (every replica sees the same validation
+    accuracy, so all stop together)."""
     history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
     for epoch in range(checkpoint.restore(), spec.epochs):
         clock.on_epoch_begin(epoch)
-        losses, correct = [], 0.0
+        loss_sum, correct = 0.0, 0.0
         for _ in range(steps):
             loss, hits = train_step()
             clock.first_step_done()
-            losses.append(float(loss))
+            loss_sum += float(loss)
             correct += float(hits)
-        val_loss, val_accuracy = validation_metrics(predict, dataset)
+        validation_started = time.perf_counter()
+        sums = [loss_sum, correct, *validation_sums()]
+        loss_sum, correct, val_loss_sum, val_correct, val_count = sum_over_workers(sums) if sum_over_workers else sums
+        validation_seconds = time.perf_counter() - validation_started
+        val_accuracy = val_correct / val_count
         clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
-        for name, value in zip(history, (np.mean(losses), correct / (steps * spec.batch_size), val_loss, val_accuracy)):
+        values = (loss_sum / steps, correct / (steps * spec.batch_size), val_loss_sum / val_count, val_accuracy)
+        for name, value in zip(history, values):
             history[name].append(float(value))
         print(
-            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s - loss: {history['loss'][-1]:.4f} - "
-            f"accuracy: {history['accuracy'][-1]:.4f} - val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f}",
+            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s (validation {validation_seconds:.1f}s)"
+            f" - loss: {history['loss'][-1]:.4f} - accuracy: {history['accuracy'][-1]:.4f}"
+            f" - val_loss: {history['val_loss'][-1]:.4f} - val_accuracy: {val_accuracy:.4f}",
             flush=True,
         )
         checkpoint.epoch_done(epoch + 1)

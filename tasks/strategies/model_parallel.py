@@ -18,7 +18,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.data.pipeline import train_input
+from tasks.data.pipeline import eval_input, train_input
 from tasks.models import build_model_parallel
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
@@ -32,6 +32,7 @@ from tasks.strategies.common import (
     save_model,
     steps_per_epoch,
     training_record,
+    validation_sums,
     worker_rate,
     write_training_record,
 )
@@ -70,7 +71,10 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
     checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer)
     clock = TrainingClock(spec.target_accuracy)
     started = time.perf_counter()
-    history = run_epochs(spec, steps, lambda: train_step(*next(batches)), predict, dataset, checkpoint, clock)
+    validation = eval_input(dataset, "validation")
+    history = run_epochs(
+        spec, steps, lambda: train_step(*next(batches)), lambda: validation_sums(predict, validation), checkpoint, clock
+    )
     train_seconds = time.perf_counter() - started
     save_model(model, spec, dataset, paths.model)
     write_training_record(
