@@ -193,11 +193,11 @@ def validation_metrics(predict, dataset: dict[str, Any]) -> tuple[float, float]:
 
 
 def run_epochs(
-    spec: RunSpec, steps: int, train_step, validation_sums, checkpoint, clock: TrainingClock, sum_over_workers=None
+    spec: RunSpec, steps: int, train_step, score_validation, checkpoint, clock: TrainingClock, sum_over_workers=None
 ) -> dict[str, list[float]]:
     """The epoch loop of the custom sync loops (balanced, model_parallel), from the last checkpoint
     on: ``train_step()`` runs one step and returns this replica's part of (loss, correctly
-    classified examples); after each epoch come ``validation_sums()`` (this replica's summed
+    classified examples); after each epoch come ``score_validation()`` (this replica's summed
     validation loss, correct examples and examples), one ``sum_over_workers`` of all of it (the
     identity for one process; a single collective per epoch, none per step), a progress line, the
     checkpoint, and a stop once the target is reached (every replica sees the same validation
@@ -212,7 +212,7 @@ def run_epochs(
             loss_sum += float(loss)
             correct += float(hits)
         validation_started = time.perf_counter()
-        sums = [loss_sum, correct, *validation_sums()]
+        sums = [loss_sum, correct, *score_validation()]
         loss_sum, correct, val_loss_sum, val_correct, val_count = sum_over_workers(sums) if sum_over_workers else sums
         validation_seconds = time.perf_counter() - validation_started
         val_accuracy = val_correct / val_count
