@@ -144,8 +144,8 @@ def markdown(record: dict) -> str:
         "",
         "- **train s**: training time until the target was reached, from the first step (tracing and "
         "validation included); `vs` columns divide by the scenario's baseline (naive or plain sync).",
-        "- **launch s**: from the command's start until the target: process start-up and, for balanced sync "
-        "and auto, the probe (a separate short run of every worker) included.",
+        "- **launch s**: from the command's start until the target, process start-up included, and the probe: "
+        "auto's is a separate short launch of every worker, balanced sync's runs in the training replicas.",
         "- **wall s**: the whole command, shutdown included.",
         "",
         f"- date: {record['date']}",

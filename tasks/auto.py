@@ -106,15 +106,14 @@ def decide(spec: RunSpec, probes: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def plan_training(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
-    """Probe the workers; resolve ``auto``; fix balanced batch shares. Writes plan.json and
-    returns the spec to train with (the requested one stays in the plan)."""
+    """Probe the workers and resolve ``strategy=auto`` (with the batch shares when it chooses
+    balanced sync). Writes plan.json and returns the spec to train with (the requested one stays
+    in the plan)."""
     probes = probe_workers(spec, run_id, paths)
-    plan: dict[str, Any] = {"requested": spec.model_dump(), "probes": probes}
-    if spec.strategy == "auto":
-        decision = decide(spec, probes)
-        plan["decision"] = decision
-        log.info("%s", decision["reason"])
-        spec = parse_spec({**spec.model_dump(), **decision["settings"]})
+    decision = decide(spec, probes)
+    log.info("%s", decision["reason"])
+    plan: dict[str, Any] = {"requested": spec.model_dump(), "probes": probes, "decision": decision}
+    spec = parse_spec({**spec.model_dump(), **decision["settings"]})
     if spec.balance_batches:
         plan["worker_batches"] = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
         log.info("balanced per-worker batches: %s", plan["worker_batches"])

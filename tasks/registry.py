@@ -153,7 +153,7 @@ def log_run_record(
         tags["restarts"] = "; ".join(
             f"{r['replica']} exited {r['exit_code']} ({r['cause']}): {r['action']}" for r in restarts
         )[:5000]
-    if paths.plan.exists():  # the workers were probed (balance_batches, strategy=auto)
+    if paths.plan.exists():  # the workers were probed (strategy=auto, or balance_batches by the workers)
         plan = json.loads(paths.plan.read_text())
         params["requested_strategy"] = plan["requested"]["strategy"]
         for probe in plan["probes"]:

@@ -303,7 +303,8 @@ def cluster_problems(spec: RunSpec) -> list[str]:
     if (spec.strategy == "auto" or spec.balance_batches) and spec.backend != "local":
         problems.append(
             f"backend={spec.backend} is invalid with strategy={spec.strategy}, balance_batches="
-            f"{json.dumps(spec.balance_batches)}: expected backend=local (worker probes run as local processes)"
+            f"{json.dumps(spec.balance_batches)}: expected backend=local "
+            "(worker probes are run and recorded on the local backend only)"
         )
     if spec.pin_cores and spec.strategy == "parameter_server":
         problems.append(

@@ -67,7 +67,7 @@ def provision_cluster(run_id: str) -> dict[str, Any]:
 
     paths = run_paths(run_id)
     spec = load_spec(paths)
-    if spec.strategy == "auto" or spec.balance_batches:
+    if spec.strategy == "auto":  # balance_batches alone: the workers probe themselves when they start
         from tasks.auto import plan_training
 
         spec = plan_training(spec, run_id, paths)

@@ -125,6 +125,11 @@ def test_balanced_update_on_unequal_shards_equals_the_single_replica_update(hetf
         f"worker_devices={SLOW_WORKER}",
         *same,
     )
+    # The workers probed themselves inside the training processes: no separate probe launch.
+    assert (
+        not list((balanced / "logs").glob("probe-*"))
+        and "probe worker-1:" in (balanced / "logs/worker-1.log").read_text()
+    )
     plan = json.loads((balanced / "plan.json").read_text())
     speeds = [p["examples_per_second"] for p in plan["probes"]]
     assert speeds[0] > 1.5 * speeds[1]  # the throttled worker measured slower

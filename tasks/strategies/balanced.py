@@ -12,6 +12,11 @@ Validation is balanced the same way: each worker scores its share of the validat
 sums are all-reduced, so every worker sees the same accuracy (and stops at the target together)
 without the slow worker scoring the whole split.
 
+The shares come from the probe. ``strategy=auto`` probed the workers before launching them (its
+choice decides the cluster's layout) and wrote them to plan.json; with ``balance_batches=true``
+every worker probes itself here, right after the strategy connects the workers and before
+training, and the speeds are exchanged in one collective: one launch instead of two.
+
 A custom loop serves this: ``model.fit`` divides each replica's loss by its own batch size and
 would weight a small share as much as a large one.
 """
@@ -25,6 +30,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from tasks.auto import split_batch
 from tasks.data.pipeline import eval_input, train_input
 from tasks.models import build_model
 from tasks.paths import RunPaths
@@ -42,13 +48,50 @@ from tasks.strategies.common import (
     worker_rate,
     write_training_record,
 )
+from tasks.strategies.probe import measure
 from tasks.strategies.sync import is_chief, make_strategy
 
 
+def worker_shares(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], sum_over_workers):
+    """Every worker's batch share: from plan.json when the workers were probed already (by
+    ``strategy=auto``, or before a restart of this group); otherwise probed here, all workers at
+    once, the chief recording the probes and shares in plan.json."""
+    plan = json.loads(paths.plan.read_text()) if paths.plan.exists() else {}
+    if "worker_batches" in plan:
+        return plan["worker_batches"]
+    mine = measure(spec, dataset, paths, task)
+    slots = [0.0] * (2 * spec.workers)  # (examples/s, step seconds) per worker, zeros but this worker's
+    slots[2 * task["index"] : 2 * task["index"] + 2] = mine["examples_per_second"], mine["step_seconds"]
+    measured = sum_over_workers(slots)
+    probes = [
+        {
+            "worker": f"worker-{i}",
+            "batch": mine["batch"],
+            "examples_per_second": measured[2 * i],
+            "step_seconds": measured[2 * i + 1],
+            "model_parameters": mine["model_parameters"],
+        }
+        for i in range(spec.workers)
+    ]
+    shares = split_batch(spec.batch_size, [probe["examples_per_second"] for probe in probes])
+    if is_chief(task):
+        plan = {"requested": spec.model_dump(), "probes": probes, "worker_batches": shares}
+        paths.plan.write_text(json.dumps(plan, indent=2))
+    return shares
+
+
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
-    shares = json.loads(paths.plan.read_text())["worker_batches"]
-    offsets = [0, *itertools.accumulate(shares)]
     strategy = make_strategy(spec)
+
+    @tf.function
+    def sum_values_over_workers(values):
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: values), axis=None)
+
+    def sum_over_workers(values: list[float]) -> list[float]:
+        return sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
+
+    shares = worker_shares(spec, dataset, paths, task, sum_over_workers)
+    offsets = [0, *itertools.accumulate(shares)]
     steps = steps_per_epoch(spec, dataset)
     schedule, lr_per_epoch = learning_rate(spec, strategy.num_replicas_in_sync, steps)
     with strategy.scope():
@@ -83,13 +126,6 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     validation_size = dataset["splits"]["validation"]
     first, last = (round(offsets[i] * validation_size / spec.batch_size) for i in (task["index"], task["index"] + 1))
     my_validation = eval_input(dataset, "validation", examples=(first, last))
-
-    @tf.function
-    def sum_values_over_workers(values):
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: values), axis=None)
-
-    def sum_over_workers(values: list[float]) -> list[float]:
-        return sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
 
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
