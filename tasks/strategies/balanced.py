@@ -59,7 +59,7 @@ def worker_shares(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task:
     plan = json.loads(paths.plan.read_text()) if paths.plan.exists() else {}
     if "worker_batches" in plan:
         return plan["worker_batches"]
-    mine = measure(spec, dataset, paths, task)
+    mine = measure(spec, dataset, paths, task, barrier=lambda: sum_over_workers([0.0]))
     slots = [0.0] * (2 * spec.workers)  # (examples/s, step seconds) per worker, zeros but this worker's
     slots[2 * task["index"] : 2 * task["index"] + 2] = mine["examples_per_second"], mine["step_seconds"]
     measured = sum_over_workers(slots)

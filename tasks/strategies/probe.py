@@ -19,15 +19,21 @@ MIN_MEASURED_STEPS = 10
 MIN_MEASURED_SECONDS = 3.0
 
 
-def measure(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> dict[str, Any]:
+def measure(
+    spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], barrier=None
+) -> dict[str, Any]:
     """Train this worker's share of an even global batch until at least MIN_MEASURED_STEPS steps
-    and MIN_MEASURED_SECONDS have passed; write probe/<worker>.json."""
+    and MIN_MEASURED_SECONDS have passed; write probe/<worker>.json. ``barrier()``, where workers
+    are connected, starts every worker's measurement at the same moment, so they share the machine
+    while measured as they will while training."""
     batch = max(1, spec.batch_size // spec.workers)
     model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
     compile_model(model, make_optimizer(spec, spec.learning_rate))
     batches = iter(train_input(dataset, per_worker_batch=batch, shuffle=spec.shuffle, seed=spec.seed))
     for _ in range(WARMUP_STEPS):
         model.train_on_batch(*next(batches))
+    if barrier:
+        barrier()
     steps, started = 0, time.perf_counter()
     while steps < MIN_MEASURED_STEPS or time.perf_counter() - started < MIN_MEASURED_SECONDS:
         model.train_on_batch(*next(batches))
