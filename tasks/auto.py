@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from typing import Any
 
 from tasks.paths import RunPaths
@@ -37,6 +38,7 @@ def probe_workers(spec: RunSpec, run_id: str, paths: RunPaths) -> list[dict[str,
 
     workers_only = spec.model_copy(update={"strategy": "multi_worker_mirrored", "ps": 0})
     cluster = LocalCluster(plan_cluster(workers_only, run_id), spec, paths.root, paths.logs, probe=True)
+    shutil.rmtree(paths.probes, ignore_errors=True)  # a retried probe must not meet the last one's barrier marks
     try:
         cluster.start()
         cluster.wait(timeout=spec.train_timeout_seconds)

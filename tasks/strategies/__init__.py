@@ -1,6 +1,7 @@
 """Training inside a replica, one module per way of distributing it.
 
-- ``probe``: a short measured run of one worker alone (for balance_batches and auto).
+- ``probe``: a short measured run of one worker on its own model, all workers at once (for
+  balance_batches and auto).
 - ``sync``: one_device, mirrored, multi_worker_mirrored, with ``model.fit`` (all-reduce).
 - ``balanced``: multi_worker_mirrored with per-worker batches proportional to speed (custom loop).
 - ``parameter_server``: async updates with ``ClusterCoordinator`` and a custom loop.
@@ -24,9 +25,10 @@ def run_replica(
 
     configure_runtime(spec, task)
     if probe:
-        from tasks.strategies.probe import measure
+        from tasks.strategies.probe import file_barrier, measure
 
-        measure(spec, dataset, paths, task)
+        barrier = file_barrier(paths.probes, f"{task['type']}-{task['index']}", spec.workers)
+        measure(spec, dataset, paths, task, barrier)
     elif spec.strategy == "parameter_server":
         from tasks.strategies import parameter_server
 

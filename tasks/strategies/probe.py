@@ -1,11 +1,14 @@
-"""The probe: a short measured training run on one worker, alone, with its own devices, threads
-and throttle, before the cluster trains. Its examples/s is what ``balance_batches`` and
-``strategy=auto`` act on."""
+"""The probe: a short measured training run on each worker, on its own model (no communication),
+with its own devices, threads and throttle, before the cluster trains. All workers are measured
+over the same seconds, sharing the machine as they will while training: a slowed worker measured
+while the others idled looked 1.2-1.5x faster than it trains. Its examples/s is what
+``balance_batches`` and ``strategy=auto`` act on."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from tasks.data.pipeline import train_input
@@ -14,6 +17,7 @@ from tasks.paths import RunPaths
 from tasks.spec import RunSpec
 from tasks.strategies.common import make_optimizer
 
+BARRIER_TIMEOUT_SECONDS = 300.0
 WARMUP_STEPS = 5  # tracing and first-touch costs stay out of the measurement
 MIN_MEASURED_STEPS = 10
 MIN_MEASURED_SECONDS = 3.0
@@ -56,3 +60,19 @@ def measure(
         flush=True,
     )
     return result
+
+
+def file_barrier(directory: Path, worker: str, workers: int):
+    """A barrier for probe replicas, which share the run directory but no TF cluster: each marks
+    itself ready there and waits for all ``workers`` marks (the provisioner clears them first)."""
+
+    def wait() -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"{worker}.ready").touch()
+        deadline = time.monotonic() + BARRIER_TIMEOUT_SECONDS
+        while len(list(directory.glob("*.ready"))) < workers:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"probe {worker}: not every worker was ready after {BARRIER_TIMEOUT_SECONDS:.0f} s")
+            time.sleep(0.01)
+
+    return wait
