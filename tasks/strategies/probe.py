@@ -27,9 +27,9 @@ def measure(
     spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], barrier=None
 ) -> dict[str, Any]:
     """Train this worker's share of an even global batch until at least MIN_MEASURED_STEPS steps
-    and MIN_MEASURED_SECONDS have passed; write probe/<worker>.json. ``barrier()``, where workers
-    are connected, starts every worker's measurement at the same moment, so they share the machine
-    while measured as they will while training."""
+    and MIN_MEASURED_SECONDS have passed; write probe/<worker>.json. ``barrier()`` (a collective
+    where the workers are connected, ``file_barrier`` where they are not) starts every worker's
+    measurement at the same moment, so they share the machine while measured as in training."""
     batch = max(1, spec.batch_size // spec.workers)
     model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
     compile_model(model, make_optimizer(spec, spec.learning_rate))
