@@ -28,8 +28,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from report import save  # bench/report.py: the scripts run as bench/<name>.py
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCH_DIR = REPO_ROOT / "bench"
 
 SHAPES = {
     "sync": {"strategy": "multi_worker_mirrored", "workers": 2, "epochs": 12},
@@ -138,11 +139,7 @@ def main() -> None:
         "references": references,
         "runs": runs,
     }
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    (BENCH_DIR / "results").mkdir(exist_ok=True)
-    (BENCH_DIR / "results" / f"chaos-{stamp}.json").write_text(json.dumps(record, indent=2))
-    (BENCH_DIR / "CHAOS.md").write_text(markdown(record))
-    print(markdown(record))
+    save("chaos", record, "CHAOS.md", markdown(record))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from report import save  # bench/report.py: the scripts run as bench/<name>.py
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCH_DIR = REPO_ROOT / "bench"
 BIN = Path(sys.executable).parent
 
 STAGES = """
@@ -135,11 +136,7 @@ def main() -> None:
             "export": json.loads((run_dir / "export.json").read_text()),
         }
     record["targets"] = targets(record["export"]["artifacts"])
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    (BENCH_DIR / "results").mkdir(exist_ok=True)
-    (BENCH_DIR / "results" / f"compression-{stamp}.json").write_text(json.dumps(record, indent=2))
-    (BENCH_DIR / "COMPRESSION.md").write_text(markdown(record))
-    print(markdown(record))
+    save("compression", record, "COMPRESSION.md", markdown(record))
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from report import save  # bench/report.py: the scripts run as bench/<name>.py
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCH_DIR = REPO_ROOT / "bench"
 BIN = Path(sys.executable).parent  # the virtualenv's bin, where `hetflow` is installed
 
 # What every case shares, passed explicitly to hetflow and to the baseline alike.
@@ -341,12 +342,7 @@ def main() -> int:
         },
         "cases": summarize(cases, commands, samples, errors),
     }
-    results = BENCH_DIR / "results" / f"throughput-{started_at.strftime('%Y%m%dT%H%M%SZ')}.json"
-    results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(report, indent=2) + "\n")
-    (BENCH_DIR / "RESULTS.md").write_text(markdown(report))
-    print((BENCH_DIR / "RESULTS.md").read_text())
-    print(results)
+    print(save("throughput", report, "RESULTS.md", markdown(report), at=started_at))
     return 1 if errors else 0
 
 

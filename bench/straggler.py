@@ -31,8 +31,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from report import save  # bench/report.py: the scripts run as bench/<name>.py
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BENCH_DIR = REPO_ROOT / "bench"
 BIN = Path(sys.executable).parent
 
 PER_WORKER_BATCH = 64  # as in bench/run.py's throughput cases
@@ -213,11 +214,7 @@ def main() -> None:
         "runs": runs,
         "medians": summarize(runs),
     }
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    (BENCH_DIR / "results").mkdir(exist_ok=True)
-    (BENCH_DIR / "results" / f"straggler-{stamp}.json").write_text(json.dumps(record, indent=2))
-    (BENCH_DIR / "STRAGGLER.md").write_text(markdown(record))
-    print(markdown(record))
+    save("straggler", record, "STRAGGLER.md", markdown(record))
 
 
 if __name__ == "__main__":
