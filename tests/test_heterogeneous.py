@@ -87,7 +87,7 @@ def test_throttle_limits_cpu_time_from_outside():
         started_cpu, started = _cpu_seconds(busy.pid), time.monotonic()
         time.sleep(2.0)
         share = (_cpu_seconds(busy.pid) - started_cpu) / (time.monotonic() - started)
-        assert 0.15 <= share <= 0.35  # 1/4 of the CPU time, give or take scheduling
+        assert 0.22 <= share <= 0.28  # 1/4 of the CPU time; clock ticks and scheduling give or take
     finally:
         throttle.stop()
         busy.kill()

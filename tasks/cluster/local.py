@@ -74,12 +74,13 @@ def visible_gpus(layout: ClusterLayout, spec: RunSpec) -> dict[str, str]:
 
 class Throttle(threading.Thread):
     """Simulates a machine ``slowdown`` times slower: the replica's process group runs for
-    1/slowdown of every period and is stopped (SIGSTOP) for the rest, the way ``cpulimit`` does.
+    1/slowdown of the time and is stopped (SIGSTOP) for the rest, the way ``cpulimit`` does.
     A real limit on CPU time from outside the process, not a sleep inside the training loop."""
 
     # Short, so the replica is slow all the time rather than absent for long stretches: with 100 ms
     # it was stopped for 50 ms at a time (slowdown 2) and every collective could wait that long.
     PERIOD_SECONDS = 0.02
+    MAX_STOP_PERIODS = 4
 
     def __init__(self, pid: int, slowdown: float):
         super().__init__(daemon=True)
@@ -87,14 +88,34 @@ class Throttle(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        while not self.done.is_set():
-            if self.done.wait(self.PERIOD_SECONDS * self.running_share):
+        running_phase = self.PERIOD_SECONDS * self.running_share
+        started = continued_at = time.monotonic()
+        ran = 0.0
+        while True:
+            if self._wait_until(continued_at + running_phase):
                 break
             if not _signal_group(self.pid, signal.SIGSTOP):
                 return
-            self.done.wait(self.PERIOD_SECONDS * (1 - self.running_share))
+            stopped_at = time.monotonic()
+            ran += stopped_at - continued_at
+            # Resume when the time since the start makes what the replica ran its share, so a late
+            # SIGSTOP lengthens the stop to match: this thread wakes 2-5 ms late when the scheduler
+            # puts it on the replica's busy core, and with fixed phases slowdown 4 gave the replica
+            # 0.34 of a core, slowdown 2 0.57. A stop lasts at most MAX_STOP_PERIODS; longer debt
+            # (this thread stalled) is forgotten rather than paid back in one long absence.
+            latest = stopped_at + self.MAX_STOP_PERIODS * self.PERIOD_SECONDS
+            resume_at = min(max(started + ran / self.running_share, stopped_at), latest)
+            started = resume_at - ran / self.running_share
+            stop_requested = self._wait_until(resume_at)
+            continued_at = time.monotonic()  # before the call: the replica runs before kill() returns
             _signal_group(self.pid, signal.SIGCONT)
+            if stop_requested:
+                break
         _signal_group(self.pid, signal.SIGCONT)
+
+    def _wait_until(self, deadline: float) -> bool:
+        """Sleeps until ``deadline`` (monotonic); True when stop() was called meanwhile."""
+        return self.done.wait(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
         self.done.set()
