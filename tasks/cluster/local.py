@@ -99,7 +99,7 @@ class Throttle(threading.Thread):
             stopped_at = time.monotonic()
             ran += stopped_at - continued_at
             # Resume when the time since the start makes what the replica ran its share, so a late
-            # SIGSTOP lengthens the stop to match: this thread wakes 2-5 ms late when the scheduler
+            # SIGSTOP lengthens the stop to match: this thread wakes 2-3 ms late when the scheduler
             # puts it on the replica's busy core, and with fixed phases slowdown 4 gave the replica
             # 0.34 of a core, slowdown 2 0.57. A stop lasts at most MAX_STOP_PERIODS; longer debt
             # (this thread stalled) is forgotten rather than paid back in one long absence.
