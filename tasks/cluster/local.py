@@ -89,24 +89,22 @@ class Throttle(threading.Thread):
 
     def run(self) -> None:
         running_phase = self.PERIOD_SECONDS * self.running_share
-        started = continued_at = time.monotonic()
-        ran = 0.0
+        # The moment at which what the replica has run so far is its share of the time.
+        even_at = continued_at = time.monotonic()
         while True:
             if self._wait_until(continued_at + running_phase):
                 break
             if not _signal_group(self.pid, signal.SIGSTOP):
                 return
             stopped_at = time.monotonic()
-            ran += stopped_at - continued_at
-            # Resume when the time since the start makes what the replica ran its share, so a late
-            # SIGSTOP lengthens the stop to match: this thread wakes 2-3 ms late when the scheduler
-            # puts it on the replica's busy core, and with fixed phases slowdown 4 gave the replica
-            # 0.34 of a core, slowdown 2 0.57. A stop lasts at most MAX_STOP_PERIODS; longer debt
-            # (this thread stalled) is forgotten rather than paid back in one long absence.
-            latest = stopped_at + self.MAX_STOP_PERIODS * self.PERIOD_SECONDS
-            resume_at = min(max(started + ran / self.running_share, stopped_at), latest)
-            started = resume_at - ran / self.running_share
-            stop_requested = self._wait_until(resume_at)
+            # Resume at that moment, so a late SIGSTOP lengthens the stop to match: this thread
+            # wakes 2-3 ms late when the scheduler puts it on the replica's busy core, and with
+            # fixed phases slowdown 4 gave the replica 0.34 of a core, slowdown 2 0.57. A stop lasts
+            # at most MAX_STOP_PERIODS; longer debt (this thread stalled) is forgotten rather than
+            # paid back in one long absence.
+            even_at += (stopped_at - continued_at) / self.running_share
+            even_at = min(max(even_at, stopped_at), stopped_at + self.MAX_STOP_PERIODS * self.PERIOD_SECONDS)
+            stop_requested = self._wait_until(even_at)
             continued_at = time.monotonic()  # before the call: the replica runs before kill() returns
             _signal_group(self.pid, signal.SIGCONT)
             if stop_requested:
