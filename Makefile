@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup run test test-fast bench chaos lint lint-docker up down up-docker down-docker clean
+.PHONY: setup test-deps engine image run test test-fast bench chaos lint lint-docker up down up-docker down-docker clean
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,23 +17,42 @@ $(INSTALLED): requirements.lock pyproject.toml
 
 setup: $(INSTALLED)
 
-## run hetflow_train once through Airflow on the defaults (extra spec keys: ARGS="--set epochs=5")
+# make run's job: a real cluster of two sync workers (local processes) on the embedded data.
+RUN_SPEC ?= --set strategy=multi_worker_mirrored --set workers=2
+
+## run hetflow_train once through Airflow (extra spec keys: ARGS="--set epochs=5"; the whole log: ARGS=-v)
 run: setup
-	$(BIN)/hetflow run $(ARGS)
+	$(BIN)/hetflow run $(RUN_SPEC) $(ARGS)
+
+## what the tests need beyond .venv: the browser the UI tests drive, a Docker engine and the replica
+## image (where no engine can start, the container tests skip and say why)
+test-deps: setup
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	@if docker/engine.sh; then docker/build-image.sh; fi
+
+## a Docker engine on this machine (Debian's docker.io, dockerd started as root)
+engine:
+	docker/engine.sh
+
+## the replica image (docker/Dockerfile), its base built offline where no registry is reachable
+image: setup engine
+	docker/build-image.sh
 
 ## every test, the slow end-to-end tier included
-test: setup
+test: test-deps
 	$(BIN)/pytest -v
 
 ## unit tests only (seconds)
 test-fast: setup
 	$(BIN)/pytest -v -m "not slow"
 
-## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md) and stragglers (bench/STRAGGLER.md)
-bench: setup
+## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md) and containers vs processes (bench/CONTAINERS.md)
+bench: setup image
 	$(BIN)/python bench/run.py $(ARGS)
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/straggler.py
+	$(BIN)/python bench/containers.py
 
 ## runs that lose a random replica at a random time (bench/CHAOS.md)
 chaos: setup
@@ -44,9 +63,9 @@ lint: setup lint-docker
 	$(BIN)/ruff check tasks tests dags plugins bench
 	$(BIN)/ruff format --check tasks tests dags plugins bench
 
-## the Dockerfile (hadolint) and the compose file (compose-spec schema), offline
+## the Dockerfiles (hadolint) and the compose file (compose-spec schema), offline
 lint-docker: setup
-	$(BIN)/hadolint docker/Dockerfile
+	$(BIN)/hadolint docker/Dockerfile docker/stack.Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
 
 # make up options: ports, DB=postgres (Debian's PostgreSQL as Airflow's metadata DB, installed when
@@ -69,10 +88,8 @@ down:
 	@if [ -x $(BIN)/python ]; then $(BIN)/python -m tasks.stack down; fi
 
 ## the compose stack (PostgreSQL, Airflow, MLflow) on this host's Docker engine, and the replica image
-up-docker:
-	docker info --format '{{.ServerVersion}}' >/dev/null || { echo "make up-docker: no Docker engine (docker info failed)"; exit 1; }
+up-docker: image
 	mkdir -p .hetflow
-	docker build -f docker/Dockerfile -t hetflow-replica:0.1.0 .
 	HETFLOW_HOME=$(CURDIR)/.hetflow HETFLOW_UID=$$(id -u) DOCKER_GID=$$(stat -c %g /var/run/docker.sock) \
 		docker compose -f docker/compose.yaml up --build --detach --wait
 

@@ -142,7 +142,7 @@ def run_once(case: Case, command: list[str], env: dict[str, str], timeout: float
             command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired:
-        # hetflow's replicas die with the killed `hetflow train` (parent-death signal).
+        # hetflow's replicas die with the killed `hetflow train` (their keepers lose its lease).
         raise RunFailed(f"{case.name}: no result after {timeout:.0f} s") from None
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])

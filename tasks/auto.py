@@ -31,19 +31,18 @@ ASYNC_SPREAD = 4.0
 
 
 def probe_workers(spec: RunSpec, run_id: str, paths: RunPaths) -> list[dict[str, Any]]:
-    """Run every worker alone for a few seconds, all at once (as they will train), and collect
-    their measured speed, in worker order."""
-    from tasks.cluster.layout import plan_cluster
-    from tasks.cluster.local import LocalCluster
+    """Run every worker alone for a few seconds, all at once (as they will train), on the run's
+    backend, and collect their measured speed, in worker order."""
+    from tasks.cluster import backends
 
     workers_only = spec.model_copy(update={"strategy": "multi_worker_mirrored", "ps": 0})
-    cluster = LocalCluster(plan_cluster(workers_only, run_id), spec, paths.root, paths.logs, probe=True)
+    cluster = backends.replicas(spec, backends.plan(workers_only, run_id), paths.root, probe=True)
     shutil.rmtree(paths.probes, ignore_errors=True)  # a retried probe must not meet the last one's barrier marks
     try:
-        cluster.start()
-        cluster.wait(timeout=spec.train_timeout_seconds)
+        cluster.provision()
+        backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
     finally:
-        cluster.stop()
+        backends.teardown(spec, run_id)
     return [json.loads((paths.probes / f"worker-{i}.json").read_text()) for i in range(spec.workers)]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -53,18 +54,62 @@ def _ensure_airflow_db() -> None:
         subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
 
 
-def run_dag(conf: dict[str, Any]) -> Path:
-    """Run hetflow_train once with ``conf`` through Airflow's ``dag.test``; return summary.json's path."""
+def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
+    """Run hetflow_train once with ``conf`` through Airflow's ``dag.test``; return summary.json's path.
+
+    :param log_file: where everything the run prints goes, the terminal showing only the live view
+        (``tasks.live_view``); None prints it all as it comes.
+    """
     for key, value in airflow_environment().items():
         os.environ.setdefault(key, value)
     _ensure_airflow_db()
-    from airflow.dag_processing.dagbag import DagBag
+    with _output_to(log_file) if log_file else contextlib.nullcontext() as terminal:
+        from airflow.dag_processing.dagbag import DagBag  # sets up Airflow's logging: the view comes after
 
-    bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
-    if bag.import_errors:
-        raise RuntimeError(f"DAG import errors: {bag.import_errors}")
-    dag_run = bag.get_dag(DAG_ID).test(run_conf=conf)
+        with _live_view(terminal) if terminal else contextlib.nullcontext():
+            bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
+            if bag.import_errors:
+                raise RuntimeError(f"DAG import errors: {bag.import_errors}")
+            dag_run = bag.get_dag(DAG_ID).test(run_conf=conf)
     return run_paths(dag_run.run_id).summary
+
+
+@contextlib.contextmanager
+def _output_to(log_file: Path):
+    """Send this process's stdout and stderr (Airflow's structured log, TensorFlow's C++ log, TFDS'
+    progress bars: they write there in ways no logging handler sees) to ``log_file``; yield the
+    terminal."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    terminal = os.fdopen(os.dup(1), "w", buffering=1)
+    target = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
+    try:
+        yield terminal
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        terminal.close()
+
+
+@contextlib.contextmanager
+def _live_view(terminal):
+    from tasks.live_view import LiveView
+
+    view = LiveView(terminal)
+    logging.getLogger().addHandler(view)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeHandler(view)
 
 
 def _cmd_validate(args) -> int:
@@ -77,7 +122,16 @@ def _cmd_run(args) -> int:
     values = spec_values(args.config, args.set)
     parse_spec(values)  # fail here, before Airflow or any replica starts
     started = time.monotonic()
-    summary_path = run_dag(values)
+    log_file = None if args.verbose else hetflow_home() / "logs" / f"hetflow-run-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    try:
+        summary_path = run_dag(values, log_file)
+    except KeyboardInterrupt:
+        from tasks import stages
+
+        for run_id in sorted(stages.PROVISIONED_HERE):
+            print(f"\ninterrupted: tearing down {run_id}", file=sys.stderr)
+            stages.teardown_cluster(run_id)
+        return 130
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "failed"}
     metrics = summary.get("metrics") or {}
     registry = summary.get("registry") or {}
@@ -89,6 +143,13 @@ def _cmd_run(args) -> int:
         print(f"  gate            {registry['gate']}")
     if summary.get("mlflow_tracking_uri"):
         print(f"  MLflow          {summary['mlflow_tracking_uri']} run {summary['mlflow_run_id']}")
+    if summary.get("failed_stage"):
+        print(f"  failed at       {summary['failed_stage']}")
+    if summary.get("replicas"):
+        replicas = ", ".join(f"{r['role']}-{r['index']}" for r in summary["replicas"])
+        print(f"  replicas        {replicas} ({summary['spec']['backend']}, {summary['spec']['strategy']})")
+    if log_file is not None:
+        print(f"  full log        {log_file}")
     print(summary_path)
     return 0 if summary["status"] == "success" else 1
 
@@ -121,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         command = commands.add_parser(name, help=text)
         command.add_argument("--config", type=Path, help="JSON file of spec keys")
         command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key")
+        command.add_argument("-v", "--verbose", action="store_true", help="run: print the whole log, not the live view")
         command.set_defaults(handler=handler)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -14,9 +14,9 @@ def hetflow_home() -> Path:
     return Path(os.environ.get("HETFLOW_HOME", REPO_ROOT / ".hetflow")).resolve()
 
 
-def data_dir() -> Path:
+def data_dir(home: Path | None = None) -> Path:
     """TFDS data dir, shared by all runs so a dataset is prepared once."""
-    return hetflow_home() / "data"
+    return (home or hetflow_home()) / "data"
 
 
 def safe_run_id(run_id: str) -> str:
@@ -55,6 +55,11 @@ class RunPaths:
     @property
     def restarts(self) -> Path:
         return self.root / "restarts.json"
+
+    @property
+    def replicas(self) -> Path:
+        """How each local replica ended, and the supervisor's lease (tasks.cluster.keeper)."""
+        return self.root / "replicas"
 
     @property
     def logs(self) -> Path:

@@ -24,6 +24,7 @@ from mlflow.utils.time import get_current_time_millis
 
 import mlflow
 from mlflow import MlflowClient
+from tasks import serving
 from tasks.paths import REPO_ROOT, RunPaths
 from tasks.spec import RunSpec
 
@@ -201,17 +202,38 @@ def _register(client: MlflowClient, name: str, run_id: str, log_model: Callable[
     return client.get_model_version(name, str(info.registered_model_version))
 
 
-def _log_keras_model(paths: RunPaths, name: str, images: np.ndarray):
+def _log_saved_model(saved_model: Path, name: str, images: np.ndarray):
+    """Log the exported SavedModel through MLflow's TensorFlow flavour as a plain ``tf.Module``:
+    MLflow then loads it with ``tf.saved_model.load``, without Keras, so it loads in any process
+    with TensorFlow whatever its Keras (a tf_keras model would need TF_USE_LEGACY_KERAS=1)."""
     import tensorflow as tf
 
-    model = tf.keras.models.load_model(paths.model)
+    from tasks.export import saved_model_predictor
+
+    exported = tf.saved_model.load(str(saved_model))
+    serve = exported.signatures["serving_default"]
+
+    class Logits(tf.Module):
+        """MLflow's pyfunc calls the module: ``__call__`` is serving_default's logits."""
+
+        def __init__(self):
+            super().__init__()
+            self.exported = exported  # tracked, so its variables are saved
+            self.__call__ = tf.function(
+                lambda image: serve(image=image)["logits"],
+                input_signature=[serve.structured_input_signature[1]["image"]],
+            )
+
     example = images[:5]
     return mlflow.tensorflow.log_model(
-        model,
+        Logits(),
         name="model",
-        signature=infer_signature(example, model.predict(example, verbose=0)),
+        # TF Serving and tf.saved_model.load users keep the export's signature (uint8 image -> logits).
+        saved_model_kwargs={"signatures": {"serving_default": serve}},
+        signature=infer_signature(example, saved_model_predictor(saved_model)(example)),
         input_example=example,
         registered_model_name=name,
+        pip_requirements=[f"tensorflow=={version('tensorflow')}", f"numpy=={np.__version__}"],
     )
 
 
@@ -230,19 +252,25 @@ def _log_tflite_model(tflite_path: str, name: str, images: np.ndarray):
     )
 
 
-def champion_accuracy(client: MlflowClient, champion, dataset: dict) -> float:
+def champion_accuracy(champion, dataset: dict, log_dir: Path) -> float:
     """The champion's test accuracy on *this* run's test split.
 
     Its recorded accuracy counts when it was measured on the same prepared data (same dataset
-    fingerprint); otherwise the champion is loaded and scored on this test split.
+    fingerprint); otherwise the champion is served and scored on this test split over HTTP: it
+    is never loaded in this process, where a registered model's code would run. Raises
+    ``serving.ServingError`` when it cannot be served.
     """
     if champion.tags.get("dataset.fingerprint") == dataset["fingerprint"]:
         return float(champion.tags["test_accuracy"])
     from tasks.data.pipeline import split_arrays
 
     images, labels = split_arrays(dataset, "test")
-    model = mlflow.pyfunc.load_model(f"models:/{champion.name}/{champion.version}")
-    return float(np.mean(np.argmax(np.asarray(model.predict(images)), axis=1) == labels))
+    uri = f"models:/{champion.name}/{champion.version}"
+    with serving.ModelServer(
+        uri, tracking_uri(), log_dir / f"{champion.name}-v{champion.version}-champion.log"
+    ) as server:
+        logits = server.predict(images)
+    return float(np.mean(np.argmax(logits, axis=1) == labels))
 
 
 def gate(spec: RunSpec, candidate_accuracy: float, champion, champion_score: float | None) -> dict[str, Any]:
@@ -261,10 +289,45 @@ def gate(spec: RunSpec, candidate_accuracy: float, champion, champion_score: flo
     }
 
 
+def compression_table(exported: dict) -> str:
+    """export.json as a markdown table: what a reviewer compares in the MLflow UI."""
+    rows = [
+        "| artifact | bytes | gzipped | test accuracy | agreement with float | latency ms (batch 1) | verdict |",
+        "|---|--:|--:|--:|--:|--:|---|",
+    ]
+    for name, artifact in exported["artifacts"].items():
+        verdict = "deployed" if name == exported["chosen_tflite"] else "accepted"
+        if not artifact["accepted"]:
+            verdict = f"rejected: {artifact['reason']}"
+        rows.append(
+            f"| {name} | {artifact['bytes']} | {artifact['gzip_bytes']} | {artifact['test_accuracy']:.4f} | "
+            f"{artifact['agreement_with_float']:.4f} | {artifact['latency_ms']:.4f} | {verdict} |"
+        )
+    return "\n".join(rows)
+
+
+def _served_check(version, predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray, log_dir: Path):
+    """The served check of a version, to run when its gate is decided (not again on a retry)."""
+    batch = images[: serving.CHECK_EXAMPLES]
+    log_path = log_dir / f"{version.name}-v{version.version}.log"
+    uri = f"models:/{version.name}/{version.version}"
+    return lambda: serving.served_check(uri, tracking_uri(), batch, predict(batch), log_path)
+
+
 def _promote(
-    client: MlflowClient, spec: RunSpec, version, accuracy: float, dataset: dict, tags: dict[str, str], report: str
+    client: MlflowClient,
+    spec: RunSpec,
+    version,
+    accuracy: float,
+    dataset: dict,
+    tags: dict[str, str],
+    check: Callable[[], dict[str, Any]],
+    report: str,
+    table: str,
+    log_dir: Path,
 ) -> dict[str, Any]:
-    """Tag the version, give it ``candidate``, and ``champion`` when the gate passes; describe it."""
+    """Tag the version and give it ``candidate``; serve it, and give it ``champion`` when it passes
+    the served check and the accuracy gate; describe it."""
     name = version.name
     for key, value in {**tags, "test_accuracy": repr(accuracy)}.items():
         client.set_model_version_tag(name, version.version, key, value)
@@ -272,18 +335,42 @@ def _promote(
     champion = _version_by_alias(client, name, CHAMPION)
     is_champion = champion is not None and champion.version == version.version
     # A retried task finds the gate already applied to this version: its decision stands.
-    decided = client.get_model_version(name, version.version).tags.get("gate")
+    recorded = client.get_model_version(name, version.version).tags
+    decided = recorded.get("gate")
     if decided is None and is_champion:
         decided = "already champion (task retried)"
     if decided is not None:
         decision = {"promote": is_champion, "reason": decided}
+        served = json.loads(recorded["served"]) if "served" in recorded else None
     else:
-        score = champion_accuracy(client, champion, dataset) if champion is not None else None
-        decision = gate(spec, accuracy, champion, score)
+        versus, score, unscored = "no champion yet", None, None
+        if champion is not None:
+            try:
+                score = champion_accuracy(champion, dataset, log_dir)
+                versus = f"champion v{champion.version} {score:.4f} (margin {accuracy - score:+.4f})"
+            except (serving.ServingError, OSError) as error:
+                unscored = f"champion v{champion.version} could not be served to score it on this test split: {error}"
+                versus = unscored
+        served = check()
+        if not served["passed"]:
+            decision = {"promote": False, "reason": f"served check failed: {served['reason']}"}
+        elif unscored is not None:  # a champion that no server can run is no champion to defend
+            decision = {"promote": True, "reason": unscored}
+        else:
+            decision = gate(spec, accuracy, champion, score)
         if decision["promote"]:
             client.set_registered_model_alias(name, CHAMPION, version.version)
-        client.set_model_version_tag(name, version.version, "gate", decision["reason"])
-        client.update_model_version(name, version.version, description=f"{report}\n- gate: {decision['reason']}")
+        client.set_model_version_tag(name, version.version, "served", json.dumps(served))
+        client.set_model_version_tag(name, version.version, "gate", decision["reason"][:5000])
+        client.update_model_version(
+            name,
+            version.version,
+            description=(
+                f"{report}\n- test accuracy: {accuracy:.4f} vs {versus}\n"
+                f"- served check: {serving.describe(served)}\n- gate: {decision['reason']}\n\n"
+                f"Compression (export.json):\n\n{table}"
+            ),
+        )
     log.info("%s gate: %s -> %s", name, decision["reason"], "champion" if decision["promote"] else "stays candidate")
     return {
         "model_name": name,
@@ -292,13 +379,15 @@ def _promote(
         "aliases": sorted(client.get_model_version(name, version.version).aliases),
         "promoted": decision["promote"],
         "gate": decision["reason"],
+        "served": served,
     }
 
 
 def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow_run_id: str) -> dict[str, Any]:
-    """Record the run in MLflow, register the float model and the chosen TFLite variant, move the
-    aliases; writes registry.json."""
+    """Record the run in MLflow, register the float model and the chosen TFLite variant, serve each
+    (infra validation), move the aliases; writes registry.json."""
     from tasks.data.pipeline import split_arrays
+    from tasks.export import save_serving_model, saved_model_predictor, tflite_predictor
 
     training = json.loads(paths.training.read_text())
     evaluation = json.loads(paths.evaluation.read_text())
@@ -309,9 +398,11 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
     run_id = find_or_create_run(client, dag_id, airflow_run_id, run_name=paths.root.name)
     log_run_record(client, run_id, spec, paths, dataset, training, evaluation, exported)
     images, _ = split_arrays(dataset, "test")
+    log_dir = paths.root / "serving"
     tags = {
         "airflow.run_id": airflow_run_id,
         "dataset.name": dataset["name"],
+        "dataset.version": dataset["version"],
         "dataset.fingerprint": dataset["fingerprint"],
         "strategy": spec.strategy,
         "model": spec.model,
@@ -319,13 +410,20 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
     headline = (
         f"Trained by Airflow run `{airflow_run_id}` ({spec.strategy}, {spec.model}) on "
         f"{dataset['name']} {dataset['version']}.\n\n"
+        f"- dataset: {dataset['name']} {dataset['version']}, fingerprint `{dataset['fingerprint']}`\n"
     )
+    table = compression_table(exported)
 
     name = spec.registered_model
-    version = _register(client, name, run_id, lambda: _log_keras_model(paths, name, images))
+    if not paths.saved_model.exists():  # export_formats without saved_model: the registry still serves one
+        import tensorflow as tf
+
+        save_serving_model(tf.keras.models.load_model(paths.model), paths.saved_model)
+    version = _register(client, name, run_id, lambda: _log_saved_model(paths.saved_model, name, images))
+    check = _served_check(version, saved_model_predictor(paths.saved_model), images, log_dir)
+    report = headline + "- float model: the exported SavedModel (serving_default: raw uint8 images -> logits)"
     accuracy = evaluation["test_accuracy"]
-    report = headline + f"- test accuracy: {accuracy:.4f}\n- float model, {paths.model.stat().st_size} bytes (.keras)"
-    models = [_promote(client, spec, version, accuracy, dataset, tags, report)]
+    models = [_promote(client, spec, version, accuracy, dataset, tags, check, report, table, log_dir)]
 
     chosen = exported["chosen_tflite"]
     if chosen is not None:
@@ -334,6 +432,7 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
         tflite_version = _register(
             client, tflite_name, run_id, lambda: _log_tflite_model(artifact["path"], tflite_name, images)
         )
+        check = _served_check(tflite_version, tflite_predictor(Path(artifact["path"])), images, log_dir)
         compression_tags = {
             "variant": artifact["variant"],
             "prune": str(spec.prune),
@@ -343,15 +442,26 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
             "size_gzip_bytes": str(artifact["gzip_bytes"]),
         }
         report = headline + (
-            f"- TFLite variant `{artifact['variant']}`: {artifact['bytes']} bytes, {artifact['gzip_bytes']} gzipped\n"
-            f"- test accuracy: {artifact['test_accuracy']:.4f} (float model {exported['float_test_accuracy']:.4f}, "
-            f"agreement {artifact['agreement_with_float']:.4f})\n- latency at batch 1: {artifact['latency_ms']:.4f} ms"
+            f"- TFLite variant `{artifact['variant']}`: {artifact['bytes']} bytes, {artifact['gzip_bytes']} gzipped, "
+            f"float model's accuracy {exported['float_test_accuracy']:.4f}, agreement with it "
+            f"{artifact['agreement_with_float']:.4f}, latency at batch 1 {artifact['latency_ms']:.4f} ms"
         )
+        tflite_tags = {**tags, **compression_tags}
         models.append(
             _promote(
-                client, spec, tflite_version, artifact["test_accuracy"], dataset, {**tags, **compression_tags}, report
+                client,
+                spec,
+                tflite_version,
+                artifact["test_accuracy"],
+                dataset,
+                tflite_tags,
+                check,
+                report,
+                table,
+                log_dir,
             )
         )
+    _log_served_checks(client, run_id, models, log_dir)
     client.set_tag(run_id, "registry.gate", models[0]["gate"])
     record = {
         **models[0],
@@ -361,3 +471,21 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
     }
     paths.registry.write_text(json.dumps(record, indent=2))
     return record
+
+
+def _log_served_checks(client: MlflowClient, run_id: str, models: list[dict], log_dir: Path) -> None:
+    """Each served check in the run: result tag, agreement and latency metrics, the servers' logs."""
+    now = get_current_time_millis()
+    metrics, tags = [], []
+    for kind, model in zip(("float", "tflite"), models):
+        served = model["served"]
+        if served is None:  # decided by a version of hetflow that did not serve
+            continue
+        tags.append(RunTag(f"served.{kind}", serving.describe(served)[:5000]))
+        metrics.append(Metric(f"served_{kind}_passed", float(served["passed"]), now, 0))
+        for key in ("agreement", "max_logit_difference", "latency_p50_ms", "latency_p99_ms", "start_seconds"):
+            if key in served:
+                metrics.append(Metric(f"served_{kind}_{key}", served[key], now, 0))
+    client.log_batch(run_id, metrics=metrics, tags=tags)
+    if log_dir.exists():
+        client.log_artifacts(run_id, str(log_dir), "serving")

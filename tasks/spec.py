@@ -33,8 +33,9 @@ class WorkerDevice(BaseModel):
         1.0,
         ge=1.0,
         le=20.0,
-        description="Simulates a slower machine on the local backend: the worker gets 1/slowdown of the "
-        "CPU time (its process is throttled from outside; the training code is unchanged).",
+        description="Simulates a slower machine: the worker gets 1/slowdown of the CPU time (local: its "
+        "process is stopped and resumed from outside; docker: its container's CPU quota is 1/slowdown of "
+        "replica_cpus, or of one core). The training code is unchanged.",
     )
 
 
@@ -98,8 +99,8 @@ class RunSpec(BaseModel):
         "Cluster",
         "`never`: a failed replica fails the run. `on_failure`: restart it, up to `backoff_limit` times: an "
         "async worker alone (the coordinator goes on), anything else with its whole group, resuming from the "
-        "last checkpoint. `exit_code` (local): restart only replicas killed by a signal, not ones that exited "
-        "with an error a restart would repeat.",
+        "last checkpoint. `exit_code` (local, docker): restart only replicas killed by a signal, not ones that "
+        "exited with an error a restart would repeat.",
     )
     backoff_limit: int = _field(
         3,
@@ -178,8 +179,17 @@ class RunSpec(BaseModel):
     lr_scaling: Literal["none", "linear"] = _field(
         "none",
         "Training",
-        "`linear`: sync strategies multiply the learning rate by the number of replicas in sync "
-        "(the linear scaling rule: learning_rate is the rate for one replica's share of the batch).",
+        "`linear`: the linear scaling rule (Goyal et al. 2017): the rate is learning_rate x batch_size / "
+        "lr_reference_batch, reached after warmup_epochs. batch_size is the global batch (async: each "
+        "update's), so adding replicas at the same batch_size leaves the rate unchanged.",
+    )
+    lr_reference_batch: int = _field(
+        32,
+        "Training",
+        "The global batch size learning_rate was tuned for: the batch of the linear scaling rule's ratio "
+        "(lr_scaling=linear).",
+        ge=1,
+        le=65_536,
     )
     warmup_epochs: float = _field(
         0.0, "Training", "Epochs over which the learning rate ramps linearly up to its scaled value.", ge=0, le=100
@@ -295,16 +305,16 @@ def cluster_problems(spec: RunSpec) -> list[str]:
             f"worker_devices has {len(spec.worker_devices)} entries with workers={spec.workers}: "
             "expected one entry per worker, or none"
         )
-    if spec.backend != "local" and any(d.slowdown != 1.0 for d in spec.worker_devices):
+    if spec.backend == "kubernetes" and any(d.slowdown != 1.0 for d in spec.worker_devices):
         problems.append(
-            f"worker_devices slowdown is invalid with backend={spec.backend}: expected 1 "
-            "(the slowdown simulates slower machines on the local backend only)"
+            "worker_devices slowdown is invalid with backend=kubernetes: expected 1 "
+            "(a slower machine is simulated by the local and docker backends only)"
         )
-    if (spec.strategy == "auto" or spec.balance_batches) and spec.backend != "local":
+    if (spec.strategy == "auto" or spec.balance_batches) and spec.backend == "kubernetes":
         problems.append(
-            f"backend={spec.backend} is invalid with strategy={spec.strategy}, balance_batches="
-            f"{json.dumps(spec.balance_batches)}: expected backend=local "
-            "(worker probes are run and recorded on the local backend only)"
+            f"backend=kubernetes is invalid with strategy={spec.strategy}, balance_batches="
+            f"{json.dumps(spec.balance_batches)}: expected backend=local or docker "
+            "(worker probes run on the local and docker backends only)"
         )
     if spec.pin_cores and spec.strategy == "parameter_server":
         problems.append(
@@ -330,14 +340,11 @@ def cluster_problems(spec: RunSpec) -> list[str]:
                     f"{key}={json.dumps(value)} is invalid with backend=local: expected {json.dumps(off)} "
                     "(limits and GPU requests apply to backend=docker or kubernetes)"
                 )
-    elif spec.restart_policy == "exit_code":
+    elif spec.backend == "kubernetes" and spec.restart_policy == "exit_code":
+        problems.append("restart_policy=exit_code is invalid with backend=kubernetes: expected never or on_failure")
+    if spec.backend == "kubernetes" and spec.pin_cores:
         problems.append(
-            f"restart_policy=exit_code is invalid with backend={spec.backend}: expected never or on_failure"
-        )
-    if spec.backend != "local" and spec.pin_cores:
-        problems.append(
-            f"pin_cores=true is invalid with backend={spec.backend}: expected false "
-            "(a container's CPUs are set by replica_cpus)"
+            "pin_cores=true is invalid with backend=kubernetes: expected false (a pod's CPUs are set by replica_cpus)"
         )
     return problems
 

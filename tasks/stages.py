@@ -6,12 +6,16 @@ any stage can be re-run (an Airflow retry) or run outside Airflow (``hetflow tra
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
-from typing import Any
+import signal
+import threading
+from typing import Any, Callable
 
 from tasks.paths import RunPaths, data_dir, run_paths
-from tasks.spec import RunSpec, parse_spec
+from tasks.spec import RunSpec, SpecError, parse_spec
 
 log = logging.getLogger("hetflow.stages")
 
@@ -28,6 +32,26 @@ STAGE_OUTPUTS = (
 )
 
 
+def _reported(stage: Callable) -> Callable:
+    """Log a stage's failure, with its reason, on the stages' logger: Airflow reports it in its own
+    structured log, which `hetflow run`'s live view does not read."""
+
+    @functools.wraps(stage)
+    def run(*args, **kwargs):
+        try:
+            return stage(*args, **kwargs)
+        except Exception as error:
+            log.error(
+                "%s failed: %s: %s",
+                stage.__name__,
+                type(error).__name__,
+                str(error).splitlines()[0] if str(error) else "",
+            )
+            raise
+
+    return run
+
+
 def _read(path) -> Any:
     return json.loads(path.read_text())
 
@@ -36,9 +60,15 @@ def load_spec(paths: RunPaths) -> RunSpec:
     return RunSpec.model_validate_json(paths.spec.read_text())
 
 
+@_reported
 def validate_spec(values: dict[str, Any], run_id: str) -> dict[str, Any]:
     """Validate the run's conf (form values plus any extra keys); nothing starts when it is invalid."""
+    from tasks.cluster import backends
+
     spec = parse_spec(values)
+    problems = backends.preflight(spec, run_id)
+    if problems:
+        raise SpecError(problems)
     paths = run_paths(run_id)
     paths.root.mkdir(parents=True, exist_ok=True)
     paths.spec.write_text(spec.model_dump_json(indent=2))
@@ -46,6 +76,7 @@ def validate_spec(values: dict[str, Any], run_id: str) -> dict[str, Any]:
     return spec.model_dump()
 
 
+@_reported
 def prepare_data(run_id: str) -> dict[str, Any]:
     from tasks.data.prepare import prepare_dataset
 
@@ -62,7 +93,15 @@ def prepare_data(run_id: str) -> dict[str, Any]:
     return record
 
 
+# Runs whose replicas this process started and has not torn down: what `hetflow run` ends when
+# interrupted (Ctrl-C), as its DAG's teardown task would not run.
+PROVISIONED_HERE: set[str] = set()
+
+
+@_reported
 def provision_cluster(run_id: str) -> dict[str, Any]:
+    """Lay out the cluster and start every replica (processes, containers or pods); ``train``
+    supervises them."""
     from tasks.cluster import backends
 
     paths = run_paths(run_id)
@@ -73,38 +112,70 @@ def provision_cluster(run_id: str) -> dict[str, Any]:
         spec = plan_training(spec, run_id, paths)
         # From here on the run trains with the resolved spec; the request stays in plan.json.
         paths.spec.write_text(spec.model_dump_json(indent=2))
+    paths.restarts.unlink(missing_ok=True)  # a re-provisioned run starts its restart count anew
     layout = backends.plan(spec, run_id)
     paths.cluster.write_text(json.dumps(layout.to_dict(), indent=2))
-    log.info("cluster: %s", layout.cluster_spec())
-    return layout.to_dict()
+    cluster = backends.replicas(spec, layout, paths.root)
+    PROVISIONED_HERE.add(run_id)
+    cluster.provision()
+    log.info(
+        "started %s on %s: %s", ", ".join(r.name for r in cluster.layout.replicas), spec.backend, layout.cluster_spec()
+    )
+    return cluster.layout.to_dict()
 
 
+@_reported
 def train(run_id: str) -> dict[str, Any]:
-    """Start the replicas, stream their output here, wait for all; this process only supervises."""
+    """Supervise the provisioned replicas until training ends; their output streams into this
+    task's log. A SIGTERM (Airflow stopping the task) stops them before the task goes."""
     from tasks.cluster import backends
     from tasks.cluster.layout import ClusterLayout
 
     paths = run_paths(run_id)
     spec = load_spec(paths)
-    cluster = backends.make_cluster(spec, ClusterLayout.from_dict(_read(paths.cluster)), paths.root, paths.logs)
-    try:
-        cluster.start()
-        cluster.wait(timeout=spec.train_timeout_seconds)
-    finally:
-        cluster.stop()
+    cluster = backends.replicas(spec, ClusterLayout.from_dict(_read(paths.cluster)), paths.root)
+    with _stopped_on_sigterm(lambda: backends.teardown(spec, run_id)):
+        backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
     return _read(paths.training)
 
 
+class Interrupted(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def _stopped_on_sigterm(stop):
+    """Run ``stop`` when SIGTERM arrives: Airflow 3 stops a task with SIGTERM and kills it a few
+    seconds later, so a ``finally`` that waits for replicas would never run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        log.warning("SIGTERM: stopping the replicas")
+        stop()
+        raise Interrupted("stopped by SIGTERM; the replicas were stopped")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@_reported
 def teardown_cluster(run_id: str) -> list:
     """End what is left of the run's replicas: pids (local), containers (docker), pods (kubernetes)."""
     from tasks.cluster import backends
 
     paths = run_paths(run_id)
     ended = backends.teardown(load_spec(paths) if paths.spec.exists() else None, run_id)
+    PROVISIONED_HERE.discard(run_id)
     log.info("teardown: %s", f"ended {ended}" if ended else "no replica was left running")
     return ended
 
 
+@_reported
 def evaluate(run_id: str) -> dict[str, Any]:
     from tasks.evaluate import evaluate as evaluate_model
 
@@ -114,6 +185,7 @@ def evaluate(run_id: str) -> dict[str, Any]:
     return {k: v for k, v in result.items() if k != "confusion_matrix"}
 
 
+@_reported
 def compress(run_id: str) -> dict[str, Any]:
     from tasks.compress import compress as compress_model
 
@@ -123,6 +195,7 @@ def compress(run_id: str) -> dict[str, Any]:
     return record
 
 
+@_reported
 def export(run_id: str) -> dict[str, Any]:
     from tasks.export import export as export_artifacts
 
@@ -146,6 +219,7 @@ class TrackingUnavailable(RuntimeError):
     pass
 
 
+@_reported
 def register(run_id: str, dag_id: str) -> dict[str, Any]:
     """Everything to MLflow. MLflow's client retries with backoff (MLFLOW_HTTP_REQUEST_MAX_RETRIES,
     MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR); when the server stays away the task fails saying so, and
@@ -167,6 +241,7 @@ def register(run_id: str, dag_id: str) -> dict[str, Any]:
         ) from error
 
 
+@_reported
 def summarize(run_id: str) -> dict[str, Any]:
     """Write summary.json from whatever the stages left; status is ``failed`` if any stage did not finish."""
     paths = run_paths(run_id)
@@ -202,6 +277,8 @@ def summarize(run_id: str) -> dict[str, Any]:
             "replica_logs": sorted(str(p) for p in paths.logs.glob("*.log")),
             "plots": sorted(str(p) for p in paths.plots.glob("*.png")),
         },
+        "replicas": (_read(paths.cluster) if paths.cluster.exists() else {}).get("replicas"),
+        "restarts": _read(paths.restarts) if paths.restarts.exists() else [],
         "registry": {
             k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate", "models")
         }

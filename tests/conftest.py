@@ -42,6 +42,13 @@ def hetflow(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess
     )
 
 
+def full_log(done: subprocess.CompletedProcess) -> str:
+    """The whole log of a `hetflow run` (its terminal shows the live view; the rest is in a file
+    whose path it prints)."""
+    line = next(line for line in done.stdout.splitlines() if line.strip().startswith("full log"))
+    return Path(line.split(maxsplit=2)[2]).read_text()
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -59,3 +66,21 @@ def listening(address: str) -> bool:
     itself (TCP simultaneous open) and look like a listener."""
     port = int(address.rsplit(":", 1)[1])
     return any(c.laddr.port == port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """The Docker engine that `make test` started (docker/engine.sh), with the replica image that it
+    built; the container tests skip, saying why, where no engine answers."""
+    import docker
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except docker.errors.DockerException as error:
+        pytest.skip(f"no Docker engine answers ({error}); docker/engine.sh says why it could not start one")
+    try:
+        client.images.get("hetflow-replica:0.1.0")
+    except docker.errors.ImageNotFound:  # a bare pytest run: build it as `make test` does
+        subprocess.run([REPO / "docker/build-image.sh"], check=True)
+    return client

@@ -1,14 +1,13 @@
-"""Docker and Kubernetes backends: the container configs and manifests they create, the supervision
-policy they share, the linters of docker/, and real runs where an engine or a cluster exists."""
+"""Docker and Kubernetes backends: the container configs and manifests they create, the linters of
+docker/, and real runs where an engine or a cluster exists."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import shutil
 import subprocess
 import sys
-from collections import deque
 from pathlib import Path
 
 import pytest
@@ -26,9 +25,9 @@ from kubernetes.client import (
 
 from tasks.cluster import docker_backend as dk
 from tasks.cluster import kubernetes_backend as k8s
-from tasks.cluster.containers import ReplicaState, pump_lines, supervise, verdict
+from tasks.cluster.containers import lines_to_file
 from tasks.cluster.layout import plan_cluster, run_slug
-from tasks.cluster.local import ReplicaFailed
+from tasks.cluster.supervisor import ReplicaState
 from tasks.spec import SpecError, parse_spec
 
 RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"  # an Airflow run id: ':' and '+' included
@@ -104,8 +103,8 @@ def test_container_only_keys_are_rejected_with_the_local_backend():
             ("request_gpus", "true", "false"),
         )
     ]
-    with pytest.raises(SpecError, match=r"pin_cores=true is invalid with backend=docker: expected false"):
-        parse_spec({"backend": "docker", "pin_cores": True})
+    with pytest.raises(SpecError, match=r"pin_cores=true is invalid with backend=kubernetes: expected false"):
+        parse_spec({"backend": "kubernetes", "pin_cores": True})
     with pytest.raises(SpecError, match=r'kubernetes_namespace="Bad_NS" is invalid: expected a string matching'):
         parse_spec({"backend": "kubernetes", "kubernetes_namespace": "Bad_NS"})
     with pytest.raises(SpecError, match=r'backend="swarm" is invalid: expected one of local, docker, kubernetes'):
@@ -145,10 +144,14 @@ def test_docker_container_configs_carry_tf_config_labels_limits_and_gpus():
             "hetflow.index": str(replica.index),
         }
         assert config["network"] == dk.network_name(RUN_ID)
-        assert config["volumes"] == {str(HOME): {"bind": str(HOME), "mode": "rw"}}
+        # its own run directory, and the prepared data read-only: nothing else of HETFLOW_HOME
+        assert config["volumes"] == {
+            str(RUN_DIR): {"bind": str(RUN_DIR), "mode": "rw"},
+            str(HOME / "data"): {"bind": str(HOME / "data"), "mode": "ro"},
+        }
         assert config["user"] == "1000:1000"
         assert config["nano_cpus"] == 1_500_000_000 and config["mem_limit"] == "2048m"
-        assert config["restart_policy"] == {"Name": "on-failure", "MaximumRetryCount": 3}
+        assert config["restart_policy"] == {"Name": "no"}  # the supervisor restarts, on every backend
     # GPUs for the replicas that compute: not the ps, not the chief that only schedules
     gpus = {name: config.get("device_requests") for name, config in configs.items()}
     assert gpus == {
@@ -171,11 +174,24 @@ def test_docker_config_without_limits_sets_none_and_never_restarts():
 
 
 def test_docker_container_state_from_inspect():
-    assert dk.replica_state({"State": {"Status": "running", "ExitCode": 0}, "RestartCount": 0}) == ReplicaState()
-    assert dk.replica_state({"State": {"Status": "exited", "ExitCode": 3}, "RestartCount": 2}) == ReplicaState(3, 2)
-    assert dk.replica_state({"State": {"Status": "restarting", "ExitCode": 1}, "RestartCount": 1}) == ReplicaState(
-        None, 1
+    assert dk.replica_state({"State": {"Status": "running", "ExitCode": 0}}) == ReplicaState()
+    assert dk.replica_state({"State": {"Status": "exited", "ExitCode": 137}}) == ReplicaState(137)
+    assert dk.replica_state({"State": {"Status": "created", "ExitCode": 0}}) == ReplicaState()
+
+
+def test_a_slower_worker_is_a_container_with_a_smaller_cpu_quota_and_pinning_is_a_cpuset():
+    devices = [{"device": "cpu"}, {"device": "cpu", "slowdown": 2}]
+    spec = parse_spec(
+        {"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2, "worker_devices": devices}
     )
+    layout = dk.plan(spec, RUN_ID)
+    configs = [dk.container_config(layout, r, spec, HOME, RUN_DIR, "0:0", 0.0) for r in layout.replicas]
+    # half of one core, where replica_cpus is unset; the other worker is not limited
+    assert [c.get("nano_cpus") for c in configs] == [None, 500_000_000]
+    limited = spec.model_copy(update={"replica_cpus": 1.5, "pin_cores": True})
+    configs = [dk.container_config(layout, r, limited, HOME, RUN_DIR, "0:0", 0.0) for r in layout.replicas]
+    assert [c["nano_cpus"] for c in configs] == [1_500_000_000, 750_000_000]
+    assert len({c["cpuset_cpus"] for c in configs}) == min(2, len(os.sched_getaffinity(0)))
 
 
 # --- kubernetes: manifests ------------------------------------------------------------------------
@@ -311,78 +327,10 @@ def test_kubernetes_pod_states():
     assert k8s.pod_state(_pod("Pending", pull)) == ReplicaState(None, 0, "ImagePullBackOff: no such image")
 
 
-# --- the supervision policy, shared by both backends, as data -------------------------------------
-
-
-def _states(layout, **codes) -> dict[str, ReplicaState]:
-    """Every replica running, except those given as name_index=(exit_code, restarts)."""
-    given = {name.replace("_", "-"): value for name, value in codes.items()}
-    return {r.name: ReplicaState(*given[r.name]) if r.name in given else ReplicaState() for r in layout.replicas}
-
-
-def test_ps_and_serving_workers_are_stopped_when_the_chief_finishes():
-    layout = dk.plan(ps_spec("docker"), RUN_ID)
-    assert verdict(layout, _states(layout), "never", 0).outcome == "running"
-    done = verdict(layout, _states(layout, chief_0=(0, 0)), "never", 0)
-    assert (done.outcome, done.stop) == ("succeeded", ("worker-0", "worker-1", "ps-0"))
-
-
-def test_sync_workers_all_exiting_zero_is_success_and_one_failing_fails_the_run():
-    layout = dk.plan(parse_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2}), RUN_ID)
-    assert verdict(layout, _states(layout, worker_0=(0, 0)), "never", 0).outcome == "running"
-    assert verdict(layout, _states(layout, worker_0=(0, 0), worker_1=(0, 0)), "never", 0).stop == ()
-    failed = verdict(layout, _states(layout, worker_1=(137, 0)), "never", 0)
-    assert (failed.outcome, failed.failed, failed.stop) == ("failed", "worker-1", ("worker-0", "worker-1"))
-
-
-def test_restarts_are_allowed_up_to_the_backoff_limit():
-    layout = dk.plan(ps_spec("docker"), RUN_ID)
-    assert verdict(layout, _states(layout, ps_0=(1, 1)), "on_failure", 2).outcome == "running"
-    assert verdict(layout, _states(layout, ps_0=(1, 2)), "on_failure", 2).failed == "ps-0"
-    assert verdict(layout, _states(layout, ps_0=(1, 0)), "never", 2).failed == "ps-0"
-    # a server exiting by itself, even with 0, is a failure: it serves until stopped
-    assert verdict(layout, _states(layout, worker_1=(0, 0)), "on_failure", 2).failed == "worker-1"
-
-
-def test_supervise_stops_servers_on_success_and_names_the_failed_replica_with_its_output():
-    spec = ps_spec("docker")
-    layout = dk.plan(spec, RUN_ID)
-    polls = iter([_states(layout), _states(layout, chief_0=(0, 0))])
-    stopped = []
-    tails = {r.name: deque() for r in layout.replicas}
-    codes = supervise(layout, spec, lambda: next(polls), stopped.append, tails, timeout=60, interval=0)
-    assert codes == {"chief-0": 0} and stopped == [("worker-0", "worker-1", "ps-0")]
-
-    tails["ps-0"].extend(["serving", "OOM"])
-    with pytest.raises(ReplicaFailed, match=r"^replica ps-0 exited with code 137; last output: serving \| OOM$"):
-        supervise(layout, spec, lambda: _states(layout, ps_0=(137, 0)), stopped.append, tails, timeout=60)
-    stuck = {**_states(layout), "worker-0": ReplicaState(stuck="ErrImagePull: not found")}
-    with pytest.raises(ReplicaFailed, match=r"^replica worker-0 could not start: ErrImagePull: not found$"):
-        supervise(layout, spec, lambda: stuck, stopped.append, tails, timeout=60)
-    with pytest.raises(
-        ReplicaFailed, match=r"timed out after 0 s \(train_timeout_seconds\); stopped chief-0, worker-0"
-    ):
-        supervise(layout, spec, lambda: _states(layout), stopped.append, tails, timeout=0, interval=0)
-    assert stopped[-1] == ("chief-0", "worker-0", "worker-1", "ps-0")
-
-
-def test_log_chunks_become_lines(tmp_path):
-    tail = deque(maxlen=2)
-    pump_lines("worker-0", [b"Epoch 1/", b"2\nloss 0.5\nEpo", b"ch 2/2"], tmp_path / "w.log", tail)
+def test_log_chunks_become_lines_and_the_log_file(tmp_path):
+    lines = lines_to_file([b"Epoch 1/", b"2\nloss 0.5\nEpo", b"ch 2/2"], tmp_path / "w.log")
+    assert list(lines) == ["Epoch 1/2", "loss 0.5", "Epoch 2/2"]
     assert (tmp_path / "w.log").read_text() == "Epoch 1/2\nloss 0.5\nEpoch 2/2\n"
-    assert list(tail) == ["loss 0.5", "Epoch 2/2"]
-
-
-def test_provision_stage_plans_named_addresses_for_the_docker_backend(hetflow_env):
-    from tasks import stages
-    from tasks.paths import run_paths
-
-    stages.validate_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2}, "named-run")
-    stages.provision_cluster("named-run")
-    cluster = json.loads(run_paths("named-run").cluster.read_text())
-    assert [r["address"] for r in cluster["replicas"]] == [
-        f"hetflow-{run_slug('named-run')}-worker-{i}:2222" for i in range(2)
-    ]
 
 
 # --- linters of docker/ ---------------------------------------------------------------------------
@@ -433,16 +381,6 @@ def test_compose_stack_has_postgres_airflow_and_mlflow_on_a_shared_home():
 # --- real runs, where an engine or a cluster exists -----------------------------------------------
 
 
-def _docker_engine():
-    if shutil.which("docker") is None:
-        return None
-    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
-        return None
-    import docker
-
-    return docker.from_env()
-
-
 def _kube_context() -> bool:
     from kubernetes import config
 
@@ -451,43 +389,6 @@ def _kube_context() -> bool:
     except (config.ConfigException, FileNotFoundError):
         return False
     return True
-
-
-@pytest.fixture(scope="module")
-def docker_client():
-    client = _docker_engine()
-    if client is None:
-        pytest.skip("no Docker engine: `docker info` failed")
-    import docker
-
-    try:
-        client.images.get("hetflow-replica:0.1.0")
-    except docker.errors.ImageNotFound:  # built once, from the repo's own Dockerfile
-        client.images.build(path=str(REPO), dockerfile="docker/Dockerfile", tag="hetflow-replica:0.1.0", rm=True)
-    return client
-
-
-@pytest.mark.slow
-def test_a_parameter_server_run_in_docker_trains_and_leaves_nothing(docker_client, hetflow_env):
-    from tasks import stages
-    from tasks.paths import run_paths
-
-    run = "docker-ps-run"
-    stages.validate_spec(
-        {"backend": "docker", "strategy": "parameter_server", "workers": 2, "ps": 1, "epochs": 2, "steps_per_epoch": 5},
-        run,
-    )
-    stages.prepare_data(run)
-    stages.provision_cluster(run)
-    try:
-        training = stages.train(run)
-        assert training["epochs"] == 2
-        assert "Epoch 2/" in (run_paths(run).logs / "chief-0.log").read_text()
-        selector = {"label": f"hetflow.run={run_slug(run)}"}
-        assert docker_client.containers.list(all=True, filters=selector) == []  # ps stopped and removed
-        assert docker_client.networks.list(filters=selector) == []
-    finally:
-        assert stages.teardown_cluster(run) == []
 
 
 @pytest.mark.slow

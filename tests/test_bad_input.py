@@ -18,8 +18,8 @@ from tasks.spec import SpecError, parse_spec
         ({"backoff_limit": -1}, "backoff_limit=-1 is invalid"),
         ({"checkpoint_every": 0}, "checkpoint_every=0 is invalid: expected an integer >= 1 and <= 1000"),
         (
-            {"backend": "docker", "restart_policy": "exit_code"},
-            "restart_policy=exit_code is invalid with backend=docker: expected never or on_failure",
+            {"backend": "kubernetes", "restart_policy": "exit_code"},
+            "restart_policy=exit_code is invalid with backend=kubernetes: expected never or on_failure",
         ),
     ],
 )
@@ -52,7 +52,7 @@ def test_a_truncated_shard_is_named_and_the_rest_kept(tmp_path):
 
 def test_a_taken_port_moves_the_replica_and_every_tf_config_follows(tmp_path):
     from tasks.cluster.layout import plan_cluster
-    from tasks.cluster.local import LocalCluster, port_taken
+    from tasks.cluster.local import LocalReplicas, port_taken
 
     spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
     with socket.socket() as squatter:
@@ -60,7 +60,7 @@ def test_a_taken_port_moves_the_replica_and_every_tf_config_follows(tmp_path):
         squatter.listen()
         taken = squatter.getsockname()[1]
         layout = plan_cluster(spec, "port-run", pick_port=iter([taken, _free_port()]).__next__)
-        cluster = LocalCluster(layout, spec, tmp_path, tmp_path / "logs")
+        cluster = LocalReplicas(layout, spec, tmp_path)
         assert port_taken(taken)
         cluster._move_off_taken_ports()
     moved = cluster.layout.replicas[0].address

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+
 import numpy as np
 import pytest
 
@@ -92,3 +94,52 @@ def test_judge_fails_a_float_artifact_that_does_not_reproduce_the_model():
     artifacts = {"tflite_float": _artifact("tflite", 0.95, 40_000, "float", difference=0.5)}
     with pytest.raises(ParityError, match="tflite_float does not reproduce the float model"):
         judge(artifacts, float_accuracy=0.95, max_accuracy_drop=0.01)
+
+
+# Issue 15: the digits CNN pruned to 80 % fell from 0.969 to chance (0.114). Over 4 seeds the fix
+# lost -0.3 to 1.9 points (0.0 with seed 1, the one used here); every kernel pruned lost 7.8-12.3,
+# the old fine-tuning budget (78 steps at a tenth of the rate) 15-42. Either half of that budget
+# alone lost up to 3.1: below what one seed can tell from noise.
+MAX_PRUNING_DROP = 0.03
+
+
+def test_pruning_the_cnn_to_80_percent_keeps_its_accuracy_and_real_sparsity(tmp_path):
+    import tensorflow as tf
+
+    from tasks.compress import kernel_sparsity, prune, pruned_layers, to_tflite
+    from tasks.data.pipeline import split_arrays, train_input
+    from tasks.data.prepare import prepare_dataset
+    from tasks.export import tflite_predictor
+    from tasks.models import build_model, compile_model
+    from tasks.spec import RunSpec
+    from tasks.strategies.common import steps_per_epoch
+
+    dataset = prepare_dataset("uci_digits", tmp_path / "data")
+    spec = RunSpec(model="cnn", seed=1, prune=True, target_sparsity=0.8)
+    model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
+    compile_model(model, tf.keras.optimizers.Adam(spec.learning_rate))
+    batches = train_input(dataset, per_worker_batch=spec.batch_size, shuffle=True, seed=spec.seed)
+    model.fit(batches, epochs=spec.epochs, steps_per_epoch=steps_per_epoch(spec, dataset), verbose=0)
+    images, labels = split_arrays(dataset, "test")
+
+    def accuracy(predict):
+        return float(np.mean(np.argmax(predict(images), axis=1) == labels))
+
+    float_accuracy = accuracy(lambda x: model.predict(x, verbose=0))
+    pruned = prune(model, spec, dataset)
+    assert accuracy(lambda x: model.predict(x, verbose=0)) == float_accuracy  # the float model is untouched
+
+    sparsity = kernel_sparsity(pruned)
+    chosen = pruned_layers(pruned)
+    kernels = {layer.name: layer.kernel.shape.num_elements() for layer in pruned.layers if layer.name in sparsity}
+    assert sum(kernels[name] for name in chosen) >= 0.95 * sum(kernels.values())  # the dense ones are small
+    assert all(sparsity[name] >= 0.79 for name in chosen), sparsity
+    assert accuracy(lambda x: pruned.predict(x, verbose=0)) >= float_accuracy - MAX_PRUNING_DROP
+
+    # The zeros and the accuracy survive the export: the TFLite file is what is shipped.
+    float_path, pruned_path = tmp_path / "float.tflite", tmp_path / "pruned.tflite"
+    float_path.write_bytes(to_tflite(model, "none", images[:10]))
+    pruned_path.write_bytes(to_tflite(pruned, "none", images[:10]))
+    assert accuracy(tflite_predictor(pruned_path)) >= float_accuracy - MAX_PRUNING_DROP
+    gzipped = {path: len(gzip.compress(path.read_bytes())) for path in (float_path, pruned_path)}
+    assert gzipped[pruned_path] < 0.5 * gzipped[float_path]

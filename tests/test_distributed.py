@@ -32,9 +32,13 @@ def model_weights(run_dir: Path) -> list[np.ndarray]:
 def test_two_workers_with_half_batches_match_one_worker_with_the_whole_batch(hetflow_env):
     """Sync all-reduce is exact: 2 MWMS workers x batch B/2 == 1 worker x batch B after K steps."""
     same = ["optimizer=sgd", "learning_rate=0.1", "shuffle=false", "epochs=1", "steps_per_epoch=8", "batch_size=32"]
-    _, single = train(hetflow_env, "strategy=one_device", *same)
+    # Linear scaling by the rule: same global batch, same rate (0.1 x 32 / 16), however many replicas.
+    same += ["lr_scaling=linear", "lr_reference_batch=16", "warmup_epochs=0.5"]
+    single_record, single = train(hetflow_env, "strategy=one_device", *same)
     record, pair = train(hetflow_env, "strategy=multi_worker_mirrored", "workers=2", *same)
     assert record["replicas_in_sync"] == 2 and record["per_replica_batch"] == 16
+    assert record["learning_rate_schedule"] == single_record["learning_rate_schedule"]
+    assert record["learning_rate_schedule"]["peak"] == pytest.approx(0.2)
     assert sorted(record["per_worker"]) == ["worker-0", "worker-1"]
     single_weights, pair_weights = model_weights(single), model_weights(pair)
     difference = max(float(np.max(np.abs(a - b))) for a, b in zip(single_weights, pair_weights))
@@ -71,8 +75,45 @@ def test_parameter_server_shards_variables_and_measures_staleness_per_worker(het
     assert set(steps) == {"worker-0", "worker-1"}  # both workers took scheduled steps
     staleness = record["staleness"]
     assert sum(staleness["histogram"].values()) == 600
-    assert 0 <= staleness["mean"] <= staleness["max"]
+    # Two workers update concurrently: some gradients were computed before the other's update landed.
+    assert staleness["mean"] > 0 and any(int(stale) >= 1 for stale in staleness["histogram"])
+    assert_staleness_bounded_by_the_other_workers_updates(record)
     assert record["history"]["val_accuracy"][-1] >= 0.85
+
+
+def assert_staleness_bounded_by_the_other_workers_updates(record: dict) -> None:
+    """A worker runs its steps one after another, so the intervals from its reads to its applies do
+    not overlap: each update of another worker lands in at most one of them, and the staleness
+    summed over one worker's updates is at most the number of the other workers' updates."""
+    per_worker = record["per_worker"]
+    total_steps = sum(w["steps"] for w in per_worker.values())
+    for name, worker in per_worker.items():
+        summed = round(worker["staleness_mean"] * worker["steps"])
+        assert 0 <= worker["staleness_max"] <= summed <= total_steps - worker["steps"], name
+
+
+def test_a_slowed_async_worker_computes_its_gradients_on_stale_parameters(hetflow_env):
+    """Worker 1 gets a quarter of the CPU time: while it computes one gradient, worker 0 applies
+    several updates, so its updates are stale by more than one on average, and more than worker 0's."""
+    record, _ = train(
+        hetflow_env,
+        "strategy=parameter_server",
+        "workers=2",
+        "ps=1",
+        "epochs=1",
+        "steps_per_epoch=300",
+        'worker_devices=[{"threads": 1}, {"threads": 1, "slowdown": 4}]',
+    )
+    fast, slow = record["per_worker"]["worker-0"], record["per_worker"]["worker-1"]
+    assert fast["steps"] > slow["steps"] > 0
+    assert slow["staleness_mean"] > max(1.0, fast["staleness_mean"])
+    assert record["staleness"]["mean"] > 0
+    assert_staleness_bounded_by_the_other_workers_updates(record)
+
+
+def test_one_async_worker_is_never_stale(hetflow_env):
+    record, _ = train(hetflow_env, "strategy=parameter_server", "workers=1", "ps=1", "epochs=2", "steps_per_epoch=100")
+    assert record["staleness"] == {"mean": 0.0, "max": 0, "histogram": {"0": 200}}
 
 
 def test_linear_lr_scaling_with_warmup(hetflow_env):
@@ -83,8 +124,19 @@ def test_linear_lr_scaling_with_warmup(hetflow_env):
         "optimizer=sgd",
         "learning_rate=0.05",
         "lr_scaling=linear",
+        "lr_reference_batch=16",
         "warmup_epochs=2",
         "epochs=4",
     )
     assert record["replicas_in_sync"] == 2
+    # 0.05 tuned for 16 examples, 32 per update: 0.1, reached over 2 epochs.
     assert record["learning_rate_per_epoch"] == pytest.approx([0.05, 0.075, 0.1, 0.1])
+    steps = record["steps_per_epoch"]
+    assert record["learning_rate_schedule"] == {
+        "scaling": "linear",
+        "base": 0.05,
+        "reference_batch": 16,
+        "global_batch": 32,
+        "peak": pytest.approx(0.1),
+        "warmup_steps": 2 * steps,
+    }

@@ -12,15 +12,9 @@ import sys
 import pytest
 from conftest import REPO, wait_for
 
-from tasks.cluster.local import restartable, run_replicas
+from tasks.cluster.local import run_replicas
 
 _SUPERVISOR = "import sys\nfrom tasks import stages\nstages.train(sys.argv[1])\n"
-
-
-def test_restart_policies():
-    assert restartable("on_failure", 1) and restartable("on_failure", -9)
-    assert restartable("exit_code", -9) and restartable("exit_code", 137)
-    assert not restartable("exit_code", 1) and not restartable("never", -9)
 
 
 def _attempts(log_text: str, name: str) -> list[str]:

@@ -77,6 +77,37 @@ def test_visible_gpus_give_each_gpu_worker_its_own_devices():
     assert visible_gpus(plan_cluster(spec, "r"), spec) == {"worker-0": "0,1", "worker-1": "", "worker-2": "2"}
 
 
+def test_unequal_worker_slices_are_the_global_batch_and_each_worker_batches_only_its_own(tmp_path):
+    import tensorflow as tf
+
+    from tasks.data.pipeline import train_input, train_slices
+    from tasks.data.prepare import prepare_dataset
+
+    dataset = prepare_dataset("uci_digits", tmp_path)
+    steps, offsets = 4, [0, 5, 7, 8]  # shares 5, 2 and 1 of a global batch of 8
+    whole = train_input(dataset, per_worker_batch=8, shuffle=True, seed=7).take(steps)
+    single = [(images.numpy(), labels.numpy()) for images, labels in whole]
+    slices = [
+        train_slices(dataset, start=start, end=end, global_batch=8, shuffle=True, seed=7)
+        for start, end in zip(offsets, offsets[1:])
+    ]
+    parts = [[(images.numpy(), labels.numpy()) for images, labels in pipeline.take(steps)] for pipeline in slices]
+    for step in range(steps):
+        assert [len(worker[step][1]) for worker in parts] == [5, 2, 1]
+        for field in (0, 1):  # images, labels
+            union = np.concatenate([worker[step][field] for worker in parts])
+            np.testing.assert_array_equal(union, single[step][field])
+    with pytest.raises(ValueError, match="not a slice"):
+        train_slices(dataset, start=3, end=3, global_batch=8, shuffle=True, seed=7)
+    # No worker's pipeline forms a batch larger than its share (it does not batch the global batch
+    # and keep a slice); tf.data has no public view of a pipeline's graph.
+    for pipeline, share in zip(slices, [5, 2, 1]):
+        graph = tf.compat.v1.GraphDef.FromString(pipeline._as_serialized_graph().numpy())
+        nodes = {node.name: node for node in graph.node}
+        batches = [nodes[n.input[1]] for n in graph.node if n.op.startswith("BatchDataset")]
+        assert [int(tf.make_ndarray(b.attr["value"].tensor)) for b in batches] == [share]
+
+
 def test_throttle_limits_cpu_time_from_outside():
     from tasks.cluster.local import Throttle
 
@@ -134,6 +165,7 @@ def test_balanced_update_on_unequal_shards_equals_the_single_replica_update(hetf
     speeds = [p["examples_per_second"] for p in plan["probes"]]
     assert speeds[0] > 1.5 * speeds[1]  # the throttled worker measured slower
     assert record["worker_batches"] == plan["worker_batches"] and sum(record["worker_batches"]) == 32
+    assert record["per_replica_batch"] == record["worker_batches"]
     assert record["worker_batches"][0] > record["worker_batches"][1]
     weights = [tf.keras.models.load_model(d / "model.keras", compile=False).get_weights() for d in (single, balanced)]
     difference = max(float(np.max(np.abs(a - b))) for a, b in zip(*weights))

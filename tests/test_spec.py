@@ -43,6 +43,7 @@ def test_valid_cluster_shapes(values):
         ({"ps": -1}, "ps=-1 is invalid: expected an integer >= 0 and <= 8"),
         ({"lr_scaling": "sqrt"}, 'lr_scaling="sqrt" is invalid: expected one of none, linear'),
         ({"warmup_epochs": -1}, "warmup_epochs=-1 is invalid: expected a number >= 0 and <= 100"),
+        ({"lr_reference_batch": 0}, "lr_reference_batch=0 is invalid: expected an integer >= 1 and <= 65536"),
         ({"strategy": "parameter_server"}, "ps=0 is invalid with strategy=parameter_server: expected an integer >= 1"),
         ({"ps": 1}, "ps=1 is invalid with strategy=one_device: expected 0 (parameter servers serve only"),
         ({"strategy": "multi_worker_mirrored", "ps": 2}, "ps=2 is invalid with strategy=multi_worker_mirrored"),

@@ -1,4 +1,5 @@
-"""Every strategy through the real DAG (Airflow dag.test, replicas on 127.0.0.1, MLflow)."""
+"""Every strategy through the real DAG (Airflow dag.test, replicas on 127.0.0.1, MLflow); the
+learning-rate schedule they share."""
 
 from __future__ import annotations
 
@@ -6,13 +7,19 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import hetflow, listening
+from conftest import full_log, hetflow, listening
 
-pytestmark = pytest.mark.slow
+from tasks.spec import parse_spec
 
 CASES = {
     "mirrored": ["strategy=mirrored", "devices_per_worker=2"],
-    "multi_worker_mirrored": ["strategy=multi_worker_mirrored", "workers=2", "lr_scaling=linear", "warmup_epochs=1"],
+    "multi_worker_mirrored": [
+        "strategy=multi_worker_mirrored",
+        "workers=2",
+        "lr_scaling=linear",
+        "lr_reference_batch=16",
+        "warmup_epochs=1",
+    ],
     "parameter_server": ["strategy=parameter_server", "workers=2", "ps=2"],
     "model_parallel": ["strategy=model_parallel", "devices_per_worker=2"],
 }
@@ -25,6 +32,7 @@ def client(hetflow_env):
     return MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(CASES))
 def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
     from tasks.cluster.local import run_processes
@@ -58,14 +66,81 @@ def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
         lr = [
             m.value for m in sorted(client.get_metric_history(run.info.run_id, "learning_rate"), key=lambda m: m.step)
         ]
-        assert lr[0] == pytest.approx(0.001) and lr[1:] == pytest.approx([0.002] * 5)  # 2 replicas, 1 warmup epoch
+        # Global batch 32, twice the reference 16: the rate doubles over 1 warmup epoch.
+        assert lr[0] == pytest.approx(0.001) and lr[1:] == pytest.approx([0.002] * 5)
     if strategy == "parameter_server":
         assert workers == ["worker-0", "worker-1"]
-        assert run.data.metrics["staleness_max"] >= run.data.metrics["staleness_mean"] >= 0
+        # Two workers update concurrently: some gradients are computed on parameters the other changed.
+        assert run.data.metrics["staleness_max"] >= run.data.metrics["staleness_mean"] > 0
         histogram = client.get_metric_history(run.info.run_id, "staleness_updates")
         assert sum(m.value for m in histogram) == training["epochs"] * training["steps_per_epoch"]
         assert "plots/staleness.png" in artifacts
-        assert "[ps-1]" in done.stdout and "[chief-0] Epoch 6/6" in done.stdout
+        assert "[ps-1]" in full_log(done) and "[chief-0] Epoch 6/6" in done.stdout
 
     assert run_processes(summary["run_id"]) == []
     assert not any(listening(r["address"]) for r in cluster["replicas"])
+
+
+GOYAL = {"learning_rate": 0.1, "lr_scaling": "linear", "lr_reference_batch": 256, "batch_size": 1024, "epochs": 4}
+
+
+def test_linear_scaling_multiplies_the_base_rate_by_global_over_reference_batch():
+    from tasks.strategies.common import TrainingClock, learning_rate, training_record
+
+    spec = parse_spec({**GOYAL, "strategy": "multi_worker_mirrored", "workers": 2, "warmup_epochs": 2})
+    schedule, per_epoch = learning_rate(spec, 10)
+    # 0.1 tuned for 256 examples, 1024 per update: 0.4, reached linearly over 2 epochs of 10 steps.
+    assert [float(schedule(step)) for step in (0, 5, 10, 20, 1000)] == pytest.approx([0.1, 0.175, 0.25, 0.4, 0.4])
+    assert per_epoch == pytest.approx([0.1, 0.25, 0.4, 0.4])
+    record = training_record(
+        spec,
+        steps=10,
+        replicas_in_sync=2,
+        history={},
+        lr_per_epoch=per_epoch,
+        clock=TrainingClock(),
+        train_seconds=1.0,
+        per_worker={},
+    )
+    assert record["learning_rate_schedule"] == {
+        "scaling": "linear",
+        "base": 0.1,
+        "reference_batch": 256,
+        "global_batch": 1024,
+        "peak": pytest.approx(0.4),
+        "warmup_steps": 20,
+    }
+
+
+@pytest.mark.parametrize(("global_batch", "peak"), [(128, 0.05), (256, 0.1), (512, 0.2), (1024, 0.4)])
+def test_the_rate_is_proportional_to_the_global_batch(global_batch, peak):
+    from tasks.strategies.common import learning_rate
+
+    spec = parse_spec({**GOYAL, "strategy": "multi_worker_mirrored", "workers": 2, "batch_size": global_batch})
+    assert learning_rate(spec, 10)[1] == pytest.approx([peak] * 4)
+
+
+@pytest.mark.parametrize(
+    "cluster",
+    [
+        {"strategy": "one_device"},
+        {"strategy": "mirrored", "devices_per_worker": 2},
+        {"strategy": "multi_worker_mirrored", "workers": 4},
+        {"strategy": "parameter_server", "workers": 3, "ps": 1},
+    ],
+)
+def test_replicas_sharing_the_same_global_batch_get_the_same_rate(cluster):
+    from tasks.strategies.common import learning_rate
+
+    spec = parse_spec({**GOYAL, **cluster})
+    schedule, per_epoch = learning_rate(spec, 10)
+    assert float(schedule(0)) == pytest.approx(0.4) and per_epoch == pytest.approx([0.4] * 4)
+
+
+def test_without_scaling_the_rate_is_the_base_rate_whatever_the_batch():
+    from tasks.strategies.common import learning_rate, learning_rate_plan
+
+    spec = parse_spec({**GOYAL, "lr_scaling": "none", "warmup_epochs": 1})
+    assert learning_rate(spec, 10)[1] == pytest.approx([0.1] * 4)
+    plan = learning_rate_plan(spec, 10)
+    assert (plan["base"], plan["peak"], plan["reference_batch"], plan["warmup_steps"]) == (0.1, 0.1, None, 10)

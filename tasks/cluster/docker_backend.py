@@ -8,33 +8,36 @@ published ports keeps them unreachable from outside the run. Every container and
 the run's labels, so teardown finds them by run id whatever started them.
 
 The configs are built by pure functions (``network_config``, ``container_config``) and passed to
-the Docker SDK as they are; ``DockerCluster`` only starts, watches and stops.
+the Docker SDK as they are; ``DockerReplicas`` only starts, inspects and stops containers for the
+one supervisor (``tasks.cluster.supervisor``). A worker's slowdown is a CPU quota on its container.
 
-HETFLOW_HOME is bind-mounted at the same path, so the supervisor and the Docker engine must share
-a filesystem (the engine runs on the Airflow worker's host, or the compose stack's volume).
+A replica mounts its run directory (read-write) and the prepared data (read-only) at the same paths
+as on the supervisor, so the supervisor and the Docker engine must share a filesystem (the engine
+runs on the Airflow worker's host, or the compose stack's volume). Nothing else of HETFLOW_HOME is
+visible to it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import docker  # the Docker SDK (its docker.errors comes with it)
 
 from tasks.cluster.containers import (
     STOP_GRACE_SECONDS,
-    ReplicaState,
-    pump_lines,
+    lines_to_file,
+    replica_cpus,
     replica_environment,
     replica_gpus,
-    supervise,
 )
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
-from tasks.paths import hetflow_home
+from tasks.cluster.local import core_assignment
+from tasks.cluster.supervisor import ReplicaState
+from tasks.paths import data_dir, hetflow_home
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -67,19 +70,29 @@ def network_config(run_id: str) -> dict:
 
 
 def container_config(
-    layout: ClusterLayout, replica: Replica, spec: RunSpec, home: Path, run_dir: Path, user: str, launched_at: float
+    layout: ClusterLayout,
+    replica: Replica,
+    spec: RunSpec,
+    home: Path,
+    run_dir: Path,
+    user: str,
+    launched_at: float,
+    probe: bool = False,
 ) -> dict:
     """Keyword arguments of ``client.containers.run`` for one replica.
 
-    :param home: HETFLOW_HOME, bind-mounted at the same path.
+    :param home: HETFLOW_HOME; the run directory and the data dir under it are mounted at the
+        same paths.
     :param run_dir: the run directory (under ``home``).
     :param user: ``uid:gid`` the replica runs as: the supervisor's own, so that what the replica
         writes into the bind mount belongs to the user who reads it next.
     :param launched_at: when the supervisor launched the run (for time to first step).
+    :param probe: run the worker's speed probe instead of training.
     """
+    prepared = data_dir(home)
     config = {
         "image": spec.image,
-        "command": ["--run-dir", str(run_dir)],
+        "command": ["--run-dir", str(run_dir), *(["--probe"] if probe else [])],
         "name": replica.host,
         "hostname": replica.host,
         "user": user,
@@ -88,16 +101,19 @@ def container_config(
         "environment": {**replica_environment(layout, replica, home, launched_at), "HOME": "/tmp"},
         "labels": {**run_labels(layout.run_id), LABEL_ROLE: replica.role, LABEL_INDEX: str(replica.index)},
         "network": network_name(layout.run_id),
-        "volumes": {str(home): {"bind": str(home), "mode": "rw"}},
-        "restart_policy": (
-            {"Name": "on-failure", "MaximumRetryCount": spec.backoff_limit}
-            if spec.restart_policy == "on_failure"
-            else {"Name": "no"}
-        ),
+        "volumes": {
+            str(run_dir): {"bind": str(run_dir), "mode": "rw"},
+            str(prepared): {"bind": str(prepared), "mode": "ro"},
+        },
+        # The supervisor restarts replicas (restart_policy), as on every backend.
+        "restart_policy": {"Name": "no"},
         "detach": True,
     }
-    if spec.replica_cpus:
-        config["nano_cpus"] = round(spec.replica_cpus * 1e9)
+    cpus = replica_cpus(spec, replica)
+    if cpus:
+        config["nano_cpus"] = round(cpus * 1e9)
+    if spec.pin_cores:
+        config["cpuset_cpus"] = str(core_assignment(layout)[replica.name])
     if spec.replica_memory_mb:
         config["mem_limit"] = f"{spec.replica_memory_mb}m"
     gpus = replica_gpus(spec, replica)
@@ -110,80 +126,150 @@ def replica_state(attrs: dict) -> ReplicaState:
     """A container's state, from its ``docker inspect`` attributes."""
     state = attrs["State"]
     finished = state["Status"] in ("exited", "dead")
-    return ReplicaState(exit_code=state["ExitCode"] if finished else None, restarts=attrs.get("RestartCount", 0))
+    return ReplicaState(exit_code=state["ExitCode"] if finished else None)
 
 
-class DockerCluster:
-    """Starts, watches and stops the containers of one run; the same interface as LocalCluster."""
+class DockerReplicas:
+    """The docker backend's side of the supervision (``supervisor.Replicas``): creates, inspects
+    and stops the containers of one run.
 
-    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, logs_dir: Path, client=None):
+    :param probe: run the workers' speed probe instead of training (logs ``probe-<name>.log``).
+    """
+
+    restarts_in_place = False
+
+    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, probe: bool = False, client=None):
         self.layout = layout
         self.spec = spec
         self.run_dir = run_dir
-        self.logs_dir = logs_dir
+        self.logs_dir = run_dir / "logs"
+        self.probe = probe
         self.client = client or docker.from_env()
-        self.containers: dict[str, object] = {}
-        self._tails: dict[str, deque[str]] = {r.name: deque(maxlen=20) for r in layout.replicas}
-        self._pumps: list[threading.Thread] = []
 
-    def start(self) -> None:
+    def provision(self) -> None:
+        """The run's network and every replica's container, started."""
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.client.networks.create(**network_config(self.layout.run_id))
+        self.start(self.layout.replicas)
+
+    def start(self, replicas) -> None:
         user = f"{os.getuid()}:{os.getgid()}"
         launched_at = time.time()
-        for replica in self.layout.replicas:
-            config = container_config(self.layout, replica, self.spec, hetflow_home(), self.run_dir, user, launched_at)
+        for replica in replicas:
+            config = container_config(
+                self.layout, replica, self.spec, hetflow_home(), self.run_dir, user, launched_at, self.probe
+            )
+            try:  # a restart: the container that exited gives way to a new one of the same name
+                self.client.containers.get(config["name"]).remove(force=True)
+            except docker.errors.NotFound:
+                pass
             container = self.client.containers.run(**config)
-            self.containers[replica.name] = container
-            pump = threading.Thread(target=self._pump, args=(replica.name, container), daemon=True)
-            pump.start()
-            self._pumps.append(pump)
-            log.info("started %s (container %s) at %s", replica.name, container.short_id, replica.address)
+            limits = [f"{config['nano_cpus'] / 1e9:g} CPUs"] if "nano_cpus" in config else []
+            limits += [f"cpuset {config['cpuset_cpus']}"] if "cpuset_cpus" in config else []
+            log.info(
+                "started %s (container %s) at %s%s",
+                replica.name,
+                container.short_id,
+                replica.address,
+                f", {', '.join(limits)}" if limits else "",
+            )
 
-    def _pump(self, name: str, container) -> None:
-        try:
-            pump_lines(name, container.logs(stream=True, follow=True), self.logs_dir / f"{name}.log", self._tails[name])
-        except docker.errors.NotFound:  # removed by a stop while streaming: its output is in the file
-            pass
+    def attach(self) -> None:
+        """Containers do not depend on their supervisor: teardown ends them."""
 
-    def _poll(self) -> dict[str, ReplicaState]:
-        states = {}
-        for name, container in self.containers.items():
-            container.reload()
-            states[name] = replica_state(container.attrs)
-        return states
+    def detach(self) -> None:
+        pass
 
-    def _stop(self, names: tuple[str, ...]) -> None:
-        for name in names:
+    def poll(self) -> dict[str, ReplicaState]:
+        found = {
+            f"{c.labels[LABEL_ROLE]}-{c.labels[LABEL_INDEX]}": replica_state(c.attrs)
+            for c in self.client.containers.list(all=True, filters=run_filter(self.layout.run_id))
+        }
+        # A container removed by someone else is gone with its exit code: count it as failed.
+        return {r.name: found.get(r.name, ReplicaState(-1)) for r in self.layout.replicas}
+
+    def stop(self, names) -> None:
+        """Stop the containers all at once (SIGTERM, SIGKILL after the grace period)."""
+
+        def stop_one(name: str) -> None:
             try:
-                self.containers[name].stop(timeout=STOP_GRACE_SECONDS)
+                self.client.containers.get(container_name(self.layout.run_id, name)).stop(timeout=STOP_GRACE_SECONDS)
             except docker.errors.NotFound:
                 pass
 
-    def wait(self, timeout: float) -> dict[str, int]:
-        """Block until every training replica has exited 0 (then stop the servers); raise
-        ReplicaFailed on a failed replica or a timeout, as the local backend does."""
-        try:
-            return supervise(self.layout, self.spec, self._poll, self._stop, self._tails, timeout)
-        finally:
-            for pump in self._pumps:
-                pump.join(timeout=5)
+        with ThreadPoolExecutor(max_workers=max(1, len(names))) as pool:
+            list(pool.map(stop_one, names))
 
-    def stop(self) -> None:
-        teardown_run(self.layout.run_id, self.client)
+    def lines(self, name: str, since: float):
+        """The container's output since it started (a restart is a new container), until it
+        ends; kept in ``logs/<name>.log``."""
+        try:
+            container = self.client.containers.get(container_name(self.layout.run_id, name))
+            stream = container.logs(stream=True, follow=True)
+            log_path = self.logs_dir / f"{'probe-' if self.probe else ''}{name}.log"
+            yield from lines_to_file(stream, log_path)
+        except docker.errors.NotFound:  # removed while streaming: its output is in the file
+            return
+
+
+def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
+    """What would stop the run's containers from starting, one line each, found before anything
+    starts: no engine, no image, the run's names already taken, limits the host cannot give."""
+    try:
+        client = client or docker.from_env()
+        info = client.info()
+    except docker.errors.DockerException as error:
+        reason = str(error).splitlines()[0][:200]
+        return [f"backend=docker: no Docker engine answers ({reason}); start one (make engine) or use backend=local"]
+    problems = []
+    try:
+        client.images.get(spec.image)
+    except docker.errors.ImageNotFound:
+        problems.append(
+            f"image={spec.image} is not on the Docker engine: build it (make image) or pull it, "
+            "or set image to one that is"
+        )
+    taken = client.containers.list(all=True, filters=run_filter(run_id)) + client.networks.list(
+        filters=run_filter(run_id)
+    )
+    if taken:
+        problems.append(
+            f"run {run_id} already has containers or a network on the Docker engine "
+            f"({', '.join(sorted(item.name for item in taken))}): a run with this id is running or was not "
+            "torn down; use another run id, or tear it down"
+        )
+    if spec.replica_cpus > info["NCPU"]:
+        problems.append(f"replica_cpus={spec.replica_cpus:g} is invalid: the Docker host has {info['NCPU']} CPUs")
+    host_mb = info["MemTotal"] // 2**20
+    if spec.replica_memory_mb > host_mb:
+        problems.append(f"replica_memory_mb={spec.replica_memory_mb} is invalid: the Docker host has {host_mb} MiB")
+    if spec.request_gpus and "nvidia" not in info.get("Runtimes", {}):
+        problems.append(
+            "request_gpus=true is invalid: the Docker engine has no nvidia runtime (install the NVIDIA Container "
+            "Toolkit) or set request_gpus=false"
+        )
+    return problems
+
+
+def run_filter(run_id: str) -> dict:
+    return {"label": f"{LABEL_RUN}={run_slug(run_id)}"}
 
 
 def teardown_run(run_id: str, client=None) -> list[str]:
-    """Stop and remove every container of the run and its network, found by label. Returns the
-    names of the containers removed."""
+    """Remove every container of the run and its network, found by label; nothing is left to save,
+    so running containers are killed, all at once. Returns the names of the containers removed."""
     client = client or docker.from_env()
-    selector = {"label": f"{LABEL_RUN}={run_slug(run_id)}"}
-    removed = []
-    for container in client.containers.list(all=True, filters=selector):
-        if container.status in ("running", "restarting", "paused"):
-            container.stop(timeout=STOP_GRACE_SECONDS)
-        container.remove(force=True)
-        removed.append(container.name)
+    selector = run_filter(run_id)
+    containers = client.containers.list(all=True, filters=selector)
+
+    def remove(container) -> None:
+        try:
+            container.remove(force=True)
+        except docker.errors.NotFound:  # removed meanwhile (a concurrent teardown)
+            pass
+
+    with ThreadPoolExecutor(max_workers=max(1, len(containers))) as pool:
+        list(pool.map(remove, containers))
     for network in client.networks.list(filters=selector):
         network.remove()
-    return removed
+    return [c.name for c in containers]

@@ -8,19 +8,18 @@ collector delete everything of the run, whoever deletes it. Each pod sets ``host
 of pods that are not ready yet, since TensorFlow resolves its peers while they all start.
 
 The manifests are built by pure functions (``run_configmap``, ``headless_service``,
-``replica_pod``, ``tfjob_manifest``) and sent as they are; ``KubernetesCluster`` only creates,
-watches and deletes. Every pod mounts the PersistentVolumeClaim ``kubernetes_volume_claim`` at
-HETFLOW_HOME's path, so the run directory is shared with the supervisor (which must mount it at the
-same path).
+``replica_pod``, ``tfjob_manifest``) and sent as they are; ``KubernetesReplicas`` only creates,
+inspects and deletes for the one supervisor (``tasks.cluster.supervisor``); the kubelet restarts a
+failed container in its pod (restartPolicy), and the supervisor counts those restarts. Every pod
+mounts the PersistentVolumeClaim ``kubernetes_volume_claim`` at HETFLOW_HOME's path, so the run
+directory is shared with the supervisor (which must mount it at the same path).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
-from collections import deque
 from pathlib import Path
 
 import kubernetes.client
@@ -30,13 +29,13 @@ from kubernetes.client.exceptions import ApiException
 
 from tasks.cluster.containers import (
     STOP_GRACE_SECONDS,
-    ReplicaState,
-    pump_lines,
+    lines_to_file,
+    replica_cpus,
     replica_environment,
     replica_gpus,
-    supervise,
 )
 from tasks.cluster.layout import SERVICE_PORT, ClusterLayout, Replica, plan_named_cluster, run_slug
+from tasks.cluster.supervisor import ReplicaState
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -113,8 +112,9 @@ def headless_service(layout: ClusterLayout, namespace: str, owner: dict) -> dict
 
 def _resources(spec: RunSpec, replica: Replica) -> dict:
     limits = {}
-    if spec.replica_cpus:
-        limits["cpu"] = f"{round(spec.replica_cpus * 1000)}m"
+    cpus = replica_cpus(spec, replica)
+    if cpus:
+        limits["cpu"] = f"{round(cpus * 1000)}m"
     if spec.replica_memory_mb:
         limits["memory"] = f"{spec.replica_memory_mb}Mi"
     gpus = replica_gpus(spec, replica)
@@ -243,42 +243,45 @@ def load_client_config() -> None:
         kubernetes.config.load_incluster_config()
 
 
-class KubernetesCluster:
-    """Creates, watches and deletes the pods of one run; the same interface as LocalCluster."""
+class KubernetesReplicas:
+    """The kubernetes backend's side of the supervision (``supervisor.Replicas``): creates,
+    inspects and deletes the pods of one run."""
 
-    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, logs_dir: Path, core=None):
+    restarts_in_place = True
+
+    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, core=None):
         self.layout = layout
         self.spec = spec
         self.namespace = spec.kubernetes_namespace
         self.run_dir = run_dir
-        self.logs_dir = logs_dir
+        self.logs_dir = run_dir / "logs"
         if core is None:
             load_client_config()
         self.core = core or kubernetes.client.CoreV1Api()
-        self._tails: dict[str, deque[str]] = {r.name: deque(maxlen=20) for r in layout.replicas}
-        self._pumps: list[threading.Thread] = []
+        self._owner = None
 
-    def start(self) -> None:
+    def provision(self) -> None:
+        """The run's ConfigMap, its headless service and every replica's pod."""
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         # For clusters with the training operator: the same run, to `kubectl apply` instead.
         (self.run_dir / "tfjob.yaml").write_text(yaml.safe_dump(tfjob_manifest(self.layout, self.spec, self.run_dir)))
         run = self.core.create_namespaced_config_map(
             self.namespace, run_configmap(self.layout, self.spec, self.namespace)
         )
-        owner = owner_reference(run.metadata.name, run.metadata.uid)
-        self.core.create_namespaced_service(self.namespace, headless_service(self.layout, self.namespace, owner))
-        launched_at = time.time()
-        for replica in self.layout.replicas:
-            pod = replica_pod(self.layout, replica, self.spec, self.run_dir, owner, launched_at)
-            self.core.create_namespaced_pod(self.namespace, pod)
-            name = pod["metadata"]["name"]
-            pump = threading.Thread(target=self._pump, args=(replica.name, name), daemon=True)
-            pump.start()
-            self._pumps.append(pump)
-            log.info("created %s (pod %s) at %s", replica.name, name, replica.address)
+        self._owner = owner_reference(run.metadata.name, run.metadata.uid)
+        self.core.create_namespaced_service(self.namespace, headless_service(self.layout, self.namespace, self._owner))
+        self.start(self.layout.replicas)
 
-    def _pump(self, name: str, pod: str) -> None:
+    def start(self, replicas) -> None:
+        launched_at = time.time()
+        for replica in replicas:
+            pod = replica_pod(self.layout, replica, self.spec, self.run_dir, self._owner, launched_at)
+            self.core.create_namespaced_pod(self.namespace, pod)
+            log.info("created %s (pod %s) at %s", replica.name, pod["metadata"]["name"], replica.address)
+
+    def lines(self, name: str, since: float):
         """Follow the pod's log once its container has started (the API refuses before)."""
+        pod = pod_name(self.layout.run_id, name)
         while True:
             try:
                 phase = self.core.read_namespaced_pod(pod, self.namespace).status.phase
@@ -289,11 +292,17 @@ class KubernetesCluster:
             time.sleep(1)
         try:
             stream = self.core.read_namespaced_pod_log(pod, self.namespace, follow=True, _preload_content=False)
-            pump_lines(name, stream.stream(), self.logs_dir / f"{name}.log", self._tails[name])
+            yield from lines_to_file(stream.stream(), self.logs_dir / f"{name}.log")
         except ApiException:  # deleted while streaming: its output is in the file
-            pass
+            return
 
-    def _poll(self) -> dict[str, ReplicaState]:
+    def attach(self) -> None:
+        """Pods do not depend on their supervisor: teardown and their activeDeadlineSeconds end them."""
+
+    def detach(self) -> None:
+        pass
+
+    def poll(self) -> dict[str, ReplicaState]:
         pods = self.core.list_namespaced_pod(
             self.namespace, label_selector=f"{LABEL_RUN}={run_slug(self.layout.run_id)}"
         )
@@ -303,7 +312,7 @@ class KubernetesCluster:
             r.name: pod_state(by_name[r.name]) if r.name in by_name else ReplicaState(-1) for r in self.layout.replicas
         }
 
-    def _stop(self, names: tuple[str, ...]) -> None:
+    def stop(self, names) -> None:
         for name in names:
             try:
                 self.core.delete_namespaced_pod(
@@ -312,18 +321,6 @@ class KubernetesCluster:
             except ApiException as error:
                 if error.status != 404:
                     raise
-
-    def wait(self, timeout: float) -> dict[str, int]:
-        """Block until every training replica has exited 0 (then delete the ps and other server
-        pods); raise ReplicaFailed on a failed replica or a timeout, as the local backend does."""
-        try:
-            return supervise(self.layout, self.spec, self._poll, self._stop, self._tails, timeout)
-        finally:
-            for pump in self._pumps:
-                pump.join(timeout=5)
-
-    def stop(self) -> None:
-        teardown_run(self.layout.run_id, self.namespace, self.core)
 
 
 def teardown_run(run_id: str, namespace: str, core=None) -> list[str]:

@@ -1,16 +1,16 @@
-"""Local backend: every replica is a subprocess on 127.0.0.1.
+"""Local backend: every replica is a process on 127.0.0.1.
 
 Each replica runs ``python -m tasks.replica`` with its own ``TF_CONFIG`` and ``HETFLOW_RUN_ID``,
-in its own process group (so teardown can end it with everything it started), and dies with the
-process that started it (Linux parent-death signal), so a killed supervisor leaves no orphan.
-Its output goes line by line to the supervisor's log, prefixed by the replica's name, and to
-``logs/<role>-<index>.log`` in the run directory.
+in its own process group, under a keeper (``tasks.cluster.keeper``) that provisioning starts in a
+session of its own: the replicas outlive the provisioning task and die when the supervising task
+does. Their output goes to ``logs/<role>-<index>.log`` in the run directory; teardown finds every
+process of a run by the run id in its environment.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -20,33 +20,17 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from tasks.cluster.layout import ClusterLayout, Replica, free_local_port
+from tasks.cluster.supervisor import ReplicaFailed, ReplicaState
 from tasks.paths import REPO_ROOT, RunPaths
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
 
 RUN_ID_ENV = "HETFLOW_RUN_ID"
-_PR_SET_PDEATHSIG = 1
-_TERM_GRACE_SECONDS = 10.0
-
-
-class ReplicaFailed(RuntimeError):
-    pass
-
-
-def _replica_preexec(core: int | None):
-    """Runs in the child before exec: die with the supervisor; optionally stay on one core."""
-
-    def preexec() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if core is not None:
-            os.sched_setaffinity(0, {core})
-
-    return preexec
+TERM_GRACE_SECONDS = 10.0
 
 
 def core_assignment(layout: ClusterLayout) -> dict[str, int]:
@@ -94,7 +78,7 @@ class Throttle(threading.Thread):
         while True:
             if self._wait_until(continued_at + running_phase):
                 break
-            if not _signal_group(self.pid, signal.SIGSTOP):
+            if not signal_group(self.pid, signal.SIGSTOP):
                 return
             stopped_at = time.monotonic()
             # Resume at that moment, so a late SIGSTOP lengthens the stop to match: this thread
@@ -106,10 +90,10 @@ class Throttle(threading.Thread):
             even_at = min(max(even_at, stopped_at), stopped_at + self.MAX_STOP_PERIODS * self.PERIOD_SECONDS)
             stop_requested = self._wait_until(even_at)
             continued_at = time.monotonic()  # before the call: the replica runs before kill() returns
-            _signal_group(self.pid, signal.SIGCONT)
+            signal_group(self.pid, signal.SIGCONT)
             if stop_requested:
                 break
-        _signal_group(self.pid, signal.SIGCONT)
+        signal_group(self.pid, signal.SIGCONT)
 
     def _wait_until(self, deadline: float) -> bool:
         """Sleeps until ``deadline`` (monotonic); True when stop() was called meanwhile."""
@@ -131,43 +115,39 @@ def port_taken(port: int) -> bool:
     return False
 
 
-def restartable(policy: str, exit_code: int) -> bool:
-    """Whether restart_policy restarts a replica that exited with ``exit_code`` (TFJob's policies):
-    ``exit_code`` restarts only what was killed by a signal (negative here, or 128+N from a shell),
-    taking codes 1-127 for errors a restart would repeat."""
-    if policy == "on_failure":
-        return True
-    return policy == "exit_code" and (exit_code < 0 or exit_code > 128)
+class LocalReplicas:
+    """The local backend's side of the supervision (``supervisor.Replicas``): starts each replica
+    under a keeper (``tasks.cluster.keeper``), reads how it ended, stops it.
 
+    :param probe: run the workers' speed probe (``tasks.replica --probe``) instead of training;
+        their logs are ``logs/probe-<name>.log``.
+    """
 
-class LocalCluster:
-    """Starts, watches and stops the replicas of one run."""
+    restarts_in_place = False
 
-    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, logs_dir: Path, probe: bool = False):
-        """``probe``: start the workers to measure their speed alone (``tasks.replica --probe``)."""
+    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, probe: bool = False):
         self.layout = layout
-        self.probe = probe
         self.spec = spec
         self.run_dir = run_dir
-        self.logs_dir = logs_dir
+        self.paths = RunPaths(run_dir)
+        self.probe = probe
         self.cores = core_assignment(layout) if spec.pin_cores else {}
         self.gpus = visible_gpus(layout, spec)
-        self.throttles: list[Throttle] = []
-        self.restarts: list[dict] = []
-        self._started_at = time.monotonic()
-        self.processes: dict[str, subprocess.Popen] = {}
-        self._tails: dict[str, deque[str]] = {}
-        self._pumps: list[threading.Thread] = []
+        self._offsets: dict[str, int] = {}
+        self._lease = None
 
-    def start(self) -> None:
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
+    def log_path(self, name: str) -> Path:
+        return self.paths.logs / f"{'probe-' if self.probe else ''}{name}.log"
+
+    def provision(self) -> None:
+        """Start every replica, on ports still free."""
+        self.paths.logs.mkdir(parents=True, exist_ok=True)
+        self.paths.replicas.mkdir(parents=True, exist_ok=True)
         self._move_off_taken_ports()
-
-        for replica in self.layout.replicas:
-            self._start_replica(replica)
+        self.start(self.layout.replicas)
 
     def _move_off_taken_ports(self) -> None:
-        """Ports were picked free at provisioning; whatever took one since, the replica moves to
+        """Ports were picked free at planning; whatever took one since, the replica moves to
         another (and every TF_CONFIG with it, as they name each other)."""
         replicas = []
         for replica in self.layout.replicas:
@@ -179,9 +159,25 @@ class LocalCluster:
             replicas.append(replica)
         if tuple(replicas) != self.layout.replicas:
             self.layout = ClusterLayout(self.layout.run_id, tuple(replicas))
-            RunPaths(self.run_dir).cluster.write_text(json.dumps(self.layout.to_dict(), indent=2))
+            self.paths.cluster.write_text(json.dumps(self.layout.to_dict(), indent=2))
 
-    def _start_replica(self, replica: Replica) -> None:
+    def start(self, replicas) -> None:
+        for replica in replicas:
+            self._start_keeper(replica)
+
+    def _start_keeper(self, replica: Replica) -> None:
+        from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, exit_path
+
+        exit_path(self.run_dir, replica.name).unlink(missing_ok=True)
+        log_path = self.log_path(replica.name)
+        self._offsets[replica.name] = log_path.stat().st_size if log_path.exists() else 0
+        slowdown = self.spec.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
+        deadline = time.time() + ATTACH_TIMEOUT_SECONDS + self.spec.train_timeout_seconds
+        command = [sys.executable, "-m", "tasks.cluster.keeper", "--run-dir", str(self.run_dir)]
+        command += ["--name", replica.name, "--log-name", log_path.stem, "--deadline", repr(deadline)]
+        command += ["--slowdown", repr(slowdown), *(["--probe"] if self.probe else [])]
+        if replica.name in self.cores:
+            command += ["--core", str(self.cores[replica.name])]
         env = {
             **os.environ,
             "TF_CONFIG": self.layout.tf_config(replica),
@@ -190,163 +186,134 @@ class LocalCluster:
             "PYTHONUNBUFFERED": "1",
             "CUDA_VISIBLE_DEVICES": self.gpus[replica.name],
         }
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tasks.replica",
-                "--run-dir",
-                str(self.run_dir),
-                *(["--probe"] if self.probe else []),
-            ],
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_replica_preexec(self.cores.get(replica.name)),
-        )
-        self.processes[replica.name] = process
-        self._tails[replica.name] = deque(maxlen=20)
-        pump = threading.Thread(target=self._pump, args=(replica.name, process), daemon=True)
-        pump.start()
-        self._pumps.append(pump)
+        with open(log_path, "ab") as keeper_errors:  # what the keeper itself says, if anything
+            keeper = subprocess.Popen(
+                command,
+                cwd=REPO_ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=keeper_errors,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # outlives this process: the next task supervises it
+            )
+        self._pid_path(replica.name).write_text(str(keeper.pid))
         notes = []
         if replica.name in self.cores:
             notes.append(f"pinned to core {self.cores[replica.name]}")
-        slowdown = self.spec.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
         if slowdown > 1:
-            throttle = Throttle(process.pid, slowdown)
-            throttle.start()
-            self.throttles.append(throttle)
             notes.append(f"throttled to 1/{slowdown:g} of the CPU time (simulated slower machine)")
         log.info(
-            "started %s (pid %d) at %s%s", replica.name, process.pid, replica.address, "".join(f", {n}" for n in notes)
+            "started %s (keeper pid %d) at %s%s",
+            replica.name,
+            keeper.pid,
+            replica.address,
+            "".join(f", {n}" for n in notes),
         )
 
-    def _pump(self, name: str, process: subprocess.Popen) -> None:
-        log_name = f"probe-{name}" if self.probe else name
-        # Appended: a restarted replica's output follows its previous attempt's.
-        with open(self.logs_dir / f"{log_name}.log", "a", encoding="utf-8") as log_file:
-            for raw in process.stdout:
-                line = raw.decode("utf-8", "replace").rstrip()
-                log_file.write(line + "\n")
-                log_file.flush()
-                self._tails[name].append(line)
-                log.info("[%s] %s", log_name, line)
+    def _pid_path(self, name: str) -> Path:
+        return self.paths.replicas / f"{'probe-' if self.probe else ''}{name}.pid"
 
-    def wait(self, timeout: float) -> dict[str, int]:
-        """Block until every training replica has exited 0, then stop the server replicas.
+    def _keeper(self, name: str) -> int:
+        return int(self._pid_path(name).read_text())
 
-        Raises, after stopping the rest, on the first replica that fails, on a server replica
-        that exits by itself, and when ``timeout`` seconds pass first.
-        """
-        serving = {r.name for r in self.layout.replicas if r.serves_until_stopped}
-        deadline = time.monotonic() + timeout
-        while True:
-            if time.monotonic() > deadline:
-                running = ", ".join(name for name, p in self.processes.items() if p.poll() is None)
-                self.stop()
-                self._drain()
-                raise ReplicaFailed(
-                    f"training timed out after {timeout:.0f} s (train_timeout_seconds); stopped {running}"
-                )
-            codes = {name: p.poll() for name, p in self.processes.items()}
-            failed = [name for name, code in codes.items() if code is not None and (code != 0 or name in serving)]
-            if failed:
-                name = failed[0]
-                tail = list(self._tails[name]) or ["(no output)"]
-                if restartable(self.spec.restart_policy, codes[name]) and len(self.restarts) < self.spec.backoff_limit:
-                    self._restart(name, codes[name], tail[-1])
+    def attach(self) -> None:
+        """Take the run's supervisor lease (see tasks.cluster.keeper): while this process holds
+        it the replicas run; when it ends, however it ends, its keepers kill them."""
+        from tasks.cluster.keeper import lease_path
+
+        self.paths.replicas.mkdir(parents=True, exist_ok=True)
+        self._lease = open(lease_path(self.run_dir), "a+")
+        try:
+            fcntl.flock(self._lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lease.close()
+            self._lease = None
+            raise ReplicaFailed(f"another process supervises the replicas of {self.run_dir} (it holds the lease)")
+
+    def detach(self) -> None:
+        if self._lease is not None:
+            self._lease.close()
+            self._lease = None
+
+    def poll(self) -> dict[str, ReplicaState]:
+        return {replica.name: self._state(replica.name) for replica in self.layout.replicas}
+
+    def _state(self, name: str) -> ReplicaState:
+        from tasks.cluster.keeper import exit_path
+
+        record = exit_path(self.run_dir, name)
+        if record.exists():
+            return ReplicaState(json.loads(record.read_text())["exit_code"])
+        if _running(self._keeper(name)):
+            return ReplicaState(None)
+        return ReplicaState(-signal.SIGKILL)  # the keeper was killed: its replica died with it
+
+    def stop(self, names) -> None:
+        """SIGTERM the keepers, which stop their replicas (SIGKILL after the grace period), all at
+        once; a keeper still there after the grace is killed."""
+        stop_process_groups([self._keeper(name) for name in names], grace=TERM_GRACE_SECONDS + 2)
+
+    def lines(self, name: str, since: float):
+        """Follow ``logs/<name>.log`` (the keeper writes it) from the replica's start, or from
+        its last restart when ``since`` is set, until the replica has ended."""
+        offset = self._offsets.get(name, 0) if since else 0
+        with open(self.log_path(name), "rb") as log_file:
+            log_file.seek(offset)
+            pending = b""
+            while True:
+                chunk = log_file.read()
+                if chunk:
+                    pending += chunk
+                    *complete, pending = pending.split(b"\n")
+                    for raw in complete:
+                        yield raw.decode("utf-8", "replace").rstrip()
                     continue
-                self.stop()
-                self._drain()
-                raise ReplicaFailed(f"replica {name} exited with code {codes[name]}; last output: {' | '.join(tail)}")
-            if all(codes[name] == 0 for name in codes if name not in serving):
-                self.stop()
-                self._drain()
-                return codes
-            time.sleep(0.2)
-
-    def _restart(self, name: str, exit_code: int, cause: str) -> None:
-        """restart_policy=on_failure. An async worker is restarted alone: the coordinator goes on with
-        the others and the worker rejoins on its address. Anything else restarts the whole group
-        (sync workers cannot go on without a peer; without its ps the chief fails): the replicas
-        resume from the last checkpoint."""
-        replica = next(r for r in self.layout.replicas if r.name == name)
-        alone = replica.serves_until_stopped and replica.role == "worker"
-        action = f"restarted {name}" if alone else "restarted every replica"
-        self.restarts.append(
-            {
-                "replica": name,
-                "exit_code": exit_code,
-                "cause": cause,
-                "action": action,
-                "after_seconds": time.monotonic() - self._started_at,
-            }
-        )
-        log.warning(
-            "%s exited with code %s (%s): %s (%d of backoff_limit %d)",
-            name,
-            exit_code,
-            cause,
-            action,
-            len(self.restarts),
-            self.spec.backoff_limit,
-        )
-        RunPaths(self.run_dir).restarts.write_text(json.dumps(self.restarts, indent=2))
-        if alone:
-            self._start_replica(replica)
-            return
-        self.stop()
-        self._drain()
-        self.start()
-
-    def _drain(self) -> None:
-        for pump in self._pumps:
-            pump.join(timeout=5)
-
-    def stop(self) -> None:
-        for throttle in self.throttles:  # a stopped process would not see SIGTERM
-            throttle.stop()
-        stop_process_groups([p.pid for p in self.processes.values()])
+                if self._state(name).exit_code is not None:
+                    if pending:
+                        yield pending.decode("utf-8", "replace").rstrip()
+                    return
+                time.sleep(0.2)
 
 
-def stop_process_groups(pids: list[int], grace: float = _TERM_GRACE_SECONDS) -> list[int]:
+def _running(pid: int) -> bool:
+    """Whether the process is alive: a zombie is not (a keeper started by another stage's process
+    stays one until that process exits), and a child of ours that exited is reaped here."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def stop_process_groups(pids: list[int], grace: float = TERM_GRACE_SECONDS) -> list[int]:
     """SIGTERM each process group, then SIGKILL what is left after ``grace`` seconds.
 
     The escalation is needed: a TF worker waiting for a peer ignores SIGTERM (TF's preemption
     handler catches it). Returns the pids that were still alive.
     """
-    alive = [pid for pid in pids if _signal_group(pid, signal.SIGTERM)]
+    alive = [pid for pid in pids if signal_group(pid, signal.SIGTERM)]
     deadline = time.monotonic() + grace
     while alive and time.monotonic() < deadline:
-        _reap(alive)
-        alive_now = [pid for pid in alive if _exists(pid)]
+        alive_now = [pid for pid in alive if _running(pid)]
         if not alive_now:
             break
         time.sleep(0.1)
     for pid in alive:
-        _signal_group(pid, signal.SIGKILL)
+        signal_group(pid, signal.SIGKILL)
     _reap(alive)
     return alive
 
 
-def _signal_group(pid: int, sig: int) -> bool:
+def signal_group(pid: int, sig: int) -> bool:
     try:
         os.killpg(pid, sig)
         return True
     except (ProcessLookupError, PermissionError):
         return False
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _reap(pids: list[int]) -> None:
@@ -380,11 +347,16 @@ def run_processes(run_id: str) -> list[int]:
 
 
 def run_replicas(run_id: str) -> dict[str, int]:
-    """Pid of each live replica of the run, by name (``worker-1``), read from its TF_CONFIG."""
+    """Pid of each live replica of the run (not its keeper), by name (``worker-1``), read from its
+    TF_CONFIG."""
     replicas = {}
     for pid, environ in _run_environments(run_id).items():
         config = next((e for e in environ if e.startswith(b"TF_CONFIG=")), None)
-        if config is not None:
+        try:
+            replica = b"tasks.replica" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if config is not None and replica:
             task = json.loads(config.split(b"=", 1)[1])["task"]
             replicas[f"{task['type']}-{task['index']}"] = pid
     return replicas
@@ -396,6 +368,6 @@ def teardown_run(run_id: str) -> list[int]:
     if pids:
         stop_process_groups(pids)
         for pid in pids:
-            if _exists(pid):
+            if _running(pid):
                 os.kill(pid, signal.SIGKILL)
     return pids

@@ -34,13 +34,33 @@ def train_input(
     training). Endless, so every worker yields the same number of batches per epoch
     (``steps_per_epoch`` decides where an epoch ends).
     """
-    examples = _load(dataset, "train").cache()
-    if shuffle:
-        examples = examples.shuffle(dataset["splits"]["train"], seed=seed, reshuffle_each_iteration=True)
-    examples = examples.repeat()
+    examples = _training_examples(dataset, shuffle, seed)
     if num_workers > 1:
         examples = examples.shard(num_workers, worker_index)
     return examples.batch(per_worker_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def train_slices(
+    dataset: dict[str, Any], *, start: int, end: int, global_batch: int, shuffle: bool, seed: int
+) -> tf.data.Dataset:
+    """Endless training batches of the examples ``start:end`` of each global batch.
+
+    For workers with unequal shares of the global batch (balanced sync): every worker shuffles with
+    the same seed, then keeps and batches only the examples at its positions, so the slices of the
+    workers' k-th batches, in order, are exactly the k-th batch of one worker with the global batch.
+    """
+    if not 0 <= start < end <= global_batch:  # an empty slice would make the filter below wait forever
+        raise ValueError(f"examples {start}:{end} are not a slice of a global batch of {global_batch}")
+    examples = _training_examples(dataset, shuffle, seed).enumerate()
+    mine = examples.filter(lambda position, _: (position % global_batch >= start) & (position % global_batch < end))
+    return mine.map(lambda _, example: example).batch(end - start, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+
+def _training_examples(dataset: dict[str, Any], shuffle: bool, seed: int) -> tf.data.Dataset:
+    examples = _load(dataset, "train").cache()
+    if shuffle:
+        examples = examples.shuffle(dataset["splits"]["train"], seed=seed, reshuffle_each_iteration=True)
+    return examples.repeat()
 
 
 def eval_input(

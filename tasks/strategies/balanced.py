@@ -3,10 +3,11 @@ each worker's measured speed (``balance_batches``, chosen by ``strategy=auto`` f
 
 With equal batches every step waits for the slowest worker. Here worker i takes a share b_i of
 each global batch B (b_i proportional to its probed examples/s, sum b_i = B), so all finish a step
-at about the same time. Every worker reads the same global batches (same seed) and keeps its own
-contiguous slice, so the slices of a step are exactly the global batch. Each worker's loss is its
-examples' summed loss divided by B, not by b_i; all-reduce sums the gradients, so the update is
-exactly the mean gradient over the global batch, as one replica with batch B would compute it.
+at about the same time. Every worker shuffles the examples in the same order (same seed) and
+batches only those at its own positions of each global batch (``train_slices``), so the slices of
+a step are exactly the global batch. Each worker's loss is its examples' summed loss divided by B,
+not by b_i; all-reduce sums the gradients, so the update is exactly the mean gradient over the
+global batch, as one replica with batch B would compute it.
 
 Validation is balanced the same way: each worker scores its share of the validation split and the
 sums are all-reduced, so every worker sees the same accuracy (and stops at the target together)
@@ -31,7 +32,7 @@ from typing import Any
 import tensorflow as tf
 
 from tasks.auto import split_batch
-from tasks.data.pipeline import eval_input, train_input
+from tasks.data.pipeline import eval_input, train_slices
 from tasks.models import build_model
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
@@ -93,7 +94,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     shares = worker_shares(spec, dataset, paths, task, sum_over_workers)
     offsets = [0, *itertools.accumulate(shares)]
     steps = steps_per_epoch(spec, dataset)
-    schedule, lr_per_epoch = learning_rate(spec, strategy.num_replicas_in_sync, steps)
+    schedule, lr_per_epoch = learning_rate(spec, steps)
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
         optimizer = make_optimizer(spec, schedule)
@@ -101,8 +102,9 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
 
     def worker_slice(context: tf.distribute.InputContext) -> tf.data.Dataset:
         start, end = offsets[context.input_pipeline_id], offsets[context.input_pipeline_id + 1]
-        global_batches = train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed)
-        return global_batches.map(lambda images, labels: (images[start:end], labels[start:end]))
+        return train_slices(
+            dataset, start=start, end=end, global_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed
+        )
 
     batches = iter(strategy.distribute_datasets_from_function(worker_slice))
 
@@ -161,6 +163,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
                 f"worker-{i}": {**worker_rate(share, total_steps, train_seconds), "batch": share}
                 for i, share in enumerate(shares)
             },
+            per_replica_batch=shares,
             balanced=True,
             worker_batches=shares,
         ),

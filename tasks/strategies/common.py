@@ -74,14 +74,31 @@ class WarmupLinearScaling(tf.keras.optimizers.schedules.LearningRateSchedule):
         return {"base": self.base, "peak": self.peak, "warmup_steps": self.warmup_steps}
 
 
-def learning_rate(spec: RunSpec, replicas_in_sync: int, steps: int) -> tuple[WarmupLinearScaling, list[float]]:
-    """The schedule, and its value at the start of each epoch (logged as the effective schedule).
+def learning_rate_plan(spec: RunSpec, steps: int) -> dict[str, Any]:
+    """The rates of the schedule, as recorded in training.json.
 
-    The linear scaling rule: a sync update averages ``replicas_in_sync`` replicas' gradients, so
-    it can take a step that many times larger; the warmup avoids the instability of starting there.
+    The linear scaling rule (Goyal et al. 2017): a rate tuned for a batch of ``lr_reference_batch``
+    examples is multiplied by ``batch_size / lr_reference_batch``, since an update on k times the
+    examples averages out the noise of k small ones; the warmup avoids the instability of
+    starting there. ``batch_size`` is each update's whole batch, so the number of replicas it is
+    split over plays no part.
     """
-    peak = spec.learning_rate * (replicas_in_sync if spec.lr_scaling == "linear" else 1)
-    schedule = WarmupLinearScaling(spec.learning_rate, peak, round(spec.warmup_epochs * steps))
+    linear = spec.lr_scaling == "linear"
+    return {
+        "scaling": spec.lr_scaling,
+        "base": spec.learning_rate,
+        "reference_batch": spec.lr_reference_batch if linear else None,
+        "global_batch": spec.batch_size,
+        "peak": spec.learning_rate * spec.batch_size / spec.lr_reference_batch if linear else spec.learning_rate,
+        "warmup_steps": round(spec.warmup_epochs * steps),
+    }
+
+
+def learning_rate(spec: RunSpec, steps: int) -> tuple[WarmupLinearScaling, list[float]]:
+    """The schedule, and its value at the start of each epoch (logged as the effective schedule).
+    The replica count plays no part (see ``learning_rate_plan``)."""
+    plan = learning_rate_plan(spec, steps)
+    schedule = WarmupLinearScaling(plan["base"], plan["peak"], plan["warmup_steps"])
     return schedule, [float(schedule(epoch * steps)) for epoch in range(spec.epochs)]
 
 
@@ -248,19 +265,22 @@ def training_record(
     train_seconds: float,
     per_worker: dict[str, dict[str, float]],
     measured_seconds: float | None = None,
+    per_replica_batch: int | list[int] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """training.json's content common to every strategy; throughput is measured over
-    ``measured_seconds`` (default: the whole training time)."""
+    ``measured_seconds`` (default: the whole training time); ``per_replica_batch`` defaults to
+    equal shares of the global batch (balanced sync gives each worker's)."""
     seconds = measured_seconds or train_seconds
     return {
         "strategy": spec.strategy,
         "replicas_in_sync": replicas_in_sync,
         "global_batch": spec.batch_size,
-        "per_replica_batch": spec.batch_size // replicas_in_sync,
+        "per_replica_batch": spec.batch_size // replicas_in_sync if per_replica_batch is None else per_replica_batch,
         "steps_per_epoch": steps,
         "epochs": spec.epochs,
         "history": history,
+        "learning_rate_schedule": learning_rate_plan(spec, steps),
         "learning_rate_per_epoch": lr_per_epoch,
         "train_seconds": train_seconds,
         **clock.record(),
@@ -289,7 +309,9 @@ def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], pa
     """
     plain = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
     # A checkpoint stores each variable whole, whatever its distribution, and restores by name.
-    with tempfile.TemporaryDirectory() as scratch:
+    # Each ps writes its own shards: the scratch dir is beside ``path`` in the run directory, which
+    # every replica sees (a container's /tmp is its own).
+    with tempfile.TemporaryDirectory(dir=Path(path).parent, prefix=".save-") as scratch:
         prefix = tf.train.Checkpoint(model=model).write(f"{scratch}/weights")
         tf.train.Checkpoint(model=plain).read(prefix).expect_partial().assert_existing_objects_matched()
         plain.save(path if chief else f"{scratch}/model.keras")

@@ -44,7 +44,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
     for device, layers in groups:
         print(f"{device}: {', '.join(layer.name for layer in layers)}", flush=True)
     steps = steps_per_epoch(spec, dataset)
-    schedule, lr_per_epoch = learning_rate(spec, 1, steps)
+    schedule, lr_per_epoch = learning_rate(spec, steps)
     optimizer = make_optimizer(spec, schedule)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

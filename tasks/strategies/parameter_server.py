@@ -73,9 +73,10 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
         ),
     )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    steps = steps_per_epoch(spec, dataset)
-    # Async: every update is one worker's batch_size examples; nothing is averaged across workers.
-    schedule, lr_per_epoch = learning_rate(spec, 1, steps)
+    closures_per_epoch = -(-steps_per_epoch(spec, dataset) // STEPS_PER_CLOSURE)  # ceil: at least the steps asked for
+    steps = closures_per_epoch * STEPS_PER_CLOSURE
+    # Async: every update is one worker's batch_size examples, the batch the scaling rule sees.
+    schedule, lr_per_epoch = learning_rate(spec, steps)
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
         optimizer = make_optimizer(spec, schedule)
@@ -93,15 +94,22 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
     worker_ids = _per_worker_ids(coordinator)
 
     def one_update(images, labels):
+        # Staleness = updates applied between reading the parameters and applying this gradient.
         read_at = updates_applied.read_value()
-        with tf.control_dependencies([read_at]):
+        with tf.control_dependencies([read_at]):  # the parameters are read after the counter
             with tf.GradientTape() as tape:
                 loss = tf.nn.compute_average_loss(loss_fn(labels, model(images, training=True)))
             gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        with tf.control_dependencies([optimizer.iterations]):
-            applied_at = updates_applied.assign_add(1)
-        return loss, applied_at - read_at - 1
+        # A tf.function orders ops on the same variable only, so the update of each parameter is
+        # waited for by an op on that parameter (run on its ps, nothing is fetched); only then
+        # is the counter increased. ResourceCountUpTo increments and returns the count before,
+        # atomically (a plain assign_add then read could include another worker's increment);
+        # its limit is never reached.
+        updated = [tf.raw_ops.VarIsInitializedOp(resource=v.handle) for v in model.trainable_variables]
+        with tf.control_dependencies(updated):
+            applied_at = tf.raw_ops.ResourceCountUpTo(resource=updates_applied.handle, limit=2**62, T=tf.int64)
+        return loss, applied_at - read_at
 
     @tf.function
     def run_closure(iterator, worker_id):
@@ -114,8 +122,6 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
             staleness = staleness.write(i, stale)
         return losses.stack(), staleness.stack(), tf.identity(worker_id)
 
-    closures_per_epoch = -(-steps // STEPS_PER_CLOSURE)  # ceil: at least the steps asked for
-    steps = closures_per_epoch * STEPS_PER_CLOSURE
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer, updates_applied=updates_applied)
     first_epoch = checkpoint.restore()

@@ -50,7 +50,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     strategy = make_strategy(spec)
     replicas = strategy.num_replicas_in_sync
     steps = steps_per_epoch(spec, dataset)
-    schedule, lr_per_epoch = learning_rate(spec, replicas, steps)
+    schedule, lr_per_epoch = learning_rate(spec, steps)
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
         compile_model(model, make_optimizer(spec, schedule))

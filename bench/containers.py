@@ -1,0 +1,199 @@
+"""``make bench``: what running the replicas in containers costs. The same 2-worker sync job
+(multi_worker_mirrored, the benchmark convnet on generated CIFAR-shaped data, one TensorFlow thread
+per worker, each worker on a core of its own) on ``backend=local`` and on ``backend=docker``; the
+two cases differ in the backend only.
+
+Figures per run, from the run's own files:
+- whole-job examples/s: examples trained / seconds from the replicas' launch (the cluster layout
+  written just before provisioning starts them) to the final weights written (model.keras);
+- time to first step: from a replica's launch (its keeper or container start) to the end of its
+  first training step, as the replica records it;
+- in-epoch examples/s, as training.json records it, beside them.
+Cases alternate run by run; medians over ``--repeats`` runs; the ratios docker / local are
+computed from the medians of this one bench run.
+
+Writes bench/results/containers-<UTC timestamp>.json and bench/CONTAINERS.md.
+
+    python bench/containers.py [--repeats 3] [--steps-per-epoch 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from report import save  # bench/report.py: the scripts run as bench/<name>.py
+from run import BIN, COMMON, PER_WORKER_BATCH, REPO_ROOT, machine_facts, prepare_dataset, shown
+
+BACKENDS = ("local", "docker")
+
+
+def command(backend: str, epochs: int, steps_per_epoch: int) -> list[str]:
+    settings = {
+        **COMMON,
+        "strategy": "multi_worker_mirrored",
+        "workers": 2,
+        "batch_size": 2 * PER_WORKER_BATCH,
+        "replica_threads": 1,
+        "pin_cores": "true",  # local: taskset; docker: the container's cpuset
+        "epochs": epochs,
+        "steps_per_epoch": steps_per_epoch,
+        "backend": backend,
+    }
+    args = [str(BIN / "hetflow"), "train"]
+    for key, value in settings.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def run_once(backend: str, args: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    done = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
+        raise RuntimeError(f"{backend}: exit code {done.returncode}; last output:\n{tail}")
+    training_path = Path(done.stdout.strip().splitlines()[-1])  # `hetflow train` prints it last
+    run_dir = training_path.parent
+    record = json.loads(training_path.read_text())
+    launched = (run_dir / "cluster.json").stat().st_mtime
+    weights_written = (run_dir / "model.keras").stat().st_mtime
+    examples = record["epochs_done"] * record["steps_per_epoch"] * record["global_batch"]
+    whole_job = weights_written - launched
+    return {
+        "whole_job_seconds": whole_job,
+        "whole_job_examples_per_second": examples / whole_job,
+        "in_epoch_examples_per_second": record["examples_per_second"],
+        "time_to_first_step_seconds": record["time_to_first_step_seconds"],
+        "examples": examples,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    machine, settings, cases = report["machine"], report["settings"], report["cases"]
+    ratios = report["docker_vs_local"]
+    lines = [
+        "# Containers: the same job on the local and the docker backend",
+        "",
+        f"`model={COMMON['model']}` on `dataset={COMMON['dataset']}` (generated data), multi_worker_mirrored, "
+        f"2 workers × {PER_WORKER_BATCH} examples per step, one thread each, one core each, "
+        f"{settings['epochs']} epochs × {settings['steps_per_epoch']} steps; median of {settings['repeats']} "
+        "runs per backend, the backends alternating.",
+        "",
+        f"- date: {report['date']}",
+        f"- command: `{report['command']}`",
+        f"- machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['memory_gib']} GiB, "
+        f"TensorFlow {machine['tensorflow']}, git {machine['git']}; Docker engine {report['docker_engine']}",
+        f"- replica image: {report['image']}",
+        "",
+        "| backend | whole-job examples/s | runs | time to first step (s) | runs | in-epoch examples/s |",
+        "|---|---:|---|---:|---|---:|",
+    ]
+    for backend in BACKENDS:
+        runs = cases[backend]["samples"]
+        median = cases[backend]["median"]
+        if not median:
+            lines.append(f"| {backend} | – | failed: see below | – | | – |")
+            continue
+        throughputs = ", ".join(f"{r['whole_job_examples_per_second']:.0f}" for r in runs)
+        first_steps = ", ".join(f"{r['time_to_first_step_seconds']:.1f}" for r in runs)
+        lines.append(
+            f"| {backend} | {median['whole_job_examples_per_second']:.0f} | {throughputs} | "
+            f"{median['time_to_first_step_seconds']:.1f} | {first_steps} | "
+            f"{median['in_epoch_examples_per_second']:.0f} |"
+        )
+    if ratios:
+        lines += [
+            "",
+            f"docker / local, whole-job examples/s: **{ratios['whole_job_throughput']:.2f}x** (goal ≥ 0.9x); "
+            f"time to first step: docker {ratios['first_step_extra_seconds']:+.1f} s vs local (goal ≤ +5 s).",
+        ]
+    lines += [
+        "",
+        "Whole job: from the cluster layout written just before the replicas are started to the final "
+        "weights written. Time to first step: from each replica's launch (keeper process or container "
+        "start) to the end of its first training step.",
+    ]
+    for backend in BACKENDS:
+        if cases[backend]["error"]:
+            lines += ["", f"{backend} failed:", "", "```", cases[backend]["error"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def _engine_and_image() -> tuple[str, str]:
+    import docker
+
+    client = docker.from_env()
+    image = client.images.get("hetflow-replica:0.1.0")
+    return client.version()["Version"], f"hetflow-replica:0.1.0, {image.attrs['Size'] / 1e6:.0f} MB"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--steps-per-epoch", type=int, default=100)
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    engine, image = _engine_and_image()
+    started_at = datetime.now(timezone.utc)
+    commands = {b: command(b, args.epochs, args.steps_per_epoch) for b in BACKENDS}
+    samples: dict[str, list] = {b: [] for b in BACKENDS}
+    errors: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="hetflow-bench-") as home:
+        env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
+        prepare_dataset(env)
+        for repeat in range(1, args.repeats + 1):
+            for backend in BACKENDS:
+                if backend in errors:
+                    continue
+                try:
+                    result = run_once(backend, commands[backend], env, args.timeout)
+                except (RuntimeError, subprocess.TimeoutExpired) as error:
+                    errors[backend] = str(error)
+                    continue
+                samples[backend].append(result)
+                print(
+                    f"[bench] {backend} run {repeat}: {result['whole_job_examples_per_second']:.0f} examples/s "
+                    f"whole job, first step after {result['time_to_first_step_seconds']:.1f} s",
+                    flush=True,
+                )
+                time.sleep(2)  # let the last run's processes and sockets go
+    medians = {
+        b: {key: statistics.median(s[key] for s in runs) for key in runs[0]} if runs else None
+        for b, runs in samples.items()
+    }
+    ratios = None
+    if medians["local"] and medians["docker"]:
+        ratios = {
+            "whole_job_throughput": medians["docker"]["whole_job_examples_per_second"]
+            / medians["local"]["whole_job_examples_per_second"],
+            "first_step_extra_seconds": medians["docker"]["time_to_first_step_seconds"]
+            - medians["local"]["time_to_first_step_seconds"],
+        }
+    report = {
+        "date": started_at.isoformat(timespec="seconds"),
+        "command": shown([sys.executable, "bench/containers.py", *sys.argv[1:]]),
+        "machine": machine_facts(),
+        "docker_engine": engine,
+        "image": image,
+        "settings": {**COMMON, "epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch, "repeats": args.repeats},
+        "cases": {
+            b: {"command": shown(commands[b]), "samples": samples[b], "median": medians[b], "error": errors.get(b)}
+            for b in BACKENDS
+        },
+        "docker_vs_local": ratios,
+    }
+    print(save("containers", report, "CONTAINERS.md", markdown(report), at=started_at))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

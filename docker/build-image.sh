@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds the replica image (docker/Dockerfile) and prints its size and build time.
+#
+#   docker/build-image.sh [IMAGE]          IMAGE defaults to hetflow-replica:0.1.0
+#   BASE_IMAGE=python:3.11-slim            the base, pulled when a registry is reachable
+#
+# Where BASE_IMAGE is neither present nor pullable (no registry reachable), the base is Debian
+# bookworm with python3 built offline by debootstrap from the Debian mirror apt already uses,
+# imported once as hetflow-base:bookworm. The Python packages come from a wheelhouse built here
+# with this machine's pip (its index and configuration) from requirements.lock, so the build
+# itself needs no network. A second build with nothing changed is served from Docker's cache.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+IMAGE=${1:-hetflow-replica:0.1.0}
+BASE_IMAGE=${BASE_IMAGE:-python:3.11-slim}
+OFFLINE_BASE=hetflow-base:bookworm
+PIP=${PIP:-.venv/bin/pip}
+CONTEXT=build/replica-image
+started=$(date +%s%N)
+mkdir -p build
+
+if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1 && ! docker pull -q "$BASE_IMAGE" >/dev/null 2>&1; then
+    if ! docker image inspect "$OFFLINE_BASE" >/dev/null 2>&1; then
+        command -v debootstrap >/dev/null || {
+            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap
+        }
+        mirror=$(apt-get indextargets --format '$(REPO_URI)' 'Identifier: Packages' 2>/dev/null \
+                 | grep -m1 -v security || true)
+        mirror=${mirror:-http://deb.debian.org/debian/}
+        echo "build-image: $BASE_IMAGE cannot be pulled; building $OFFLINE_BASE with debootstrap from $mirror"
+        rootfs=$(mktemp -d)
+        trap 'rm -rf "$rootfs"' EXIT
+        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" "$mirror" \
+            >build/debootstrap.log 2>&1 || { tail -5 build/debootstrap.log; exit 1; }
+        tar -C "$rootfs" -c . | docker import - "$OFFLINE_BASE" >/dev/null
+    fi
+    echo "build-image: base $OFFLINE_BASE (no registry reachable for $BASE_IMAGE)"
+    BASE_IMAGE=$OFFLINE_BASE
+fi
+
+# The context holds only what the Dockerfile copies, with the sources' modification times, so
+# Docker's cache sees nothing changed when nothing did.
+mkdir -p "$CONTEXT/wheelhouse"
+"$PIP" wheel --quiet --wheel-dir "$CONTEXT/wheelhouse" -c requirements.lock -r docker/replica-requirements.txt \
+    2> >(grep -v "is ignored: it is neither" >&2)
+cp -p requirements.lock docker/replica-requirements.txt "$CONTEXT/"
+rm -rf "$CONTEXT/tasks"
+tar -c --exclude=__pycache__ tasks | tar -x -C "$CONTEXT"
+
+docker build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" -f docker/Dockerfile -t "$IMAGE" "$CONTEXT" >/dev/null
+seconds=$(( ($(date +%s%N) - started) / 1000000 ))e-3
+bytes=$(docker image inspect "$IMAGE" --format '{{.Size}}')
+printf 'build-image: %s built in %.1f s, %d MB (base %s)\n' "$IMAGE" "$seconds" $((bytes / 1000000)) "$BASE_IMAGE"
+printf '{"image": "%s", "base": "%s", "seconds": %.1f, "bytes": %d, "at": "%s"}\n' \
+    "$IMAGE" "$BASE_IMAGE" "$seconds" "$bytes" "$(date -u +%FT%TZ)" >>build/image-builds.jsonl

@@ -1,0 +1,138 @@
+"""Keeper of one local replica: ``python -m tasks.cluster.keeper --run-dir DIR --name worker-0``.
+
+Provisioning starts one keeper per replica, each in a session of its own, so that the replicas
+outlive the process that provisioned them (an Airflow task) and are supervised by the next one
+(``train``). What a container engine does for a container, the keeper does for a process:
+
+- runs the replica (``python -m tasks.replica``) in a process group of its own, tied to the keeper
+  by the parent-death signal, its output appended to ``logs/<name>.log``;
+- pins it to a core and throttles it (a simulated slower machine) as told;
+- records how it ended in ``replicas/<name>.exit`` (the exit code; negative: killed by that
+  signal), which is how the supervisor, not being its parent, learns it;
+- ends it on SIGTERM (SIGTERM, then SIGKILL after the grace period: a TF worker waiting on a peer
+  ignores SIGTERM) and at the deadline;
+- ends it at once when the run's supervisor is gone: a supervisor holds the run's lease (an
+  exclusive lock on ``replicas/supervisor.lock``, which the kernel drops when its holder dies,
+  however it dies); a replica whose supervisor held the lease and no longer does, or that no
+  supervisor took within ``ATTACH_TIMEOUT_SECONDS`` of its start, is killed. So killing the
+  ``train`` task leaves no replica behind, as when replicas were its children.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tasks.cluster.local import TERM_GRACE_SECONDS, Throttle, signal_group
+from tasks.paths import REPO_ROOT, RunPaths
+
+# From provisioning to the train task's start: Airflow schedules the next task within seconds,
+# but a busy scheduler can take minutes.
+ATTACH_TIMEOUT_SECONDS = 600.0
+_PR_SET_PDEATHSIG = 1
+
+
+def lease_path(run_dir: Path) -> Path:
+    return RunPaths(run_dir).replicas / "supervisor.lock"
+
+
+def exit_path(run_dir: Path, name: str) -> Path:
+    return RunPaths(run_dir).replicas / f"{name}.exit"
+
+
+def supervisor_holds_lease(run_dir: Path) -> bool:
+    with open(lease_path(run_dir), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return False
+
+
+def _replica_preexec(core: int | None):
+    """Runs in the replica before exec: die with the keeper; optionally stay on one core."""
+
+    def preexec() -> None:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+
+    return preexec
+
+
+def keep(
+    run_dir: Path, name: str, log_name: str, core: int | None, slowdown: float, deadline: float, probe: bool
+) -> int:
+    stop_requested = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stop_requested.append(True))
+    log_file = open(RunPaths(run_dir).logs / f"{log_name}.log", "ab")
+    replica = subprocess.Popen(
+        [sys.executable, "-m", "tasks.replica", "--run-dir", str(run_dir), *(["--probe"] if probe else [])],
+        cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=_replica_preexec(core),
+    )
+    throttle = Throttle(replica.pid, slowdown) if slowdown > 1 else None
+    if throttle:
+        throttle.start()
+    started, supervised = time.monotonic(), False
+    while replica.poll() is None:
+        held = supervisor_holds_lease(run_dir)
+        supervised = supervised or held
+        lost = (supervised and not held) or (not supervised and time.monotonic() - started > ATTACH_TIMEOUT_SECONDS)
+        if throttle and (lost or stop_requested or time.time() > deadline):
+            throttle.stop()  # a stopped process would not see SIGTERM
+        if lost:
+            signal_group(replica.pid, signal.SIGKILL)
+        elif stop_requested or time.time() > deadline:
+            _terminate(replica)
+        try:
+            replica.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+    code = replica.returncode
+    target = exit_path(run_dir, name)
+    scratch = target.with_suffix(".exit.tmp")
+    scratch.write_text(json.dumps({"exit_code": code}))
+    scratch.replace(target)  # atomically: the supervisor never reads half a record
+    return 0
+
+
+def _terminate(replica: subprocess.Popen) -> None:
+    signal_group(replica.pid, signal.SIGTERM)
+    try:
+        replica.wait(timeout=TERM_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        signal_group(replica.pid, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--name", required=True, help="the replica, e.g. worker-0")
+    parser.add_argument("--log-name", help="its log's name (default: the replica's)")
+    parser.add_argument("--core", type=int, help="pin the replica to this CPU core")
+    parser.add_argument("--slowdown", type=float, default=1.0, help="give it 1/slowdown of the CPU time")
+    parser.add_argument("--deadline", type=float, required=True, help="stop it at this time (epoch seconds)")
+    parser.add_argument("--probe", action="store_true", help="run the replica's speed probe")
+    args = parser.parse_args(argv)
+    return keep(
+        args.run_dir, args.name, args.log_name or args.name, args.core, args.slowdown, args.deadline, args.probe
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""One supervision for every backend: watch the replicas, decide success, failure or restart, and
+stream their output.
+
+A backend (local processes, Docker containers, Kubernetes pods) only starts, inspects and stops
+its replicas (``Replicas``). The policy is a pure function of the replicas' states (``decide``),
+the way the Kubeflow training operator keeps restart and clean-up policies as data; ``Supervisor``
+carries out what it decides, records every restart in the run directory (``restarts.json``) and
+streams each replica's output into this process's log, prefixed with its name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Literal, Protocol, Sequence
+
+from tasks.cluster.layout import ClusterLayout, Replica
+
+log = logging.getLogger("hetflow.cluster")
+
+
+class ReplicaFailed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    exit_code: int | None = None  # None while it runs; negative: killed by that signal
+    # Restarts the engine made by itself (the kubelet restarts a failed container in its pod).
+    restarts: int = 0
+    # Why it cannot start at all (an image that cannot be pulled): waiting would only time out.
+    stuck: str | None = None
+
+
+class Replicas(Protocol):
+    """What a backend does for the supervisor."""
+
+    # True where the engine restarts a failed replica in place (Kubernetes pods' restartPolicy):
+    # the supervisor then counts its restarts instead of making them.
+    restarts_in_place: bool
+
+    def attach(self) -> None:
+        """Become the replicas' supervisor (local replicas live only while one is attached)."""
+
+    def detach(self) -> None:
+        """Stop being their supervisor."""
+
+    def start(self, replicas: Sequence[Replica]) -> None:
+        """Start these replicas (again, after a restart)."""
+
+    def poll(self) -> dict[str, ReplicaState]:
+        """Every replica's state, by name."""
+
+    def stop(self, names: Sequence[str]) -> None:
+        """Stop these replicas, all at once, within the grace period."""
+
+    def lines(self, name: str, since: float) -> Iterator[str]:
+        """The replica's output from ``since`` (epoch seconds) until it ends, line by line; the
+        backend also keeps it in ``logs/<name>.log``."""
+
+
+def _killed(exit_code: int) -> bool:
+    """Ended by a signal: negative here, 128+N from a shell or a container engine."""
+    return exit_code < 0 or exit_code > 128
+
+
+def restartable(policy: str, exit_code: int) -> bool:
+    """Whether restart_policy restarts a replica that exited with ``exit_code`` (TFJob's policies):
+    ``exit_code`` restarts only what was killed by a signal (negative here, or 128+N from a shell
+    or a container engine), taking codes 1-127 for errors a restart would repeat."""
+    if policy == "on_failure":
+        return True
+    return policy == "exit_code" and _killed(exit_code)
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Literal["running", "succeeded", "failed", "restart"]
+    replicas: tuple[str, ...] = ()  # to stop (succeeded, failed) or to restart
+    cause: str | None = None  # the replica that failed the run or is restarted
+
+
+def decide(
+    layout: ClusterLayout,
+    states: dict[str, ReplicaState],
+    restart_policy: str,
+    backoff_limit: int,
+    restarts_done: int,
+    restarts_in_place: bool = False,
+) -> Decision:
+    """What to do, given every replica's state.
+
+    - A training replica that exited non-zero, or a server replica (ps; a worker under
+      parameter_server) that exited at all, is restarted while the policy allows it and fewer
+      than ``backoff_limit`` restarts were made; otherwise it fails the run. An async worker is
+      restarted alone (the coordinator goes on with the others and it rejoins on its address);
+      anything else restarts the whole group (sync workers cannot go on without a peer; without
+      its ps the chief fails), which resumes from the last checkpoint.
+    - Where the engine restarts in place, a replica it is restarting counts as running.
+    - When every training replica has exited 0, the run succeeded and the server replicas still
+      running are stopped: without that, ps outlive the job (the classic TFJob complaint).
+    """
+    everyone = tuple(r.name for r in layout.replicas)
+    ended = []  # replicas that exited when they should not have
+    for replica in layout.replicas:
+        state = states[replica.name]
+        if state.stuck:
+            return Decision("failed", everyone, replica.name)
+        if state.exit_code is None or (state.exit_code == 0 and not replica.serves_until_stopped):
+            continue
+        if restarts_in_place and restart_policy == "on_failure" and state.exit_code != 0:
+            if state.restarts < backoff_limit:
+                continue  # the engine is restarting it
+        ended.append(replica)
+    if ended:
+        # A replica killed by a signal takes its peers down with errors: it is the cause.
+        replica = next((r for r in ended if _killed(states[r.name].exit_code)), ended[0])
+        exit_code = states[replica.name].exit_code
+        if not restarts_in_place and restartable(restart_policy, exit_code) and restarts_done < backoff_limit:
+            alone = replica.serves_until_stopped and replica.role == "worker"
+            return Decision("restart", (replica.name,) if alone else everyone, replica.name)
+        return Decision("failed", everyone, replica.name)
+    training = [r.name for r in layout.replicas if not r.serves_until_stopped]
+    if all(states[name].exit_code == 0 for name in training):
+        return Decision("succeeded", tuple(r.name for r in layout.replicas if r.serves_until_stopped))
+    return Decision("running")
+
+
+def exit_description(exit_code: int) -> str:
+    """``killed by SIGKILL`` for a signal (negative, or 128+N from a container), else the code."""
+    number = -exit_code if exit_code < 0 else exit_code - 128 if exit_code > 128 else 0
+    if number:
+        try:
+            return f"killed by {signal.Signals(number).name}"
+        except ValueError:
+            pass
+    return f"exited with code {exit_code}"
+
+
+# The last line of a Python traceback: ``tensorflow...errors_impl.UnavailableError: ...``.
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b(:|$)")
+# TensorFlow's own log lines (``E0000 00:00:17.. cuda_platform.cc:52] failed call to cuInit``):
+# start-up noise, not what ended the replica.
+_ABSL_LINE = re.compile(r"^[IWEF]\d{4} ")
+
+
+def last_error_line(tail: Iterable[str]) -> str:
+    """What most likely ended the replica: its last exception line, else its last line that is
+    not one of TensorFlow's log lines."""
+    lines = [line.strip() for line in tail if line.strip()]
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    plain = [line for line in lines if not _ABSL_LINE.match(line)]
+    return plain[-1] if plain else "(no output)"
+
+
+class Supervisor:
+    """Watches one run's replicas until training succeeds, fails or times out."""
+
+    def __init__(
+        self, layout: ClusterLayout, restart_policy: str, backoff_limit: int, replicas: Replicas, run_dir: Path
+    ):
+        self.layout = layout
+        self.restart_policy = restart_policy
+        self.backoff_limit = backoff_limit
+        self.replicas = replicas
+        self.restarts_path = run_dir / "restarts.json"
+        self.restarts: list[dict] = json.loads(self.restarts_path.read_text()) if self.restarts_path.exists() else []
+        self.tails: dict[str, deque[str]] = {r.name: deque(maxlen=20) for r in layout.replicas}
+        self._followers: dict[str, list[threading.Thread]] = {r.name: [] for r in layout.replicas}
+        self._started_at = time.monotonic()
+        self._ended: set[str] = set()
+
+    def follow(self, names: Iterable[str], since: float = 0.0) -> None:
+        """Stream these replicas' output into this process's log from ``since`` (epoch seconds)."""
+        for name in names:
+            follower = threading.Thread(target=self._follow, args=(name, since), daemon=True)
+            follower.start()
+            self._followers[name].append(follower)
+
+    def _follow(self, name: str, since: float) -> None:
+        for line in self.replicas.lines(name, since):
+            self.tails[name].append(line)
+            log.info("[%s] %s", name, line)
+
+    def wait(self, timeout: float, interval: float = 0.5) -> dict[str, int]:
+        """Act on ``decide`` until the run succeeds (returns the training replicas' exit codes),
+        fails or passes ``timeout`` seconds (ReplicaFailed, after stopping every replica)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                states = self.replicas.poll()
+                self._report_ended(states)
+                decision = decide(
+                    self.layout,
+                    states,
+                    self.restart_policy,
+                    self.backoff_limit,
+                    len(self.restarts),
+                    self.replicas.restarts_in_place,
+                )
+                if decision.outcome == "succeeded":
+                    if decision.replicas:
+                        log.info("stopping %s: training is done", ", ".join(decision.replicas))
+                    self.replicas.stop(decision.replicas)
+                    return {name: s.exit_code for name, s in states.items() if s.exit_code is not None}
+                if decision.outcome == "failed":
+                    self.replicas.stop(decision.replicas)
+                    self._drain()  # the replica's last lines, for the message
+                    raise ReplicaFailed(self._failure(decision.cause, states[decision.cause]))
+                if decision.outcome == "restart":
+                    self._restart(decision, states[decision.cause])
+                    continue
+                if time.monotonic() > deadline:
+                    running = [r.name for r in self.layout.replicas if states[r.name].exit_code is None]
+                    self.replicas.stop(tuple(r.name for r in self.layout.replicas))
+                    raise ReplicaFailed(
+                        f"training timed out after {timeout:.0f} s (train_timeout_seconds); "
+                        f"stopped {', '.join(running)}"
+                    )
+                time.sleep(interval)
+        finally:
+            self._drain()
+
+    def _report_ended(self, states: dict[str, ReplicaState]) -> None:
+        for name, state in states.items():
+            if state.exit_code is not None and name not in self._ended:
+                log.info("%s %s", name, "finished" if state.exit_code == 0 else exit_description(state.exit_code))
+            if state.exit_code is None:
+                self._ended.discard(name)  # restarted
+            else:
+                self._ended.add(name)
+
+    def _failure(self, name: str, state: ReplicaState) -> str:
+        if state.stuck:
+            return f"replica {name} could not start: {state.stuck}"
+        tail = " | ".join(self.tails[name]) or "(no output)"
+        return f"replica {name} {exit_description(state.exit_code)}; last output: {tail}"
+
+    def _restart(self, decision: Decision, state: ReplicaState) -> None:
+        name = decision.cause
+        self.replicas.stop(decision.replicas)
+        self._drain(decision.replicas)  # the cause is read from the replica's last lines
+        action = f"restarted {name}" if decision.replicas == (name,) else "restarted every replica"
+        record = {
+            "replica": name,
+            "exit_code": state.exit_code,
+            "cause": f"{exit_description(state.exit_code)}; last error: {last_error_line(self.tails[name])}",
+            "action": action,
+            "after_seconds": round(time.monotonic() - self._started_at, 1),
+        }
+        self.restarts.append(record)
+        log.warning(
+            "%s %s: %s (%d of backoff_limit %d)", name, record["cause"], action, len(self.restarts), self.backoff_limit
+        )
+        self.restarts_path.write_text(json.dumps(self.restarts, indent=2))
+        restarted_at = time.time()
+        self.replicas.start([r for r in self.layout.replicas if r.name in decision.replicas])
+        self.follow(decision.replicas, since=restarted_at)
+
+    def _drain(self, names: Iterable[str] | None = None) -> None:
+        """Let the followers (of ``names``, default all) print what the replicas wrote last."""
+        for name in self._followers if names is None else names:
+            for follower in self._followers[name]:
+                follower.join(timeout=5)

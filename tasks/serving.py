@@ -1,0 +1,265 @@
+"""Infra validation: a registered model served by MLflow's own model server, queried over HTTP.
+
+As TFX's InfraValidator does before a model is pushed, a candidate is started the way a user
+would start it (``mlflow models serve --env-manager local`` on a loopback port, in its own
+process group, with a clean environment), asked for predictions on raw test examples, timed,
+and stopped. The model runs only in that server process: loading a registered model can run its
+code (MLflow's "models from code"), and the pipeline never does.
+
+The runner's life, as TFX's model_server_runners draw it::
+
+    start() ──► wait_until_running(deadline) ──► predict() ... ──► stop()
+       │              │ ServingError: exited, or not healthy by the deadline    ▲
+       └──────────────┴─────────────────────────────────────────────────────────┘
+
+``stop()`` is called whenever ``start()`` was, does not assume that ``start()`` finished, ends
+within ``STOP_GRACE_SECONDS`` plus a SIGKILL's wait, and never raises.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+log = logging.getLogger("hetflow.serving")
+
+# Up in ~10 s alone on 2 cores (measured 2026-11-23); a loaded CI machine is several times slower.
+START_DEADLINE_SECONDS = 180.0
+STOP_GRACE_SECONDS = 10.0
+REQUEST_TIMEOUT_SECONDS = 60.0
+REQUEST_BATCH = 256  # examples per /invocations request when scoring many
+CHECK_EXAMPLES = 256  # test examples compared with the exported model
+LATENCY_REQUESTS = 100
+# Served and exported model compute the same graph / interpreter: only float rounding may differ.
+LOGIT_TOLERANCE = 1e-3
+_LOG_TAIL_CHARS = 1500
+
+
+class ServingError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def server_environment(tracking_uri: str) -> dict[str, str]:
+    """What a user's shell gives a model server, and nothing of the pipeline's (no
+    TF_USE_LEGACY_KERAS, PYTHONPATH, Airflow or hetflow variables): PATH with the venv's bin/
+    (``mlflow models serve`` execs ``uvicorn`` by name), HOME, locale, and how to reach the registry."""
+    env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])}
+    for key in ("HOME", "LANG", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    env["MLFLOW_TRACKING_URI"] = tracking_uri
+    return env
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes (zombies excluded) of a process group."""
+    members = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == pgid:
+                members.append(process.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+class ModelServer:
+    """``mlflow models serve`` for one model URI; its output goes to ``log_path``.
+
+    :param model_uri: e.g. ``models:/NAME/VERSION``.
+    :param tracking_uri: the registry the server reads the model from.
+    :param log_path: the server's stdout and stderr; its folder is also the server's working
+        directory (uvicorn puts that on ``sys.path``, so it must hold no Python modules).
+    """
+
+    def __init__(self, model_uri: str, tracking_uri: str, log_path: Path):
+        self.model_uri = model_uri
+        self.tracking_uri = tracking_uri
+        self.log_path = log_path
+        self.port: int | None = None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", self.model_uri]
+        command += ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(self.port)]
+        with open(self.log_path, "wb") as output:
+            self.process = subprocess.Popen(
+                command,
+                env=server_environment(self.tracking_uri),
+                cwd=self.log_path.parent,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() ends mlflow and its uvicorn together
+            )
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:].strip()
+        except OSError:
+            return ""
+
+    def wait_until_running(self, deadline: float) -> None:
+        """Return once ``/ping`` answers 200; ``deadline`` is a ``time.monotonic()`` value."""
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServingError(
+                    f"server exited with code {code} before it was healthy; its log ends: {self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/ping", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except (OSError, urllib.error.URLError):
+                pass  # not listening yet, or the model still loading
+            if time.monotonic() >= deadline:
+                raise ServingError(f"server not healthy by its deadline; its log ends: {self.log_tail()}")
+            time.sleep(0.25)
+
+    def _invoke(self, images: np.ndarray) -> np.ndarray:
+        body = json.dumps({"inputs": images.tolist()}).encode()
+        request = urllib.request.Request(
+            f"{self.url}/invocations", data=body, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_SECONDS) as response:
+                return np.asarray(json.loads(response.read())["predictions"], dtype=np.float32)
+        except urllib.error.HTTPError as error:
+            raise ServingError(f"/invocations answered {error.code}: {error.read()[:500].decode(errors='replace')}")
+        except (OSError, urllib.error.URLError, ValueError, KeyError) as error:
+            raise ServingError(f"/invocations failed: {error!r}")
+
+    def predict(self, images: np.ndarray) -> np.ndarray:
+        return np.concatenate(
+            [self._invoke(images[i : i + REQUEST_BATCH]) for i in range(0, len(images), REQUEST_BATCH)]
+        )
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        try:
+            pgid = self.process.pid  # start_new_session: the group id is the leader's pid
+            for sig, wait in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(pgid, sig)
+                except ProcessLookupError:
+                    break
+                deadline = time.monotonic() + wait
+                while group_members(pgid) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                if not group_members(pgid):
+                    break
+            self.process.wait(timeout=5)  # reap the leader
+            if group_members(pgid):
+                log.warning("server group %s still has processes %s after SIGKILL", pgid, group_members(pgid))
+        except Exception:  # stop() must never raise: it runs in finally blocks, also after other errors
+            log.exception("stopping the model server of %s", self.model_uri)
+
+    def __enter__(self) -> ModelServer:
+        try:
+            self.start()
+            self.wait_until_running(time.monotonic() + START_DEADLINE_SECONDS)
+        except BaseException:  # __exit__ does not run when __enter__ raises
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+def _latencies_ms(server: ModelServer, images: np.ndarray) -> np.ndarray:
+    server._invoke(images[:1])  # warm-up
+    times = []
+    for i in range(LATENCY_REQUESTS):
+        started = time.perf_counter()
+        server._invoke(images[i % len(images)][np.newaxis])
+        times.append(time.perf_counter() - started)
+    return np.asarray(times) * 1000
+
+
+def served_check(
+    model_uri: str,
+    tracking_uri: str,
+    images: np.ndarray,
+    expected: np.ndarray,
+    log_path: Path,
+    deadline_seconds: float = START_DEADLINE_SECONDS,
+) -> dict[str, Any]:
+    """Serve ``model_uri``, compare its predictions on ``images`` with ``expected`` (the exported
+    model's logits), time ``LATENCY_REQUESTS`` requests of one example, stop the server.
+
+    The model's faults (no start, too slow, errors, disagreement) do not raise: ``passed`` is
+    False and ``reason`` says why. ``port`` and ``pgid`` say where the server was.
+    """
+    server = ModelServer(model_uri, tracking_uri, log_path)
+    check: dict[str, Any] = {"model_uri": model_uri, "passed": False, "examples": len(images)}
+    started = time.monotonic()
+    try:
+        server.start()
+        check.update(port=server.port, pgid=server.process.pid)
+        server.wait_until_running(started + deadline_seconds)
+        check["start_seconds"] = time.monotonic() - started
+        served = server.predict(images)
+        if served.shape != expected.shape:
+            raise ServingError(f"served predictions have shape {served.shape}, the exported model's {expected.shape}")
+        check["agreement"] = float(np.mean(np.argmax(served, axis=1) == np.argmax(expected, axis=1)))
+        check["max_logit_difference"] = float(np.max(np.abs(served - expected)))
+        latencies = _latencies_ms(server, images)
+        check.update(
+            latency_p50_ms=float(np.percentile(latencies, 50)),
+            latency_p99_ms=float(np.percentile(latencies, 99)),
+            latency_requests=len(latencies),
+        )
+        if check["agreement"] < 1.0 or check["max_logit_difference"] > LOGIT_TOLERANCE:
+            raise ServingError(
+                f"served predictions disagree with the exported model: agreement {check['agreement']:.4f} on "
+                f"{len(images)} test examples, logits differ by up to {check['max_logit_difference']:.3g} "
+                f"(tolerance {LOGIT_TOLERANCE})"
+            )
+        check["passed"] = True
+    except (ServingError, OSError) as error:
+        check["reason"] = str(error)
+    finally:
+        server.stop()
+        check["seconds"] = time.monotonic() - started
+    log.info("served check of %s: %s", model_uri, describe(check))
+    return check
+
+
+def describe(check: dict[str, Any]) -> str:
+    """One line for a registry description or a run tag."""
+    if not check["passed"]:  # one line: the reason may end with the server's log (kept whole in the run's serving/)
+        return f"failed: {' '.join(check['reason'].split())}"
+    return (
+        f"passed: `mlflow models serve` up in {check['start_seconds']:.1f} s; agreement {check['agreement']:.4f} "
+        f"with the exported model on {check['examples']} test examples (logits within "
+        f"{check['max_logit_difference']:.2g}); latency p50 {check['latency_p50_ms']:.2f} ms, "
+        f"p99 {check['latency_p99_ms']:.2f} ms over {check['latency_requests']} requests of one example"
+    )

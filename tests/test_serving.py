@@ -1,0 +1,225 @@
+"""Infra validation: registered models served by `mlflow models serve`, queried over HTTP, before promotion."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import hetflow, listening
+
+pytestmark = pytest.mark.slow
+
+MODEL = "serve-digits"
+
+
+@pytest.fixture(scope="module")
+def run(hetflow_env) -> dict:
+    done = hetflow(hetflow_env, "run", "--set", f"registered_model={MODEL}", "--set", "epochs=3")
+    summary_path = Path(done.stdout.strip().splitlines()[-1])
+    assert summary_path.name == "summary.json", done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "success", done.stdout[-3000:] + done.stderr[-3000:]
+    return summary
+
+
+@pytest.fixture(scope="module")
+def client(hetflow_env):
+    from mlflow import MlflowClient
+
+    return MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
+
+
+@pytest.fixture(scope="module")
+def test_images(run) -> tuple[np.ndarray, np.ndarray]:
+    from tasks.data.pipeline import split_arrays
+
+    return split_arrays(json.loads((Path(run["run_dir"]) / "dataset.json").read_text()), "test")
+
+
+def _server_gone(check: dict) -> bool:
+    from tasks.serving import group_members
+
+    return group_members(check["pgid"]) == [] and not listening(f"127.0.0.1:{check['port']}")
+
+
+def test_a_good_run_serves_both_models_with_agreement_1_and_promotes_them(run, client):
+    exported = json.loads((Path(run["run_dir"]) / "export.json").read_text())
+    float_model, tflite_model = run["registry"]["models"]
+    assert [float_model["model_name"], tflite_model["model_name"]] == [MODEL, f"{MODEL}-tflite"]
+    for kind, model in (("float", float_model), ("tflite", tflite_model)):
+        served = model["served"]
+        assert model["promoted"] and model["aliases"] == ["candidate", "champion"]
+        assert served["passed"] and served["agreement"] == 1.0 and served["examples"] == 256
+        assert served["max_logit_difference"] <= 1e-3
+        assert served["latency_requests"] >= 100 and 0 < served["latency_p50_ms"] <= served["latency_p99_ms"]
+        assert 0 < served["start_seconds"] < served["seconds"]
+        assert _server_gone(served)
+
+        run_record = client.get_run(run["mlflow_run_id"]).data
+        assert run_record.metrics[f"served_{kind}_agreement"] == 1.0
+        assert run_record.metrics[f"served_{kind}_latency_p99_ms"] == served["latency_p99_ms"]
+        assert run_record.tags[f"served.{kind}"].startswith("passed: `mlflow models serve` up in")
+
+        description = client.get_model_version(model["model_name"], str(model["version"])).description
+        assert f"fingerprint `{run['dataset']['fingerprint']}`" in description
+        assert "- test accuracy: " in description and " vs no champion yet" in description
+        assert "- served check: passed: " in description and "agreement 1.0000" in description
+        assert "- gate: no champion yet" in description
+        for name, artifact in exported["artifacts"].items():  # the compression table, one row per artifact
+            assert f"| {name} | {artifact['bytes']} | {artifact['gzip_bytes']} | {artifact['test_accuracy']:.4f} |" in (
+                description
+            )
+    artifacts = {a.path for a in client.list_artifacts(run["mlflow_run_id"], "serving")}
+    assert artifacts == {f"serving/{MODEL}-v1.log", f"serving/{MODEL}-tflite-v1.log"}
+
+
+_LOAD_CHAMPIONS = """
+import json, os, sys
+import numpy as np
+import mlflow
+images = np.load(sys.argv[1])
+logits = {name: np.asarray(mlflow.pyfunc.load_model(f"models:/{name}@champion").predict(images)).tolist()
+          for name in sys.argv[2:]}
+assert "TF_USE_LEGACY_KERAS" not in os.environ and "tasks" not in sys.modules
+print(json.dumps(logits))
+"""
+
+
+def test_the_champions_load_and_predict_in_a_clean_process_that_never_imported_hetflow(
+    run, hetflow_env, test_images, tmp_path
+):
+    from tasks.export import saved_model_predictor, tflite_predictor
+
+    images, _ = test_images
+    np.save(tmp_path / "images.npy", images)
+    exported = json.loads((Path(run["run_dir"]) / "export.json").read_text())
+    clean = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "MLFLOW_TRACKING_URI": hetflow_env["MLFLOW_TRACKING_URI"],
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_CHAMPIONS, str(tmp_path / "images.npy"), MODEL, f"{MODEL}-tflite"],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    logits = json.loads(done.stdout.strip().splitlines()[-1])
+    saved_model = saved_model_predictor(Path(exported["artifacts"]["saved_model"]["path"]))(images)
+    tflite = tflite_predictor(Path(exported["artifacts"][exported["chosen_tflite"]]["path"]))(images)
+    np.testing.assert_allclose(np.asarray(logits[MODEL]), saved_model, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(logits[f"{MODEL}-tflite"]), tflite, atol=1e-6)
+
+
+def test_a_champion_scored_on_other_data_is_served_not_loaded(run, client, tmp_path):
+    from tasks.registry import champion_accuracy
+
+    champion = client.get_model_version_by_alias(MODEL, "champion")
+    dataset = {**json.loads((Path(run["run_dir"]) / "dataset.json").read_text()), "fingerprint": "other data"}
+    # A recorded accuracy for other data does not count: the value comes from the served model.
+    client.set_model_version_tag(MODEL, champion.version, "test_accuracy", "0.123")
+    try:
+        score = champion_accuracy(client.get_model_version(MODEL, champion.version), dataset, tmp_path)
+    finally:
+        client.set_model_version_tag(MODEL, champion.version, "test_accuracy", champion.tags["test_accuracy"])
+    assert score == pytest.approx(run["metrics"]["test_accuracy"], abs=1e-9)
+    assert (tmp_path / f"{MODEL}-v{champion.version}-champion.log").exists()
+
+
+def _log_class_order_reversed(saved_model: Path, name: str, images: np.ndarray):
+    """A deliberately broken model: serving_default's logits with the classes in reverse order."""
+    import tensorflow as tf
+
+    import mlflow
+
+    exported = tf.saved_model.load(str(saved_model))
+    serve = exported.signatures["serving_default"]
+
+    class Reversed(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.exported = exported
+            self.__call__ = tf.function(
+                lambda image: tf.reverse(serve(image=image)["logits"], axis=[1]),
+                input_signature=[serve.structured_input_signature[1]["image"]],
+            )
+
+    from mlflow.models import infer_signature
+
+    signature = infer_signature(images[:5], np.zeros((5, 10), np.float32))
+    return mlflow.tensorflow.log_model(
+        Reversed(), name="model", signature=signature, registered_model_name=name, pip_requirements=["tensorflow"]
+    )
+
+
+def test_a_served_model_that_disagrees_is_not_promoted_and_its_server_is_gone(run, client, monkeypatch, tmp_path):
+    from tasks import registry
+    from tasks.paths import RunPaths
+    from tasks.stages import load_spec
+
+    paths = RunPaths(tmp_path / "run")
+    shutil.copytree(run["run_dir"], paths.root)
+    # min_improvement 0: the same accuracy as the champion passes the accuracy gate, so only the
+    # served check can stop the float model.
+    spec = load_spec(paths).model_copy(update={"min_improvement": 0.0})
+    monkeypatch.setattr(registry, "_log_saved_model", _log_class_order_reversed)
+    record = registry.register(spec, paths, json.loads(paths.dataset.read_text()), "hetflow_train", "broken")
+
+    float_model, tflite_model = record["models"]
+    served = float_model["served"]
+    assert not served["passed"] and served["agreement"] == 0.0
+    assert not float_model["promoted"] and float_model["aliases"] == ["candidate"]
+    assert float_model["gate"].startswith("served check failed: served predictions disagree with the exported model")
+    assert int(client.get_model_version_by_alias(MODEL, "champion").version) == 1
+    assert _server_gone(served)
+    run_record = client.get_run(record["mlflow_run_id"]).data
+    assert run_record.metrics["served_float_passed"] == 0.0 and run_record.metrics["served_float_agreement"] == 0.0
+    assert run_record.tags["served.float"].startswith("failed: served predictions disagree")
+    description = client.get_model_version(MODEL, str(float_model["version"])).description
+    assert "- served check: failed: served predictions disagree" in description
+    assert "- gate: served check failed: " in description
+    # The TFLite model of the same run serves correctly and, at min_improvement 0, is promoted.
+    assert tflite_model["served"]["passed"] and tflite_model["promoted"] and _server_gone(tflite_model["served"])
+
+
+def test_a_server_that_cannot_start_is_not_passed_and_leaves_nothing(hetflow_env, tmp_path):
+    from tasks.serving import served_check
+
+    images = np.zeros((4, 8, 8, 1), np.uint8)
+    check = served_check(
+        f"models:/{MODEL}/999", hetflow_env["MLFLOW_TRACKING_URI"], images, np.zeros((4, 10)), tmp_path / "s.log"
+    )
+    assert not check["passed"] and check["reason"].startswith("server exited with code 1 before it was healthy")
+    assert "999" in check["reason"]  # the server's own error, from its log
+    assert _server_gone(check)
+
+
+def test_a_server_not_healthy_by_its_deadline_is_stopped(run, hetflow_env, tmp_path):
+    from tasks.serving import served_check
+
+    images = np.zeros((4, 8, 8, 1), np.uint8)
+    uri, tracking = f"models:/{MODEL}/1", hetflow_env["MLFLOW_TRACKING_URI"]
+    check = served_check(uri, tracking, images, np.zeros((4, 10)), tmp_path / "s.log", deadline_seconds=2)
+    assert not check["passed"] and check["reason"].startswith("server not healthy by its deadline")
+    assert check["seconds"] < 2 + 16  # the deadline, then at most the stop's grace and SIGKILL wait
+    assert _server_gone(check)
+
+
+def test_the_server_environment_is_a_users_not_the_pipelines(monkeypatch):
+    from tasks.serving import server_environment
+
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    env = server_environment("sqlite:///x.db")
+    assert env["MLFLOW_TRACKING_URI"] == "sqlite:///x.db"
+    assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
+    assert (Path(env["PATH"].split(":")[0]) / "uvicorn").exists()
+    assert not {"TF_USE_LEGACY_KERAS", "PYTHONPATH", "HETFLOW_HOME", "AIRFLOW_HOME"} & set(env)
