@@ -1,17 +1,19 @@
 """The ``baseline`` case of ``bench/run.py``: a plain single-process ``model.fit``, no hetflow cluster.
 
-Same dataset, model, optimizer, input pipeline and validation as a hetflow replica, and timed the
-way a replica times itself (see ``FitClock``), but no strategy, no replica process and
-TensorFlow's default threads: the reference every distributed case is compared with. Prints one
-JSON object, shaped like a replica's training.json, on its last line.
+Same dataset, model, optimizer, input pipeline and validation as a hetflow replica, timed by the
+same clock (``TrainingClock``: from the launch ``HETFLOW_LAUNCH_TIME``, set by bench/run.py, to
+the final weights written), but no strategy, no replica process and TensorFlow's default threads:
+the reference every distributed case is compared with. Prints one JSON object, shaped like a
+replica's training.json, on its last line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import tempfile
 import time
+from pathlib import Path
 
 # hetflow's modules first: importing ``tasks`` selects tf_keras, which must happen before
 # TensorFlow's own import (so ``tf.keras`` below is the same Keras the replicas use).
@@ -19,32 +21,10 @@ from tasks.data.pipeline import eval_input, train_input
 from tasks.data.prepare import prepare_dataset
 from tasks.models import build_model, compile_model
 from tasks.paths import data_dir
+from tasks.strategies.common import TrainingClock
 
 # isort: split
 import tensorflow as tf
-
-
-class FitClock(tf.keras.callbacks.Callback):
-    """What a hetflow replica's clock records: wall time per epoch (validation included) and the
-    time from process launch (``HETFLOW_LAUNCH_TIME``, set by bench/run.py) to the end of the
-    first training step. Kept here rather than imported, so the baseline depends on no strategy code."""
-
-    def __init__(self):
-        super().__init__()
-        self.launched_at = float(os.environ["HETFLOW_LAUNCH_TIME"])
-        self.first_step_seconds: float | None = None
-        self.epoch_seconds: list[float] = []
-        self._epoch_start = 0.0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch_start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.first_step_seconds is None:
-            self.first_step_seconds = time.time() - self.launched_at
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epoch_seconds.append(time.perf_counter() - self._epoch_start)
 
 
 def main() -> None:
@@ -64,8 +44,7 @@ def main() -> None:
     optimizers = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam}
     compile_model(model, optimizers[args.optimizer](learning_rate=args.learning_rate))
     batches = train_input(dataset, per_worker_batch=args.batch_size, shuffle=True, seed=args.seed)
-    clock = FitClock()
-    # Timed as a replica times its fit (examples over the time spent in epochs), so the numbers compare.
+    clock = TrainingClock()
     started = time.perf_counter()
     model.fit(
         batches,
@@ -76,15 +55,22 @@ def main() -> None:
         verbose=2,
     )
     train_seconds = time.perf_counter() - started
+    with tempfile.TemporaryDirectory() as scratch:  # written as a replica writes its final weights
+        model.save_weights(str(Path(scratch) / "model.weights.h5"))
+        weights_written_at = time.time()
+    examples = args.epochs * args.steps_per_epoch * args.batch_size
+    whole_job_seconds = weights_written_at - clock.launched_at
     record = {
         "strategy": "none (plain model.fit)",
         "global_batch": args.batch_size,
         "steps_per_epoch": args.steps_per_epoch,
         "epochs": args.epochs,
-        "epoch_seconds": clock.epoch_seconds,
         "train_seconds": train_seconds,
-        "time_to_first_step_seconds": clock.first_step_seconds,
-        "examples_per_second": args.epochs * args.steps_per_epoch * args.batch_size / sum(clock.epoch_seconds),
+        **clock.record(),
+        "examples_per_second": examples / sum(clock.epoch_seconds),
+        "whole_job_seconds": whole_job_seconds,
+        "whole_job_examples_per_second": examples / whole_job_seconds,
+        "whole_job_breakdown": clock.breakdown(weights_written_at),
     }
     print(json.dumps(record), flush=True)
 

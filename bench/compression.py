@@ -49,7 +49,6 @@ def train(model: str, seed: int, env: dict[str, str]) -> Path:
 
 def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     """Every (sparsity, quantization) variant of one trained model, converted and scored."""
-    import tensorflow as tf
 
     from tasks.compress import (
         fine_tuning_epoch_steps,
@@ -62,12 +61,13 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     )
     from tasks.data.pipeline import split_arrays
     from tasks.export import score, tflite_predictor
+    from tasks.models import trained_model
     from tasks.paths import RunPaths
     from tasks.stages import load_spec
 
     paths = RunPaths(run_dir)
     spec, dataset = load_spec(paths), json.loads(paths.dataset.read_text())
-    model = tf.keras.models.load_model(paths.model)
+    model = trained_model(spec, dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
     representative = representative_images(dataset, spec.seed)

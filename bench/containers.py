@@ -4,8 +4,8 @@ per worker, each worker on a core of its own) on ``backend=local`` and on ``back
 two cases differ in the backend only.
 
 Figures per run, from the run's own files:
-- whole-job examples/s: examples trained / seconds from the replicas' launch (the cluster layout
-  written just before provisioning starts them) to the final weights written (model.keras);
+- whole-job examples/s: examples trained / seconds from the chief's launch (its keeper or
+  container start) to its final weights written, as training.json records it;
 - time to first step: from a replica's launch (its keeper or container start) to the end of its
   first training step, as the replica records it;
 - in-epoch examples/s, as training.json records it, beside them.
@@ -60,19 +60,13 @@ def run_once(backend: str, args: list[str], env: dict[str, str], timeout: float)
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
         raise RuntimeError(f"{backend}: exit code {done.returncode}; last output:\n{tail}")
-    training_path = Path(done.stdout.strip().splitlines()[-1])  # `hetflow train` prints it last
-    run_dir = training_path.parent
-    record = json.loads(training_path.read_text())
-    launched = (run_dir / "cluster.json").stat().st_mtime
-    weights_written = (run_dir / "model.keras").stat().st_mtime
-    examples = record["epochs_done"] * record["steps_per_epoch"] * record["global_batch"]
-    whole_job = weights_written - launched
+    record = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())  # `hetflow train` prints its path last
     return {
-        "whole_job_seconds": whole_job,
-        "whole_job_examples_per_second": examples / whole_job,
+        "whole_job_seconds": record["whole_job_seconds"],
+        "whole_job_examples_per_second": record["whole_job_examples_per_second"],
         "in_epoch_examples_per_second": record["examples_per_second"],
         "time_to_first_step_seconds": record["time_to_first_step_seconds"],
-        "examples": examples,
+        "examples": record["epochs_done"] * record["steps_per_epoch"] * record["global_batch"],
     }
 
 

@@ -8,12 +8,14 @@ tasks/data/synthetic_images.py) with 64 examples per worker per step, for a fixe
   mwms_2       ``hetflow train``, 2 workers, multi_worker_mirrored, one thread each, pinned to a core each
   ps_2w_1ps    ``hetflow train``, a chief, 2 workers and 1 ps, parameter_server, one thread each, not pinned
 
-The figure is ``examples_per_second`` as a hetflow replica records it in training.json: examples
-trained over the time spent in epochs (start-up, dataset preparation, process launch and the
-iterator teardown after the last epoch are outside it; the first step's tracing and the per-epoch
-validation are inside it, for every case alike). ``steady`` is the same over the last epoch only,
-which leaves the first step's tracing out. Each case runs ``--repeats`` times, the repeats
-interleaved across cases so a drift of the machine hits every case alike; medians are reported.
+The headline is whole-job examples/s: examples trained / wall time from the replicas' launch (the
+baseline's: its process) to the final weights written, as the chief records it in training.json
+(``whole_job_examples_per_second``), with where that time went (``whole_job_breakdown``: start-up,
+first step, other steps, validation, between epochs (checkpoints), shutdown). Beside it, the
+in-epoch rate (examples over the time in epochs, validation included) and ``steady`` (the last
+epoch alone). Dataset preparation and provisioning come before the launch and are not in it, for
+every case alike. Each case runs ``--repeats`` times, the repeats interleaved across cases so a
+drift of the machine hits every case alike; medians are reported.
 
 Writes bench/results/throughput-<UTC timestamp>.json and bench/RESULTS.md.
 
@@ -47,6 +49,8 @@ BIN = Path(sys.executable).parent  # the virtualenv's bin, where `hetflow` is in
 # What every case shares, passed explicitly to hetflow and to the baseline alike.
 COMMON = {"dataset": "synthetic_cifar", "model": "convnet", "optimizer": "adam", "learning_rate": 0.001, "seed": 42}
 PER_WORKER_BATCH = 64
+# The parts of training.json's whole_job_breakdown, in the order they happen.
+BREAKDOWN = ("start_up", "first_step", "steps", "validation", "between_epochs", "shutdown")
 
 
 @dataclass(frozen=True)
@@ -163,13 +167,12 @@ def sample(record: dict[str, Any]) -> dict[str, Any]:
     """The figures compared across cases, from one run's record."""
     examples_per_epoch = record["steps_per_epoch"] * record["global_batch"]
     return {
+        "whole_job_examples_per_second": record["whole_job_examples_per_second"],
+        "whole_job_seconds": record["whole_job_seconds"],
         "examples_per_second": record["examples_per_second"],
         "steady_examples_per_second": examples_per_epoch / record["epoch_seconds"][-1],
-        "train_seconds": record["train_seconds"],
-        # Time inside model.fit but in no epoch (fit's set-up and tear-down): large values point
-        # at start-up rather than steady-state work.
-        "fit_seconds_outside_epochs": record["train_seconds"] - sum(record["epoch_seconds"]),
         "time_to_first_step_seconds": record["time_to_first_step_seconds"],
+        **{f"{part}_seconds": seconds for part, seconds in record["whole_job_breakdown"].items()},
         "record": record,
     }
 
@@ -209,7 +212,7 @@ def summarize(
     def ratio(name: str, reference: str) -> float | None:
         if name not in medians or reference not in medians:
             return None
-        return medians[name]["examples_per_second"] / medians[reference]["examples_per_second"]
+        return medians[name]["whole_job_examples_per_second"] / medians[reference]["whole_job_examples_per_second"]
 
     return {
         case.name: {
@@ -244,32 +247,42 @@ def markdown(report: dict[str, Any]) -> str:
         f"- machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['memory_gib']} GiB memory, "
         f"TensorFlow {machine['tensorflow']}, tf-keras {machine['tf_keras']}, Python {machine['python']}, "
         f"git {machine['git']}",
-        f"- 1-minute load average before the first run: {report['load_average_1min_at_start']:.2f} "
-        "(well above 0: other work was competing for the cores)",
+        f"- 1-minute load average before the first run: {report['load_average_1min_at_start']:.2f}"
+        + (" (other work was competing for the cores)" if report["load_average_1min_at_start"] > 0.5 else ""),
         "",
-        "| case | what | examples/s (median) | samples | vs baseline | vs one_worker | steady examples/s | "
-        "time to first step (s) |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "| case | what | whole-job examples/s (median) | samples | vs baseline | vs one_worker | "
+        "in-epoch examples/s | steady examples/s | time to first step (s) |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name, result in report["cases"].items():
         median = result["median"] or {}
-        samples = ", ".join(f"{s['examples_per_second']:.0f}" for s in result["samples"]) or "–"
+        samples = ", ".join(f"{s['whole_job_examples_per_second']:.0f}" for s in result["samples"]) or "–"
         what = result["what"] + (" — **failed**, see below" if result["error"] else "")
         lines.append(
-            f"| {name} | {what} | {_number(median.get('examples_per_second'))} | {samples} | "
+            f"| {name} | {what} | {_number(median.get('whole_job_examples_per_second'))} | {samples} | "
             f"{_number(result['ratio_to_baseline'], 2)} | {_number(result['ratio_to_one_worker'], 2)} | "
-            f"{_number(median.get('steady_examples_per_second'))} | "
+            f"{_number(median.get('examples_per_second'))} | {_number(median.get('steady_examples_per_second'))} | "
             f"{_number(median.get('time_to_first_step_seconds'), 1)} |"
         )
     lines += [
         "",
-        "examples/s: examples trained / time spent in epochs (as `training.json` records it), which "
-        "includes the first step's tracing and each epoch's validation pass but no process start-up, and "
-        "not the ~15 s that model.fit spends after its last epoch under multi_worker_mirrored releasing "
-        "its input iterators (`fit_overhead_seconds` in the JSON). "
-        "steady: the last epoch alone. Time to first step: from process launch to the end of the first "
-        "training step (start-up cost, not in examples/s). Absolute numbers vary between machines; "
-        "ratios measured in one run are what counts.",
+        "Where the whole job's time went (medians, seconds):",
+        "",
+        "| case | whole job | " + " | ".join(part.replace("_", " ") for part in BREAKDOWN) + " |",
+        "|---|---:|" + "---:|" * len(BREAKDOWN),
+    ]
+    for name, result in report["cases"].items():
+        median = result["median"] or {}
+        parts = " | ".join(_number(median.get(f"{part}_seconds"), 1) for part in BREAKDOWN)
+        lines.append(f"| {name} | {_number(median.get('whole_job_seconds'), 1)} | {parts} |")
+    lines += [
+        "",
+        "whole job: from the replicas' launch (the baseline's process launch) to the final weights "
+        "written; start up: launch to the first epoch (process, imports, cluster, model, input "
+        "pipeline); first step: its tracing; between epochs: checkpoints; shutdown: last epoch to "
+        "weights written. in-epoch: examples over the time in epochs (validation included). steady: "
+        "the last epoch alone. Absolute numbers vary between machines; ratios measured in one run are "
+        "what counts.",
         "",
         "Each case's command (with `HETFLOW_HOME` and `MLFLOW_TRACKING_URI` in a temporary directory):",
         "",
@@ -323,8 +336,9 @@ def main() -> int:
                     continue
                 samples[case.name].append(result)
                 print(
-                    f"[bench] {case.name} run {repeat}/{args.repeats}: {result['examples_per_second']:.0f} examples/s "
-                    f"(steady {result['steady_examples_per_second']:.0f}, fit {result['train_seconds']:.1f} s)",
+                    f"[bench] {case.name} run {repeat}/{args.repeats}: "
+                    f"{result['whole_job_examples_per_second']:.0f} examples/s whole job "
+                    f"({result['whole_job_seconds']:.1f} s), in epochs {result['examples_per_second']:.0f}",
                     flush=True,
                 )
 

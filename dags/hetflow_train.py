@@ -2,7 +2,8 @@
 
 Wiring only: every task calls a stage in ``tasks.stages``, imported inside the task so that parsing
 this file never imports TensorFlow (the dag-processor re-parses it every few seconds). The trigger
-form's fields are generated from ``tasks.spec.RunSpec``.
+form's fields are generated from ``tasks.spec.RunSpec``. Each stage gets its task's try number, which
+its record's receipt names; ``summarize`` checks the receipts against what the stages returned.
 """
 
 from __future__ import annotations
@@ -29,37 +30,41 @@ DATA_CHANGES = AssetAlias("hetflow_data_changes")
     tags=["hetflow"],
     doc_md=__doc__,
     default_args={"retries": 0},
+    # No max_active_runs: concurrent runs (two triggers, a retrain beside a manual run) are a
+    # feature, made safe rather than forbidden: `champion` moves under one lock per registered
+    # model (tasks.registry.promotion_lock). How many runs fit at once is a question of capacity
+    # (each replica holds ~1 GB), which the operator sets with [core] max_active_runs_per_dag.
 )
 def hetflow_train():
     @task
-    def validate_spec(params: dict[str, Any] | None = None, dag_run=None, run_id: str | None = None):
+    def validate_spec(params: dict[str, Any] | None = None, dag_run=None, run_id: str | None = None, ti=None):
         from tasks import stages
 
         # params hold the form values (conf applied); conf may also carry keys the form does not
         # know, which must be rejected rather than ignored.
-        return stages.validate_spec({**params, **(dag_run.conf or {})}, run_id)
+        return stages.validate_spec({**params, **(dag_run.conf or {})}, run_id, ti.try_number)
 
     @task(outlets=[DATA_CHANGES])
-    def prepare_data(run_id: str | None = None, outlet_events=None):
+    def prepare_data(run_id: str | None = None, outlet_events=None, ti=None):
         from tasks import stages
 
-        record = stages.prepare_data(run_id)
+        record = stages.prepare_data(run_id, ti.try_number)
         if record["data_changed"]:
             extra = {key: record[key] for key in ("name", "version", "fingerprint")}
             outlet_events[DATA_CHANGES].add(Asset(PREPARED_DATA_URI), extra=extra)
         return record
 
     @task
-    def provision_cluster(run_id: str | None = None):
+    def provision_cluster(run_id: str | None = None, ti=None):
         from tasks import stages
 
-        return stages.provision_cluster(run_id)
+        return stages.provision_cluster(run_id, ti.try_number)
 
     @task
-    def train(run_id: str | None = None):
+    def train(run_id: str | None = None, ti=None):
         from tasks import stages
 
-        return stages.train(run_id)
+        return stages.train(run_id, ti.try_number)
 
     @task
     def teardown_cluster(run_id: str | None = None):
@@ -68,34 +73,35 @@ def hetflow_train():
         return stages.teardown_cluster(run_id)
 
     @task
-    def evaluate(run_id: str | None = None):
+    def evaluate(run_id: str | None = None, ti=None):
         from tasks import stages
 
-        return stages.evaluate(run_id)
+        return stages.evaluate(run_id, ti.try_number)
 
     @task
-    def compress(run_id: str | None = None):
+    def compress(run_id: str | None = None, ti=None):
         from tasks import stages
 
-        return stages.compress(run_id)
+        return stages.compress(run_id, ti.try_number)
 
     @task
-    def export(run_id: str | None = None):
+    def export(run_id: str | None = None, ti=None):
         from tasks import stages
 
-        return stages.export(run_id)
+        return stages.export(run_id, ti.try_number)
 
     @task
-    def register(run_id: str | None = None, dag=None):
+    def register(run_id: str | None = None, dag=None, ti=None):
         from tasks import stages
 
-        return stages.register(run_id, dag.dag_id)
+        return stages.register(run_id, dag.dag_id, ti.try_number)
 
     @task(trigger_rule="all_done")
-    def summarize(run_id: str | None = None):
+    def summarize(run_id: str | None = None, ti=None):
         from tasks import stages
 
-        return stages.summarize(run_id)
+        # None for a stage whose last try failed or never ran: Airflow deletes a task's XComs when a try starts.
+        return stages.summarize(run_id, {stage: ti.xcom_pull(task_ids=stage) for stage in stages.STAGES})
 
     cluster = provision_cluster()
     trained = train()

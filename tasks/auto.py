@@ -15,7 +15,7 @@ import logging
 import shutil
 from typing import Any
 
-from tasks.paths import RunPaths
+from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec, parse_spec
 
 log = logging.getLogger("hetflow.auto")
@@ -118,5 +118,5 @@ def plan_training(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
     if spec.balance_batches:
         plan["worker_batches"] = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
         log.info("balanced per-worker batches: %s", plan["worker_batches"])
-    paths.plan.write_text(json.dumps(plan, indent=2))
+    write_record(paths.plan, plan)
     return spec

@@ -16,7 +16,6 @@ fine-tuning pass to every run.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -24,8 +23,8 @@ import tensorflow as tf
 import tensorflow_model_optimization as tfmot
 
 from tasks.data.pipeline import split_arrays, train_input
-from tasks.models import compile_model
-from tasks.paths import RunPaths
+from tasks.models import compile_model, trained_model
+from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec
 from tasks.strategies.common import make_optimizer, steps_per_epoch
 
@@ -131,7 +130,7 @@ def to_tflite(model: tf.keras.Model, quantize: str, representative: np.ndarray) 
 
 
 def compress(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
-    model = tf.keras.models.load_model(paths.model)
+    model = trained_model(spec, dataset, paths.model)
     paths.compressed.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"prune": spec.prune, "quantize": spec.quantize, "variants": {}}
     bases = {"float": model}
@@ -153,5 +152,5 @@ def compress(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[st
             path = paths.compressed / f"{name}.tflite"
             path.write_bytes(to_tflite(base, quantize, representative))
             record["variants"][name] = {"path": str(path), "base": name.split("_")[0], "quantize": quantize}
-    paths.compression.write_text(json.dumps(record, indent=2))
+    write_record(paths.compression, record)
     return record

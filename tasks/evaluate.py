@@ -10,7 +10,9 @@ import tensorflow as tf
 
 from tasks import plots
 from tasks.data.pipeline import split_arrays
-from tasks.paths import RunPaths
+from tasks.models import trained_model
+from tasks.paths import RunPaths, write_record
+from tasks.spec import RunSpec
 
 
 def score_logits(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
@@ -25,7 +27,7 @@ def confusion_counts(predicted: np.ndarray, labels: np.ndarray, num_classes: int
 
 
 def evaluate(paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
-    model = tf.keras.models.load_model(paths.model)
+    model = trained_model(RunSpec.model_validate_json(paths.spec.read_text()), dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     logits = model.predict(images, batch_size=256, verbose=0)
     result = score_logits(logits, labels)
@@ -34,5 +36,5 @@ def evaluate(paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
     plots.confusion_matrix(matrix, result["test_accuracy"], paths.plots / "confusion_matrix.png")
     plots.training(json.loads(paths.training.read_text()), paths.plots)
     result |= {"test_examples": int(len(labels)), "confusion_matrix": matrix.tolist()}
-    paths.evaluation.write_text(json.dumps(result, indent=2))
+    write_record(paths.evaluation, result)
     return result

@@ -24,7 +24,8 @@ from ai_edge_litert.interpreter import Interpreter
 
 from tasks import plots
 from tasks.data.pipeline import split_arrays
-from tasks.paths import RunPaths
+from tasks.models import trained_model
+from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec
 
 LATENCY_EXAMPLES = 200
@@ -130,7 +131,7 @@ def judge(artifacts: dict[str, dict[str, Any]], float_accuracy: float, max_accur
 
 
 def export(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
-    model = tf.keras.models.load_model(paths.model)
+    model = trained_model(spec, dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
     float_accuracy = float(np.mean(np.argmax(float_logits, axis=1) == labels))
@@ -165,5 +166,5 @@ def export(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[str,
     }
     paths.plots.mkdir(parents=True, exist_ok=True)
     plots.size_vs_accuracy(artifacts, float_accuracy, paths.plots / "size_vs_accuracy.png")
-    paths.export.write_text(json.dumps(record, indent=2))
+    write_record(paths.export, record)
     return record

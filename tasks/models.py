@@ -7,9 +7,23 @@ different devices (model parallelism).
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import h5py
 import tensorflow as tf
 
+if TYPE_CHECKING:
+    from tasks.spec import RunSpec
+
 MODELS = ("mlp", "cnn", "convnet")
+# tf_keras reads and writes a file so named as plain arrays keyed by layer class and order.
+WEIGHTS_SUFFIX = ".weights.h5"
+
+
+class WeightsError(ValueError):
+    """A file that is not a weights file for the model it is read into."""
 
 
 def _layer_chain(kind: str, num_classes: int) -> list[tf.keras.layers.Layer]:
@@ -53,6 +67,68 @@ def _connect(kind: str, input_shape: list[int], groups: list[tuple[str | None, l
 def build_model(kind: str, input_shape: list[int], num_classes: int, seed: int) -> tf.keras.Model:
     tf.keras.utils.set_random_seed(seed)
     return _connect(kind, input_shape, [(None, _layer_chain(kind, num_classes))])
+
+
+def _arrays(path: Path) -> dict[str, tuple]:
+    """Each array of an HDF5 file by name: (shape, dtype). Only hard links are visited (a soft or
+    external link names something else); an array whose bytes live in another file is refused."""
+    found = {}
+
+    def visit(name: str, item: Any) -> None:
+        if isinstance(item, h5py.Dataset):
+            if item.external or item.is_virtual:
+                raise WeightsError(f"array {name} reads its data from another file")
+            found[name] = (item.shape, item.dtype.str)
+
+    with h5py.File(path, "r") as file:
+        file.visititems(visit)
+    return found
+
+
+def _layout_difference(found: dict[str, tuple], expected: dict[str, tuple]) -> str:
+    missing = sorted(expected.keys() - found.keys())
+    unexpected = sorted(found.keys() - expected.keys())
+    changed = sorted(name for name in expected.keys() & found.keys() if found[name] != expected[name])
+    parts = [f"{len(missing)} array(s) missing, e.g. {missing[0]}"] if missing else []
+    parts += [f"{len(unexpected)} unexpected array(s), e.g. {unexpected[0]}"] if unexpected else []
+    parts += [f"{changed[0]} is {found[changed[0]]}, expected {expected[changed[0]]}"] if changed else []
+    return "; ".join(parts)
+
+
+def read_weights(model: tf.keras.Model, path: Path) -> tf.keras.Model:
+    """Read only the weights at ``path`` into ``model``, an architecture built here from code.
+
+    ``tf.keras.models.load_model`` would build whatever the file describes, and on tf_keras's HDF5
+    path (any file that is not a Keras zip) safe_mode does not apply: a Lambda layer's bytecode
+    runs. So the file must hold exactly the arrays ``model.save_weights`` writes for this
+    architecture, of the same shapes and dtypes; anything else raises a one-line WeightsError
+    naming the file.
+    """
+    path = Path(path)
+    try:
+        if path.is_symlink():  # it would read whatever file the writer points it at
+            raise WeightsError("a symbolic link")
+        if not path.exists():
+            raise WeightsError("no such file")
+        if not path.name.endswith(WEIGHTS_SUFFIX) or not h5py.is_hdf5(path):
+            raise WeightsError(f"not an HDF5 weights file (*{WEIGHTS_SUFFIX})")
+        with tempfile.TemporaryDirectory() as scratch:
+            reference = Path(scratch) / f"reference{WEIGHTS_SUFFIX}"
+            model.save_weights(reference)
+            expected = _arrays(reference)
+        difference = _layout_difference(_arrays(path), expected)
+        if difference:
+            raise WeightsError(difference)
+        model.load_weights(path)
+    except (WeightsError, OSError) as error:  # h5py raises OSError on a damaged or truncated file
+        reason = (str(error) or type(error).__name__).splitlines()[0]
+        raise WeightsError(f"refusing {path} as the weights of the {model.name} model: {reason}") from None
+    return model
+
+
+def trained_model(spec: RunSpec, dataset: dict[str, Any], path: Path) -> tf.keras.Model:
+    """The run's architecture rebuilt from its spec, with the trained weights read from ``path``."""
+    return read_weights(build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed), path)
 
 
 def split_by_parameters(counts: list[int], parts: int) -> list[int]:

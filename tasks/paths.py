@@ -1,11 +1,16 @@
-"""Where a run's files live: ``$HETFLOW_HOME/runs/<run_id>/`` and the shared data dir."""
+"""Where a run's files live (``$HETFLOW_HOME/runs/<readable run id>-<hash>/``, the shared data dir),
+and how a record is written there."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,14 +24,51 @@ def data_dir(home: Path | None = None) -> Path:
     return (home or hetflow_home()) / "data"
 
 
-def safe_run_id(run_id: str) -> str:
-    """Airflow run ids carry ':' and '+' (``manual__2026-01-01T00:00:00+00:00``): keep them path-safe."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)
+def run_dir_name(run_id: str) -> str:
+    """The run's directory name: the id made path-safe, to be readable, plus a hash of the real id,
+    so that ids which read alike (``x:1``, ``x+1``, ``x_1``) never share a directory."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ValueError(f"run_id={run_id!r} is invalid: expected a non-empty string")
+    # Airflow run ids carry ':' and '+' (manual__2026-01-01T00:00:00+00:00); a file name has 255 bytes.
+    readable = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100]
+    return f"{readable}-{hashlib.sha256(run_id.encode()).hexdigest()[:12]}"
+
+
+class RunDirectoryTaken(RuntimeError):
+    """The run directory was created by another run id."""
+
+
+def write_record(path: Path, value: Any) -> None:
+    """Write ``value`` as JSON to ``path`` atomically: a reader (another run, a retried task) sees the
+    old record or the new one, never half of one, even when the writer is killed mid-write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Unique per writer, beside the target (os.replace is atomic only within one file system).
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    # 0o666 less the umask, as a plain open() would give: replicas in containers read these files.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(value, handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())  # the bytes are on disk before the name points at them
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 @dataclass(frozen=True)
 class RunPaths:
     root: Path
+
+    @property
+    def owner(self) -> Path:
+        """The real run id, written when the directory is created."""
+        return self.root / "run_id"
+
+    def attempt(self, stage: str) -> Path:
+        """Which attempt of ``stage`` wrote its record (tasks.stages)."""
+        return self.root / "attempts" / f"{stage}.json"
 
     @property
     def spec(self) -> Path:
@@ -67,7 +109,9 @@ class RunPaths:
 
     @property
     def model(self) -> Path:
-        return self.root / "model.keras"
+        """The trained weights only: a replica's file is never loaded as a model (code could run);
+        each stage rebuilds the architecture from the spec (``tasks.models.trained_model``)."""
+        return self.root / "model.weights.h5"
 
     @property
     def training(self) -> Path:
@@ -107,4 +151,31 @@ class RunPaths:
 
 
 def run_paths(run_id: str) -> RunPaths:
-    return RunPaths(hetflow_home() / "runs" / safe_run_id(run_id))
+    """The paths of ``run_id``'s directory; refuses one that another run id created."""
+    paths = RunPaths(hetflow_home() / "runs" / run_dir_name(run_id))
+    try:
+        owner = paths.owner.read_text()
+    except FileNotFoundError:
+        return paths
+    if owner != run_id:
+        raise RunDirectoryTaken(f"run directory {paths.root} belongs to run {owner!r}, not to run {run_id!r}")
+    return paths
+
+
+def create_run_dir(run_id: str) -> RunPaths:
+    """Create ``run_id``'s directory, or re-use it if it is this run's, recording the real run id in it.
+
+    The id goes into a temporary file that is then hard-linked into place: a link fails if the name
+    exists, so of two runs that create one directory at once, one claims it and the other is refused.
+    """
+    paths = run_paths(run_id)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    temporary = paths.root / f".run_id.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    temporary.write_text(run_id)
+    try:
+        os.link(temporary, paths.owner)
+    except FileExistsError:
+        pass  # created before (a retry), or by a run racing this one: run_paths tells which
+    finally:
+        temporary.unlink()
+    return run_paths(run_id)

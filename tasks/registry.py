@@ -4,14 +4,21 @@ Every MLflow write of a run happens here, in one process, after training: replic
 MLflow, so several processes never interleave metrics or clash on params, and training does not
 depend on the tracking server being up. A retried task finds the run and the version it already
 made (by the Airflow run id) and creates neither twice.
+
+Registries are shared: hetflow registers only into registered models it created (they carry
+``OWNER_TAG``), and moves ``champion`` under one lock per registered model, so that concurrent
+runs compare against the champion as it is when they set the alias.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import logging
 import os
 import subprocess
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable
@@ -20,12 +27,13 @@ import numpy as np
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
+from mlflow.protos.databricks_pb2 import ALREADY_EXISTS, RESOURCE_ALREADY_EXISTS, ErrorCode
 from mlflow.utils.time import get_current_time_millis
 
 import mlflow
 from mlflow import MlflowClient
 from tasks import serving
-from tasks.paths import REPO_ROOT, RunPaths
+from tasks.paths import REPO_ROOT, RunPaths, hetflow_home, write_record
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.registry")
@@ -33,6 +41,11 @@ log = logging.getLogger("hetflow.registry")
 EXPERIMENT = "hetflow"
 CANDIDATE, CHAMPION = "candidate", "champion"
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
+OWNER_TAG, OWNER = "hetflow.created_by", "hetflow"  # set on every registered model hetflow creates
+
+
+class ForeignRegisteredModel(ValueError):
+    """The registered model name belongs to a model hetflow did not create."""
 
 
 def tracking_uri() -> str:
@@ -182,6 +195,39 @@ def log_run_record(
             client.log_artifact(run_id, str(path), "run")
     client.log_artifacts(run_id, str(paths.logs), "logs")
     client.log_artifacts(run_id, str(paths.plots), "plots")
+
+
+def own_registered_model(client: MlflowClient, name: str, registered_model: str) -> None:
+    """Create registered model ``name`` marked as hetflow's, or check that the one there is hetflow's.
+
+    In a shared registry the name may already hold someone else's model: registering into it, and
+    comparing against its champion, would mix hetflow's versions with theirs. ``registered_model``
+    is the spec's value that chose the name (the TFLite model's name adds ``-tflite`` to it)."""
+    try:
+        client.create_registered_model(name, tags={OWNER_TAG: OWNER})
+        return
+    except MlflowException as error:
+        # Created meanwhile, by an earlier run or a concurrent one (the tag comes with the creation).
+        if error.error_code not in (ErrorCode.Name(RESOURCE_ALREADY_EXISTS), ErrorCode.Name(ALREADY_EXISTS)):
+            raise
+    if client.get_registered_model(name).tags.get(OWNER_TAG) != OWNER:
+        raise ForeignRegisteredModel(
+            f"registered_model {registered_model!r}: the registered model {name!r} in {tracking_uri()} was not "
+            f"created by hetflow (no tag {OWNER_TAG}={OWNER}); choose another registered_model"
+        )
+
+
+@contextmanager
+def promotion_lock(name: str):
+    """Hold the one promotion of registered model ``name`` in this MLflow store: an exclusive lock
+    on a file under $HETFLOW_HOME, which every process of a deployment shares (the kernel releases
+    it when its holder dies, so a killed task leaves no stale lock)."""
+    key = hashlib.sha256(f"{tracking_uri()}\n{name}".encode()).hexdigest()[:16]
+    path = hetflow_home() / "locks" / f"promote-{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # closing the file releases it
+        yield
 
 
 def _version_by_alias(client: MlflowClient, name: str, alias: str):
@@ -343,25 +389,32 @@ def _promote(
         decision = {"promote": is_champion, "reason": decided}
         served = json.loads(recorded["served"]) if "served" in recorded else None
     else:
-        versus, score, unscored = "no champion yet", None, None
-        if champion is not None:
-            try:
-                score = champion_accuracy(champion, dataset, log_dir)
-                versus = f"champion v{champion.version} {score:.4f} (margin {accuracy - score:+.4f})"
-            except (serving.ServingError, OSError) as error:
-                unscored = f"champion v{champion.version} could not be served to score it on this test split: {error}"
-                versus = unscored
-        served = check()
-        if not served["passed"]:
-            decision = {"promote": False, "reason": f"served check failed: {served['reason']}"}
-        elif unscored is not None:  # a champion that no server can run is no champion to defend
-            decision = {"promote": True, "reason": unscored}
-        else:
-            decision = gate(spec, accuracy, champion, score)
-        if decision["promote"]:
-            client.set_registered_model_alias(name, CHAMPION, version.version)
-        client.set_model_version_tag(name, version.version, "served", json.dumps(served))
-        client.set_model_version_tag(name, version.version, "gate", decision["reason"][:5000])
+        served = check()  # the candidate's own check, independent of the champion: outside the lock
+        with promotion_lock(name):
+            # Read again under the lock: another run may have moved `champion` since the read above,
+            # and none can move it between this read and our set.
+            champion = _version_by_alias(client, name, CHAMPION)
+            versus, score, unscored = "no champion yet", None, None
+            if champion is not None:
+                try:
+                    score = champion_accuracy(champion, dataset, log_dir)
+                    versus = f"champion v{champion.version} {score:.4f} (margin {accuracy - score:+.4f})"
+                except (serving.ServingError, OSError) as error:
+                    unscored = (
+                        f"champion v{champion.version} could not be served to score it on this test split: {error}"
+                    )
+                    versus = unscored
+            if not served["passed"]:
+                decision = {"promote": False, "reason": f"served check failed: {served['reason']}"}
+            elif unscored is not None:  # a champion that no server can run is no champion to defend
+                decision = {"promote": True, "reason": unscored}
+            else:
+                decision = gate(spec, accuracy, champion, score)
+            if decision["promote"]:
+                client.set_registered_model_alias(name, CHAMPION, version.version)
+            # The decision is recorded under the lock too: a retry of this task must find it.
+            client.set_model_version_tag(name, version.version, "served", json.dumps(served))
+            client.set_model_version_tag(name, version.version, "gate", decision["reason"][:5000])
         client.update_model_version(
             name,
             version.version,
@@ -395,6 +448,11 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
     compression = json.loads(paths.compression.read_text())
     mlflow.set_tracking_uri(tracking_uri())
     client = MlflowClient()
+    name, chosen = spec.registered_model, exported["chosen_tflite"]
+    tflite_name = f"{name}-tflite"
+    # Refused before anything is written to MLflow.
+    for model_name in [name, tflite_name] if chosen is not None else [name]:
+        own_registered_model(client, model_name, name)
     run_id = find_or_create_run(client, dag_id, airflow_run_id, run_name=paths.root.name)
     log_run_record(client, run_id, spec, paths, dataset, training, evaluation, exported)
     images, _ = split_arrays(dataset, "test")
@@ -414,21 +472,18 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
     )
     table = compression_table(exported)
 
-    name = spec.registered_model
     if not paths.saved_model.exists():  # export_formats without saved_model: the registry still serves one
-        import tensorflow as tf
+        from tasks.models import trained_model
 
-        save_serving_model(tf.keras.models.load_model(paths.model), paths.saved_model)
+        save_serving_model(trained_model(spec, dataset, paths.model), paths.saved_model)
     version = _register(client, name, run_id, lambda: _log_saved_model(paths.saved_model, name, images))
     check = _served_check(version, saved_model_predictor(paths.saved_model), images, log_dir)
     report = headline + "- float model: the exported SavedModel (serving_default: raw uint8 images -> logits)"
     accuracy = evaluation["test_accuracy"]
     models = [_promote(client, spec, version, accuracy, dataset, tags, check, report, table, log_dir)]
 
-    chosen = exported["chosen_tflite"]
     if chosen is not None:
         artifact = exported["artifacts"][chosen]
-        tflite_name = f"{name}-tflite"
         tflite_version = _register(
             client, tflite_name, run_id, lambda: _log_tflite_model(artifact["path"], tflite_name, images)
         )
@@ -469,7 +524,7 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
         "mlflow_run_id": run_id,
         "mlflow_tracking_uri": tracking_uri(),
     }
-    paths.registry.write_text(json.dumps(record, indent=2))
+    write_record(paths.registry, record)
     return record
 
 

@@ -1,7 +1,10 @@
 """The stages of ``hetflow_train``: plain functions of the Airflow run id, no Airflow import.
 
-Each stage reads what earlier stages wrote in the run directory and writes its own file there, so
-any stage can be re-run (an Airflow retry) or run outside Airflow (``hetflow train``, tests).
+Each stage reads what earlier stages wrote in the run directory and writes its own record there, so
+any stage can be re-run (an Airflow retry, a Clear) or run outside Airflow (``hetflow train``, tests).
+Each attempt of a stage first removes its own record and every later stage's, and when it succeeds
+leaves a receipt naming itself (``attempts/<stage>.json``): ``summarize`` trusts a record only with
+the receipt of the attempt Airflow reports as the stage's last, successful try.
 """
 
 from __future__ import annotations
@@ -12,14 +15,16 @@ import json
 import logging
 import signal
 import threading
+import time
+import uuid
 from typing import Any, Callable
 
-from tasks.paths import RunPaths, data_dir, run_paths
+from tasks.paths import RunPaths, create_run_dir, data_dir, run_paths, write_record
 from tasks.spec import RunSpec, SpecError, parse_spec
 
 log = logging.getLogger("hetflow.stages")
 
-# (stage, the file it leaves behind), in DAG order: the first missing file names the failed stage.
+# (stage, the record it writes), in DAG order; the stages' names are their Airflow task ids.
 STAGE_OUTPUTS = (
     ("validate_spec", "spec"),
     ("prepare_data", "dataset"),
@@ -30,6 +35,7 @@ STAGE_OUTPUTS = (
     ("export", "export"),
     ("register", "registry"),
 )
+STAGES = tuple(stage for stage, _ in STAGE_OUTPUTS)
 
 
 def _reported(stage: Callable) -> Callable:
@@ -60,29 +66,48 @@ def load_spec(paths: RunPaths) -> RunSpec:
     return RunSpec.model_validate_json(paths.spec.read_text())
 
 
+@contextlib.contextmanager
+def _attempt(paths: RunPaths, stage: str, run_id: str, try_number: int | None):
+    """One attempt of ``stage``: on entry it removes the records of this stage and of every later one,
+    and the summary, so that no earlier attempt's files outlive a failing one; on success it writes
+    the receipt naming this attempt (the dict it yields, which the stage also returns to Airflow).
+
+    :param try_number: Airflow's try number of the task (None outside Airflow), for the reader.
+    """
+    for later, record in STAGE_OUTPUTS[STAGES.index(stage) :]:
+        paths.attempt(later).unlink(missing_ok=True)  # the receipt first: a record without one is not trusted
+        getattr(paths, record).unlink(missing_ok=True)
+    paths.summary.unlink(missing_ok=True)
+    attempt = {"stage": stage, "run_id": run_id, "try_number": try_number, "id": uuid.uuid4().hex}
+    yield attempt
+    write_record(paths.attempt(stage), {**attempt, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
 @_reported
-def validate_spec(values: dict[str, Any], run_id: str) -> dict[str, Any]:
+def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Validate the run's conf (form values plus any extra keys); nothing starts when it is invalid."""
     from tasks.cluster import backends
 
     spec = parse_spec(values)
     problems = backends.preflight(spec, run_id)
     if problems:
+        # Before any record is touched: a refused run id may belong to a run that is still going.
         raise SpecError(problems)
-    paths = run_paths(run_id)
-    paths.root.mkdir(parents=True, exist_ok=True)
-    paths.spec.write_text(spec.model_dump_json(indent=2))
+    paths = create_run_dir(run_id)
+    with _attempt(paths, "validate_spec", run_id, try_number) as attempt:
+        write_record(paths.spec, spec.model_dump(mode="json"))
     log.info("spec: %s", spec.model_dump())
-    return spec.model_dump()
+    return {**spec.model_dump(), "attempt": attempt}
 
 
 @_reported
-def prepare_data(run_id: str) -> dict[str, Any]:
+def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     from tasks.data.prepare import prepare_dataset
 
     paths = run_paths(run_id)
-    record = prepare_dataset(load_spec(paths).dataset, data_dir())
-    paths.dataset.write_text(json.dumps(record, indent=2))
+    with _attempt(paths, "prepare_data", run_id, try_number) as attempt:
+        record = prepare_dataset(load_spec(paths).dataset, data_dir())
+        write_record(paths.dataset, record)
     log.info(
         "dataset %s %s %s (fingerprint %s)",
         record["name"],
@@ -90,7 +115,7 @@ def prepare_data(run_id: str) -> dict[str, Any]:
         "re-used" if record["reused"] else "prepared",
         record["fingerprint"][:12],
     )
-    return record
+    return {**record, "attempt": attempt}
 
 
 # Runs whose replicas this process started and has not torn down: what `hetflow run` ends when
@@ -99,44 +124,46 @@ PROVISIONED_HERE: set[str] = set()
 
 
 @_reported
-def provision_cluster(run_id: str) -> dict[str, Any]:
+def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Lay out the cluster and start every replica (processes, containers or pods); ``train``
     supervises them."""
     from tasks.cluster import backends
 
     paths = run_paths(run_id)
-    spec = load_spec(paths)
-    if spec.strategy == "auto":  # balance_batches alone: the workers probe themselves when they start
-        from tasks.auto import plan_training
+    with _attempt(paths, "provision_cluster", run_id, try_number) as attempt:
+        spec = load_spec(paths)
+        if spec.strategy == "auto":  # balance_batches alone: the workers probe themselves when they start
+            from tasks.auto import plan_training
 
-        spec = plan_training(spec, run_id, paths)
-        # From here on the run trains with the resolved spec; the request stays in plan.json.
-        paths.spec.write_text(spec.model_dump_json(indent=2))
-    paths.restarts.unlink(missing_ok=True)  # a re-provisioned run starts its restart count anew
-    layout = backends.plan(spec, run_id)
-    paths.cluster.write_text(json.dumps(layout.to_dict(), indent=2))
-    cluster = backends.replicas(spec, layout, paths.root)
-    PROVISIONED_HERE.add(run_id)
-    cluster.provision()
+            spec = plan_training(spec, run_id, paths)
+            # From here on the run trains with the resolved spec; the request stays in plan.json.
+            write_record(paths.spec, spec.model_dump(mode="json"))
+        paths.restarts.unlink(missing_ok=True)  # a re-provisioned run starts its restart count anew
+        layout = backends.plan(spec, run_id)
+        write_record(paths.cluster, layout.to_dict())
+        cluster = backends.replicas(spec, layout, paths.root)
+        PROVISIONED_HERE.add(run_id)
+        cluster.provision()
     log.info(
         "started %s on %s: %s", ", ".join(r.name for r in cluster.layout.replicas), spec.backend, layout.cluster_spec()
     )
-    return cluster.layout.to_dict()
+    return {**cluster.layout.to_dict(), "attempt": attempt}
 
 
 @_reported
-def train(run_id: str) -> dict[str, Any]:
+def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Supervise the provisioned replicas until training ends; their output streams into this
     task's log. A SIGTERM (Airflow stopping the task) stops them before the task goes."""
     from tasks.cluster import backends
     from tasks.cluster.layout import ClusterLayout
 
     paths = run_paths(run_id)
-    spec = load_spec(paths)
-    cluster = backends.replicas(spec, ClusterLayout.from_dict(_read(paths.cluster)), paths.root)
-    with _stopped_on_sigterm(lambda: backends.teardown(spec, run_id)):
-        backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
-    return _read(paths.training)
+    with _attempt(paths, "train", run_id, try_number) as attempt:
+        spec = load_spec(paths)
+        cluster = backends.replicas(spec, ClusterLayout.from_dict(_read(paths.cluster)), paths.root)
+        with _stopped_on_sigterm(lambda: backends.teardown(spec, run_id)):
+            backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
+    return {**_read(paths.training), "attempt": attempt}
 
 
 class Interrupted(RuntimeError):
@@ -176,31 +203,34 @@ def teardown_cluster(run_id: str) -> list:
 
 
 @_reported
-def evaluate(run_id: str) -> dict[str, Any]:
+def evaluate(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     from tasks.evaluate import evaluate as evaluate_model
 
     paths = run_paths(run_id)
-    result = evaluate_model(paths, _read(paths.dataset))
+    with _attempt(paths, "evaluate", run_id, try_number) as attempt:
+        result = evaluate_model(paths, _read(paths.dataset))
     log.info("test accuracy %.4f, loss %.4f", result["test_accuracy"], result["test_loss"])
-    return {k: v for k, v in result.items() if k != "confusion_matrix"}
+    return {**{k: v for k, v in result.items() if k != "confusion_matrix"}, "attempt": attempt}
 
 
 @_reported
-def compress(run_id: str) -> dict[str, Any]:
+def compress(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     from tasks.compress import compress as compress_model
 
     paths = run_paths(run_id)
-    record = compress_model(load_spec(paths), paths, _read(paths.dataset))
+    with _attempt(paths, "compress", run_id, try_number) as attempt:
+        record = compress_model(load_spec(paths), paths, _read(paths.dataset))
     log.info("compressed variants: %s; kernel sparsity %s", list(record["variants"]), record.get("kernel_sparsity"))
-    return record
+    return {**record, "attempt": attempt}
 
 
 @_reported
-def export(run_id: str) -> dict[str, Any]:
+def export(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     from tasks.export import export as export_artifacts
 
     paths = run_paths(run_id)
-    record = export_artifacts(load_spec(paths), paths, _read(paths.dataset))
+    with _attempt(paths, "export", run_id, try_number) as attempt:
+        record = export_artifacts(load_spec(paths), paths, _read(paths.dataset))
     for name, artifact in record["artifacts"].items():
         log.info(
             "%s: accuracy %.4f (drop %+.4f), %d bytes (%d gzipped), %.4f ms/example%s",
@@ -212,7 +242,11 @@ def export(run_id: str) -> dict[str, Any]:
             artifact["latency_ms"],
             "" if artifact["accepted"] else f" -- rejected: {artifact['reason']}",
         )
-    return {"chosen_tflite": record["chosen_tflite"], "float_test_accuracy": record["float_test_accuracy"]}
+    return {
+        "chosen_tflite": record["chosen_tflite"],
+        "float_test_accuracy": record["float_test_accuracy"],
+        "attempt": attempt,
+    }
 
 
 class TrackingUnavailable(RuntimeError):
@@ -220,7 +254,7 @@ class TrackingUnavailable(RuntimeError):
 
 
 @_reported
-def register(run_id: str, dag_id: str) -> dict[str, Any]:
+def register(run_id: str, dag_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Everything to MLflow. MLflow's client retries with backoff (MLFLOW_HTTP_REQUEST_MAX_RETRIES,
     MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR); when the server stays away the task fails saying so, and
     the run's files stay in place for a retry of this task."""
@@ -232,22 +266,43 @@ def register(run_id: str, dag_id: str) -> dict[str, Any]:
 
     paths = run_paths(run_id)
     try:
-        return register_model(load_spec(paths), paths, _read(paths.dataset), dag_id, run_id)
+        with _attempt(paths, "register", run_id, try_number) as attempt:
+            record = register_model(load_spec(paths), paths, _read(paths.dataset), dag_id, run_id)
     except (MlflowException, requests.exceptions.RequestException) as error:
         reason = str(error).splitlines()[0][:300]
         raise TrackingUnavailable(
             f"MLflow at {tracking_uri()} failed: {reason}; the trained model and every stage's files are kept "
             f"in {paths.root}: retry the register task once MLflow is reachable"
         ) from error
+    return {**record, "attempt": attempt}
+
+
+def _done(paths: RunPaths, stage: str, record: str, returned: dict[str, Any] | None) -> bool:
+    """Whether ``stage``'s record is there with the receipt of the attempt that wrote it and, under
+    Airflow, that attempt is the one whose return value Airflow holds (a stage's last try)."""
+    receipt = paths.attempt(stage)
+    if not (receipt.exists() and getattr(paths, record).exists()):
+        return False
+    if returned is None:  # outside Airflow: the receipt alone says the last attempt finished
+        return True
+    reported = (returned.get(stage) or {}).get("attempt") or {}
+    return reported.get("id") == _read(receipt)["id"]
 
 
 @_reported
-def summarize(run_id: str) -> dict[str, Any]:
-    """Write summary.json from whatever the stages left; status is ``failed`` if any stage did not finish."""
+def summarize(run_id: str, returned: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write summary.json; status is ``failed`` when a stage did not finish, whatever files an
+    earlier attempt left behind.
+
+    :param returned: each stage's return value as Airflow holds it for this DAG run, None where
+        the stage's last try failed or never ran (Airflow deletes a task's XComs when a try
+        starts); None outside Airflow, where the receipts alone decide.
+    """
     paths = run_paths(run_id)
-    outputs = {name: getattr(paths, attr) for name, attr in STAGE_OUTPUTS}
-    failed_stage = next((name for name, path in outputs.items() if not path.exists()), None)
-    read = {name: _read(path) if path.exists() else None for name, path in outputs.items()}
+    failed_stage = next((stage for stage, record in STAGE_OUTPUTS if not _done(paths, stage, record, returned)), None)
+    # Only the records of the stages before the failed one are this attempt's: nothing after it is reported.
+    finished = STAGES[: STAGES.index(failed_stage)] if failed_stage else STAGES
+    read = {stage: _read(getattr(paths, record)) if stage in finished else None for stage, record in STAGE_OUTPUTS}
     training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
     exported = (read["export"] or {}).get("artifacts", {})
     dataset = read["prepare_data"] or {}
@@ -256,6 +311,7 @@ def summarize(run_id: str) -> dict[str, Any]:
         "status": "failed" if failed_stage else "success",
         "failed_stage": failed_stage,
         "run_dir": str(paths.root),
+        "attempts": {stage: _read(paths.attempt(stage)) for stage in finished},
         "spec": read["validate_spec"],
         "dataset": {k: dataset.get(k) for k in ("name", "version", "fingerprint", "splits")},
         "mlflow_tracking_uri": registry.get("mlflow_tracking_uri"),
@@ -268,7 +324,9 @@ def summarize(run_id: str) -> dict[str, Any]:
             "time_to_first_step_seconds": training.get("time_to_first_step_seconds"),
         },
         "artifacts": {
-            "model": {"path": str(paths.model), "bytes": paths.model.stat().st_size} if paths.model.exists() else None,
+            "model": {"path": str(paths.model), "bytes": paths.model.stat().st_size}
+            if training and paths.model.exists()
+            else None,
             "exported": {
                 name: {k: a[k] for k in ("path", "bytes", "gzip_bytes", "test_accuracy", "accepted")}
                 for name, a in exported.items()
@@ -277,7 +335,7 @@ def summarize(run_id: str) -> dict[str, Any]:
             "replica_logs": sorted(str(p) for p in paths.logs.glob("*.log")),
             "plots": sorted(str(p) for p in paths.plots.glob("*.png")),
         },
-        "replicas": (_read(paths.cluster) if paths.cluster.exists() else {}).get("replicas"),
+        "replicas": (read["provision_cluster"] or {}).get("replicas"),
         "restarts": _read(paths.restarts) if paths.restarts.exists() else [],
         "registry": {
             k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate", "models")
@@ -285,7 +343,7 @@ def summarize(run_id: str) -> dict[str, Any]:
         if registry
         else None,
     }
-    paths.summary.write_text(json.dumps(summary, indent=2))
+    write_record(paths.summary, summary)
     if failed_stage:
         raise RuntimeError(f"run {run_id} failed at stage {failed_stage}; summary: {paths.summary}")
     return summary

@@ -97,6 +97,27 @@ def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
         supervisor.kill()
 
 
+def test_stopping_the_stack_ends_replicas_no_task_supervises_yet(provisioned, hetflow_env, tmp_path):
+    """Between provision_cluster and train the keepers have no supervisor: ``make down`` ends them
+    (else they would wait out the attach timeout); a run under another HETFLOW_HOME is left alone."""
+    from tasks.cluster.local import RUN_ID_ENV, run_processes, teardown_runs_of_home
+    from tasks.paths import hetflow_home
+
+    run_id = provisioned()
+    assert wait_for(lambda: list(run_replicas(run_id)) == ["worker-0"], timeout=30)
+    other_home = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={**hetflow_env, "HETFLOW_HOME": str(tmp_path), RUN_ID_ENV: "other-home-run"},
+        start_new_session=True,
+    )
+    try:
+        ended = teardown_runs_of_home(hetflow_home())
+        assert set(run_processes(run_id)) == set() and len(ended) == 2  # the keeper and its replica
+        assert run_processes("other-home-run") == [other_home.pid]
+    finally:
+        other_home.kill()
+
+
 def test_teardown_ends_a_replica_that_ignores_sigterm(hetflow_env):
     from tasks.cluster.local import RUN_ID_ENV, run_processes, teardown_run
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 
@@ -38,17 +41,67 @@ def test_prepare_is_idempotent_and_the_fingerprint_stable(prepared):
 def test_fingerprint_changes_with_the_data(prepared, tmp_path):
     import shutil
 
-    from tasks.data.prepare import _fingerprint
+    from tasks.data.prepare import _digests
 
     data_dir, record = prepared
     copy = tmp_path / "copy"
     shutil.copytree(data_dir / "uci_digits" / "1.0.0", copy)
-    (copy / "hetflow_fingerprint.json").unlink()
-    assert _fingerprint(copy) == record["fingerprint"]
+    assert _digests(copy)[0] == record["fingerprint"]
     shard = sorted(copy.glob("*train.tfrecord-*"))[0]
     shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
-    (copy / "hetflow_fingerprint.json").unlink()
-    assert _fingerprint(copy) != record["fingerprint"]
+    assert _digests(copy)[0] != record["fingerprint"]
+
+
+def _flip_a_byte_in_place(path):
+    """Change one byte of ``path`` and give it back its size and mtime: what a disk error, or a tool
+    that rewrites a file and keeps its times, leaves behind."""
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def test_a_shard_changed_in_place_is_named_not_reused(tmp_path):
+    from tasks.data.prepare import prepare_dataset
+
+    first = prepare_dataset("uci_digits", tmp_path)
+    version_dir = tmp_path / "uci_digits" / "1.0.0"
+    shard = sorted(version_dir.glob("uci_digits-test.tfrecord-*"))[2]
+    _flip_a_byte_in_place(shard)
+    with pytest.raises(ValueError) as refused:
+        prepare_dataset("uci_digits", tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message
+    # TFRecord checksums catch a flipped byte; the shard is named either way, and the fix given.
+    assert f"data shard {shard} " in message and f"delete {version_dir} to prepare it again" in message
+    assert len(list(version_dir.glob("*.tfrecord-*"))) == 12  # nothing deleted behind the user's back
+    # The index still holds the fingerprint of the data as prepared.
+    index = json.loads((tmp_path / "hetflow_fingerprints.json").read_text())
+    assert index == {"uci_digits": first["fingerprint"]}
+
+
+def test_a_shard_rewritten_with_valid_records_is_named(tmp_path):
+    """Its records reordered: valid checksums, the same count and size, only the content differs,
+    which only the content hash recorded at preparation tells."""
+    import tensorflow as tf
+
+    from tasks.data.prepare import prepare_dataset
+
+    prepare_dataset("uci_digits", tmp_path)
+    version_dir = tmp_path / "uci_digits" / "1.0.0"
+    shard = sorted(version_dir.glob("uci_digits-train.tfrecord-*"))[1]
+    before = shard.stat()
+    records = [r.numpy() for r in tf.data.TFRecordDataset(str(shard))]
+    with tf.io.TFRecordWriter(str(shard)) as writer:
+        for record in reversed(records):
+            writer.write(record)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (shard.stat().st_size, shard.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with pytest.raises(ValueError, match=rf"^data shard {shard} changed since it was prepared .*delete {version_dir}"):
+        prepare_dataset("uci_digits", tmp_path)
 
 
 def test_tfds_load_by_name_gives_raw_uint8_images(prepared):

@@ -24,9 +24,11 @@ def train(env, *sets: str) -> tuple[dict, Path]:
 
 
 def model_weights(run_dir: Path) -> list[np.ndarray]:
-    import tensorflow as tf
+    """The trained weights, read as every stage reads them: into the MLP rebuilt here."""
+    from tasks.models import build_model, read_weights
+    from tasks.paths import RunPaths
 
-    return tf.keras.models.load_model(run_dir / "model.keras", compile=False).get_weights()
+    return read_weights(build_model("mlp", [8, 8, 1], 10, seed=42), RunPaths(run_dir).model).get_weights()
 
 
 def test_two_workers_with_half_batches_match_one_worker_with_the_whole_batch(hetflow_env):
@@ -140,3 +142,30 @@ def test_linear_lr_scaling_with_warmup(hetflow_env):
         "peak": pytest.approx(0.1),
         "warmup_steps": 2 * steps,
     }
+
+
+def test_the_whole_job_is_timed_from_launch_to_the_weights_written(hetflow_env):
+    """training.json's whole-job figures cover the replica's launch to its final weights: inside the
+    wall time of the command, after the weights file was written, and split into parts that each
+    took time where time must go (start-up imports TensorFlow; every epoch validates)."""
+    import time
+
+    from tasks.paths import RunPaths
+
+    before = time.time()
+    record, run_dir = train(hetflow_env, "strategy=multi_worker_mirrored", "workers=2", "epochs=2")
+    after = time.time()
+    assert before < record["launched_at"] < record["weights_written_at"] < after
+    assert RunPaths(run_dir).model.stat().st_mtime <= record["weights_written_at"]
+    assert record["whole_job_seconds"] == pytest.approx(record["weights_written_at"] - record["launched_at"])
+    examples = 2 * record["steps_per_epoch"] * record["global_batch"]
+    assert record["whole_job_examples_per_second"] == pytest.approx(examples / record["whole_job_seconds"])
+    parts = record["whole_job_breakdown"]
+    assert list(parts) == ["start_up", "first_step", "steps", "validation", "between_epochs", "shutdown"]
+    assert all(seconds >= 0 for seconds in parts.values()), parts
+    assert parts["start_up"] > 1.0  # a process that imports TensorFlow and joins a cluster
+    assert len(record["validation_seconds"]) == 2 and parts["validation"] == pytest.approx(
+        sum(record["validation_seconds"])
+    )
+    assert sum(parts.values()) == pytest.approx(record["whole_job_seconds"])
+    assert record["whole_job_seconds"] > sum(record["epoch_seconds"]) + parts["start_up"]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tasks.cluster.layout import ClusterLayout, Replica, free_local_port
 from tasks.cluster.supervisor import ReplicaFailed, ReplicaState
-from tasks.paths import REPO_ROOT, RunPaths
+from tasks.paths import REPO_ROOT, RunPaths, write_record
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -159,7 +159,7 @@ class LocalReplicas:
             replicas.append(replica)
         if tuple(replicas) != self.layout.replicas:
             self.layout = ClusterLayout(self.layout.run_id, tuple(replicas))
-            self.paths.cluster.write_text(json.dumps(self.layout.to_dict(), indent=2))
+            write_record(self.paths.cluster, self.layout.to_dict())
 
     def start(self, replicas) -> None:
         for replica in replicas:
@@ -325,9 +325,10 @@ def _reap(pids: list[int]) -> None:
             pass
 
 
-def _run_environments(run_id: str) -> dict[int, list[bytes]]:
-    """The environment of every live process that carries this run's id, by pid."""
-    needle = f"{RUN_ID_ENV}={run_id}".encode()
+def _environments_with(*entries: str) -> dict[int, list[bytes]]:
+    """The environment of every live process whose environment holds all ``entries``
+    (``NAME=value``), by pid."""
+    needles = [entry.encode() for entry in entries]
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -336,9 +337,13 @@ def _run_environments(run_id: str) -> dict[int, list[bytes]]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if needle in environ:
+        if all(needle in environ for needle in needles):
             found[int(entry.name)] = environ
     return found
+
+
+def _run_environments(run_id: str) -> dict[int, list[bytes]]:
+    return _environments_with(f"{RUN_ID_ENV}={run_id}")
 
 
 def run_processes(run_id: str) -> list[int]:
@@ -364,7 +369,24 @@ def run_replicas(run_id: str) -> dict[str, int]:
 
 def teardown_run(run_id: str) -> list[int]:
     """End every process of the run, found by run id whatever started it. Returns the pids ended."""
-    pids = run_processes(run_id)
+    return _end(run_processes(run_id))
+
+
+def teardown_runs_of_home(home: Path) -> list[int]:
+    """End every replica and keeper of any run under ``HETFLOW_HOME=home``, found by the
+    environment its task gave it: what ``make down`` does for the runs it interrupts (a run
+    provisioned but not yet supervised lives until its keepers' attach timeout). Returns the pids."""
+    return _end(
+        [
+            pid
+            for pid, environ in _environments_with(f"HETFLOW_HOME={home}").items()
+            if any(entry.startswith(f"{RUN_ID_ENV}=".encode()) for entry in environ)
+        ]
+    )
+
+
+def _end(pids: list[int]) -> list[int]:
+    """Stop the pids' process groups; kill any pid left (a keeper outside its own group)."""
     if pids:
         stop_process_groups(pids)
         for pid in pids:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Literal, Protocol, Sequence
 
 from tasks.cluster.layout import ClusterLayout, Replica
+from tasks.paths import write_record
 
 log = logging.getLogger("hetflow.cluster")
 
@@ -261,7 +262,7 @@ class Supervisor:
         log.warning(
             "%s %s: %s (%d of backoff_limit %d)", name, record["cause"], action, len(self.restarts), self.backoff_limit
         )
-        self.restarts_path.write_text(json.dumps(self.restarts, indent=2))
+        write_record(self.restarts_path, self.restarts)
         restarted_at = time.time()
         self.replicas.start([r for r in self.layout.replicas if r.name in decision.replicas])
         self.follow(decision.replicas, since=restarted_at)

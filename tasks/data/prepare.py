@@ -1,18 +1,47 @@
-"""prepare_data: build a TFDS dataset once into the shared data dir and fingerprint it."""
+"""prepare_data: build a TFDS dataset once into the shared data dir and fingerprint it.
+
+Runs share the data dir and may prepare at the same moment: each dataset is prepared under a file
+lock of its own, and the index of current fingerprints is rewritten under another.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
+
+from tasks.paths import write_record
 
 # Builders that need no network. Importing their module registers them with TFDS.
 OFFLINE_DATASETS = ("uci_digits", "synthetic_cifar")
 
+# Beside the shards: the fingerprint and each shard's SHA-256, recorded when they were prepared.
 _FINGERPRINT_CACHE = "hetflow_fingerprint.json"
 # The last fingerprint prepared of each dataset, to tell new data from re-used or re-built data.
 _CURRENT_FINGERPRINTS = "hetflow_fingerprints.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive ``flock`` on ``path`` (created if missing); other processes wait for it.
+    The kernel drops the lock when its holder exits, so a killed run leaves no stale lock."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as error:
+        raise ValueError(
+            f"data dir {path.parent} is not writable ({error.strerror}); set HETFLOW_HOME to a writable directory"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _builder(name: str, data_dir: Path):
@@ -33,14 +62,19 @@ def _shard_files(version_dir: Path) -> list[Path]:
     return sorted(p for p in version_dir.iterdir() if ".tfrecord-" in p.name or ".array_record-" in p.name)
 
 
-def _cached_fingerprint(version_dir: Path) -> str | None:
-    """The recorded fingerprint, if the shard files are still the ones it was computed from."""
-    cache = version_dir / _FINGERPRINT_CACHE
-    if not cache.exists():
-        return None
-    cached = json.loads(cache.read_text())
-    listing = {p.name: p.stat().st_size for p in _shard_files(version_dir)}
-    return cached["fingerprint"] if cached["files"] == listing else None
+def _digests(version_dir: Path) -> tuple[str, dict[str, str]]:
+    """The dataset's fingerprint (SHA-256 over every shard's name and bytes, in name order) and each
+    shard's own SHA-256, read in one pass."""
+    fingerprint, shards = hashlib.sha256(), {}
+    for shard in _shard_files(version_dir):
+        own = hashlib.sha256()
+        fingerprint.update(shard.name.encode())
+        with shard.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                fingerprint.update(block)
+                own.update(block)
+        shards[shard.name] = own.hexdigest()
+    return fingerprint.hexdigest(), shards
 
 
 def verify_shards(info, version_dir: Path) -> None:
@@ -63,22 +97,26 @@ def verify_shards(info, version_dir: Path) -> None:
                 )
 
 
-def _fingerprint(version_dir: Path) -> str:
-    """SHA-256 over the prepared shard files (names and bytes), cached beside them by name and size."""
-    cached = _cached_fingerprint(version_dir)
-    if cached is not None:
-        return cached
-    shards = _shard_files(version_dir)
-    listing = {p.name: p.stat().st_size for p in shards}
+def _fingerprint(info, version_dir: Path) -> str:
+    """The fingerprint of the prepared shards, checked against their content as recorded at
+    preparation: a shard changed in place (same name, size, even mtime) must not keep the old
+    fingerprint, or the champion gate would compare against the wrong baseline. Shards never
+    recorded (prepared before hetflow recorded them) are checked for record counts, then recorded."""
     cache = version_dir / _FINGERPRINT_CACHE
-    digest = hashlib.sha256()
-    for shard in shards:
-        digest.update(shard.name.encode())
-        with shard.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-    fingerprint = digest.hexdigest()
-    cache.write_text(json.dumps({"files": listing, "fingerprint": fingerprint}, indent=2))
+    fingerprint, shards = _digests(version_dir)
+    recorded = json.loads(cache.read_text()) if cache.exists() else {}
+    if "shards" not in recorded:
+        verify_shards(info, version_dir)
+        write_record(cache, {"fingerprint": fingerprint, "shards": shards})
+        return fingerprint
+    if shards != recorded["shards"]:
+        verify_shards(info, version_dir)  # a truncated or corrupt shard is named as such
+        names = sorted(shards.keys() | recorded["shards"].keys())
+        changed = next(name for name in names if shards.get(name) != recorded["shards"].get(name))
+        raise ValueError(
+            f"data shard {version_dir / changed} changed since it was prepared (its SHA-256 differs from the one "
+            f"recorded in {cache}); delete {version_dir} to prepare it again"
+        )
     return fingerprint
 
 
@@ -86,24 +124,14 @@ def fingerprint_changed(data_dir: Path, name: str, fingerprint: str) -> bool:
     """Record ``fingerprint`` as ``name``'s current one; True when it replaces a different one (new
     data: hetflow_retrain is triggered), False when it is unchanged or the dataset is new here."""
     path = data_dir / _CURRENT_FINGERPRINTS
-    current = json.loads(path.read_text()) if path.exists() else {}
-    previous = current.get(name)
-    if previous != fingerprint:
-        current[name] = fingerprint
-        path.write_text(json.dumps(current, indent=2))
+    # Read, change, write under one lock: two runs recording two datasets must both be kept.
+    with _locked(data_dir / f".{_CURRENT_FINGERPRINTS}.lock"):
+        current = json.loads(path.read_text()) if path.exists() else {}
+        previous = current.get(name)
+        if previous != fingerprint:
+            current[name] = fingerprint
+            write_record(path, current)
     return previous is not None and previous != fingerprint
-
-
-def _check_writable(data_dir: Path) -> None:
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        probe = data_dir / ".hetflow-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise ValueError(
-            f"data dir {data_dir} is not writable ({error.strerror}); set HETFLOW_HOME to a writable directory"
-        ) from None
 
 
 def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
@@ -114,19 +142,20 @@ def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
     """
     import tensorflow_datasets as tfds
 
-    builder = _builder(name, data_dir)
-    prepared_before = builder.is_prepared()
-    if prepared_before and _cached_fingerprint(Path(builder.data_dir)) is None:
-        # The files changed since they were fingerprinted (or never were): check them first.
-        verify_shards(builder.info, Path(builder.data_dir))
-    if not prepared_before:
-        _check_writable(data_dir)
-        shards = getattr(builder, "NUM_SHARDS", None)
-        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(num_shards=shards))
-    info = builder.info
+    # One lock per dataset, whatever the version or config asked for: two processes preparing one
+    # dataset at once would both build it, and the second fail to move its copy into place. The
+    # builder is made under the lock, so that it sees what the lock's previous holder prepared.
+    family = re.sub(r"[^A-Za-z0-9_]", "_", re.split(r"[:/]", name)[0])
+    with _locked(data_dir / f".{family}.lock"):
+        builder = _builder(name, data_dir)
+        prepared_before = builder.is_prepared()
+        if not prepared_before:
+            shards = getattr(builder, "NUM_SHARDS", None)
+            builder.download_and_prepare(download_config=tfds.download.DownloadConfig(num_shards=shards))
+        info = builder.info
+        version_dir = Path(builder.data_dir)
+        fingerprint = _fingerprint(info, version_dir)
     image_key, label_key = info.supervised_keys
-    version_dir = Path(builder.data_dir)
-    fingerprint = _fingerprint(version_dir)
     return {
         "name": info.name,
         "version": str(info.version),

@@ -34,7 +34,7 @@ import tensorflow as tf
 from tasks.auto import split_batch
 from tasks.data.pipeline import eval_input, train_slices
 from tasks.models import build_model
-from tasks.paths import RunPaths
+from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec
 from tasks.strategies.common import (
     EpochCheckpoint,
@@ -77,7 +77,7 @@ def worker_shares(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task:
     shares = split_batch(spec.batch_size, [probe["examples_per_second"] for probe in probes])
     if is_chief(task):
         plan = {"requested": spec.model_dump(), "probes": probes, "worker_batches": shares}
-        paths.plan.write_text(json.dumps(plan, indent=2))
+        write_record(paths.plan, plan)
     return shares
 
 

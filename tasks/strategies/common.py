@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -13,7 +12,7 @@ import tensorflow as tf
 
 from tasks.data.pipeline import eval_input
 from tasks.models import build_model
-from tasks.paths import RunPaths
+from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec, WorkerDevice
 
 
@@ -108,9 +107,15 @@ def make_optimizer(spec: RunSpec, schedule) -> tf.keras.optimizers.Optimizer:
 
 
 class TrainingClock(tf.keras.callbacks.Callback):
-    """Wall time per epoch; time from replica launch to the end of the first step; and, given a
-    target accuracy, the training time until validation accuracy first reached it (training
-    stops there: ``reached`` for custom loops, ``stop_training`` for ``model.fit``)."""
+    """Where a replica's time goes, from its launch (``HETFLOW_LAUNCH_TIME``) to its final weights:
+    a Keras callback for ``model.fit``, called by hand in the custom loops (same method names).
+
+    Records wall time per epoch (validation included) and within it the validation passes; the
+    time to the end of the first step; and, given a target accuracy, the training time until
+    validation accuracy first reached it (training stops there: ``reached`` for custom loops,
+    ``stop_training`` for ``model.fit``). ``breakdown`` splits the whole job into parts that add
+    up to it. Checkpoints are saved after ``on_epoch_end`` (put this callback before
+    BackupAndRestore), so they fall between epochs."""
 
     def __init__(self, target_accuracy: float | None = None):
         super().__init__()
@@ -118,22 +123,37 @@ class TrainingClock(tf.keras.callbacks.Callback):
         self.target_accuracy = target_accuracy
         self.first_step_seconds: float | None = None
         self.epoch_seconds: list[float] = []
+        self.validation_seconds: list[float] = []
         self.seconds_to_target: float | None = None
         self.target_reached_at: float | None = None  # unix time: benchmarks time from their own start
         self._epoch_start = 0.0
+        self._validation_start = 0.0
+        self._first_epoch_began_at: float | None = None  # unix times, comparable with the launch
+        self._first_step_at: float | None = None
+        self._last_epoch_ended_at: float | None = None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch_start = time.perf_counter()
+        if self._first_epoch_began_at is None:
+            self._first_epoch_began_at = time.time()
 
     def on_train_batch_end(self, batch, logs=None):
         self.first_step_done()
 
     def first_step_done(self) -> None:
         if self.first_step_seconds is None:
-            self.first_step_seconds = time.time() - self.launched_at
+            self._first_step_at = time.time()
+            self.first_step_seconds = self._first_step_at - self.launched_at
+
+    def on_test_begin(self, logs=None):
+        self._validation_start = time.perf_counter()
+
+    def on_test_end(self, logs=None):
+        self.validation_seconds.append(time.perf_counter() - self._validation_start)
 
     def on_epoch_end(self, epoch, logs=None):
         self.epoch_seconds.append(time.perf_counter() - self._epoch_start)
+        self._last_epoch_ended_at = time.time()
         accuracy = (logs or {}).get("val_accuracy")
         if self.target_accuracy is not None and not self.reached and accuracy >= self.target_accuracy:
             self.seconds_to_target = sum(self.epoch_seconds)
@@ -149,11 +169,31 @@ class TrainingClock(tf.keras.callbacks.Callback):
     def epochs_done(self) -> int:
         return len(self.epoch_seconds)
 
+    def breakdown(self, weights_written_at: float) -> dict[str, float] | None:
+        """The whole job in parts that add up to it: start-up (launch to the first epoch: process,
+        imports, cluster, model, input), the first step (tracing), the other steps, validation,
+        between epochs (checkpoints), shutdown (last epoch to the weights written). None when no
+        epoch ran here (a resumed run that had nothing left to do)."""
+        if self._first_epoch_began_at is None or self._first_step_at is None:
+            return None
+        in_epochs = sum(self.epoch_seconds)
+        first_step = self._first_step_at - self._first_epoch_began_at
+        validation = sum(self.validation_seconds)
+        return {
+            "start_up": self._first_epoch_began_at - self.launched_at,
+            "first_step": first_step,
+            "steps": in_epochs - first_step - validation,
+            "validation": validation,
+            "between_epochs": self._last_epoch_ended_at - self._first_epoch_began_at - in_epochs,
+            "shutdown": weights_written_at - self._last_epoch_ended_at,
+        }
+
     def record(self) -> dict[str, Any]:
         """The timing part of training.json."""
         return {
             "epochs_done": self.epochs_done,
             "epoch_seconds": self.epoch_seconds,
+            "validation_seconds": self.validation_seconds,
             "time_to_first_step_seconds": self.first_step_seconds,
             "target_accuracy": self.target_accuracy,
             "seconds_to_target": self.seconds_to_target,
@@ -228,17 +268,18 @@ def run_epochs(
             clock.first_step_done()
             loss_sum += float(loss)
             correct += float(hits)
-        validation_started = time.perf_counter()
+        clock.on_test_begin()
         sums = [loss_sum, correct, *score_validation()]
         loss_sum, correct, val_loss_sum, val_correct, val_count = sum_over_workers(sums) if sum_over_workers else sums
-        validation_seconds = time.perf_counter() - validation_started
+        clock.on_test_end()
         val_accuracy = val_correct / val_count
         clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
         values = (loss_sum / steps, correct / (steps * spec.batch_size), val_loss_sum / val_count, val_accuracy)
         for name, value in zip(history, values):
             history[name].append(float(value))
         print(
-            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s (validation {validation_seconds:.1f}s)"
+            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s"
+            f" (validation {clock.validation_seconds[-1]:.1f}s)"
             f" - loss: {history['loss'][-1]:.4f} - accuracy: {history['accuracy'][-1]:.4f}"
             f" - val_loss: {history['val_loss'][-1]:.4f} - val_accuracy: {val_accuracy:.4f}",
             flush=True,
@@ -268,10 +309,16 @@ def training_record(
     per_replica_batch: int | list[int] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """training.json's content common to every strategy; throughput is measured over
-    ``measured_seconds`` (default: the whole training time); ``per_replica_batch`` defaults to
-    equal shares of the global batch (balanced sync gives each worker's)."""
+    """training.json's content common to every strategy, made right after the final weights are
+    written. ``examples_per_second`` is measured over ``measured_seconds`` (default: the whole
+    training time); ``whole_job_examples_per_second`` over the time from the replica's launch to
+    its final weights, with ``whole_job_breakdown`` saying where that time went;
+    ``per_replica_batch`` defaults to equal shares of the global batch (balanced sync gives each
+    worker's)."""
     seconds = measured_seconds or train_seconds
+    weights_written_at = time.time()
+    examples = spec.batch_size * clock.epochs_done * steps
+    whole_job_seconds = weights_written_at - clock.launched_at
     return {
         "strategy": spec.strategy,
         "replicas_in_sync": replicas_in_sync,
@@ -284,14 +331,19 @@ def training_record(
         "learning_rate_per_epoch": lr_per_epoch,
         "train_seconds": train_seconds,
         **clock.record(),
-        "examples_per_second": spec.batch_size * clock.epochs_done * steps / seconds,
+        "examples_per_second": examples / seconds,
+        "launched_at": clock.launched_at,
+        "weights_written_at": weights_written_at,
+        "whole_job_seconds": whole_job_seconds,
+        "whole_job_examples_per_second": examples / whole_job_seconds,
+        "whole_job_breakdown": clock.breakdown(weights_written_at),
         "per_worker": per_worker,
         **extra,
     }
 
 
 def write_training_record(paths: RunPaths, record: dict[str, Any]) -> None:
-    paths.training.write_text(json.dumps(record, indent=2))
+    write_record(paths.training, record)
     print(
         f"trained {record['epochs']} epochs x {record['steps_per_epoch']} steps in {record['train_seconds']:.1f} s "
         f"({record['examples_per_second']:.0f} examples/s); model saved to {paths.model}",
@@ -300,12 +352,14 @@ def write_training_record(paths: RunPaths, record: dict[str, Any]) -> None:
 
 
 def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], path, chief: bool = True) -> None:
-    """Save the trained weights in a fresh, uncompiled copy of the model at ``path``.
+    """Save the trained weights, and only them, at ``path`` (``*.weights.h5``), from a fresh copy
+    of the model.
 
-    The copy is plain: no optimizer (its custom schedule would be needed to load it), no
-    distribution (variables sharded over parameter servers are concatenated back). Under
-    multi-worker strategies every worker must take part in saving (it may run collectives); only
-    the chief's copy is kept, the others write into a scratch dir.
+    The copy is plain: no optimizer, no distribution (variables sharded over parameter servers are
+    concatenated back). No architecture is written: what a replica writes is untrusted, and the
+    pipeline rebuilds the model from the spec (``tasks.models.trained_model``). Under multi-worker
+    strategies every worker must take part in saving (it may run collectives); each writes into a
+    scratch dir and only the chief's copy is moved to ``path``, whole.
     """
     plain = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
     # A checkpoint stores each variable whole, whatever its distribution, and restores by name.
@@ -314,4 +368,6 @@ def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], pa
     with tempfile.TemporaryDirectory(dir=Path(path).parent, prefix=".save-") as scratch:
         prefix = tf.train.Checkpoint(model=model).write(f"{scratch}/weights")
         tf.train.Checkpoint(model=plain).read(prefix).expect_partial().assert_existing_objects_matched()
-        plain.save(path if chief else f"{scratch}/model.keras")
+        plain.save_weights(f"{scratch}/{Path(path).name}")
+        if chief:
+            os.replace(f"{scratch}/{Path(path).name}", path)

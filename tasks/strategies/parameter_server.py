@@ -133,15 +133,19 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
     for epoch in range(first_epoch, spec.epochs):
         clock.on_epoch_begin(epoch)
         results = [coordinator.schedule(run_closure, args=(iterator, worker_ids)) for _ in range(closures_per_epoch)]
+        if clock.first_step_seconds is None:
+            results[0].fetch()  # the first closure's steps done: not the whole first epoch's
+            clock.first_step_done()
         coordinator.join()  # bounds the updates in flight, and so the staleness, to one epoch's
-        clock.first_step_done()
         epoch_losses = []
         for result in results:
             losses, staleness, worker = result.fetch()
             epoch_losses.extend(losses.tolist())
             all_staleness.extend(int(s) for s in staleness)
             staleness_by_worker.setdefault(int(worker), []).extend(int(s) for s in staleness)
+        clock.on_test_begin()
         val_loss, val_accuracy = validation_metrics(lambda images: model(images, training=False), dataset)
+        clock.on_test_end()
         clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
         history["loss"].append(float(np.mean(epoch_losses)))
         history["val_loss"].append(val_loss)

@@ -6,14 +6,13 @@ while the others idled looked 1.2-1.5x faster than it trains. Its examples/s is 
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from tasks.data.pipeline import train_input
 from tasks.models import build_model, compile_model
-from tasks.paths import RunPaths
+from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec
 from tasks.strategies.common import make_optimizer
 
@@ -53,7 +52,7 @@ def measure(
         "model_parameters": model.count_params(),
     }
     paths.probes.mkdir(parents=True, exist_ok=True)
-    (paths.probes / f"{name}.json").write_text(json.dumps(result, indent=2))
+    write_record(paths.probes / f"{name}.json", result)
     print(
         f"probe {name}: {result['examples_per_second']:.0f} examples/s ({1000 * result['step_seconds']:.1f} ms "
         f"per step of {batch})",

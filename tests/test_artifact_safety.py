@@ -1,0 +1,234 @@
+"""No artifact runs code (issue 17, item 1): a replica writes weights only, and every stage rebuilds
+the model from the run's spec and reads only weights, refusing anything else."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import tasks  # noqa: F401  (sets TF_USE_LEGACY_KERAS before anything here imports TensorFlow)
+
+DIGITS = {"input_shape": [8, 8, 1], "num_classes": 10}
+
+
+def hostile_model(marker: Path):
+    """The digits MLP behind a Lambda layer whose function writes ``marker`` whenever it is called,
+    as it is when tf_keras rebuilds the model from a file."""
+    import tensorflow as tf
+
+    from tasks.models import build_model
+
+    def payload(x, marker=str(marker)):
+        import pathlib
+
+        pathlib.Path(marker).write_text("code from the artifact ran")
+        return x
+
+    mlp = build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=1)
+    pixels = tf.keras.Input(shape=DIGITS["input_shape"], dtype=tf.uint8)
+    model = tf.keras.Model(pixels, mlp(tf.keras.layers.Lambda(payload)(pixels)))
+    marker.unlink()  # building it called the payload once
+    return model
+
+
+def hostile_hdf5(directory: Path, marker: Path) -> Path:
+    """A tf_keras HDF5 model file (the legacy path, where safe_mode does not apply) with the payload."""
+    path = directory / "hostile.h5"
+    hostile_model(marker).save(path, save_format="h5")
+    return path
+
+
+def trained_weights(directory: Path) -> tuple[Path, list[np.ndarray]]:
+    """A weights file as a chief writes it, with weights unlike a fresh model's, and those weights."""
+    from tasks.models import build_model
+    from tasks.spec import RunSpec
+    from tasks.strategies.common import save_model
+
+    model = build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=3)
+    model.set_weights([w * 2 + 0.5 for w in model.get_weights()])
+    path = directory / "model.weights.h5"
+    save_model(model, RunSpec(model="mlp", seed=1), DIGITS, path)
+    return path, model.get_weights()
+
+
+def fresh_mlp():
+    from tasks.models import build_model
+
+    return build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=1)
+
+
+def test_the_chief_writes_weights_that_read_back_into_the_rebuilt_model_and_nothing_more(tmp_path):
+    from tasks.models import read_weights
+    from tasks.spec import RunSpec
+    from tasks.strategies.common import save_model
+
+    path, weights = trained_weights(tmp_path)
+    with h5py.File(path, "r") as file:
+        assert "model_config" not in file.attrs and "layers" in file  # arrays by layer, no architecture
+    read = read_weights(fresh_mlp(), path).get_weights()
+    assert len(read) == len(weights) and all(np.array_equal(a, b) for a, b in zip(read, weights))
+    # A non-chief takes part in saving but leaves nothing behind, beside the chief's copy or in place of it.
+    other = tmp_path / "other"
+    other.mkdir()
+    save_model(fresh_mlp(), RunSpec(model="mlp", seed=1), DIGITS, other / "model.weights.h5", chief=False)
+    assert list(other.iterdir()) == []
+
+
+def _external_array(tmp_path: Path) -> Path:
+    """The right arrays, but the logits bias is read from another file on the machine."""
+    path, _ = trained_weights(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_bytes(np.arange(10, dtype="<f4").tobytes())
+    with h5py.File(path, "a") as file:
+        name = "layers/dense_1/vars/1"
+        del file[name]
+        file.create_dataset(name, shape=(10,), dtype="<f4", external=[(str(secret), 0, 40)])
+    return path
+
+
+def _other_architecture(tmp_path: Path) -> Path:
+    from tasks.models import build_model
+
+    path = tmp_path / "model.weights.h5"
+    build_model("cnn", DIGITS["input_shape"], DIGITS["num_classes"], seed=1).save_weights(path)
+    return path
+
+
+def _truncated(tmp_path: Path) -> Path:
+    path, _ = trained_weights(tmp_path)
+    path.write_bytes(path.read_bytes()[:-1000])
+    return path
+
+
+def _keras_zip(tmp_path: Path) -> Path:
+    path = tmp_path / "model.weights.h5"
+    fresh_mlp().save(tmp_path / "whole.keras")
+    shutil.copy(tmp_path / "whole.keras", path)
+    return path
+
+
+def _symlink(tmp_path: Path) -> Path:
+    target, _ = trained_weights(tmp_path)
+    path = tmp_path / "link" / target.name
+    path.parent.mkdir()
+    path.symlink_to(target)
+    return path
+
+
+def _empty(tmp_path: Path) -> Path:
+    path = tmp_path / "model.weights.h5"
+    path.write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (_external_array, "array layers/dense_1/vars/1 reads its data from another file"),
+        (_other_architecture, "4 unexpected array(s), e.g. layers/conv2d/vars/0"),
+        (_truncated, "truncated file"),
+        (_keras_zip, "not an HDF5 weights file"),
+        (_symlink, "a symbolic link"),
+        (_empty, "not an HDF5 weights file"),
+    ],
+)
+def test_anything_but_this_architectures_weights_is_refused_in_one_line_naming_the_file(tmp_path, make, reason):
+    from tasks.models import WeightsError, read_weights
+
+    path = make(tmp_path)
+    with pytest.raises(WeightsError) as refused:
+        read_weights(fresh_mlp(), path)
+    message = str(refused.value)
+    assert message.startswith(f"refusing {path} as the weights of the mlp model: ") and reason in message
+    assert "\n" not in message
+
+
+def test_a_hostile_model_file_is_refused_and_its_code_never_runs(tmp_path):
+    from tasks.models import WeightsError, read_weights
+
+    marker = tmp_path / "marker"
+    hostile = hostile_hdf5(tmp_path, marker)
+    for name in ("model.weights.h5", "model.keras"):
+        shutil.copy(hostile, tmp_path / name)
+        with pytest.raises(WeightsError, match=f"^refusing {tmp_path / name} as the weights of the mlp model"):
+            read_weights(fresh_mlp(), tmp_path / name)
+    assert not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(hetflow_env):
+    """A run trained by a real replica and taken through evaluate, compress and export; no SavedModel
+    is exported, so that register rebuilds the model from the weights too."""
+    from tasks import stages
+
+    run_id = f"artifact_safety_{os.getpid()}"
+    values = {"epochs": 3, "prune": False, "export_formats": ["tflite"], "registered_model": "artifact-safety"}
+    stages.validate_spec(values, run_id)
+    try:
+        for stage in (stages.prepare_data, stages.provision_cluster, stages.train):
+            stage(run_id)
+    finally:
+        stages.teardown_cluster(run_id)
+    evaluation = stages.evaluate(run_id)
+    stages.compress(run_id)
+    stages.export(run_id)
+    return run_id, evaluation
+
+
+@pytest.mark.slow
+def test_the_replica_writes_weights_only_and_the_stages_read_them(pipeline_run):
+    from tasks.paths import run_paths
+
+    run_id, evaluation = pipeline_run
+    paths = run_paths(run_id)
+    assert paths.model.name == "model.weights.h5" and not (paths.root / "model.keras").exists()
+    with h5py.File(paths.model, "r") as file:
+        assert "model_config" not in file.attrs
+    assert evaluation["test_accuracy"] > 0.5  # the trained weights, not a fresh model's (chance is 0.1)
+
+
+@pytest.mark.slow
+def test_every_stage_refuses_a_hostile_model_file_and_its_code_never_runs(pipeline_run, tmp_path):
+    from tasks import stages
+    from tasks.models import WeightsError
+    from tasks.paths import run_paths
+
+    run_id, _ = pipeline_run
+    paths = run_paths(run_id)
+    assert not paths.saved_model.exists()  # register rebuilds the model: its load is exercised too
+    marker = tmp_path / "marker"
+    hostile = hostile_hdf5(tmp_path, marker)
+    trained = paths.model.read_bytes()
+    # The replica's file under the pipeline's name, and under the name it had when it was a whole model.
+    for path in (paths.model, paths.root / "model.keras"):
+        shutil.copy(hostile, path)
+    refusals, ran = {}, []
+    try:
+        # Last stage first: an attempt removes its own and later stages' records, which each reads.
+        for stage, args in (
+            (stages.register, ("hetflow_train",)),
+            (stages.export, ()),
+            (stages.compress, ()),
+            (stages.evaluate, ()),
+        ):
+            try:
+                stage(run_id, *args)
+            except Exception as error:  # judged below, after whether the file's code ran
+                refusals[stage.__name__] = error
+            if marker.exists():
+                ran.append(stage.__name__)
+                marker.unlink()
+    finally:
+        paths.model.write_bytes(trained)
+        (paths.root / "model.keras").unlink()
+    assert ran == []
+    assert sorted(refusals) == ["compress", "evaluate", "export", "register"]
+    for error in refusals.values():
+        message = str(error)
+        assert isinstance(error, WeightsError) and "\n" not in message
+        assert message.startswith(f"refusing {paths.model} as the weights of the mlp model: ")

@@ -1,0 +1,204 @@
+"""Run directories and stage records: one directory per run id, and records that say which attempt
+wrote them, so that a failed re-run is never reported as a success (issue 17, items 2 and 3)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+AIRFLOW_RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A HETFLOW_HOME of the test's own (its own data dir too: a test here corrupts a shard)."""
+    monkeypatch.setenv("HETFLOW_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_run_ids_that_read_alike_get_directories_of_their_own(home):
+    from tasks.paths import create_run_dir
+
+    roots = {run_id: create_run_dir(run_id).root for run_id in ("x:1", "x+1", "x_1")}
+    assert len(set(roots.values())) == 3
+    for run_id, root in roots.items():
+        assert root.parent == home / "runs"
+        assert re.fullmatch(r"x_1-[0-9a-f]{12}", root.name), root.name  # readable, then a short hash
+        assert (root / "run_id").read_text() == run_id
+    airflow_dir = create_run_dir(AIRFLOW_RUN_ID).root.name
+    assert re.fullmatch(r"manual__2026-11-22T00_12_03\.120579_00_00-[0-9a-f]{12}", airflow_dir)
+
+
+def test_another_process_finds_the_same_directory(home):
+    """A retried task runs in a new process: the name must not depend on the process (no hash())."""
+    from tasks.paths import run_paths
+
+    found = subprocess.run(
+        [sys.executable, "-c", f"from tasks.paths import run_paths; print(run_paths({AIRFLOW_RUN_ID!r}).root)"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert Path(found.stdout.strip()) == run_paths(AIRFLOW_RUN_ID).root
+
+
+def test_a_directory_that_belongs_to_another_run_id_is_refused(home):
+    from tasks import stages
+    from tasks.paths import RunDirectoryTaken, run_paths
+
+    stages.validate_spec({"epochs": 3}, "team-a")
+    paths = run_paths("team-a")
+    # What a clash of names would leave: the directory records another run's id.
+    paths.owner.write_text("team-b")
+    with pytest.raises(RunDirectoryTaken) as refused:
+        stages.validate_spec({"epochs": 5}, "team-a")
+    assert str(refused.value) == f"run directory {paths.root} belongs to run 'team-b', not to run 'team-a'"
+    assert json.loads(paths.spec.read_text())["epochs"] == 3  # the other run's record is untouched
+    with pytest.raises(RunDirectoryTaken):
+        stages.summarize("team-a")
+    assert not paths.summary.exists()
+
+
+def test_a_retry_reuses_its_own_directory(home):
+    from tasks import stages
+    from tasks.paths import run_paths
+
+    stages.validate_spec({"epochs": 3}, "retried", try_number=1)
+    stages.validate_spec({"epochs": 4}, "retried", try_number=2)
+    paths = run_paths("retried")
+    assert json.loads(paths.spec.read_text())["epochs"] == 4
+    assert json.loads(paths.attempt("validate_spec").read_text())["try_number"] == 2
+
+
+def test_an_empty_run_id_is_refused_naming_the_field(home):
+    from tasks.paths import run_paths
+
+    with pytest.raises(ValueError, match=r"^run_id='' is invalid: expected a non-empty string$"):
+        run_paths("")
+
+
+@pytest.fixture
+def prepared_run(home):
+    """validate_spec and prepare_data, for real, as try 1 of run ``rerun``; what they returned."""
+    from tasks import stages
+
+    returned = {
+        "validate_spec": stages.validate_spec({"epochs": 2}, "rerun", try_number=1),
+        "prepare_data": stages.prepare_data("rerun", try_number=1),
+    }
+    return returned
+
+
+def test_every_record_names_the_attempt_that_wrote_it(prepared_run):
+    from tasks.paths import run_paths
+
+    paths = run_paths("rerun")
+    for stage, record in (("validate_spec", paths.spec), ("prepare_data", paths.dataset)):
+        assert record.exists()
+        receipt = json.loads(paths.attempt(stage).read_text())
+        assert (receipt["stage"], receipt["run_id"], receipt["try_number"]) == (stage, "rerun", 1)
+        assert re.fullmatch(r"[0-9a-f]{32}", receipt["id"])
+        assert prepared_run[stage]["attempt"]["id"] == receipt["id"]  # what Airflow keeps as the XCom
+    ids = {json.loads(paths.attempt(stage).read_text())["id"] for stage in ("validate_spec", "prepare_data")}
+    assert len(ids) == 2
+
+
+def test_a_stage_that_starts_removes_its_own_and_later_records(prepared_run, home):
+    from tasks import stages
+    from tasks.paths import run_paths
+
+    paths = run_paths("rerun")
+    # An earlier attempt got further: its records of later stages, with their receipts, are there.
+    for stage, record in (("train", paths.training), ("evaluate", paths.evaluation)):
+        record.write_text(json.dumps({"test_accuracy": 0.97, "train_seconds": 12.0}))
+        paths.attempt(stage).write_text(json.dumps({"stage": stage, "run_id": "rerun", "id": "earlier"}))
+    paths.summary.write_text(json.dumps({"status": "success"}))
+    # Try 2 of prepare_data fails: a shard changed since it was prepared.
+    shard = sorted((home / "data" / "uci_digits" / "1.0.0").glob("uci_digits-test.tfrecord-*"))[0]
+    shard.write_bytes(shard.read_bytes()[:-50])
+    with pytest.raises(ValueError, match=rf"data shard {shard}"):
+        stages.prepare_data("rerun", try_number=2)
+    left = sorted(str(p.relative_to(paths.root)) for p in paths.root.rglob("*") if p.is_file())
+    assert left == ["attempts/validate_spec.json", "run_id", "spec.json"]
+    with pytest.raises(RuntimeError, match=r"^run rerun failed at stage prepare_data; summary: "):
+        stages.summarize("rerun")
+    summary = json.loads(paths.summary.read_text())
+    assert (summary["status"], summary["failed_stage"]) == ("failed", "prepare_data")
+    assert summary["metrics"]["test_accuracy"] is None and summary["metrics"]["train_seconds"] is None
+    assert list(summary["attempts"]) == ["validate_spec"]
+
+
+def test_summarize_fails_a_stage_whose_last_try_failed_whatever_files_are_left(prepared_run):
+    """Airflow holds a task's return value only for its last try, and only if that try succeeded:
+    a try that failed before it could remove anything (killed while starting) leaves the earlier
+    attempt's record and receipt, and the run still fails at that stage."""
+    from tasks import stages
+    from tasks.paths import run_paths
+
+    paths = run_paths("rerun")
+    earlier = prepared_run["prepare_data"]
+    for returned_by_prepare in (None, {**earlier, "attempt": {**earlier["attempt"], "id": "0" * 32}}):
+        returned = {"validate_spec": prepared_run["validate_spec"], "prepare_data": returned_by_prepare}
+        with pytest.raises(RuntimeError, match=r"failed at stage prepare_data"):
+            stages.summarize("rerun", returned)
+        summary = json.loads(paths.summary.read_text())
+        assert (summary["failed_stage"], summary["dataset"]["fingerprint"]) == ("prepare_data", None)
+        assert paths.dataset.exists() and paths.attempt("prepare_data").exists()
+    # What Airflow returned matches the receipts: the run goes on to fail where records stop.
+    with pytest.raises(RuntimeError, match=r"failed at stage provision_cluster"):
+        stages.summarize("rerun", prepared_run)
+    summary = json.loads(paths.summary.read_text())
+    assert summary["dataset"]["fingerprint"] == json.loads(paths.dataset.read_text())["fingerprint"]
+    assert summary["attempts"]["prepare_data"]["try_number"] == 1
+
+
+_DAG_TEST = """
+import json, sys
+from datetime import datetime, timezone
+
+from tasks.cli import DAG_ID, _ensure_airflow_db
+from tasks.paths import REPO_ROOT
+
+_ensure_airflow_db()
+from airflow.dag_processing.dagbag import DagBag
+
+# One logical date for both: dag.test then replaces the DAG run, and the run id is the same.
+when = datetime(2026, 1, 1, tzinfo=timezone.utc)
+run = DagBag(dag_folder=str(REPO_ROOT / "dags")).get_dag(DAG_ID).test(
+    logical_date=when, run_after=when, run_conf=json.loads(sys.argv[1])
+)
+print(json.dumps({"run_id": run.run_id, "state": str(run.state)}))
+"""
+
+
+def _dag_test(env, conf: dict) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _DAG_TEST, json.dumps(conf)], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_rerun_of_the_dag_whose_train_fails_ends_failed(hetflow_env):
+    from tasks.paths import run_paths
+
+    first = _dag_test(hetflow_env, {"epochs": 2, "registered_model": "rerun-digits"})
+    assert first["state"] == "success"
+    paths = run_paths(first["run_id"])
+    assert json.loads(paths.summary.read_text())["status"] == "success"
+    # The same run again, as after a Clear; this time training runs out of time.
+    second = _dag_test(hetflow_env, {"epochs": 1000, "train_timeout_seconds": 10, "registered_model": "rerun-digits"})
+    assert second == {"run_id": first["run_id"], "state": "failed"}
+    summary = json.loads(paths.summary.read_text())
+    assert (summary["status"], summary["failed_stage"]) == ("failed", "train")
+    assert summary["metrics"]["test_accuracy"] is None and summary["registry"] is None
+    assert not paths.training.exists() and not paths.registry.exists()
+    assert summary["attempts"]["validate_spec"]["run_id"] == first["run_id"]
