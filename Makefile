@@ -41,7 +41,7 @@ image: setup engine
 
 ## every test, the slow end-to-end tier included
 test: test-deps
-	$(BIN)/pytest -v
+	$(BIN)/pytest -v --durations=30
 
 ## unit tests only (seconds)
 test-fast: setup

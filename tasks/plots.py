@@ -52,7 +52,7 @@ def training(record: dict[str, Any], folder: Path) -> None:
     fig.savefig(folder / "worker_throughput.png", dpi=100)
     plt.close(fig)
 
-    if "staleness" in record:
+    if record.get("staleness"):
         histogram = record["staleness"]["histogram"]
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.bar([int(k) for k in histogram], list(histogram.values()))

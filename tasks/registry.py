@@ -101,7 +101,7 @@ def _stepped_metrics(training: dict) -> list[Metric]:
         for name, values in series.items()
         for epoch, value in enumerate(values, start=1)
     ]
-    if "staleness" in training:
+    if training.get("staleness"):
         histogram = training["staleness"]["histogram"]
         metrics += [Metric("staleness_updates", count, now, int(stale)) for stale, count in histogram.items()]
     return metrics
@@ -121,7 +121,7 @@ def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
             metrics[f"{worker.replace('-', '_')}_{key}"] = value
     if training.get("seconds_to_target") is not None:
         metrics["seconds_to_target_accuracy"] = training["seconds_to_target"]
-    if "staleness" in training:
+    if training.get("staleness"):
         metrics["staleness_mean"] = training["staleness"]["mean"]
         metrics["staleness_max"] = training["staleness"]["max"]
     return metrics

@@ -168,6 +168,8 @@ def test_docker_config_without_limits_sets_none_and_never_restarts():
     config = dk.container_config(layout, layout.replicas[0], spec, HOME, RUN_DIR, "0:0", 0.0)
     assert not {"nano_cpus", "mem_limit", "device_requests"} & set(config)
     assert config["restart_policy"] == {"Name": "no"}
+    # The container's own deadline: the keeper's attach timeout (600 s) plus train_timeout_seconds (3600 s).
+    assert config["entrypoint"] == ["timeout", "--kill-after=10", "4200", "python", "-m", "tasks.replica"]
     with_gpus = parse_spec({"backend": "docker", "strategy": "mirrored", "devices_per_worker": 2, "request_gpus": True})
     config = dk.container_config(layout, layout.replicas[0], with_gpus, HOME, RUN_DIR, "0:0", 0.0)
     assert config["device_requests"][0]["Count"] == 2
@@ -258,7 +260,18 @@ def test_kubernetes_restart_policy_is_mapped_from_the_spec():
 def test_kubernetes_manifests_pass_strict_schema_validation(tmp_path):
     spec = ps_spec("kubernetes", replica_cpus=0.5, replica_memory_mb=1024, request_gpus=True)
     layout, service, pods = _manifests(spec)
-    documents = [k8s.run_configmap(layout, spec, "default"), service, *pods.values()]
+    policy = k8s.run_network_policy(layout, "default", OWNER)
+    # The TFJob's pod templates, as the pods the operator makes of them.
+    templates = [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": kind.lower(), **r["template"]["metadata"]},
+            "spec": r["template"]["spec"],
+        }
+        for kind, r in k8s.tfjob_manifest(layout, spec, RUN_DIR)["spec"]["tfReplicaSpecs"].items()
+    ]
+    documents = [k8s.run_configmap(layout, spec, "default"), service, policy, *pods.values(), *templates]
     manifest = tmp_path / "run.yaml"
     manifest.write_text(yaml.safe_dump_all(documents))
     result = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest], capture_output=True, text=True)
@@ -416,3 +429,7 @@ def test_a_sync_run_on_kubernetes_trains_and_deleting_the_run_leaves_nothing(het
     core = kubernetes.client.CoreV1Api()
     left = core.list_namespaced_pod("default", label_selector=f"hetflow.dev/run={run_slug(run)}").items
     assert all(p.metadata.deletion_timestamp for p in left)  # every pod is gone or going
+    networking = kubernetes.client.NetworkingV1Api()
+    assert not networking.list_namespaced_network_policy(
+        "default", label_selector=f"hetflow.dev/run={run_slug(run)}"
+    ).items

@@ -145,3 +145,48 @@ def test_a_hung_sync_worker_is_detected_within_a_minute_and_the_group_restarted(
         supervisor.kill()
     assert detected_after <= 60
     assert json.loads(paths.restarts.read_text())[0]["action"] == "restarted every replica"
+
+
+def _resumed_after(attempt_log: str) -> int | None:
+    found = re.search(r"^resumed from .* after epoch (\d+)$", attempt_log, flags=re.M)
+    return int(found.group(1)) if found else None
+
+
+@pytest.mark.slow
+def test_after_a_restart_every_balanced_worker_resumes_from_the_chiefs_epoch(hetflow_env):
+    """Balanced sync (a custom loop) checkpoints on the chief; a restarted group must resume as one:
+    a worker starting again from epoch 0 with fresh weights would train a different model than its
+    peers (its updates are still all-reduced, but from other parameters)."""
+    from tasks.paths import run_paths
+
+    run_id = f"ft_balanced_{os.getpid()}"
+    _provision(hetflow_env, run_id, strategy="multi_worker_mirrored", workers=2, balance_batches=True, epochs=10)
+    done = _run_and_kill(run_id, hetflow_env, watch="worker-1", when="Epoch 4/", victim="worker-1")
+    assert done.returncode == 0, done.stdout[-3000:]
+    logs = run_paths(run_id).logs
+    chief, other = (_attempts((logs / f"{name}.log").read_text(), name) for name in ("worker-0", "worker-1"))
+    assert len(chief) == len(other) == 2
+    resumed = _resumed_after(chief[1])
+    assert resumed is not None and resumed >= 2
+    assert _resumed_after(other[1]) == resumed
+    assert min(_epochs(other[1])) == min(_epochs(chief[1])) == resumed + 1
+
+
+@pytest.mark.slow
+def test_a_retry_of_a_finished_async_training_succeeds_without_training_again(hetflow_env):
+    from tasks import stages
+    from tasks.paths import run_paths
+
+    run_id = f"ft_ps_retry_{os.getpid()}"
+    _provision(hetflow_env, run_id, strategy="parameter_server", workers=1, ps=1, epochs=2, steps_per_epoch=50)
+    try:
+        first = stages.train(run_id)
+        stages.teardown_cluster(run_id)
+        stages.provision_cluster(run_id)
+        retried = stages.train(run_id)
+    finally:
+        stages.teardown_cluster(run_id)
+    assert first["epochs_done"] == 2 and sum(first["staleness"]["histogram"].values()) == 100
+    assert retried["epochs_done"] == 0 and retried["staleness"] is None  # resumed after the last epoch
+    chief_log = (run_paths(run_id).logs / "chief-0.log").read_text()
+    assert _resumed_after(_attempts(chief_log, "chief-0")[1]) == 2

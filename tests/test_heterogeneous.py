@@ -179,6 +179,25 @@ def test_balanced_update_on_unequal_shards_equals_the_single_replica_update(hetf
 
 
 @pytest.mark.slow
+def test_equal_shares_run_the_balanced_loop_without_probing(hetflow_env):
+    """The control for balanced sync: the same loop, the slowed worker given half the batch."""
+    record, run_dir = _train(
+        hetflow_env,
+        "strategy=multi_worker_mirrored",
+        "workers=2",
+        "balance_batches=true",
+        "batch_shares=equal",
+        f"worker_devices={SLOW_WORKER}",
+        "epochs=1",
+        "batch_size=32",
+    )
+    assert record["worker_batches"] == record["per_replica_batch"] == [16, 16]
+    assert not (run_dir / "plan.json").exists()
+    assert "probe worker-1:" not in (run_dir / "logs/worker-1.log").read_text()
+    assert "balanced batches [16, 16] of 32" in (run_dir / "logs/worker-0.log").read_text()
+
+
+@pytest.mark.slow
 def test_target_accuracy_stops_training_and_times_it(hetflow_env):
     record, _ = _train(hetflow_env, "epochs=60", "target_accuracy=0.9")
     assert record["epochs_done"] < 60

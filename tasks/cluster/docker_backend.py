@@ -89,9 +89,22 @@ def container_config(
     :param launched_at: when the supervisor launched the run (for time to first step).
     :param probe: run the worker's speed probe instead of training.
     """
+    from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS
+
     prepared = data_dir(home)
+    # A container ends itself at its deadline, as a local replica's keeper ends it, whether or not
+    # anything is left to stop it: SIGTERM, then SIGKILL after the grace (TF may ignore SIGTERM).
+    deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
     config = {
         "image": spec.image,
+        "entrypoint": [
+            "timeout",
+            f"--kill-after={STOP_GRACE_SECONDS}",
+            f"{deadline:.0f}",
+            "python",
+            "-m",
+            "tasks.replica",
+        ],
         "command": ["--run-dir", str(run_dir), *(["--probe"] if probe else [])],
         "name": replica.host,
         "hostname": replica.host,

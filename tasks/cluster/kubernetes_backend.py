@@ -8,11 +8,18 @@ collector delete everything of the run, whoever deletes it. Each pod sets ``host
 of pods that are not ready yet, since TensorFlow resolves its peers while they all start.
 
 The manifests are built by pure functions (``run_configmap``, ``headless_service``,
-``replica_pod``, ``tfjob_manifest``) and sent as they are; ``KubernetesReplicas`` only creates,
-inspects and deletes for the one supervisor (``tasks.cluster.supervisor``); the kubelet restarts a
-failed container in its pod (restartPolicy), and the supervisor counts those restarts. Every pod
+``run_network_policy``, ``replica_pod``, ``tfjob_manifest``) and sent as they are;
+``KubernetesReplicas`` only creates, inspects and deletes for the one supervisor
+(``tasks.cluster.supervisor``); the kubelet restarts a failed container in its pod
+(restartPolicy), and the supervisor counts those restarts. Every pod
 mounts the PersistentVolumeClaim ``kubernetes_volume_claim`` at HETFLOW_HOME's path, so the run
 directory is shared with the supervisor (which must mount it at the same path).
+
+Pods meet the restricted Pod Security Standard (non-root numeric ids, no privilege escalation, no
+capabilities, seccomp ``RuntimeDefault``) and get no service-account token: a replica runs code of
+whoever filled in the trigger form and has no business with the API. The run's NetworkPolicy
+admits ingress to its pods only from its own pods, on the gRPC port (TF's servers have no
+authentication); it takes effect where the cluster's network plugin enforces NetworkPolicies.
 """
 
 from __future__ import annotations
@@ -44,7 +51,9 @@ LABEL_RUN = "hetflow.dev/run"  # the run's slug: what teardown selects on
 LABEL_ROLE = "hetflow.dev/role"
 LABEL_INDEX = "hetflow.dev/index"
 ANNOTATION_RUN_ID = "hetflow.dev/run-id"  # the Airflow run id as it is (not a valid label value)
-IMAGE_USER = 10001  # the non-root user of docker/Dockerfile
+# The non-root user (and its group) of docker/Dockerfile: above the ids Debian gives system and
+# login users, so a replica shares no id with a user of the node or of a mounted volume.
+IMAGE_USER = 10001
 # Waiting reasons after which a pod will never start by itself.
 _STUCK_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError")
 # Pods past train_timeout_seconds plus this are killed by the kubelet even if the supervisor
@@ -70,11 +79,15 @@ def plan(spec: RunSpec, run_id: str) -> ClusterLayout:
     return plan_named_cluster(spec, run_id, lambda name: replica_host(run_id, name))
 
 
+def _run_labels(layout: ClusterLayout) -> dict:
+    return {"app.kubernetes.io/name": "hetflow", LABEL_RUN: run_slug(layout.run_id)}
+
+
 def _metadata(name: str, layout: ClusterLayout, namespace: str, labels: dict | None = None) -> dict:
     return {
         "name": name,
         "namespace": namespace,
-        "labels": {"app.kubernetes.io/name": "hetflow", LABEL_RUN: run_slug(layout.run_id), **(labels or {})},
+        "labels": {**_run_labels(layout), **(labels or {})},
         "annotations": {ANNOTATION_RUN_ID: layout.run_id},
     }
 
@@ -110,6 +123,29 @@ def headless_service(layout: ClusterLayout, namespace: str, owner: dict) -> dict
     }
 
 
+def run_network_policy(layout: ClusterLayout, namespace: str, owner: dict | None) -> dict:
+    """Ingress to the run's pods only from the run's pods, on the gRPC port: TF's servers run graph
+    ops for whoever reaches them. Selected by the run's label, like everything teardown deletes;
+    ``owner`` is None in tfjob.yaml, where no run ConfigMap exists."""
+    metadata = _metadata(run_name(layout.run_id), layout, namespace)
+    run = run_slug(layout.run_id)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {**metadata, "ownerReferences": [owner]} if owner else metadata,
+        "spec": {
+            "podSelector": {"matchLabels": {LABEL_RUN: run}},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": {LABEL_RUN: run}}}],
+                    "ports": [{"protocol": "TCP", "port": SERVICE_PORT}],
+                }
+            ],
+        },
+    }
+
+
 def _resources(spec: RunSpec, replica: Replica) -> dict:
     limits = {}
     cpus = replica_cpus(spec, replica)
@@ -132,7 +168,7 @@ def _container(spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, st
         "env": [{"name": key, "value": value} for key, value in env.items()],
         "ports": [{"name": "grpc", "containerPort": SERVICE_PORT}],
         "volumeMounts": [{"name": "hetflow-home", "mountPath": str(hetflow_home_of(run_dir))}],
-        "securityContext": {"allowPrivilegeEscalation": False},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     resources = _resources(spec, replica)
     if resources:
@@ -148,8 +184,16 @@ def hetflow_home_of(run_dir: Path) -> Path:
 def _pod_spec(spec: RunSpec, containers: list[dict], restart_policy: str) -> dict:
     return {
         "restartPolicy": restart_policy,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": IMAGE_USER, "fsGroup": IMAGE_USER},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": IMAGE_USER,
+            "runAsGroup": IMAGE_USER,
+            "fsGroup": IMAGE_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": False,
         "enableServiceLinks": False,  # no service env vars for every service of the namespace
+        "activeDeadlineSeconds": spec.train_timeout_seconds + _DEADLINE_MARGIN_SECONDS,
         "containers": containers,
         "volumes": [{"name": "hetflow-home", "persistentVolumeClaim": {"claimName": spec.kubernetes_volume_claim}}],
     }
@@ -177,7 +221,6 @@ def replica_pod(
             **pod_spec,
             "hostname": pod_name(run_id, replica.name),
             "subdomain": run_name(run_id),
-            "activeDeadlineSeconds": spec.train_timeout_seconds + _DEADLINE_MARGIN_SECONDS,
         },
     }
 
@@ -199,7 +242,11 @@ def tfjob_manifest(layout: ClusterLayout, spec: RunSpec, run_dir: Path) -> dict:
         replica_specs[kind] = {
             "replicas": len(replicas),
             "restartPolicy": restart_policy(spec),
-            "template": {"spec": _pod_spec(spec, [container], restart_policy(spec))},
+            # The run's labels, so that the run's NetworkPolicy selects the operator's pods too.
+            "template": {
+                "metadata": {"labels": _run_labels(layout)},
+                "spec": _pod_spec(spec, [container], restart_policy(spec)),
+            },
         }
     return {
         "apiVersion": "kubeflow.org/v1",
@@ -249,7 +296,7 @@ class KubernetesReplicas:
 
     restarts_in_place = True
 
-    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, core=None):
+    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, core=None, networking=None):
         self.layout = layout
         self.spec = spec
         self.namespace = spec.kubernetes_namespace
@@ -258,17 +305,29 @@ class KubernetesReplicas:
         if core is None:
             load_client_config()
         self.core = core or kubernetes.client.CoreV1Api()
+        self.networking = networking or kubernetes.client.NetworkingV1Api()
         self._owner = None
 
     def provision(self) -> None:
-        """The run's ConfigMap, its headless service and every replica's pod."""
+        """The run's ConfigMap, its NetworkPolicy, its headless service and every replica's pod."""
         self.logs_dir.mkdir(parents=True, exist_ok=True)
         # For clusters with the training operator: the same run, to `kubectl apply` instead.
-        (self.run_dir / "tfjob.yaml").write_text(yaml.safe_dump(tfjob_manifest(self.layout, self.spec, self.run_dir)))
+        (self.run_dir / "tfjob.yaml").write_text(
+            yaml.safe_dump_all(
+                [
+                    tfjob_manifest(self.layout, self.spec, self.run_dir),
+                    run_network_policy(self.layout, self.namespace, None),
+                ]
+            )
+        )
         run = self.core.create_namespaced_config_map(
             self.namespace, run_configmap(self.layout, self.spec, self.namespace)
         )
         self._owner = owner_reference(run.metadata.name, run.metadata.uid)
+        # Before any pod, so that no pod is ever reachable from outside the run.
+        self.networking.create_namespaced_network_policy(
+            self.namespace, run_network_policy(self.layout, self.namespace, self._owner)
+        )
         self.core.create_namespaced_service(self.namespace, headless_service(self.layout, self.namespace, self._owner))
         self.start(self.layout.replicas)
 
@@ -323,18 +382,24 @@ class KubernetesReplicas:
                     raise
 
 
-def teardown_run(run_id: str, namespace: str, core=None) -> list[str]:
+def teardown_run(run_id: str, namespace: str, core=None, networking=None) -> list[str]:
     """Delete the run's ConfigMap (the garbage collector deletes what it owns) and, for what an
-    interrupted start left without an owner, every pod and service with the run's label. Returns
-    the names deleted."""
+    interrupted start left without an owner, every pod, service and NetworkPolicy with the run's
+    label. Returns the names deleted."""
     if core is None:
         load_client_config()
         core = kubernetes.client.CoreV1Api()
+    networking = networking or kubernetes.client.NetworkingV1Api()
     selector = f"{LABEL_RUN}={run_slug(run_id)}"
     deleted = []
     for kind, listing, delete in (
         ("pod", core.list_namespaced_pod, core.delete_namespaced_pod),
         ("service", core.list_namespaced_service, core.delete_namespaced_service),
+        (
+            "networkpolicy",
+            networking.list_namespaced_network_policy,
+            networking.delete_namespaced_network_policy,
+        ),
         ("configmap", core.list_namespaced_config_map, core.delete_namespaced_config_map),
     ):
         for item in listing(namespace, label_selector=selector).items:

@@ -54,9 +54,12 @@ from tasks.strategies.sync import is_chief, make_strategy
 
 
 def worker_shares(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], sum_over_workers):
-    """Every worker's batch share: from plan.json when the workers were probed already (by
-    ``strategy=auto``, or before a restart of this group); otherwise probed here, all workers at
-    once, the chief recording the probes and shares in plan.json."""
+    """Every worker's batch share: equal when ``batch_shares=equal`` (no probe); from plan.json when
+    the workers were probed already (by ``strategy=auto``, or before a restart of this group);
+    otherwise probed here, all workers at once, the chief recording the probes and shares in
+    plan.json."""
+    if spec.batch_shares == "equal":
+        return split_batch(spec.batch_size, [1.0] * spec.workers)
     plan = json.loads(paths.plan.read_text()) if paths.plan.exists() else {}
     if "worker_batches" in plan:
         return plan["worker_batches"]

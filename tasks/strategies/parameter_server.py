@@ -187,11 +187,14 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
                 }
                 for worker, seen in sorted(staleness_by_worker.items())
             },
+            # None when this attempt applied no update (a retry after the last epoch's checkpoint).
             staleness={
                 "mean": float(np.mean(all_staleness)),
                 "max": int(max(all_staleness)),
                 "histogram": {str(k): v for k, v in sorted(Counter(all_staleness).items())},
-            },
+            }
+            if all_staleness
+            else None,
             sharded_variables=shards,
         ),
     )
