@@ -124,7 +124,8 @@ def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
     if training.get("staleness"):
         metrics["staleness_mean"] = training["staleness"]["mean"]
         metrics["staleness_max"] = training["staleness"]["max"]
-    return metrics
+    # None where nothing was measured (a retry that had no epoch left to train).
+    return {name: value for name, value in metrics.items() if value is not None}
 
 
 def _export_metrics(exported: dict) -> dict[str, float]:

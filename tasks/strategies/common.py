@@ -297,6 +297,8 @@ def run_epochs(
 
 def worker_rate(batch: int, steps: int, seconds: float) -> dict[str, float]:
     """One worker's part: the steps it ran, its examples/s and its time per step."""
+    if not steps:  # a retry that resumed after the last epoch
+        return {"steps": 0, "examples_per_second": 0.0, "step_seconds": None}
     return {"steps": steps, "examples_per_second": batch * steps / seconds, "step_seconds": seconds / steps}
 
 
