@@ -55,11 +55,10 @@ def main() -> None:
         verbose=2,
     )
     train_seconds = time.perf_counter() - started
+    examples = args.epochs * args.steps_per_epoch * args.batch_size
     with tempfile.TemporaryDirectory() as scratch:  # written as a replica writes its final weights
         model.save_weights(str(Path(scratch) / "model.weights.h5"))
-        weights_written_at = time.time()
-    examples = args.epochs * args.steps_per_epoch * args.batch_size
-    whole_job_seconds = weights_written_at - clock.launched_at
+        whole_job = clock.whole_job(examples)
     record = {
         "strategy": "none (plain model.fit)",
         "global_batch": args.batch_size,
@@ -68,9 +67,7 @@ def main() -> None:
         "train_seconds": train_seconds,
         **clock.record(),
         "examples_per_second": examples / sum(clock.epoch_seconds),
-        "whole_job_seconds": whole_job_seconds,
-        "whole_job_examples_per_second": examples / whole_job_seconds,
-        "whole_job_breakdown": clock.breakdown(weights_written_at),
+        **whole_job,
     }
     print(json.dumps(record), flush=True)
 

@@ -34,7 +34,7 @@ from typing import Callable
 import psutil
 
 from tasks.cli import airflow_environment
-from tasks.cluster.local import teardown_runs_of_home
+from tasks.cluster.local import environments_with, teardown_runs_of_home
 from tasks.paths import REPO_ROOT, hetflow_home
 from tasks.registry import tracking_uri
 
@@ -208,11 +208,10 @@ def _carrying_stack_id(stack_id: str) -> list[psutil.Process]:
     """Live processes with this stack's id in their environment: the components and every
     descendant, also one whose component has died (which leaves no group to signal)."""
     found = []
-    for process in psutil.process_iter():
+    for pid in environments_with(f"{STACK_ID_ENV}={stack_id}"):
         try:
-            if process.environ().get(STACK_ID_ENV) == stack_id:
-                found.append(process)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            found.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
             continue
     return found
 

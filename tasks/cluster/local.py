@@ -325,7 +325,7 @@ def _reap(pids: list[int]) -> None:
             pass
 
 
-def _environments_with(*entries: str) -> dict[int, list[bytes]]:
+def environments_with(*entries: str) -> dict[int, list[bytes]]:
     """The environment of every live process whose environment holds all ``entries``
     (``NAME=value``), by pid."""
     needles = [entry.encode() for entry in entries]
@@ -343,7 +343,7 @@ def _environments_with(*entries: str) -> dict[int, list[bytes]]:
 
 
 def _run_environments(run_id: str) -> dict[int, list[bytes]]:
-    return _environments_with(f"{RUN_ID_ENV}={run_id}")
+    return environments_with(f"{RUN_ID_ENV}={run_id}")
 
 
 def run_processes(run_id: str) -> list[int]:
@@ -379,7 +379,7 @@ def teardown_runs_of_home(home: Path) -> list[int]:
     return _end(
         [
             pid
-            for pid, environ in _environments_with(f"HETFLOW_HOME={home}").items()
+            for pid, environ in environments_with(f"HETFLOW_HOME={home}").items()
             if any(entry.startswith(f"{RUN_ID_ENV}=".encode()) for entry in environ)
         ]
     )

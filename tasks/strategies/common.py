@@ -113,7 +113,7 @@ class TrainingClock(tf.keras.callbacks.Callback):
     Records wall time per epoch (validation included) and within it the validation passes; the
     time to the end of the first step; and, given a target accuracy, the training time until
     validation accuracy first reached it (training stops there: ``reached`` for custom loops,
-    ``stop_training`` for ``model.fit``). ``breakdown`` splits the whole job into parts that add
+    ``stop_training`` for ``model.fit``). ``whole_job`` splits the whole job into parts that add
     up to it. Checkpoints are saved after ``on_epoch_end`` (put this callback before
     BackupAndRestore), so they fall between epochs."""
 
@@ -169,23 +169,34 @@ class TrainingClock(tf.keras.callbacks.Callback):
     def epochs_done(self) -> int:
         return len(self.epoch_seconds)
 
-    def breakdown(self, weights_written_at: float) -> dict[str, float] | None:
-        """The whole job in parts that add up to it: start-up (launch to the first epoch: process,
-        imports, cluster, model, input), the first step (tracing), the other steps, validation,
-        between epochs (checkpoints), shutdown (last epoch to the weights written). None when no
+    def whole_job(self, examples: int) -> dict[str, Any]:
+        """The whole job, from the launch to now (call it right after the final weights are
+        written): its seconds, ``examples`` per second over them, and ``whole_job_breakdown``,
+        parts that add up to it: start-up (launch to the first epoch: process, imports, cluster,
+        model, input), the first step (tracing), the other steps, validation, between epochs
+        (checkpoints), shutdown (last epoch to the weights written). The breakdown is None when no
         epoch ran here (a resumed run that had nothing left to do)."""
-        if self._first_epoch_began_at is None or self._first_step_at is None:
-            return None
-        in_epochs = sum(self.epoch_seconds)
-        first_step = self._first_step_at - self._first_epoch_began_at
-        validation = sum(self.validation_seconds)
+        weights_written_at = time.time()
+        seconds = weights_written_at - self.launched_at
+        breakdown = None
+        if self._first_epoch_began_at is not None and self._first_step_at is not None:
+            in_epochs = sum(self.epoch_seconds)
+            first_step = self._first_step_at - self._first_epoch_began_at
+            validation = sum(self.validation_seconds)
+            breakdown = {
+                "start_up": self._first_epoch_began_at - self.launched_at,
+                "first_step": first_step,
+                "steps": in_epochs - first_step - validation,
+                "validation": validation,
+                "between_epochs": self._last_epoch_ended_at - self._first_epoch_began_at - in_epochs,
+                "shutdown": weights_written_at - self._last_epoch_ended_at,
+            }
         return {
-            "start_up": self._first_epoch_began_at - self.launched_at,
-            "first_step": first_step,
-            "steps": in_epochs - first_step - validation,
-            "validation": validation,
-            "between_epochs": self._last_epoch_ended_at - self._first_epoch_began_at - in_epochs,
-            "shutdown": weights_written_at - self._last_epoch_ended_at,
+            "launched_at": self.launched_at,
+            "weights_written_at": weights_written_at,
+            "whole_job_seconds": seconds,
+            "whole_job_examples_per_second": examples / seconds,
+            "whole_job_breakdown": breakdown,
         }
 
     def record(self) -> dict[str, Any]:
@@ -323,9 +334,7 @@ def training_record(
     ``per_replica_batch`` defaults to equal shares of the global batch (balanced sync gives each
     worker's)."""
     seconds = measured_seconds or train_seconds
-    weights_written_at = time.time()
     examples = spec.batch_size * clock.epochs_done * steps
-    whole_job_seconds = weights_written_at - clock.launched_at
     return {
         "strategy": spec.strategy,
         "replicas_in_sync": replicas_in_sync,
@@ -339,11 +348,7 @@ def training_record(
         "train_seconds": train_seconds,
         **clock.record(),
         "examples_per_second": examples / seconds,
-        "launched_at": clock.launched_at,
-        "weights_written_at": weights_written_at,
-        "whole_job_seconds": whole_job_seconds,
-        "whole_job_examples_per_second": examples / whole_job_seconds,
-        "whole_job_breakdown": clock.breakdown(weights_written_at),
+        **clock.whole_job(examples),
         "per_worker": per_worker,
         **extra,
     }
