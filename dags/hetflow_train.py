@@ -52,6 +52,12 @@ def hetflow_train():
         if record["data_changed"]:
             extra = {key: record[key] for key in ("name", "version", "fingerprint")}
             outlet_events[DATA_CHANGES].add(Asset(PREPARED_DATA_URI), extra=extra)
+        if record["trained_before"]:
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            # Skipped, every task downstream is skipped too; summarize still reads the record.
+            ti.xcom_push(key="return_value", value=record)
+            raise AirflowSkipException(stages.skip_reason(record))
         return record
 
     @task

@@ -119,8 +119,13 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_run(args) -> int:
+    from tasks.stages import data_problems
+
     values = spec_values(args.config, args.set)
-    parse_spec(values)  # fail here, before Airflow or any replica starts
+    # Fail here, before Airflow or any replica starts.
+    problems = data_problems(parse_spec(values))
+    if problems:
+        raise SpecError(problems)
     started = time.monotonic()
     log_file = None if args.verbose else hetflow_home() / "logs" / f"hetflow-run-{time.strftime('%Y%m%dT%H%M%S')}.log"
     try:
@@ -138,11 +143,13 @@ def _cmd_run(args) -> int:
     print(f"\nhetflow run {summary['status']} in {time.monotonic() - started:.0f} s")
     if metrics.get("test_accuracy") is not None:
         print(f"  test accuracy   {metrics['test_accuracy']:.4f}")
-    if registry:
+    if registry.get("gate"):
         print(f"  registered      {registry['model_uri']} aliases={registry['aliases']}")
         print(f"  gate            {registry['gate']}")
     if summary.get("mlflow_tracking_uri"):
         print(f"  MLflow          {summary['mlflow_tracking_uri']} run {summary['mlflow_run_id']}")
+    if summary.get("skipped_because"):
+        print(f"  skipped         {summary['skipped_because']}")
     if summary.get("failed_stage"):
         print(f"  failed at       {summary['failed_stage']}")
     if summary.get("replicas"):
@@ -151,7 +158,7 @@ def _cmd_run(args) -> int:
     if log_file is not None:
         print(f"  full log        {log_file}")
     print(summary_path)
-    return 0 if summary["status"] == "success" else 1
+    return 0 if summary["status"] in ("success", "skipped") else 1
 
 
 def _cmd_train(args) -> int:

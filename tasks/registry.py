@@ -32,7 +32,7 @@ from mlflow.utils.time import get_current_time_millis
 
 import mlflow
 from mlflow import MlflowClient
-from tasks import serving
+from tasks import lineage, serving
 from tasks.paths import REPO_ROOT, RunPaths, hetflow_home, write_record
 from tasks.spec import RunSpec
 
@@ -152,6 +152,7 @@ def log_run_record(
         "dataset.name": dataset["name"],
         "dataset.version": dataset["version"],
         "dataset.fingerprint": dataset["fingerprint"],
+        "dataset.source": dataset["source_path"],
         "mlflow.source.git.commit": _git_commit(),
         "strategy": spec.strategy,
     }
@@ -196,6 +197,9 @@ def log_run_record(
             client.log_artifact(run_id, str(path), "run")
     client.log_artifacts(run_id, str(paths.logs), "logs")
     client.log_artifacts(run_id, str(paths.plots), "plots")
+    lineage.log_dataset(client, run_id, dataset)
+    events = lineage.write_tensorboard_events(training, paths.root / "tensorboard")
+    client.log_artifacts(run_id, str(events), "tensorboard")
 
 
 def own_registered_model(client: MlflowClient, name: str, registered_model: str) -> None:
@@ -463,13 +467,15 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
         "dataset.name": dataset["name"],
         "dataset.version": dataset["version"],
         "dataset.fingerprint": dataset["fingerprint"],
+        lineage.TRAINING_KEY_TAG: dataset["training_key"],
         "strategy": spec.strategy,
         "model": spec.model,
     }
     headline = (
         f"Trained by Airflow run `{airflow_run_id}` ({spec.strategy}, {spec.model}) on "
         f"{dataset['name']} {dataset['version']}.\n\n"
-        f"- dataset: {dataset['name']} {dataset['version']}, fingerprint `{dataset['fingerprint']}`\n"
+        f"- dataset: {dataset['name']} {dataset['version']}, fingerprint `{dataset['fingerprint']}`, "
+        f"from `{dataset['source_path']}`\n"
     )
     table = compression_table(exported)
 

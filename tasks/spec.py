@@ -45,9 +45,31 @@ class RunSpec(BaseModel):
     dataset: str = _field(
         "uci_digits",
         "Data",
-        "TFDS dataset name, optionally with a version (`mnist:3.0.1`). `uci_digits` is built offline "
-        "from the UCI optical digits shipped with scikit-learn; other names need network access.",
-        pattern=r"^[a-z][a-z0-9_]*(:[0-9]+\.[0-9]+\.[0-9]+)?$",
+        "A TFDS dataset name, optionally with a version (`mnist:3.0.1`), or `folder:/ABSOLUTE/PATH`: your own images, "
+        "one sub-folder per class (optionally under `train/` and `test/`). `uci_digits` is built offline from "
+        "the UCI optical digits shipped with scikit-learn; other TFDS names are downloaded into data_dir "
+        "when not prepared there.",
+        pattern=r"^([a-z][a-z0-9_]*(/[a-z0-9_.]+)?(:[0-9]+\.[0-9]+\.[0-9]+)?|folder:/[^\x00]+)$",
+    )
+    data_dir: str = _field(
+        "",
+        "Data",
+        "Where TFDS datasets (and prepared image folders) are read and prepared; empty: HETFLOW_HOME/data, "
+        "shared by all runs.",
+        pattern=r"^(/[^\x00]*)?$",
+    )
+    image_size: str = _field(
+        "",
+        "Data",
+        "dataset=folder:...: resize every image to HEIGHTxWIDTH (e.g. `28x28`); empty: the images' own size, "
+        "which must then be the same for all.",
+        pattern=r"^([1-9][0-9]{0,3}x[1-9][0-9]{0,3})?$",
+    )
+    skip_unchanged: bool = _field(
+        True,
+        "Data",
+        "Skip training and register nothing when a version of registered_model was already trained from this "
+        "exact spec on data with the same fingerprint.",
     )
     model: Literal["mlp", "cnn", "convnet"] = _field(
         "mlp",
@@ -350,6 +372,16 @@ def cluster_problems(spec: RunSpec) -> list[str]:
                 )
     elif spec.backend == "kubernetes" and spec.restart_policy == "exit_code":
         problems.append("restart_policy=exit_code is invalid with backend=kubernetes: expected never or on_failure")
+    if spec.image_size and not spec.dataset.startswith("folder:"):
+        problems.append(
+            f"image_size={spec.image_size} is invalid with dataset={spec.dataset}: expected empty "
+            "(images are resized only for dataset=folder:PATH)"
+        )
+    if spec.backend == "kubernetes" and (spec.data_dir or spec.dataset.startswith("folder:")):
+        problems.append(
+            "data_dir and dataset=folder:PATH are invalid with backend=kubernetes: expected data_dir empty and "
+            "a TFDS dataset (pods see only the volume claim holding HETFLOW_HOME)"
+        )
     if spec.backend == "kubernetes" and spec.pin_cores:
         problems.append(
             "pin_cores=true is invalid with backend=kubernetes: expected false (a pod's CPUs are set by replica_cpus)"

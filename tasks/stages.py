@@ -89,7 +89,7 @@ def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = 
     from tasks.cluster import backends
 
     spec = parse_spec(values)
-    problems = backends.preflight(spec, run_id)
+    problems = backends.preflight(spec, run_id) + data_problems(spec)
     if problems:
         # Before any record is touched: a refused run id may belong to a run that is still going.
         raise SpecError(problems)
@@ -100,13 +100,39 @@ def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = 
     return {**spec.model_dump(), "attempt": attempt}
 
 
+def data_problems(spec: RunSpec) -> list[str]:
+    """What keeps the spec's dataset from being prepared here (bad images, an unknown name, no
+    network for a download), as one line; checked before anything starts."""
+    from tasks.data.prepare import check_available
+
+    try:
+        check_available(spec.dataset, dataset_dir(spec), spec.image_size)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
+def dataset_dir(spec: RunSpec):
+    """Where the run's TFDS datasets and image folders are prepared."""
+    from pathlib import Path
+
+    return Path(spec.data_dir) if spec.data_dir else data_dir()
+
+
 @_reported
 def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
+    """Prepare the dataset (or re-use it) and say whether this training was done before: with
+    skip_unchanged, a version trained by another run from the same spec on the same data makes the
+    rest of the run skip (``record["trained_before"]``)."""
     from tasks.data.prepare import prepare_dataset
+    from tasks.lineage import training_key
 
     paths = run_paths(run_id)
     with _attempt(paths, "prepare_data", run_id, try_number) as attempt:
-        record = prepare_dataset(load_spec(paths).dataset, data_dir())
+        spec = load_spec(paths)
+        record = prepare_dataset(spec.dataset, dataset_dir(spec), spec.image_size)
+        record["training_key"] = training_key(spec, record["fingerprint"])
+        record["trained_before"] = _trained_before(spec, record["training_key"], run_id)
         write_record(paths.dataset, record)
     log.info(
         "dataset %s %s %s (fingerprint %s)",
@@ -115,7 +141,36 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         "re-used" if record["reused"] else "prepared",
         record["fingerprint"][:12],
     )
+    if record["trained_before"]:
+        log.info("unchanged: %s", skip_reason(record))
     return {**record, "attempt": attempt}
+
+
+def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | None:
+    if not spec.skip_unchanged:
+        return None
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    from mlflow import MlflowClient
+    from tasks.lineage import trained_before
+    from tasks.registry import tracking_uri
+
+    try:
+        return trained_before(MlflowClient(tracking_uri()), spec.registered_model, key, run_id)
+    except (MlflowException, requests.exceptions.RequestException) as error:
+        # Training is never skipped on a guess; register will say if MLflow is still away.
+        log.warning("could not ask MLflow whether this training was done before (%s): training", error)
+        return None
+
+
+def skip_reason(dataset: dict[str, Any]) -> str:
+    before = dataset["trained_before"]
+    return (
+        f"{before['model_name']} v{before['version']} was trained from this spec on data with fingerprint "
+        f"{dataset['fingerprint'][:12]} by Airflow run {before['airflow_run_id']}: nothing to train or register "
+        "(skip_unchanged=false trains again)"
+    )
 
 
 # Runs whose replicas this process started and has not torn down: what `hetflow run` ends when
@@ -302,18 +357,23 @@ def summarize(run_id: str, returned: dict[str, Any] | None = None) -> dict[str, 
     failed_stage = next((stage for stage, record in STAGE_OUTPUTS if not _done(paths, stage, record, returned)), None)
     # Only the records of the stages before the failed one are this attempt's: nothing after it is reported.
     finished = STAGES[: STAGES.index(failed_stage)] if failed_stage else STAGES
+    unchanged = None
+    if failed_stage == "provision_cluster" and _read(paths.dataset).get("trained_before"):
+        unchanged = _read(paths.dataset)  # prepare_data found this training done before: the rest skipped
+        failed_stage = None
     read = {stage: _read(getattr(paths, record)) if stage in finished else None for stage, record in STAGE_OUTPUTS}
     training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
     exported = (read["export"] or {}).get("artifacts", {})
     dataset = read["prepare_data"] or {}
     summary = {
         "run_id": run_id,
-        "status": "failed" if failed_stage else "success",
+        "status": "failed" if failed_stage else "skipped" if unchanged else "success",
         "failed_stage": failed_stage,
+        "skipped_because": skip_reason(unchanged) if unchanged else None,
         "run_dir": str(paths.root),
         "attempts": {stage: _read(paths.attempt(stage)) for stage in finished},
         "spec": read["validate_spec"],
-        "dataset": {k: dataset.get(k) for k in ("name", "version", "fingerprint", "splits")},
+        "dataset": {k: dataset.get(k) for k in ("name", "version", "fingerprint", "splits", "source_path")},
         "mlflow_tracking_uri": registry.get("mlflow_tracking_uri"),
         "mlflow_run_id": registry.get("mlflow_run_id"),
         "metrics": {
@@ -341,6 +401,8 @@ def summarize(run_id: str, returned: dict[str, Any] | None = None) -> dict[str, 
             k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate", "models")
         }
         if registry
+        else unchanged["trained_before"]
+        if unchanged
         else None,
     }
     write_record(paths.summary, summary)

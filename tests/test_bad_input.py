@@ -38,6 +38,26 @@ def test_a_data_dir_that_is_not_writable_is_named(tmp_path):
         prepare_dataset("uci_digits", blocked / "data")
 
 
+def test_a_tfds_dataset_that_cannot_be_had_offline_is_refused_before_the_run_starts(tmp_path, monkeypatch):
+    """Offline, a TFDS dataset not prepared in data_dir fails validate_spec in one line naming the
+    dataset, the data dir and how to prepare it; an unknown name lists the offline datasets."""
+    from tasks import stages
+    from tasks.data import prepare
+
+    # Where TFDS would download from: a port nothing listens on, as on a machine without network.
+    monkeypatch.setattr(prepare, "_DOWNLOAD_HOST", ("127.0.0.1", _free_port()))
+    monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
+    data_dir = tmp_path / "tfds"
+    with pytest.raises(SpecError) as caught:
+        stages.validate_spec({"dataset": "mnist", "data_dir": str(data_dir)}, "offline-run")
+    [problem] = caught.value.problems
+    assert problem.startswith(f"dataset=mnist is not prepared in data_dir {data_dir} and 127.0.0.1 is unreachable")
+    assert f"`tfds build mnist --data_dir DIR`) and copy DIR's contents into {data_dir}" in problem
+    with pytest.raises(SpecError, match="dataset='no_such_set' is not a TFDS dataset; offline datasets: uci_digits"):
+        stages.validate_spec({"dataset": "no_such_set"}, "offline-run")
+    assert not (tmp_path / "home" / "runs").exists()  # refused before a run directory was made
+
+
 def test_a_truncated_shard_is_named_and_the_rest_kept(tmp_path):
     from tasks.data.prepare import prepare_dataset
 

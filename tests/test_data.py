@@ -18,8 +18,9 @@ def prepared(tmp_path_factory):
 
 
 def test_prepare_builds_versioned_sharded_splits(prepared):
-    _, record = prepared
-    assert record["load_name"] == "uci_digits:1.0.0"
+    data_dir, record = prepared
+    assert (record["name"], record["version"]) == ("uci_digits", "1.0.0")
+    assert record["prepared_dir"] == record["source_path"] == str(data_dir / "uci_digits" / "1.0.0")
     assert record["splits"] == {"train": 1258, "validation": 180, "test": 359}
     assert sum(record["splits"].values()) == 1797  # every sklearn digit, each in one split
     assert record["shards"] == {"train": 4, "validation": 4, "test": 4}

@@ -81,8 +81,8 @@ def container_config(
 ) -> dict:
     """Keyword arguments of ``client.containers.run`` for one replica.
 
-    :param home: HETFLOW_HOME; the run directory and the data dir under it are mounted at the
-        same paths.
+    :param home: HETFLOW_HOME; the run directory and the data dir (the spec's, or the one under
+        ``home``) are mounted at the same paths.
     :param run_dir: the run directory (under ``home``).
     :param user: ``uid:gid`` the replica runs as: the supervisor's own, so that what the replica
         writes into the bind mount belongs to the user who reads it next.
@@ -91,7 +91,7 @@ def container_config(
     """
     from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS
 
-    prepared = data_dir(home)
+    prepared = Path(spec.data_dir) if spec.data_dir else data_dir(home)
     # A container ends itself at its deadline, as a local replica's keeper ends it, whether or not
     # anything is left to stop it: SIGTERM, then SIGKILL after the grace (TF may ignore SIGTERM).
     deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-import tasks.data.synthetic_images  # noqa: F401  (registers the offline builder)
-import tasks.data.uci_digits  # noqa: F401  (registers the offline builder)
+
+@functools.lru_cache(maxsize=8)
+def _prepared(prepared_dir: str):
+    """The prepared dataset, read from its directory alone (its dataset_info.json and shards): no
+    builder code is needed to read it, which is what lets image folders' builders stay unregistered."""
+    return tfds.builder_from_directory(prepared_dir)
 
 
 def _load(dataset: dict[str, Any], split: str) -> tf.data.Dataset:
-    return tfds.load(
-        dataset["load_name"], split=split, data_dir=dataset["data_dir"], as_supervised=True, shuffle_files=False
-    )
+    return _prepared(dataset["prepared_dir"]).as_dataset(split=split, as_supervised=True, shuffle_files=False)
 
 
 def train_input(

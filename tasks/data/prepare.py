@@ -17,7 +17,8 @@ from typing import Any
 
 from tasks.paths import write_record
 
-# Builders that need no network. Importing their module registers them with TFDS.
+# Builders that need no network. Importing their module registers them with TFDS. Image folders
+# (``folder:PATH``, tasks.data.image_folder) need none either.
 OFFLINE_DATASETS = ("uci_digits", "synthetic_cifar")
 
 # Beside the shards: the fingerprint and each shard's SHA-256, recorded when they were prepared.
@@ -134,20 +135,71 @@ def fingerprint_changed(data_dir: Path, name: str, fingerprint: str) -> bool:
     return previous is not None and previous != fingerprint
 
 
-def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
+FOLDER_PREFIX = "folder:"
+# Where TFDS downloads from; checked before a download is attempted, so that a machine without network
+# is told so while the spec is validated, not by a traceback from prepare_data.
+_DOWNLOAD_HOST = ("storage.googleapis.com", 443)
+
+
+def _network_reachable(timeout: float = 3.0) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(_DOWNLOAD_HOST, timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def check_available(name: str, data_dir: Path, image_size: str = "") -> None:
+    """Raise ValueError (one line) when ``name`` cannot be prepared here, before any replica starts:
+    an image folder with bad data (see ``image_folder.scan``), a name TFDS does not know, or a dataset
+    that is not prepared in ``data_dir`` while the network it would be downloaded from is unreachable."""
+    if name.startswith(FOLDER_PREFIX):
+        from tasks.data.image_folder import scan
+
+        scan(name[len(FOLDER_PREFIX) :], image_size)
+        return
+    if name.split(":")[0] in OFFLINE_DATASETS:
+        return
+    builder = _builder(name, data_dir)
+    if not builder.is_prepared() and not _network_reachable():
+        raise ValueError(
+            f"dataset={name} is not prepared in data_dir {data_dir} and {_DOWNLOAD_HOST[0]} is unreachable: "
+            f"prepare it on a machine with network (`tfds build {name.split(':')[0]} --data_dir DIR`) and copy "
+            f"DIR's contents into {data_dir}"
+        )
+
+
+def prepare_dataset(name: str, data_dir: Path, image_size: str = "") -> dict[str, Any]:
     """Download (where needed) and prepare ``name`` under ``data_dir``; re-use it when already there.
 
-    Returns what later stages need: the versioned name to load, split sizes, input shape, classes
+    Returns what later stages need: where the prepared dataset is, split sizes, input shape, classes
     and the fingerprint of the prepared files, and whether that fingerprint is new data.
     """
     import tensorflow_datasets as tfds
 
+    if name.startswith(FOLDER_PREFIX):
+        from tasks.data import image_folder
+
+        inventory = image_folder.scan(name[len(FOLDER_PREFIX) :], image_size)
+        identity = f"{FOLDER_PREFIX}{inventory.folder}"
+        family = f"folder_{inventory.config_name}"
+
+        def make_builder():
+            return image_folder.builder(inventory, data_dir)
+    else:
+        identity = name.split(":")[0]
+        family = re.sub(r"[^A-Za-z0-9_]", "_", re.split(r"[:/]", name)[0])
+
+        def make_builder():
+            return _builder(name, data_dir)
+
     # One lock per dataset, whatever the version or config asked for: two processes preparing one
     # dataset at once would both build it, and the second fail to move its copy into place. The
     # builder is made under the lock, so that it sees what the lock's previous holder prepared.
-    family = re.sub(r"[^A-Za-z0-9_]", "_", re.split(r"[:/]", name)[0])
     with _locked(data_dir / f".{family}.lock"):
-        builder = _builder(name, data_dir)
+        builder = make_builder()
         prepared_before = builder.is_prepared()
         if not prepared_before:
             shards = getattr(builder, "NUM_SHARDS", None)
@@ -156,17 +208,22 @@ def prepare_dataset(name: str, data_dir: Path) -> dict[str, Any]:
         version_dir = Path(builder.data_dir)
         fingerprint = _fingerprint(info, version_dir)
     image_key, label_key = info.supervised_keys
+    version = str(info.version)
+    if name.startswith(FOLDER_PREFIX):  # the folder's content is part of the data's version
+        version = f"{version}+{inventory.content_digest[:12]}"
     return {
-        "name": info.name,
-        "version": str(info.version),
-        "load_name": f"{info.name}:{info.version}",
+        "name": identity,
+        "version": version,
         "data_dir": str(data_dir),
         "prepared_dir": str(version_dir),
+        # What the data was prepared from: the image folder, or TFDS's prepared copy.
+        "source_path": str(inventory.folder) if name.startswith(FOLDER_PREFIX) else str(version_dir),
         "reused": prepared_before,
         "splits": {split: info.splits[split].num_examples for split in info.splits},
         "shards": {split: info.splits[split].num_shards for split in info.splits},
         "input_shape": list(info.features[image_key].shape),
         "num_classes": info.features[label_key].num_classes,
+        "class_names": info.features[label_key].names,
         "fingerprint": fingerprint,
-        "data_changed": fingerprint_changed(data_dir, info.name, fingerprint),
+        "data_changed": fingerprint_changed(data_dir, identity, fingerprint),
     }

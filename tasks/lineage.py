@@ -1,0 +1,102 @@
+"""What a model was trained on and how training went, in the forms MLflow and TensorFlow users open
+first: the dataset as an MLflow dataset input (the run page's dataset panel), the curves as
+TensorBoard event files, and the key that tells a repeated training from a new one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.data.meta_dataset import MetaDataset
+from mlflow.entities import DatasetInput, InputTag
+from mlflow.types import Schema, TensorSpec
+
+from mlflow import MlflowClient
+from tasks.spec import RunSpec
+
+# MLflow stores a dataset digest in 36 characters; the full fingerprint is in the run's tags.
+_DIGEST_CHARS = 36
+
+
+def training_key(spec: RunSpec, fingerprint: str) -> str:
+    """Names one training: the requested spec (less the switch that asks whether to repeat it) and
+    the fingerprint of the data. Two runs with the same key would train the same model."""
+    requested = spec.model_dump(mode="json", exclude={"skip_unchanged"})
+    text = json.dumps({"spec": requested, "data_fingerprint": fingerprint}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+TRAINING_KEY_TAG = "hetflow.training_key"  # on every model version: the training_key it came from
+
+
+def trained_before(client: MlflowClient, registered_model: str, key: str, airflow_run_id: str) -> dict | None:
+    """The version of ``registered_model`` that another Airflow run already trained with ``key``, or
+    None. This run's own version (a Clear re-runs its stages) does not count."""
+    if not client.search_registered_models(f"name = '{registered_model}'"):
+        return None
+    for version in client.search_model_versions(
+        f"name = '{registered_model}' and tags.`{TRAINING_KEY_TAG}` = '{key}'", order_by=["version_number ASC"]
+    ):
+        if version.tags.get("airflow.run_id") != airflow_run_id:
+            return {
+                "model_name": registered_model,
+                "version": int(version.version),
+                "mlflow_run_id": version.run_id,
+                "airflow_run_id": version.tags.get("airflow.run_id"),
+                "aliases": sorted(version.aliases),
+            }
+    return None
+
+
+def dataset_input(dataset: dict) -> DatasetInput:
+    """The prepared dataset as an MLflow dataset input: name, version, fingerprint as digest, the
+    source it was prepared from, and the schema the model reads (raw uint8 images, int64 labels)."""
+    schema = Schema(
+        [
+            TensorSpec(np.dtype(np.uint8), (-1, *dataset["input_shape"]), "image"),
+            TensorSpec(np.dtype(np.int64), (-1,), "label"),
+        ]
+    )
+    meta = MetaDataset(
+        # A folder of images is its own source; a TFDS dataset's is its prepared copy under data_dir.
+        resolve_dataset_source(dataset["source_path"]),
+        name=f"{dataset['name']}@{dataset['version']}",
+        digest=dataset["fingerprint"][:_DIGEST_CHARS],
+        schema=schema,
+    )
+    return DatasetInput(meta._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])
+
+
+def log_dataset(client: MlflowClient, run_id: str, dataset: dict) -> None:
+    """Safe to repeat: MLflow keeps one input per (dataset, digest) and run."""
+    client.log_inputs(run_id, datasets=[dataset_input(dataset)])
+
+
+def write_tensorboard_events(training: dict, log_dir: Path) -> Path:
+    """The per-epoch curves as TensorBoard event files, laid out as Keras's TensorBoard callback
+    writes them (``train/`` and ``validation/``, tags ``epoch_<metric>``, step = epoch), so that
+    ``tensorboard --logdir`` on the downloaded artifact shows what a Keras user expects. The folder
+    is written afresh, so a retried task leaves one copy of each curve."""
+    import tensorflow as tf
+
+    shutil.rmtree(log_dir, ignore_errors=True)
+    runs: dict[str, dict[str, list[float]]] = {"train": {}, "validation": {}}
+    for name, values in training["history"].items():
+        if name.startswith("val_"):
+            runs["validation"][f"epoch_{name[len('val_') :]}"] = values
+        else:
+            runs["train"][f"epoch_{name}"] = values
+    runs["train"]["epoch_learning_rate"] = training["learning_rate_per_epoch"]
+    runs["train"]["epoch_seconds"] = training["epoch_seconds"]
+    for run, series in runs.items():
+        writer = tf.summary.create_file_writer(str(log_dir / run))
+        with writer.as_default():
+            for tag, values in series.items():
+                for epoch, value in enumerate(values):  # Keras counts epochs from 0 in its event files
+                    tf.summary.scalar(tag, value, step=epoch)
+        writer.close()
+    return log_dir
