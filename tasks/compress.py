@@ -136,7 +136,6 @@ def compress(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[st
     bases = {"float": model}
     if spec.prune:
         pruned = prune(model, spec, dataset)
-        pruned.save(paths.compressed / "pruned.keras")
         record["target_sparsity"] = spec.target_sparsity
         record["fine_tuning_steps"] = spec.prune_epochs * fine_tuning_epoch_steps(spec, dataset)
         record["pruned_layers"] = pruned_layers(pruned)

@@ -242,7 +242,11 @@ def test_kubernetes_pods_resolve_as_their_tf_config_addresses_and_are_owned_by_t
         assert env["HETFLOW_RUN_ID"] == RUN_ID and env["HETFLOW_HOME"] == str(HOME)
         assert container["args"] == ["--run-dir", str(RUN_DIR)]
         assert container["ports"] == [{"name": "grpc", "containerPort": 2222}]
-        assert container["volumeMounts"] == [{"name": "hetflow-home", "mountPath": str(HOME)}]
+        # Its own run directory and the data, read-only; not the rest of HETFLOW_HOME.
+        assert container["volumeMounts"] == [
+            {"name": "hetflow-home", "mountPath": str(RUN_DIR), "subPath": f"runs/{RUN_DIR.name}"},
+            {"name": "hetflow-home", "mountPath": str(HOME / "data"), "subPath": "data", "readOnly": True},
+        ]
         assert pod["spec"]["volumes"] == [
             {"name": "hetflow-home", "persistentVolumeClaim": {"claimName": "hetflow-home"}}
         ]

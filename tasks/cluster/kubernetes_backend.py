@@ -43,6 +43,7 @@ from tasks.cluster.containers import (
 )
 from tasks.cluster.layout import SERVICE_PORT, ClusterLayout, Replica, plan_named_cluster, run_slug
 from tasks.cluster.supervisor import ReplicaState
+from tasks.paths import data_dir
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -167,13 +168,24 @@ def _container(spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, st
         "args": ["--run-dir", str(run_dir)],
         "env": [{"name": key, "value": value} for key, value in env.items()],
         "ports": [{"name": "grpc", "containerPort": SERVICE_PORT}],
-        "volumeMounts": [{"name": "hetflow-home", "mountPath": str(hetflow_home_of(run_dir))}],
+        "volumeMounts": volume_mounts(run_dir),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     resources = _resources(spec, replica)
     if resources:
         container["resources"] = resources
     return container
+
+
+def volume_mounts(run_dir: Path) -> list[dict]:
+    """The run's own directory (read-write) and the prepared data (read-only), from the claim that
+    holds HETFLOW_HOME, at the paths they have on the supervisor; nothing else of the claim: a
+    replica cannot touch other runs, the stack's secrets or the dataset cache."""
+    home = hetflow_home_of(run_dir)
+    return [
+        {"name": "hetflow-home", "mountPath": str(run_dir), "subPath": str(run_dir.relative_to(home))},
+        {"name": "hetflow-home", "mountPath": str(data_dir(home)), "subPath": "data", "readOnly": True},
+    ]
 
 
 def hetflow_home_of(run_dir: Path) -> Path:
