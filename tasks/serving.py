@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
+
+from tasks import parent_watch
+from tasks.parent_watch import group_members
 
 log = logging.getLogger("hetflow.serving")
 
@@ -70,18 +72,6 @@ def server_environment(tracking_uri: str) -> dict[str, str]:
     return env
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes (zombies excluded) of a process group."""
-    members = []
-    for process in psutil.process_iter(["status"]):
-        try:
-            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == pgid:
-                members.append(process.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return members
-
-
 class ModelServer:
     """``mlflow models serve`` for one model URI; its output goes to ``log_path``.
 
@@ -107,15 +97,18 @@ class ModelServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", self.model_uri]
         command += ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(self.port)]
+        # Under a watcher that ends the server if this process dies without stopping it (SIGKILL). Run as a
+        # script, not a module: the server's environment must not carry hetflow on its path.
+        watched = [sys.executable, str(Path(parent_watch.__file__)), str(os.getpid()), "--", *command]
         with open(self.log_path, "wb") as output:
             self.process = subprocess.Popen(
-                command,
+                watched,
                 env=server_environment(self.tracking_uri),
                 cwd=self.log_path.parent,
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stop() ends mlflow and its uvicorn together
+                start_new_session=True,  # its own process group: stop() ends the watcher, mlflow and uvicorn
             )
 
     def log_tail(self) -> str:

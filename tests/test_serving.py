@@ -42,7 +42,7 @@ def test_images(run) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _server_gone(check: dict) -> bool:
-    from tasks.serving import group_members
+    from tasks.parent_watch import group_members
 
     return group_members(check["pgid"]) == [] and not listening(f"127.0.0.1:{check['port']}")
 
@@ -211,6 +211,46 @@ def test_a_server_not_healthy_by_its_deadline_is_stopped(run, hetflow_env, tmp_p
     assert not check["passed"] and check["reason"].startswith("server not healthy by its deadline")
     assert check["seconds"] < 2 + 16  # the deadline, then at most the stop's grace and SIGKILL wait
     assert _server_gone(check)
+
+
+_SERVE_AND_WAIT = """
+import sys, time
+from tasks.serving import ModelServer
+server = ModelServer(sys.argv[1], sys.argv[2], __import__("pathlib").Path(sys.argv[3]))
+server.__enter__()
+print(server.process.pid, server.port, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_whose_starter_is_killed_is_ended_with_everything_it_started(run, hetflow_env, tmp_path):
+    """SIGKILL of the process that started the server (Airflow's second signal to the register task)
+    leaves no chance to stop it: the server's watcher ends its group, and the port is free."""
+    import os
+    import signal
+
+    from conftest import REPO, wait_for
+
+    starter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _SERVE_AND_WAIT,
+            f"models:/{MODEL}/1",
+            hetflow_env["MLFLOW_TRACKING_URI"],
+            str(tmp_path / "s.log"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pgid, port = (int(field) for field in starter.stdout.readline().split())
+    from tasks.parent_watch import group_members
+
+    assert len(group_members(pgid)) >= 2 and listening(f"127.0.0.1:{port}")  # the watcher and the server
+    os.kill(starter.pid, signal.SIGKILL)
+    starter.wait()
+    assert wait_for(lambda: _server_gone({"pgid": pgid, "port": port}), timeout=30)
 
 
 def test_the_server_environment_is_a_users_not_the_pipelines(monkeypatch):
