@@ -24,11 +24,14 @@ RUN_SPEC ?= --set strategy=multi_worker_mirrored --set workers=2
 run: setup
 	$(BIN)/hetflow run $(RUN_SPEC) $(ARGS)
 
-## what the tests need beyond .venv: the browser the UI tests drive, a Docker engine and the replica
-## image (where no engine can start, the container tests skip and say why)
+## what the tests need beyond .venv: the browser the UI tests drive, a compose CLI, a Docker engine and
+## the replica image (where no engine can start, the container tests skip and say why)
 test-deps: setup
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	@# the compose CLI checks docker/compose.yaml's required secrets offline (`config` needs no engine)
+	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; }
 	@if docker/engine.sh; then docker/build-image.sh; fi
 
 ## a Docker engine on this machine (Debian's docker.io, dockerd started as root)
@@ -87,14 +90,20 @@ up: setup
 down:
 	@if [ -x $(BIN)/python ]; then $(BIN)/python -m tasks.stack down; fi
 
+# The compose file has no default secrets: tasks/compose_env.py writes them (generated once per
+# HETFLOW_HOME, 0600) with the uid and the socket's group into the env file, on every call; LOGIN=off
+# as for make up. The password is in .hetflow/stack/passwords.json, never printed.
+COMPOSE_ENV = HETFLOW_HOME=$(CURDIR)/.hetflow $(BIN)/python -m tasks.compose_env
+COMPOSE = docker compose --env-file $(CURDIR)/.hetflow/stack/compose.env -f docker/compose.yaml
+
 ## the compose stack (PostgreSQL, Airflow, MLflow) on this host's Docker engine, and the replica image
 up-docker: image
-	mkdir -p .hetflow
-	HETFLOW_HOME=$(CURDIR)/.hetflow HETFLOW_UID=$$(id -u) DOCKER_GID=$$(stat -c %g /var/run/docker.sock) \
-		docker compose -f docker/compose.yaml up --build --detach --wait
+	$(COMPOSE_ENV) $(if $(filter off,$(LOGIN)),--no-login)
+	$(COMPOSE) up --build --detach --wait
 
-down-docker:
-	HETFLOW_HOME=$(CURDIR)/.hetflow docker compose -f docker/compose.yaml down
+down-docker: setup
+	$(COMPOSE_ENV) >/dev/null
+	$(COMPOSE) down
 
 clean: down
 	rm -rf .hetflow mlflow/mlflow.db mlflow/artifacts

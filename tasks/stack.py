@@ -66,30 +66,30 @@ def _open_private(path: Path, flags: int) -> int:
     return descriptor
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     with os.fdopen(_open_private(path, os.O_TRUNC), "w") as file:
         file.write(text)
 
 
-def _generated(name: str, values: Callable[[], dict[str, str]]) -> dict[str, str]:
+def generated_once(name: str, values: Callable[[], dict[str, str]]) -> dict[str, str]:
     """Secrets in ``stack/<name>``, generated on first use and kept out of the repo."""
     path = _private_dir(stack_dir()) / name
     if not path.exists():
-        _write_private(path, json.dumps(values()))
+        write_private(path, json.dumps(values()))
     path.chmod(0o600)
     return json.loads(path.read_text())
 
 
-def _secrets() -> dict[str, str]:
+def stack_secrets() -> dict[str, str]:
     """Secrets every Airflow component must share (JWTs signed by one are checked by another)."""
     names = ("jwt_secret", "api_secret_key", "postgres_password")
-    return _generated("secrets.json", lambda: {name: secrets.token_urlsafe(32) for name in names})
+    return generated_once("secrets.json", lambda: {name: secrets.token_urlsafe(32) for name in names})
 
 
 def password_file() -> Path:
     """The file of the admin's password, in the simple auth manager's format. Airflow generates
     one when the file lacks it and prints it to the api-server's log: hetflow generates it first."""
-    _generated("passwords.json", lambda: {"admin": secrets.token_urlsafe(16)})
+    generated_once("passwords.json", lambda: {"admin": secrets.token_urlsafe(16)})
     return stack_dir() / "passwords.json"
 
 
@@ -133,7 +133,7 @@ def _start_postgres(password: str) -> tuple[str, str | None]:
 
 def environment(airflow_port: int, login: bool, database_url: str | None) -> dict[str, str]:
     """The environment of every component: hetflow's stores plus the settings of a small local stack."""
-    keys = _secrets()
+    keys = stack_secrets()
     env = {
         **os.environ,
         **airflow_environment(),
@@ -286,7 +286,7 @@ def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> tupl
         if not _free(port):
             raise SystemExit(f"port {port} on 127.0.0.1 is in use by another program")
     started_at = time.monotonic()
-    database_url, started_postgres = _start_postgres(_secrets()["postgres_password"]) if postgres else (None, None)
+    database_url, started_postgres = _start_postgres(stack_secrets()["postgres_password"]) if postgres else (None, None)
     stack_id = secrets.token_hex(8)
     env = {**environment(airflow_port, login, database_url), STACK_ID_ENV: stack_id}
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
@@ -311,10 +311,10 @@ def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> tupl
         "started_postgres": started_postgres,
         "password_file": str(password_file()),
     }
-    _write_private(_state_path(), json.dumps(state, indent=2))
+    write_private(_state_path(), json.dumps(state, indent=2))
     wait_healthy(state)
     state["seconds_to_healthy"] = round(time.monotonic() - started_at, 1)
-    _write_private(_state_path(), json.dumps(state, indent=2))
+    write_private(_state_path(), json.dumps(state, indent=2))
     return state, True
 
 

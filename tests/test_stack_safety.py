@@ -160,7 +160,7 @@ def test_down_stops_what_up_started_and_leaves_a_reused_pid_alone(home):
             },
         }
         stack._private_dir(stack.stack_dir())
-        stack._write_private(stack._state_path(), json.dumps(state))
+        stack.write_private(stack._state_path(), json.dumps(state))
 
         assert stack.down() == {"stopped": ["scheduler"], "gone": ["triggerer", "mlflow"]}
         assert all(_ended(process.pid) for process in (component, orphan, grandchild))
