@@ -148,6 +148,8 @@ def _cmd_run(args) -> int:
         print(f"  gate            {registry['gate']}")
     if summary.get("mlflow_tracking_uri"):
         print(f"  MLflow          {summary['mlflow_tracking_uri']} run {summary['mlflow_run_id']}")
+    if summary.get("auto"):
+        print(f"  auto            {summary['auto']['decision']['reason']}")
     if summary.get("skipped_because"):
         print(f"  skipped         {summary['skipped_because']}")
     if summary.get("failed_stage"):
@@ -178,6 +180,16 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_sweep(args) -> int:
+    """What interrupted runs of this HETFLOW_HOME left: network namespaces, containers, networks."""
+    from tasks.cluster.sweep import sweep
+
+    removed = sweep(hetflow_home())
+    for kind, names in removed.items():
+        print(f"{kind}: {', '.join(names) if names else 'none left'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetflow", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         ("validate", _cmd_validate, "check a spec and print it with defaults filled in"),
         ("run", _cmd_run, "run the hetflow_train DAG once through Airflow"),
         ("train", _cmd_train, "run only the training stage"),
+        ("sweep", _cmd_sweep, "remove what interrupted runs left: namespaces, containers, networks"),
     ):
         command = commands.add_parser(name, help=text)
         command.add_argument("--config", type=Path, help="JSON file of spec keys")

@@ -249,11 +249,20 @@ def _stopped_on_sigterm(stop):
 def teardown_cluster(run_id: str) -> list:
     """End what is left of the run's replicas: pids (local), containers (docker), pods (kubernetes)."""
     from tasks.cluster import backends
+    from tasks.cluster.sweep import sweep
+    from tasks.paths import hetflow_home
 
     paths = run_paths(run_id)
     ended = backends.teardown(load_spec(paths) if paths.spec.exists() else None, run_id)
     PROVISIONED_HERE.discard(run_id)
     log.info("teardown: %s", f"ended {ended}" if ended else "no replica was left running")
+    try:  # what earlier runs left when they were killed before their own teardown
+        swept = sweep(hetflow_home())
+    except Exception:  # another run's leftovers must not fail this run's teardown
+        log.exception("sweeping what interrupted runs left failed")
+    else:
+        if any(swept.values()):
+            log.info("teardown also swept what interrupted runs left: %s", swept)
     return ended
 
 
@@ -344,6 +353,17 @@ def _done(paths: RunPaths, stage: str, record: str, returned: dict[str, Any] | N
     return reported.get("id") == _read(receipt)["id"]
 
 
+def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
+    plan = _read(paths.plan) if paths.plan.exists() else {}
+    if "decision" not in plan:
+        return None
+    return {
+        "requested": plan["requested"]["strategy"],
+        "decision": plan["decision"],
+        "probes": plan["probes"],
+    }
+
+
 @_reported
 def summarize(run_id: str, returned: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write summary.json; status is ``failed`` when a stage did not finish, whatever files an
@@ -397,6 +417,8 @@ def summarize(run_id: str, returned: dict[str, Any] | None = None) -> dict[str, 
         },
         "replicas": (read["provision_cluster"] or {}).get("replicas"),
         "restarts": _read(paths.restarts) if paths.restarts.exists() else [],
+        # strategy=auto: what it chose and why, from the probes (plan.json).
+        "auto": _auto_decision(paths) if "provision_cluster" in finished else None,
         "registry": {
             k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate", "models")
         }

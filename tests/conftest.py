@@ -68,6 +68,50 @@ def listening(address: str) -> bool:
     return any(c.laddr.port == port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
 
 
+@pytest.fixture()
+def provisioned(hetflow_env, request):
+    """Makes runs with a validated spec (long training by default) and prepared data, provisioned;
+    tears them all down after the test."""
+    from tasks import stages
+
+    made = []
+
+    def provision(**values) -> str:
+        run = f"test_{request.node.name}_{len(made)}_{os.getpid()}"
+        stages.validate_spec({"epochs": 1000, **values}, run)
+        stages.prepare_data(run)
+        made.append(run)  # before provisioning: a half-provisioned run is torn down too
+        stages.provision_cluster(run)
+        return run
+
+    yield provision
+    for run in made:
+        stages.teardown_cluster(run)
+
+
+def replica_listening(cluster: dict, address: str) -> bool:
+    """Whether a replica of the run whose ``cluster.json`` is ``cluster`` listens on ``address``'s
+    port: inside the run's network namespace where it has one (the local backend's, as root), else
+    on this host. A namespace that is gone has nothing listening."""
+    namespace = cluster.get("network_isolation", {}).get("namespace")
+    if namespace is None:
+        return listening(address)
+    if not Path("/run/netns", namespace).exists():
+        return False
+    table = subprocess.run(
+        ["nsenter", f"--net=/run/netns/{namespace}", "cat", "/proc/net/tcp", "/proc/net/tcp6"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    port = int(address.rsplit(":", 1)[1])
+    # Columns: sl, local address (hex ip:hex port), remote address, state (0A: LISTEN), ...
+    return any(
+        fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port
+        for fields in (line.split() for line in table.splitlines()[1:])
+        if len(fields) > 3 and ":" in fields[1]
+    )
+
+
 @pytest.fixture(scope="session")
 def docker_client():
     """The Docker engine that `make test` started (docker/engine.sh), with the replica image that it

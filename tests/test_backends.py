@@ -115,11 +115,11 @@ def test_container_only_keys_are_rejected_with_the_local_backend():
 
 
 def test_docker_network_is_internal_and_labelled_with_the_run():
-    assert dk.network_config(RUN_ID) == {
+    assert dk.network_config(RUN_ID, RUN_DIR) == {
         "name": f"hetflow-{run_slug(RUN_ID)}",
         "driver": "bridge",
         "internal": True,  # TF's gRPC servers listen on 0.0.0.0: nothing outside the run reaches them
-        "labels": {"hetflow.run": run_slug(RUN_ID), "hetflow.run-id": RUN_ID},
+        "labels": {"hetflow.run": run_slug(RUN_ID), "hetflow.run-id": RUN_ID, "hetflow.run-dir": str(RUN_DIR)},
     }
 
 
@@ -140,6 +140,7 @@ def test_docker_container_configs_carry_tf_config_labels_limits_and_gpus():
         assert config["labels"] == {
             "hetflow.run": run_slug(RUN_ID),
             "hetflow.run-id": RUN_ID,
+            "hetflow.run-dir": str(RUN_DIR),
             "hetflow.role": replica.role,
             "hetflow.index": str(replica.index),
         }

@@ -11,7 +11,7 @@ import textwrap
 import time
 
 import pytest
-from conftest import REPO, listening, wait_for
+from conftest import REPO, replica_listening, wait_for
 
 from tasks.cluster.layout import ClusterLayout, Replica, plan_cluster
 from tasks.cluster.local import run_replicas
@@ -30,42 +30,21 @@ def test_one_device_layout_is_one_worker_on_loopback():
 
 
 @pytest.fixture()
-def provisioned(hetflow_env, request):
-    """Makes runs with a validated spec (long training by default) and prepared data, provisioned;
-    tears them all down after the test."""
-    from tasks import stages
-
-    made = []
-
-    def provision(**values) -> str:
-        run = f"test_{request.node.name}_{len(made)}_{os.getpid()}"
-        stages.validate_spec({"epochs": 1000, **values}, run)
-        stages.prepare_data(run)
-        stages.provision_cluster(run)
-        made.append(run)
-        return run
-
-    yield provision
-    for run in made:
-        stages.teardown_cluster(run)
-
-
-@pytest.fixture()
 def run_id(provisioned):
     return provisioned()
 
 
 def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
     from tasks import stages
-    from tasks.cluster.local import ReplicaFailed, run_processes
+    from tasks.cluster.local import run_processes
+    from tasks.cluster.supervisor import ReplicaFailed
     from tasks.paths import run_paths
 
     paths = run_paths(run_id)
     dataset = json.loads(paths.dataset.read_text())
-    paths.dataset.write_text(json.dumps({**dataset, "load_name": "uci_digits:9.9.9"}))
-    with pytest.raises(
-        ReplicaFailed, match=r"replica worker-0 exited with code 1; last output: .*uci_digits"
-    ) as caught:
+    missing = dataset["prepared_dir"].replace("1.0.0", "9.9.9")
+    paths.dataset.write_text(json.dumps({**dataset, "prepared_dir": missing}))
+    with pytest.raises(ReplicaFailed, match=r"replica worker-0 exited with code 1; last output: .*") as caught:
         stages.train(run_id)
     assert "9.9.9" in str(caught.value)
     assert "Traceback" in (paths.logs / "worker-0.log").read_text()
@@ -161,7 +140,7 @@ def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(prov
         assert "ReplicaFailed: replica worker-" in stderr
         assert run_processes(run_id) == []
         layout = json.loads(run_paths(run_id).cluster.read_text())
-        assert wait_for(lambda: not any(listening(r["address"]) for r in layout["replicas"]), timeout=5)
+        assert wait_for(lambda: not any(replica_listening(layout, r["address"]) for r in layout["replicas"]), timeout=5)
     finally:
         supervisor.kill()
 
@@ -177,12 +156,12 @@ def test_killing_the_supervisor_ends_servers_and_chief_of_a_parameter_server_run
         assert wait_for(lambda: log.exists() and "Epoch 1/" in log.read_text(), timeout=120), "never trained"
         assert sorted(run_replicas(run_id)) == ["chief-0", "ps-0", "worker-0", "worker-1"]
         layout = json.loads(run_paths(run_id).cluster.read_text())
-        assert all(listening(r["address"]) for r in layout["replicas"] if r["role"] != "chief")
+        assert all(replica_listening(layout, r["address"]) for r in layout["replicas"] if r["role"] != "chief")
         supervisor.send_signal(signal.SIGKILL)
         supervisor.wait(timeout=10)
         assert wait_for(lambda: run_processes(run_id) == [], timeout=10), "replicas outlived their supervisor"
         # (a killed process leaves /proc's view of it before the kernel has closed its sockets)
-        assert wait_for(lambda: not any(listening(r["address"]) for r in layout["replicas"]), timeout=5)
+        assert wait_for(lambda: not any(replica_listening(layout, r["address"]) for r in layout["replicas"]), timeout=5)
     finally:
         supervisor.kill()
 
@@ -218,7 +197,8 @@ def test_ports_are_distinct_even_when_the_os_repeats_one():
 
 def test_a_run_past_its_timeout_is_stopped_and_fails(provisioned):
     from tasks import stages
-    from tasks.cluster.local import ReplicaFailed, run_processes
+    from tasks.cluster.local import run_processes
+    from tasks.cluster.supervisor import ReplicaFailed
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2, train_timeout_seconds=10)
     started = time.monotonic()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import hetflow, listening
+from conftest import hetflow, replica_listening
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_no_replica_or_port_outlives_the_run(first):
     _, summary = first
     assert run_processes(summary["run_id"]) == []
     cluster = json.loads((Path(summary["run_dir"]) / "cluster.json").read_text())
-    assert not any(listening(replica["address"]) for replica in cluster["replicas"])
+    assert not any(replica_listening(cluster, replica["address"]) for replica in cluster["replicas"])
 
 
 def test_mlflow_run_records_tags_params_curves_and_artifacts(first, client):

@@ -230,6 +230,8 @@ def test_auto_through_the_dag_logs_its_decision(hetflow_env):
     plan = json.loads((Path(summary["run_dir"]) / "plan.json").read_text())
     # The digits MLP steps in a few ms: distributing it would cost more than it saves.
     assert plan["decision"]["strategy"] == "one_device" and "auto chose one_device on worker-0" in done.stdout
+    assert summary["auto"]["requested"] == "auto" and summary["auto"]["decision"] == plan["decision"]
+    assert [probe["worker"] for probe in summary["auto"]["probes"]] == ["worker-0", "worker-1"]
     run = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"]).get_run(summary["mlflow_run_id"])
     assert run.data.params["requested_strategy"] == "auto" and run.data.params["strategy"] == "one_device"
     assert run.data.tags["auto.decision"] == plan["decision"]["reason"]

@@ -155,6 +155,22 @@ def test_new_images_make_a_new_prepared_version_beside_the_old(tmp_path):
     assert edited["version"] != grown["version"] and edited["fingerprint"] != grown["fingerprint"]
 
 
+def test_the_validate_spec_task_refuses_a_bad_folder_before_it_makes_a_run_directory(tmp_path, monkeypatch):
+    """What a trigger from the Airflow form meets: the DAG's first task fails with the one line."""
+    from tasks import stages
+    from tasks.spec import SpecError
+
+    monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
+    root = write_digit_folder(tmp_path / "digits", per_class=3)
+    (root / "digit_6" / "notes.png").write_text("not an image")
+    with pytest.raises(SpecError) as refused:
+        stages.validate_spec({"dataset": f"folder:{root}"}, "bad-folder-run")
+    assert refused.value.problems == [
+        f"image {root}/digit_6/notes.png cannot be decoded (cannot identify image file '{root}/digit_6/notes.png')"
+    ]
+    assert not (tmp_path / "home" / "runs").exists()
+
+
 def test_pixels_read_back_from_the_prepared_dataset_are_the_images(tmp_path):
     from PIL import Image
 
@@ -254,20 +270,43 @@ class TestTrainingOnAnImageFolder:
         assert not (Path(summary["run_dir"]) / "training.json").exists()
         assert [int(v.version) for v in client.search_model_versions(f"name='{self.MODEL}'")] == [1]
 
-    def test_bad_images_are_refused_before_anything_starts_and_the_champion_stays(
+    def test_bad_data_is_refused_before_anything_starts_and_the_champion_stays(
         self, hetflow_env, folder, first, client, tmp_path
     ):
-        bad = tmp_path / "bad"
         import shutil
 
-        shutil.copytree(folder, bad)
-        (bad / "digit_5" / "truncated.png").write_bytes((folder / "digit_5").glob("*.png").__next__().read_bytes()[:60])
-        runs_before = sorted((Path(hetflow_env["HETFLOW_HOME"]) / "runs").iterdir())
-        done, _ = self.run(hetflow_env, bad)
-        assert done.returncode == 2
-        assert f"hetflow: invalid spec: image {bad}/digit_5/truncated.png cannot be decoded" in done.stderr
-        assert sorted((Path(hetflow_env["HETFLOW_HOME"]) / "runs").iterdir()) == runs_before
+        def copy(name):
+            shutil.copytree(folder, tmp_path / name)
+            return tmp_path / name
+
+        truncated = copy("truncated")
+        (truncated / "digit_5" / "cut.png").write_bytes(next((folder / "digit_5").glob("*.png")).read_bytes()[:60])
+        single = copy("single")
+        for label in range(1, 10):
+            shutil.rmtree(single / f"digit_{label}")
+        empty = copy("empty")
+        for image in (empty / "digit_2").iterdir():
+            image.unlink()
+        mixed = copy("mixed")
+        write_digit_folder(tmp_path / "big", per_class=1, size=32)
+        odd = next((tmp_path / "big" / "digit_8").iterdir())
+        odd.rename(mixed / "digit_8" / "odd.png")
+        cases = {
+            truncated: f"image {truncated}/digit_5/cut.png cannot be decoded",
+            single: f"folder {single} has 1 class folder(s) (digit_0): expected 2 or more",
+            empty: f"class folder {empty}/digit_2 has no images",
+            mixed: f"image {mixed}/digit_8/odd.png is 32x32 but",
+            tmp_path / "nowhere": f"dataset=folder:{tmp_path / 'nowhere'}: no such folder",
+        }
+        runs = Path(hetflow_env["HETFLOW_HOME"]) / "runs"
+        runs_before = sorted(runs.iterdir())
+        for bad, message in cases.items():
+            done, _ = self.run(hetflow_env, bad)
+            assert done.returncode == 2, done.stdout[-2000:]
+            assert f"hetflow: invalid spec: {message}" in done.stderr
+        assert sorted(runs.iterdir()) == runs_before
         assert int(client.get_model_version_by_alias(self.MODEL, "champion").version) == 1
+        assert len(client.search_model_versions(f"name='{self.MODEL}'")) == 1
 
     def test_new_images_make_a_new_fingerprint_run_and_version(self, hetflow_env, folder, first, client):
         write_digit_folder(folder, per_class=6, first=DIGITS_PER_CLASS)
@@ -287,6 +326,7 @@ class TestTrainingOnAnImageFolder:
         ["strategy=multi_worker_mirrored", "workers=2"],
         ["strategy=parameter_server", "workers=2", "ps=1"],
         ["strategy=model_parallel", "devices_per_worker=2"],
+        ["strategy=auto", "workers=2"],
     ],
     ids=lambda keys: keys[0].split("=")[1],
 )
@@ -299,6 +339,13 @@ def test_every_strategy_trains_the_mlp_on_a_28x28_folder(hetflow_env, tmp_path_f
         args += ["--set", assignment]
     done = hetflow(hetflow_env, *args)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    training = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
-    assert training["strategy"] == strategy_keys[0].split("=")[1]
+    training_path = Path(done.stdout.strip().splitlines()[-1])
+    training = json.loads(training_path.read_text())
+    requested = strategy_keys[0].split("=")[1]
+    if requested == "auto":  # it trains with what it chose from the probes of both workers
+        plan = json.loads((training_path.parent / "plan.json").read_text())
+        assert [probe["worker"] for probe in plan["probes"]] == ["worker-0", "worker-1"]
+        assert training["strategy"] == plan["decision"]["strategy"]
+    else:
+        assert training["strategy"] == requested
     assert training["history"]["val_accuracy"][-1] >= 0.4  # ten classes: chance is 0.1

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import full_log, hetflow, listening
+from conftest import full_log, hetflow, replica_listening
 
 from tasks.spec import parse_spec
 
@@ -78,7 +78,7 @@ def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
         assert "[ps-1]" in full_log(done) and "[chief-0] Epoch 6/6" in done.stdout
 
     assert run_processes(summary["run_id"]) == []
-    assert not any(listening(r["address"]) for r in cluster["replicas"])
+    assert not any(replica_listening(cluster, r["address"]) for r in cluster["replicas"])
 
 
 GOYAL = {"learning_rate": 0.1, "lr_scaling": "linear", "lr_reference_batch": 256, "batch_size": 1024, "epochs": 4}

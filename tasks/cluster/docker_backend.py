@@ -34,6 +34,7 @@ from tasks.cluster.containers import (
     replica_environment,
     replica_gpus,
 )
+from tasks.cluster.keeper import take_lease
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
 from tasks.cluster.local import core_assignment
 from tasks.cluster.supervisor import ReplicaState
@@ -44,6 +45,7 @@ log = logging.getLogger("hetflow.cluster")
 
 LABEL_RUN = "hetflow.run"  # the run's slug: what teardown filters on
 LABEL_RUN_ID = "hetflow.run-id"  # the Airflow run id as it is
+LABEL_RUN_DIR = "hetflow.run-dir"  # where its supervisor's lease is: how `hetflow sweep` tells a live run
 LABEL_ROLE = "hetflow.role"
 LABEL_INDEX = "hetflow.index"
 
@@ -60,13 +62,18 @@ def plan(spec: RunSpec, run_id: str) -> ClusterLayout:
     return plan_named_cluster(spec, run_id, lambda name: container_name(run_id, name))
 
 
-def run_labels(run_id: str) -> dict[str, str]:
-    return {LABEL_RUN: run_slug(run_id), LABEL_RUN_ID: run_id}
+def run_labels(run_id: str, run_dir: Path) -> dict[str, str]:
+    return {LABEL_RUN: run_slug(run_id), LABEL_RUN_ID: run_id, LABEL_RUN_DIR: str(run_dir)}
 
 
-def network_config(run_id: str) -> dict:
+def network_config(run_id: str, run_dir: Path) -> dict:
     """Keyword arguments of ``client.networks.create``."""
-    return {"name": network_name(run_id), "driver": "bridge", "internal": True, "labels": run_labels(run_id)}
+    return {
+        "name": network_name(run_id),
+        "driver": "bridge",
+        "internal": True,
+        "labels": run_labels(run_id, run_dir),
+    }
 
 
 def container_config(
@@ -112,7 +119,7 @@ def container_config(
         # The supervisor's uid has no home directory in the image; libraries that cache under
         # $HOME (matplotlib, TFDS) need a writable one.
         "environment": {**replica_environment(layout, replica, home, launched_at), "HOME": "/tmp"},
-        "labels": {**run_labels(layout.run_id), LABEL_ROLE: replica.role, LABEL_INDEX: str(replica.index)},
+        "labels": {**run_labels(layout.run_id, run_dir), LABEL_ROLE: replica.role, LABEL_INDEX: str(replica.index)},
         "network": network_name(layout.run_id),
         "volumes": {
             str(run_dir): {"bind": str(run_dir), "mode": "rw"},
@@ -162,7 +169,7 @@ class DockerReplicas:
     def provision(self) -> None:
         """The run's network and every replica's container, started."""
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        self.client.networks.create(**network_config(self.layout.run_id))
+        self.client.networks.create(**network_config(self.layout.run_id, self.run_dir))
         self.start(self.layout.replicas)
 
     def start(self, replicas) -> None:
@@ -188,10 +195,12 @@ class DockerReplicas:
             )
 
     def attach(self) -> None:
-        """Containers do not depend on their supervisor: teardown ends them."""
+        """Containers do not depend on their supervisor (teardown and their deadline end them), but
+        the supervisor holds the run's lease: `hetflow sweep` leaves a supervised run alone."""
+        self._lease = take_lease(self.run_dir)
 
     def detach(self) -> None:
-        pass
+        self._lease.close()
 
     def poll(self) -> dict[str, ReplicaState]:
         found = {

@@ -48,6 +48,21 @@ def exit_path(run_dir: Path, name: str) -> Path:
     return RunPaths(run_dir).replicas / f"{name}.exit"
 
 
+def take_lease(run_dir: Path):
+    """Take the run's supervisor lease; returns the open lock file (closing it, or dying, releases
+    it). Raises ReplicaFailed when another process holds it."""
+    from tasks.cluster.supervisor import ReplicaFailed
+
+    lease_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    lease = open(lease_path(run_dir), "a+")
+    try:
+        fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lease.close()
+        raise ReplicaFailed(f"another process supervises the replicas of {run_dir} (it holds the lease)") from None
+    return lease
+
+
 def supervisor_holds_lease(run_dir: Path) -> bool:
     with open(lease_path(run_dir), "a+") as lock:
         try:

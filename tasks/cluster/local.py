@@ -5,15 +5,22 @@ in its own process group, under a keeper (``tasks.cluster.keeper``) that provisi
 session of its own: the replicas outlive the provisioning task and die when the supervising task
 does. Their output goes to ``logs/<role>-<index>.log`` in the run directory; teardown finds every
 process of a run by the run id in its environment.
+
+TensorFlow's gRPC servers listen on every interface, unauthenticated. Run as root, provisioning
+puts every keeper and replica of a run in a network namespace of the run's own with only loopback
+up (``isolate_network``): they reach each other on its 127.0.0.1 and nothing outside it reaches
+them. They stay in this PID namespace, so signals (throttling, stopping) work as before. Without
+root or iproute2 they listen on this host's interfaces, and ``cluster.json`` says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
+import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,14 +30,15 @@ import time
 from pathlib import Path
 
 from tasks.cluster.layout import ClusterLayout, Replica, free_local_port
-from tasks.cluster.supervisor import ReplicaFailed, ReplicaState
-from tasks.paths import REPO_ROOT, RunPaths, write_record
+from tasks.cluster.supervisor import ReplicaState
+from tasks.paths import REPO_ROOT, RunPaths, hetflow_home, write_record
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
 
 RUN_ID_ENV = "HETFLOW_RUN_ID"
 TERM_GRACE_SECONDS = 10.0
+NETNS_DIR = Path("/run/netns")  # where `ip netns` names namespaces
 
 
 def core_assignment(layout: ClusterLayout) -> dict[str, int]:
@@ -105,7 +113,8 @@ class Throttle(threading.Thread):
 
 
 def port_taken(port: int) -> bool:
-    """Whether something listens on ``port`` (on any interface: TF servers bind 0.0.0.0)."""
+    """Whether something listens on ``port`` in this network namespace (on any interface: TF servers
+    bind 0.0.0.0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not count
         try:
@@ -113,6 +122,70 @@ def port_taken(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def namespace_name(run_id: str, home: Path) -> str:
+    """The run's network namespace: a hash of its HETFLOW_HOME and id (two homes may hold one id),
+    20 characters, which `ip netns` takes as a file name."""
+    return "hetflow-" + hashlib.sha256(f"{home}\0{run_id}".encode()).hexdigest()[:12]
+
+
+def isolate_network(run_id: str) -> dict:
+    """A fresh network namespace for the run's replicas, with only loopback up: ``{"isolated": true,
+    "namespace": NAME}``; or ``{"isolated": false, "reason": ...}`` (and a warning) where none can be
+    had: creating one takes root and iproute2."""
+    ip, nsenter = shutil.which("ip"), shutil.which("nsenter")
+    if os.geteuid() != 0:
+        return _not_isolated(run_id, "not running as root, which `ip netns add` needs")
+    if ip is None or nsenter is None:
+        return _not_isolated(run_id, "no `ip` (iproute2) or `nsenter` (util-linux) command on PATH")
+    name = namespace_name(run_id, hetflow_home())
+    # One left by an earlier provisioning of the run goes: a fresh namespace has every port free.
+    delete_namespace(name)
+    for command in (["netns", "add", name], ["-n", name, "link", "set", "lo", "up"]):
+        done = subprocess.run([ip, *command], capture_output=True, text=True)
+        if done.returncode != 0:
+            delete_namespace(name)
+            return _not_isolated(run_id, f"`ip {' '.join(command)}` failed: {done.stderr.strip()}")
+    log.info("replicas of %s run in network namespace %s, unreachable from outside it", run_id, name)
+    return {"isolated": True, "namespace": name}
+
+
+def _not_isolated(run_id: str, reason: str) -> dict:
+    log.warning(
+        "replicas of %s listen on every interface of this host, without authentication (%s): "
+        "firewall their ports or use backend=docker",
+        run_id,
+        reason,
+    )
+    return {"isolated": False, "reason": reason}
+
+
+def namespace_processes(name: str) -> list[int]:
+    """Pids of every live process in the named network namespace (what `ip netns pids` lists)."""
+    try:
+        namespace = os.stat(NETNS_DIR / name)
+    except OSError:
+        return []
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            net = os.stat(entry / "ns" / "net")
+        except OSError:
+            continue
+        if (net.st_dev, net.st_ino) == (namespace.st_dev, namespace.st_ino):
+            pids.append(int(entry.name))
+    return pids
+
+
+def delete_namespace(name: str) -> None:
+    """Remove the namespace's name; the kernel frees it once no process is left in it."""
+    if (NETNS_DIR / name).exists():
+        done = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
+        if done.returncode != 0:
+            log.warning("could not delete network namespace %s: %s", name, done.stderr.strip())
 
 
 class LocalReplicas:
@@ -135,16 +208,34 @@ class LocalReplicas:
         self.gpus = visible_gpus(layout, spec)
         self._offsets: dict[str, int] = {}
         self._lease = None
+        self.network_isolation: dict | None = None  # set by provision, else read from cluster.json
 
     def log_path(self, name: str) -> Path:
         return self.paths.logs / f"{'probe-' if self.probe else ''}{name}.log"
 
     def provision(self) -> None:
-        """Start every replica, on ports still free."""
+        """Start every replica: in a network namespace of the run's own where one can be had, else
+        on host ports still free. ``cluster.json`` records which (``network_isolation``)."""
         self.paths.logs.mkdir(parents=True, exist_ok=True)
         self.paths.replicas.mkdir(parents=True, exist_ok=True)
-        self._move_off_taken_ports()
-        self.start(self.layout.replicas)
+        self.network_isolation = isolate_network(self.layout.run_id)
+        if not self.network_isolation["isolated"]:
+            self._move_off_taken_ports()
+        if not self.probe:  # the probe's layout is not the run's
+            write_record(self.paths.cluster, {**self.layout.to_dict(), "network_isolation": self.network_isolation})
+        try:
+            self.start(self.layout.replicas)
+        except BaseException:
+            teardown_run(self.layout.run_id)  # nothing half-started stays, the namespace included
+            raise
+
+    def _namespace(self) -> str | None:
+        """The namespace the run's replicas live in: a restart comes from the supervising task, which
+        did not provision, so it reads what provisioning recorded."""
+        if self.network_isolation is None:
+            record = json.loads(self.paths.cluster.read_text()) if self.paths.cluster.exists() else {}
+            self.network_isolation = record.get("network_isolation", {"isolated": False})
+        return self.network_isolation.get("namespace")
 
     def _move_off_taken_ports(self) -> None:
         """Ports were picked free at planning; whatever took one since, the replica moves to
@@ -178,6 +269,11 @@ class LocalReplicas:
         command += ["--slowdown", repr(slowdown), *(["--probe"] if self.probe else [])]
         if replica.name in self.cores:
             command += ["--core", str(self.cores[replica.name])]
+        namespace = self._namespace()
+        if namespace:
+            # Only the network namespace changes (`ip netns exec` would also remount /sys); nsenter
+            # execs the keeper in place, so the pid recorded below is the keeper's.
+            command = ["nsenter", f"--net={NETNS_DIR / namespace}", "--", *command]
         env = {
             **os.environ,
             "TF_CONFIG": self.layout.tf_config(replica),
@@ -197,7 +293,7 @@ class LocalReplicas:
                 start_new_session=True,  # outlives this process: the next task supervises it
             )
         self._pid_path(replica.name).write_text(str(keeper.pid))
-        notes = []
+        notes = [f"in network namespace {namespace}"] if namespace else []
         if replica.name in self.cores:
             notes.append(f"pinned to core {self.cores[replica.name]}")
         if slowdown > 1:
@@ -219,16 +315,9 @@ class LocalReplicas:
     def attach(self) -> None:
         """Take the run's supervisor lease (see tasks.cluster.keeper): while this process holds
         it the replicas run; when it ends, however it ends, its keepers kill them."""
-        from tasks.cluster.keeper import lease_path
+        from tasks.cluster.keeper import take_lease
 
-        self.paths.replicas.mkdir(parents=True, exist_ok=True)
-        self._lease = open(lease_path(self.run_dir), "a+")
-        try:
-            fcntl.flock(self._lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lease.close()
-            self._lease = None
-            raise ReplicaFailed(f"another process supervises the replicas of {self.run_dir} (it holds the lease)")
+        self._lease = take_lease(self.run_dir)
 
     def detach(self) -> None:
         if self._lease is not None:
@@ -368,28 +457,38 @@ def run_replicas(run_id: str) -> dict[str, int]:
 
 
 def teardown_run(run_id: str) -> list[int]:
-    """End every process of the run, found by run id whatever started it. Returns the pids ended."""
-    return _end(run_processes(run_id))
+    """End every process of the run, found by run id whatever started it, and delete its network
+    namespace. Returns the pids ended."""
+    return _end(run_processes(run_id), [namespace_name(run_id, hetflow_home())])
 
 
 def teardown_runs_of_home(home: Path) -> list[int]:
     """End every replica and keeper of any run under ``HETFLOW_HOME=home``, found by the
     environment its task gave it: what ``make down`` does for the runs it interrupts (a run
-    provisioned but not yet supervised lives until its keepers' attach timeout). Returns the pids."""
-    return _end(
-        [
-            pid
-            for pid, environ in environments_with(f"HETFLOW_HOME={home}").items()
-            if any(entry.startswith(f"{RUN_ID_ENV}=".encode()) for entry in environ)
-        ]
-    )
+    provisioned but not yet supervised lives until its keepers' attach timeout), and delete those
+    runs' network namespaces. Returns the pids."""
+    prefix = f"{RUN_ID_ENV}=".encode()
+    pids, run_ids = [], set()
+    for pid, environ in environments_with(f"HETFLOW_HOME={home}").items():
+        ids = [entry[len(prefix) :].decode() for entry in environ if entry.startswith(prefix)]
+        if ids:
+            pids.append(pid)
+            run_ids.update(ids)
+    return _end(pids, [namespace_name(run_id, home) for run_id in sorted(run_ids)])
 
 
-def _end(pids: list[int]) -> list[int]:
-    """Stop the pids' process groups; kill any pid left (a keeper outside its own group)."""
+def _end(pids: list[int], namespaces: list[str]) -> list[int]:
+    """Stop the pids' process groups and whatever else is in the run's namespaces; kill any pid left
+    (a keeper outside its own group); delete the namespaces once their processes are gone."""
+    pids = pids + [pid for name in namespaces for pid in namespace_processes(name) if pid not in pids]
     if pids:
         stop_process_groups(pids)
         for pid in pids:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5  # a SIGKILLed process takes a moment to leave
+        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    for name in namespaces:
+        delete_namespace(name)
     return pids
