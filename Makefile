@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup test-deps engine image run test test-fast bench chaos lint lint-docker up down up-docker down-docker clean
+.PHONY: setup test-deps engine image run test test-fast bench bench-peer chaos lint lint-docker up down up-docker down-docker clean
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ bench: setup image
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/straggler.py
 	$(BIN)/python bench/containers.py
+
+## the throughput cases beside a peer, Ray Train on the same job (bench/RESULTS.md: mwms_2 / ray_2w); installs bench/ray-requirements.lock into .bench-ray on first use
+bench-peer: setup
+	$(BIN)/python bench/run.py --cases baseline,one_worker,mwms_2,ray_2w $(ARGS)
 
 ## runs that lose a random replica at a random time (bench/CHAOS.md)
 chaos: setup

@@ -27,17 +27,22 @@ from tasks.strategies.common import TrainingClock
 import tensorflow as tf
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def job_parser(description: str) -> argparse.ArgumentParser:
+    """The job every case outside ``hetflow train`` is given by bench/run.py (this one and the peer's)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--steps-per-epoch", type=int, required=True)
-    parser.add_argument("--batch-size", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, required=True, help="per worker")
     parser.add_argument("--optimizer", required=True)
     parser.add_argument("--learning-rate", type=float, required=True)
     parser.add_argument("--seed", type=int, required=True)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = job_parser(__doc__).parse_args()
 
     dataset = prepare_dataset(args.dataset, data_dir())
     model = build_model(args.model, dataset["input_shape"], dataset["num_classes"], args.seed)

@@ -7,6 +7,8 @@ tasks/data/synthetic_images.py) with 64 examples per worker per step, for a fixe
   one_worker   ``hetflow train``, one replica, one_device, one TensorFlow thread
   mwms_2       ``hetflow train``, 2 workers, multi_worker_mirrored, one thread each, pinned to a core each
   ps_2w_1ps    ``hetflow train``, a chief, 2 workers and 1 ps, parameter_server, one thread each, not pinned
+  ray_2w       optional, not run by default (it installs Ray on first use): mwms_2's job under a peer,
+               Ray Train's ``TensorflowTrainer``, 2 workers, one thread each, not pinned (bench/ray_peer.py)
 
 The headline is whole-job examples/s: examples trained / wall time from the replicas' launch (the
 baseline's: its process) to the final weights written, as the chief records it in training.json
@@ -15,12 +17,14 @@ first step, other steps, validation, between epochs (checkpoints), shutdown). Be
 in-epoch rate (examples over the time in epochs, validation included) and ``steady`` (the last
 epoch alone). Dataset preparation and provisioning come before the launch and are not in it, for
 every case alike. Each case runs ``--repeats`` times, the repeats interleaved across cases so a
-drift of the machine hits every case alike; medians are reported.
+drift of the machine hits every case alike; medians are reported. With mwms_2 and ray_2w both run,
+their ratios (whole-job examples/s and time to first step, ours / Ray's) are reported too.
 
 Writes bench/results/throughput-<UTC timestamp>.json and bench/RESULTS.md.
 
     make bench
     make bench ARGS="--cases baseline,one_worker --repeats 1 --steps-per-epoch 50"
+    make bench-peer    # baseline, one_worker, mwms_2 and ray_2w
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,19 +56,32 @@ COMMON = {"dataset": "synthetic_cifar", "model": "convnet", "optimizer": "adam",
 PER_WORKER_BATCH = 64
 # The parts of training.json's whole_job_breakdown, in the order they happen.
 BREAKDOWN = ("start_up", "first_step", "steps", "validation", "between_epochs", "shutdown")
+# The peer's packages, pinned, installed on first use beside .venv rather than into it (TensorFlow
+# and the rest stay .venv's), and put on PYTHONPATH for the peer's case alone.
+PEER_LOCK = REPO_ROOT / "bench" / "ray-requirements.lock"
+PEER_PACKAGES = REPO_ROOT / ".bench-ray"
+# Ours against the peer: (our case, the peer's case), and the issue's aims for the two ratios.
+PEER_PAIR = ("mwms_2", "ray_2w")
+AIM_EXAMPLES_RATIO = 1.2  # ours / Ray's whole-job examples/s, at least
+AIM_FIRST_STEP_RATIO = 0.5  # ours / Ray's time to first step, at most
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
     what: str
-    # hetflow spec keys on top of COMMON and the step counts; None for the baseline, which is no
+    # hetflow spec keys on top of COMMON and the step counts; None for the cases that are no
     # hetflow run. batch_size is global: PER_WORKER_BATCH times the workers that share one step.
     settings: dict[str, Any] | None
+    # For the cases that are no hetflow run: their script under bench/ and its extra arguments.
+    script: str | None = None
+    script_args: tuple[str, ...] = ()
+    # Needs the peer's packages (PEER_LOCK): not run unless asked for, as it may have to download them.
+    peer: bool = False
 
 
 CASES = (
-    Case("baseline", "plain single-process model.fit, TensorFlow's default threads", None),
+    Case("baseline", "plain single-process model.fit, TensorFlow's default threads", None, script="baseline.py"),
     Case(
         "one_worker",
         "hetflow, 1 replica, one_device, 1 thread",
@@ -93,8 +111,17 @@ CASES = (
             "replica_threads": 1,
         },
     ),
+    Case(
+        "ray_2w",
+        "Ray Train TensorflowTrainer, 2 workers, multi_worker_mirrored, 1 thread each, not pinned",
+        None,
+        script="ray_peer.py",
+        script_args=("--workers=2",),
+        peer=True,
+    ),
 )
 CASE_NAMES = tuple(case.name for case in CASES)
+DEFAULT_CASES = tuple(case.name for case in CASES if not case.peer)
 
 
 class RunFailed(RuntimeError):
@@ -109,7 +136,7 @@ def case_command(case: Case, epochs: int, steps_per_epoch: int) -> list[str]:
     if case.settings is None:
         return [
             str(BIN / "python"),
-            "bench/baseline.py",
+            f"bench/{case.script}",
             f"--dataset={COMMON['dataset']}",
             f"--model={COMMON['model']}",
             f"--epochs={epochs}",
@@ -118,6 +145,7 @@ def case_command(case: Case, epochs: int, steps_per_epoch: int) -> list[str]:
             f"--optimizer={COMMON['optimizer']}",
             f"--learning-rate={COMMON['learning_rate']}",
             f"--seed={COMMON['seed']}",
+            *case.script_args,
         ]
     settings = {**COMMON, "epochs": epochs, "steps_per_epoch": steps_per_epoch, **case.settings}
     command = [str(BIN / "hetflow"), "train"]
@@ -138,15 +166,33 @@ def prepare_dataset(env: dict[str, str]) -> None:
         sys.exit(f"bench: preparing {COMMON['dataset']} failed:\n{done.stderr[-3000:]}")
 
 
+def install_peer() -> None:
+    """Install PEER_LOCK into PEER_PACKAGES, unless the same lock is installed there already; no
+    dependencies resolved: the lock lists all that .venv lacks."""
+    stamp = PEER_PACKAGES / ".installed-lock"
+    if stamp.exists() and stamp.read_text() == PEER_LOCK.read_text():
+        return
+    print(f"[bench] installing {os.path.relpath(PEER_LOCK, REPO_ROOT)} into {PEER_PACKAGES} ...", flush=True)
+    shutil.rmtree(PEER_PACKAGES, ignore_errors=True)  # a half or older install is not built upon
+    command = [str(BIN / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(PEER_PACKAGES)]
+    done = subprocess.run([*command, "-r", str(PEER_LOCK)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RunFailed(f"installing {PEER_LOCK.name} failed:\n{done.stderr[-3000:]}")
+    stamp.write_text(PEER_LOCK.read_text())
+
+
 def run_once(case: Case, command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
     """Run one case once; return its training record (training.json's fields, less the history)."""
+    if case.peer:
+        env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(PEER_PACKAGES), env.get("PYTHONPATH")]))}
     env = {**env, "HETFLOW_LAUNCH_TIME": repr(time.time())}
     try:
         done = subprocess.run(
             command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired:
-        # hetflow's replicas die with the killed `hetflow train` (their keepers lose its lease).
+        # hetflow's replicas die with the killed `hetflow train` (their keepers lose its lease), Ray's
+        # with its driver.
         raise RunFailed(f"{case.name}: no result after {timeout:.0f} s") from None
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
@@ -228,6 +274,26 @@ def summarize(
     }
 
 
+def peer_comparison(cases: dict[str, Any]) -> dict[str, Any] | None:
+    """Ours against the peer from the medians, when both ran: whole-job examples/s and time to
+    first step, ours / Ray's, with the aims they are held to."""
+    ours, peer = (cases.get(name, {}).get("median") for name in PEER_PAIR)
+    if not ours or not peer:
+        return None
+
+    def ratio(key: str) -> float:
+        return ours[key] / peer[key]
+
+    return {
+        "ours": PEER_PAIR[0],
+        "peer": PEER_PAIR[1],
+        "whole_job_examples_per_second_ratio": ratio("whole_job_examples_per_second"),
+        "whole_job_examples_per_second_aim": f">= {AIM_EXAMPLES_RATIO}",
+        "time_to_first_step_ratio": ratio("time_to_first_step_seconds"),
+        "time_to_first_step_aim": f"<= {AIM_FIRST_STEP_RATIO}",
+    }
+
+
 def _number(value: float | None, digits: int = 0) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -275,6 +341,28 @@ def markdown(report: dict[str, Any]) -> str:
         median = result["median"] or {}
         parts = " | ".join(_number(median.get(f"{part}_seconds"), 1) for part in BREAKDOWN)
         lines.append(f"| {name} | {_number(median.get('whole_job_seconds'), 1)} | {parts} |")
+    peer = report.get("peer")
+    if peer:
+        examples, first_step = peer["whole_job_examples_per_second_ratio"], peer["time_to_first_step_ratio"]
+        lines += [
+            "",
+            f"Against a peer, {peer['ours']} / {peer['peer']} (Ray Train, the same job; medians):",
+            "",
+            "| | ours / Ray's | aim | met |",
+            "|---|---:|---:|---|",
+            f"| whole-job examples/s | {examples:.2f}× | ≥ {AIM_EXAMPLES_RATIO}× | "
+            f"{'yes' if examples >= AIM_EXAMPLES_RATIO else 'no'} |",
+            f"| time to first step | {first_step:.2f}× | ≤ {AIM_FIRST_STEP_RATIO}× | "
+            f"{'yes' if first_step <= AIM_FIRST_STEP_RATIO else 'no'} |",
+            "",
+            "ray_2w (bench/ray_peer.py) runs mwms_2's job with Ray's own machinery: the same model, data, "
+            "sharding, batch, steps and per-epoch validation, timed by the same clock from its launch "
+            "(`ray.init` and the trainer's start included) to rank 0's final weights written. Where it "
+            "differs: its workers are not pinned to cores (Ray's CPUs are logical: it sets no affinity); "
+            "its per-epoch checkpoint is Ray's (every worker writes model and optimizer, `ray.train.report` "
+            "persists rank 0's) where hetflow's is BackupAndRestore; its whole job ends at the weights, as "
+            "ours does, not when `fit()` returns (`fit_returned_after_seconds` in the JSON).",
+        ]
     lines += [
         "",
         "whole job: from the replicas' launch (the baseline's process launch) to the final weights "
@@ -296,7 +384,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default=",".join(CASE_NAMES), help=f"comma-separated subset of {CASE_NAMES}")
+    parser.add_argument(
+        "--cases",
+        default=",".join(DEFAULT_CASES),
+        help=f"comma-separated subset of {CASE_NAMES} (default: all but ray_2w, which installs Ray on first use)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs per case; medians are reported")
     # Two epochs, so the last ("steady") epoch is free of the first step's tracing.
     parser.add_argument("--epochs", type=int, default=2, choices=range(2, 101), metavar="N (2-100)")
@@ -323,6 +415,13 @@ def main() -> int:
         env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
         print(f"[bench] preparing {COMMON['dataset']} in {home} ...", flush=True)
         prepare_dataset(env)
+        for case in cases:
+            if case.peer:
+                try:
+                    install_peer()
+                except RunFailed as exc:
+                    errors[case.name] = f"{case.name}: {exc}"
+                    print(f"[bench] {errors[case.name]}", file=sys.stderr, flush=True)
         for repeat in range(1, args.repeats + 1):
             for case in cases:
                 if case.name in errors:
@@ -356,6 +455,7 @@ def main() -> int:
         },
         "cases": summarize(cases, commands, samples, errors),
     }
+    report["peer"] = peer_comparison(report["cases"])
     print(save("throughput", report, "RESULTS.md", markdown(report), at=started_at))
     return 1 if errors else 0
 
