@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 from tasks.paths import RunPaths, create_run_dir, data_dir, run_paths, write_record
@@ -112,10 +113,8 @@ def data_problems(spec: RunSpec) -> list[str]:
     return []
 
 
-def dataset_dir(spec: RunSpec):
+def dataset_dir(spec: RunSpec) -> Path:
     """Where the run's TFDS datasets and image folders are prepared."""
-    from pathlib import Path
-
     return Path(spec.data_dir) if spec.data_dir else data_dir()
 
 

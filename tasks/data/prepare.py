@@ -183,13 +183,14 @@ def prepare_dataset(name: str, data_dir: Path, image_size: str = "") -> dict[str
         from tasks.data import image_folder
 
         inventory = image_folder.scan(name[len(FOLDER_PREFIX) :], image_size)
-        identity = f"{FOLDER_PREFIX}{inventory.folder}"
+        identity, source = f"{FOLDER_PREFIX}{inventory.folder}", str(inventory.folder)
         family = f"folder_{inventory.config_name}"
+        version_suffix = f"+{inventory.content_digest[:12]}"  # the folder's content is part of the data's version
 
         def make_builder():
             return image_folder.builder(inventory, data_dir)
     else:
-        identity = name.split(":")[0]
+        identity, source, version_suffix = name.split(":")[0], None, ""
         family = re.sub(r"[^A-Za-z0-9_]", "_", re.split(r"[:/]", name)[0])
 
         def make_builder():
@@ -208,16 +209,13 @@ def prepare_dataset(name: str, data_dir: Path, image_size: str = "") -> dict[str
         version_dir = Path(builder.data_dir)
         fingerprint = _fingerprint(info, version_dir)
     image_key, label_key = info.supervised_keys
-    version = str(info.version)
-    if name.startswith(FOLDER_PREFIX):  # the folder's content is part of the data's version
-        version = f"{version}+{inventory.content_digest[:12]}"
     return {
         "name": identity,
-        "version": version,
+        "version": f"{info.version}{version_suffix}",
         "data_dir": str(data_dir),
         "prepared_dir": str(version_dir),
         # What the data was prepared from: the image folder, or TFDS's prepared copy.
-        "source_path": str(inventory.folder) if name.startswith(FOLDER_PREFIX) else str(version_dir),
+        "source_path": source or str(version_dir),
         "reused": prepared_before,
         "splits": {split: info.splits[split].num_examples for split in info.splits},
         "shards": {split: info.splits[split].num_shards for split in info.splits},
