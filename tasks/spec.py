@@ -51,15 +51,15 @@ class RunSpec(BaseModel):
         "when not prepared there.",
         pattern=r"^([a-z][a-z0-9_]*(/[a-z0-9_.]+)?(:[0-9]+\.[0-9]+\.[0-9]+)?|folder:/[^\x00]+)$",
     )
-    data_dir: str = _field(
-        "",
+    data_dir: str | None = _field(
+        None,
         "Data",
         "Where TFDS datasets (and prepared image folders) are read and prepared; empty: HETFLOW_HOME/data, "
         "shared by all runs.",
         pattern=r"^(/[^\x00]*)?$",
     )
-    image_size: str = _field(
-        "",
+    image_size: str | None = _field(
+        None,
         "Data",
         "dataset=folder:...: resize every image to HEIGHTxWIDTH (e.g. `28x28`); empty: the images' own size, "
         "which must then be the same for all.",

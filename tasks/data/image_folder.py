@@ -49,8 +49,8 @@ class FolderInventory:
         return f"{slug[:40]}_{height}x{width}x{channels}_{self.content_digest[:12]}"
 
 
-def parse_image_size(image_size: str) -> tuple[int, int] | None:
-    """``"28x28"`` -> (28, 28); ``""`` -> None (the images' own size)."""
+def parse_image_size(image_size: str | None) -> tuple[int, int] | None:
+    """``"28x28"`` -> (28, 28); empty -> None (the images' own size)."""
     if not image_size:
         return None
     height, width = image_size.split("x")
@@ -104,7 +104,7 @@ def _stratified(
     return splits
 
 
-def scan(folder: str | Path, image_size: str = "") -> FolderInventory:
+def scan(folder: str | Path, image_size: str | None = None) -> FolderInventory:
     """Check ``folder`` and list it; raise ValueError naming the folder or file at the first problem:
     a missing folder, fewer than two classes, an empty class, an image that does not decode, images of
     different sizes when ``image_size`` does not say what to resize them to, classes of train/ and

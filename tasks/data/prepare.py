@@ -151,7 +151,7 @@ def _network_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def check_available(name: str, data_dir: Path, image_size: str = "") -> None:
+def check_available(name: str, data_dir: Path, image_size: str | None = None) -> None:
     """Raise ValueError (one line) when ``name`` cannot be prepared here, before any replica starts:
     an image folder with bad data (see ``image_folder.scan``), a name TFDS does not know, or a dataset
     that is not prepared in ``data_dir`` while the network it would be downloaded from is unreachable."""
@@ -171,7 +171,7 @@ def check_available(name: str, data_dir: Path, image_size: str = "") -> None:
         )
 
 
-def prepare_dataset(name: str, data_dir: Path, image_size: str = "") -> dict[str, Any]:
+def prepare_dataset(name: str, data_dir: Path, image_size: str | None = None) -> dict[str, Any]:
     """Download (where needed) and prepare ``name`` under ``data_dir``; re-use it when already there.
 
     Returns what later stages need: where the prepared dataset is, split sizes, input shape, classes
