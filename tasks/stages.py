@@ -148,16 +148,13 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
 def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | None:
     if not spec.skip_unchanged:
         return None
-    import requests
-    from mlflow.exceptions import MlflowException
-
     from mlflow import MlflowClient
     from tasks.lineage import trained_before
     from tasks.registry import tracking_uri
 
     try:
         return trained_before(MlflowClient(tracking_uri()), spec.registered_model, key, run_id)
-    except (MlflowException, requests.exceptions.RequestException) as error:
+    except Exception as error:  # noqa: BLE001  (an unreachable server, two runs creating one SQLite store, ...)
         # Training is never skipped on a guess; register will say if MLflow is still away.
         log.warning("could not ask MLflow whether this training was done before (%s): training", error)
         return None
@@ -215,13 +212,18 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     with _attempt(paths, "train", run_id, try_number) as attempt:
         spec = load_spec(paths)
         cluster = backends.replicas(spec, ClusterLayout.from_dict(_read(paths.cluster)), paths.root)
-        with _stopped_on_sigterm(lambda: backends.teardown(spec, run_id)):
+        with _stopped_on_sigterm(lambda: backends.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
             backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
     return {**_read(paths.training), "attempt": attempt}
 
 
 class Interrupted(RuntimeError):
     pass
+
+
+# Airflow 3 SIGKILLs a task 5 s after its SIGTERM: the replicas get 2 s to stop before SIGKILL, so
+# the teardown (the network namespace's deletion included) is over before the task is killed.
+SIGTERM_STOP_GRACE_SECONDS = 2.0
 
 
 @contextlib.contextmanager

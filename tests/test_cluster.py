@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, replica_listening, wait_for
@@ -72,6 +73,31 @@ def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
         supervisor.send_signal(signal.SIGKILL)
         supervisor.wait(timeout=10)
         assert wait_for(lambda: run_processes(run_id) == [], timeout=10), "replica outlived its supervisor"
+    finally:
+        supervisor.kill()
+
+
+def test_sigterm_of_the_train_task_ends_its_replicas_and_namespace_within_airflows_grace(provisioned, hetflow_env):
+    """Airflow 3 stops a task with SIGTERM and SIGKILLs it 5 s later: the train stage must have
+    stopped its replicas (TF ignores SIGTERM) and deleted the run's network namespace by then."""
+    from tasks.cluster.local import run_processes
+    from tasks.paths import run_paths
+
+    run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=hetflow_env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        log = run_paths(run_id).logs / "worker-1.log"
+        assert wait_for(lambda: log.exists() and "Epoch 2/" in log.read_text(), timeout=120), "never trained"
+        supervisor.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        _, stderr = supervisor.communicate(timeout=30)
+        assert time.monotonic() - started < 5, "the task would have been SIGKILLed before it stopped its replicas"
+        assert supervisor.returncode != 0 and "Interrupted: stopped by SIGTERM" in stderr
+        assert run_processes(run_id) == []
+        namespace = json.loads(run_paths(run_id).cluster.read_text())["network_isolation"].get("namespace")
+        assert namespace is None or not Path("/run/netns", namespace).exists()
     finally:
         supervisor.kill()
 

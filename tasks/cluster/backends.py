@@ -59,9 +59,12 @@ def supervise(spec: RunSpec, cluster, run_dir: Path, timeout: float) -> dict[str
         cluster.detach()
 
 
-def teardown(spec: RunSpec | None, run_id: str) -> list:
+def teardown(spec: RunSpec | None, run_id: str, grace: float | None = None) -> list:
     """End everything of the run: pids (local), container names (docker), object names
-    (kubernetes). Without a spec (validation failed), only local processes can exist."""
+    (kubernetes). Without a spec (validation failed), only local processes can exist.
+
+    :param grace: seconds local replicas get between SIGTERM and SIGKILL (default: the backend's);
+        containers are killed at once, pods get Kubernetes' own grace."""
     if spec is not None and spec.backend == "docker":
         from tasks.cluster import docker_backend
 
@@ -70,6 +73,6 @@ def teardown(spec: RunSpec | None, run_id: str) -> list:
         from tasks.cluster import kubernetes_backend
 
         return kubernetes_backend.teardown_run(run_id, spec.kubernetes_namespace)
-    from tasks.cluster.local import teardown_run
+    from tasks.cluster.local import TERM_GRACE_SECONDS, teardown_run
 
-    return teardown_run(run_id)
+    return teardown_run(run_id, TERM_GRACE_SECONDS if grace is None else grace)

@@ -456,10 +456,10 @@ def run_replicas(run_id: str) -> dict[str, int]:
     return replicas
 
 
-def teardown_run(run_id: str) -> list[int]:
+def teardown_run(run_id: str, grace: float = TERM_GRACE_SECONDS) -> list[int]:
     """End every process of the run, found by run id whatever started it, and delete its network
     namespace. Returns the pids ended."""
-    return _end(run_processes(run_id), [namespace_name(run_id, hetflow_home())])
+    return _end(run_processes(run_id), [namespace_name(run_id, hetflow_home())], grace)
 
 
 def teardown_runs_of_home(home: Path) -> list[int]:
@@ -477,12 +477,12 @@ def teardown_runs_of_home(home: Path) -> list[int]:
     return _end(pids, [namespace_name(run_id, home) for run_id in sorted(run_ids)])
 
 
-def _end(pids: list[int], namespaces: list[str]) -> list[int]:
+def _end(pids: list[int], namespaces: list[str], grace: float = TERM_GRACE_SECONDS) -> list[int]:
     """Stop the pids' process groups and whatever else is in the run's namespaces; kill any pid left
     (a keeper outside its own group); delete the namespaces once their processes are gone."""
     pids = pids + [pid for name in namespaces for pid in namespace_processes(name) if pid not in pids]
     if pids:
-        stop_process_groups(pids)
+        stop_process_groups(pids, grace)
         for pid in pids:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
