@@ -287,7 +287,8 @@ def _trouble_lines(ran: dict) -> list[str]:
         if s.get("crashed"):
             lines.append(f"- {name} crashed: `{s['crashed'].strip().splitlines()[-1]}`")
         for r in s["runs"]:
-            if r.get("error") and r["expected"] != "stopped":  # a stopped run's error is its SIGTERM
+            # A stopped run's error is its SIGTERM; one that ended before the SIGTERM failed by itself.
+            if r.get("error") and (r["expected"] != "stopped" or "sigterm_after_seconds" not in r):
                 lines.append(f"- {name}, {r['run_id']}: `{r['error'].strip().splitlines()[-1][:300]}`")
         for run_id, found in s["left"].items():
             if replica_count(found) or found["namespace"] or found["networks"]:

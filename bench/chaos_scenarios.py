@@ -318,7 +318,7 @@ def sigterm_train(bench: Bench, backend: str) -> dict:
         return {
             "faults": [],
             "runs": [{**run, "error": error or f"ended with {code} before its second epoch"}],
-            "checks": {},
+            "checks": {"the run was still training when the SIGTERM was due": False},
         }
     time.sleep(bench.rng.uniform(0, 2))
     supervisor.send_signal(signal.SIGTERM)
