@@ -61,6 +61,20 @@ _SUPERVISOR = textwrap.dedent(
 )
 
 
+def _train_until_worker_1_epoch_2(run_id: str, env: dict) -> subprocess.Popen:
+    """The train stage of a 2-worker sync run, in a process of its own, once worker-1 logs epoch 2."""
+    from tasks.paths import run_paths
+
+    supervisor = subprocess.Popen(
+        [sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
+    log = run_paths(run_id).logs / "worker-1.log"
+    if not wait_for(lambda: log.exists() and "Epoch 2/" in log.read_text(), timeout=120):
+        supervisor.kill()
+        raise AssertionError("never trained")
+    return supervisor
+
+
 def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
     from tasks.cluster.local import run_processes
     from tasks.paths import run_paths
@@ -84,12 +98,8 @@ def test_sigterm_of_the_train_task_ends_its_replicas_and_namespace_within_airflo
     from tasks.paths import run_paths
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
-    supervisor = subprocess.Popen(
-        [sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=hetflow_env, stderr=subprocess.PIPE, text=True
-    )
+    supervisor = _train_until_worker_1_epoch_2(run_id, hetflow_env)
     try:
-        log = run_paths(run_id).logs / "worker-1.log"
-        assert wait_for(lambda: log.exists() and "Epoch 2/" in log.read_text(), timeout=120), "never trained"
         supervisor.send_signal(signal.SIGTERM)
         started = time.monotonic()
         _, stderr = supervisor.communicate(timeout=30)
@@ -154,12 +164,8 @@ def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(prov
     from tasks.paths import run_paths
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
-    supervisor = subprocess.Popen(
-        [sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=hetflow_env, stderr=subprocess.PIPE, text=True
-    )
+    supervisor = _train_until_worker_1_epoch_2(run_id, hetflow_env)
     try:
-        log = run_paths(run_id).logs / "worker-1.log"
-        assert wait_for(lambda: log.exists() and "Epoch 2/" in log.read_text(), timeout=120), "never trained"
         os.kill(run_replicas(run_id)["worker-1"], signal.SIGKILL)
         _, stderr = supervisor.communicate(timeout=60)
         assert supervisor.returncode != 0
