@@ -47,7 +47,10 @@ cp -p requirements.lock docker/replica-requirements.txt "$CONTEXT/"
 rm -rf "$CONTEXT/tasks"
 tar -c --exclude=__pycache__ tasks | tar -x -C "$CONTEXT"
 
-docker build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" -f docker/Dockerfile -t "$IMAGE" "$CONTEXT" >/dev/null
+# Labelled with a digest of the code and pins, which a run's preflight compares with its checkout's.
+digest=$(.venv/bin/python -c 'from tasks.cluster.docker_backend import source_digest; print(source_digest())')
+docker build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" --label "hetflow.source-digest=$digest" \
+    -f docker/Dockerfile -t "$IMAGE" "$CONTEXT" >/dev/null
 seconds=$(( ($(date +%s%N) - started) / 1000000 ))e-3
 bytes=$(docker image inspect "$IMAGE" --format '{{.Size}}')
 printf 'build-image: %s built in %.1f s, %d MB (base %s)\n' "$IMAGE" "$seconds" $((bytes / 1000000)) "$BASE_IMAGE"

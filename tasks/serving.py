@@ -6,6 +6,12 @@ process group, with a clean environment), asked for predictions on raw test exam
 and stopped. The model runs only in that server process: loading a registered model can run its
 code (MLflow's "models from code"), and the pipeline never does.
 
+Run as root, the server is also confined (``tasks.confine``): the pipeline downloads the version's
+files (a copy, nothing loaded) and the server serves that folder in a view of the file system where
+HETFLOW_HOME, the MLflow store and Airflow's home are hidden, every mount is read-only, and it has no
+capabilities and no registry credentials: a model's code can neither read nor change the
+pipeline's state or the registry's files. The check records whether it was confined.
+
 The runner's life, as TFX's model_server_runners draw it::
 
     start() ──► wait_until_running(deadline) ──► predict() ... ──► stop()
@@ -21,10 +27,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -33,8 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from tasks import parent_watch
+from tasks import confine, parent_watch
 from tasks.parent_watch import group_members
+from tasks.paths import hetflow_home
 
 log = logging.getLogger("hetflow.serving")
 
@@ -60,16 +69,29 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def server_environment(tracking_uri: str) -> dict[str, str]:
+def server_environment(tracking_uri: str | None) -> dict[str, str]:
     """What a user's shell gives a model server, and nothing of the pipeline's (no
     TF_USE_LEGACY_KERAS, PYTHONPATH, Airflow or hetflow variables): PATH with the venv's bin/
-    (``mlflow models serve`` execs ``uvicorn`` by name), HOME, locale, and how to reach the registry."""
+    (``mlflow models serve`` execs ``uvicorn`` by name), HOME, locale, and how to reach the registry
+    (``tracking_uri``; None: a server of a downloaded copy needs none, and gets no credentials)."""
     env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])}
-    for key in ("HOME", "LANG", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    env["MLFLOW_TRACKING_URI"] = tracking_uri
+    keys = ["HOME", "LANG"]
+    if tracking_uri is not None:
+        keys += ["MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"]
+        env["MLFLOW_TRACKING_URI"] = tracking_uri
+    env.update((key, os.environ[key]) for key in keys if key in os.environ)
     return env
+
+
+def hidden_from_server(tracking_uri: str) -> list[str]:
+    """What a confined model server must not see: HETFLOW_HOME, a local MLflow store's folder,
+    Airflow's home."""
+    hidden = [hetflow_home()]
+    if tracking_uri.startswith("sqlite:///"):
+        hidden.append(Path(tracking_uri.removeprefix("sqlite:///")).parent)
+    if "AIRFLOW_HOME" in os.environ:
+        hidden.append(Path(os.environ["AIRFLOW_HOME"]))
+    return [str(path.resolve()) for path in hidden]
 
 
 class ModelServer:
@@ -87,6 +109,12 @@ class ModelServer:
         self.log_path = log_path
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
+        self._copy: Path | None = None  # the downloaded version a confined server serves
+        reason = confine.unavailable()
+        self.isolation: dict[str, Any] = {"confined": True, "hidden": hidden_from_server(tracking_uri)}
+        if reason is not None:
+            log.warning("the model server of %s runs unconfined (%s)", model_uri, reason)
+            self.isolation = {"confined": False, "reason": reason}
 
     @property
     def url(self) -> str:
@@ -95,21 +123,39 @@ class ModelServer:
     def start(self) -> None:
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", self.model_uri]
+        model, tracking = self.model_uri, self.tracking_uri
+        if self.isolation["confined"]:
+            model, tracking = str(self._download()), None
+        command = [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", model]
         command += ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(self.port)]
+        if self.isolation["confined"]:
+            command = confine.confined(command, self.isolation["hidden"], read_only=[model], working_directory="/tmp")
         # Under a watcher that ends the server if this process dies without stopping it (SIGKILL). Run as a
         # script, not a module: the server's environment must not carry hetflow on its path.
         watched = [sys.executable, str(Path(parent_watch.__file__)), str(os.getpid()), "--", *command]
         with open(self.log_path, "wb") as output:
             self.process = subprocess.Popen(
                 watched,
-                env=server_environment(self.tracking_uri),
+                env=server_environment(tracking),
                 cwd=self.log_path.parent,
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() ends the watcher, mlflow and uvicorn
             )
+
+    def _download(self) -> Path:
+        """The version's files, copied into a temporary folder that ``stop()`` removes; nothing is loaded."""
+        import mlflow
+
+        self._copy = Path(tempfile.mkdtemp(prefix="hetflow-served-"))
+        try:
+            copy = mlflow.artifacts.download_artifacts(
+                self.model_uri, dst_path=str(self._copy), tracking_uri=self.tracking_uri
+            )
+        except Exception as error:  # MLflow raises its own kinds, and OSError
+            raise ServingError(f"could not copy {self.model_uri} from the registry: {error}") from error
+        return Path(copy)
 
     def log_tail(self) -> str:
         try:
@@ -154,6 +200,12 @@ class ModelServer:
         )
 
     def stop(self) -> None:
+        self._stop_server()
+        if self._copy is not None:
+            shutil.rmtree(self._copy, ignore_errors=True)
+            self._copy = None
+
+    def _stop_server(self) -> None:
         if self.process is None:
             return
         try:
@@ -212,7 +264,12 @@ def served_check(
     False and ``reason`` says why. ``port`` and ``pgid`` say where the server was.
     """
     server = ModelServer(model_uri, tracking_uri, log_path)
-    check: dict[str, Any] = {"model_uri": model_uri, "passed": False, "examples": len(images)}
+    check: dict[str, Any] = {
+        "model_uri": model_uri,
+        "passed": False,
+        "examples": len(images),
+        "isolation": server.isolation,
+    }
     started = time.monotonic()
     try:
         server.start()

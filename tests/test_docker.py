@@ -3,6 +3,7 @@ it starts. Runs through the DAG, container kills, CPU quotas as slower machines,
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
@@ -49,6 +50,7 @@ def test_provisioning_starts_the_containers_a_clash_is_refused_and_teardown_remo
 
 def test_docker_input_the_engine_cannot_serve_is_refused_before_anything_starts(docker_client, monkeypatch):
     from tasks.cluster.backends import preflight
+    from tasks.cluster.docker_backend import source_digest
 
     def problems(**values):
         return preflight(parse_spec({"backend": "docker", **values}), "preflight-run")
@@ -58,6 +60,17 @@ def test_docker_input_the_engine_cannot_serve_is_refused_before_anything_starts(
         "image=hetflow-replica:missing is not on the Docker engine: build it (make image) or pull it, "
         "or set image to one that is"
     ]
+    # An image make image built from other code (here: a label saying so) is refused, not run.
+    stale = "hetflow-replica:stale-test"
+    recipe = f"FROM {parse_spec({}).image}\nLABEL hetflow.source-digest=0123456789abcdef\n"
+    docker_client.images.build(fileobj=io.BytesIO(recipe.encode()), tag=stale, rm=True)
+    try:
+        assert problems(image=stale) == [
+            f"image={stale} was built from other code than this checkout (hetflow.source-digest 0123456789ab, "
+            f"checkout {source_digest()[:12]}): rebuild it with make image"
+        ]
+    finally:
+        docker_client.images.remove(stale)
     cpus = docker_client.info()["NCPU"]
     assert problems(replica_cpus=cpus + 1) == [f"replica_cpus={cpus + 1} is invalid: the Docker host has {cpus} CPUs"]
     [memory] = problems(replica_memory_mb=4_000_000)

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from conftest import hetflow, listening
 
+from tasks import confine
+
 pytestmark = pytest.mark.slow
 
 MODEL = "serve-digits"
@@ -55,6 +57,7 @@ def test_a_good_run_serves_both_models_with_agreement_1_and_promotes_them(run, c
         served = model["served"]
         assert model["promoted"] and model["aliases"] == ["candidate", "champion"]
         assert served["passed"] and served["agreement"] == 1.0 and served["examples"] == 256
+        assert served["isolation"]["confined"] is (confine.unavailable() is None)
         assert served["max_logit_difference"] <= 1e-3
         assert served["latency_requests"] >= 100 and 0 < served["latency_p50_ms"] <= served["latency_p99_ms"]
         assert 0 < served["start_seconds"] < served["seconds"]
@@ -197,9 +200,13 @@ def test_a_server_that_cannot_start_is_not_passed_and_leaves_nothing(hetflow_env
     check = served_check(
         f"models:/{MODEL}/999", hetflow_env["MLFLOW_TRACKING_URI"], images, np.zeros((4, 10)), tmp_path / "s.log"
     )
-    assert not check["passed"] and check["reason"].startswith("server exited with code 1 before it was healthy")
-    assert "999" in check["reason"]  # the server's own error, from its log
-    assert _server_gone(check)
+    assert not check["passed"] and "999" in check["reason"]  # the registry's own error
+    if check["isolation"]["confined"]:  # the pipeline copies the version for the server: nothing to copy
+        assert check["reason"].startswith(f"could not copy models:/{MODEL}/999 from the registry: ")
+        assert "pgid" not in check  # no server was started
+    else:  # the server reads the registry itself, and fails
+        assert check["reason"].startswith("server exited with code 1 before it was healthy")
+        assert _server_gone(check)
 
 
 def test_a_server_not_healthy_by_its_deadline_is_stopped(run, hetflow_env, tmp_path):

@@ -19,6 +19,7 @@ visible to it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -36,9 +37,9 @@ from tasks.cluster.containers import (
 )
 from tasks.cluster.keeper import take_lease
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
-from tasks.cluster.local import core_assignment
+from tasks.cluster.local import core_assignment, replica_view
 from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import data_dir, hetflow_home
+from tasks.paths import REPO_ROOT, hetflow_home
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -48,6 +49,8 @@ LABEL_RUN_ID = "hetflow.run-id"  # the Airflow run id as it is
 LABEL_RUN_DIR = "hetflow.run-dir"  # where its supervisor's lease is: how `hetflow sweep` tells a live run
 LABEL_ROLE = "hetflow.role"
 LABEL_INDEX = "hetflow.index"
+# On the replica image: a digest of the code and pins it was built from (``source_digest``).
+LABEL_SOURCE = "hetflow.source-digest"
 
 
 def network_name(run_id: str) -> str:
@@ -98,7 +101,7 @@ def container_config(
     """
     from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS
 
-    prepared = Path(spec.data_dir) if spec.data_dir else data_dir(home)
+    view = replica_view(spec, run_dir, home)
     # A container ends itself at its deadline, as a local replica's keeper ends it, whether or not
     # anything is left to stop it: SIGTERM, then SIGKILL after the grace (TF may ignore SIGTERM).
     deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
@@ -122,8 +125,8 @@ def container_config(
         "labels": {**run_labels(layout.run_id, run_dir), LABEL_ROLE: replica.role, LABEL_INDEX: str(replica.index)},
         "network": network_name(layout.run_id),
         "volumes": {
-            str(run_dir): {"bind": str(run_dir), "mode": "rw"},
-            str(prepared): {"bind": str(prepared), "mode": "ro"},
+            **{str(path): {"bind": str(path), "mode": "rw"} for path in view["read_write"]},
+            **{str(path): {"bind": str(path), "mode": "ro"} for path in view["read_only"]},
         },
         # The supervisor restarts replicas (restart_policy), as on every backend.
         "restart_policy": {"Name": "no"},
@@ -234,6 +237,17 @@ class DockerReplicas:
             return
 
 
+def source_digest(root: Path = REPO_ROOT) -> str:
+    """SHA-256 of what the replica image is built from: ``tasks/`` (names and bytes) and the pins.
+    ``make image`` labels the image with it; preflight compares, so an image built from other code
+    than this checkout's is refused rather than run."""
+    digest = hashlib.sha256()
+    sources = sorted(p for p in (root / "tasks").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    for path in [*sources, root / "requirements.lock", root / "docker" / "replica-requirements.txt"]:
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
     """What would stop the run's containers from starting, one line each, found before anything
     starts: no engine, no image, the run's names already taken, limits the host cannot give."""
@@ -245,12 +259,19 @@ def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
         return [f"backend=docker: no Docker engine answers ({reason}); start one (make engine) or use backend=local"]
     problems = []
     try:
-        client.images.get(spec.image)
+        built_from = (client.images.get(spec.image).labels or {}).get(LABEL_SOURCE)
     except docker.errors.ImageNotFound:
         problems.append(
             f"image={spec.image} is not on the Docker engine: build it (make image) or pull it, "
             "or set image to one that is"
         )
+    else:
+        # Only images made by make image carry the label; a user's own image is theirs to keep current.
+        if built_from is not None and built_from != source_digest():
+            problems.append(
+                f"image={spec.image} was built from other code than this checkout ({LABEL_SOURCE} "
+                f"{built_from[:12]}, checkout {source_digest()[:12]}): rebuild it with make image"
+            )
     taken = client.containers.list(all=True, filters=run_filter(run_id)) + client.networks.list(
         filters=run_filter(run_id)
     )

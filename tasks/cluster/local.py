@@ -11,6 +11,10 @@ puts every keeper and replica of a run in a network namespace of the run's own w
 up (``isolate_network``): they reach each other on its 127.0.0.1 and nothing outside it reaches
 them. They stay in this PID namespace, so signals (throttling, stopping) work as before. Without
 root or iproute2 they listen on this host's interfaces, and ``cluster.json`` says so.
+
+Run as root, each keeper and replica also gets a mount namespace (``tasks.confine``): HETFLOW_HOME
+shows only the run directory (read-write) and the prepared data (read-only), every other mount is
+read-only, and the process has no capabilities; what a container of the docker backend mounts.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import threading
 import time
 from pathlib import Path
 
+from tasks import confine
 from tasks.cluster.layout import ClusterLayout, Replica, free_local_port
 from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import REPO_ROOT, RunPaths, hetflow_home, write_record
+from tasks.paths import REPO_ROOT, RunPaths, data_dir, hetflow_home, write_record
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -110,6 +115,24 @@ class Throttle(threading.Thread):
     def stop(self) -> None:
         self.done.set()
         self.join(timeout=1)
+
+
+def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Path]]:
+    """What of HETFLOW_HOME a replica sees, on every backend: its run directory, read-write, and the
+    prepared data (the spec's data dir, or the one under ``home``), read-only."""
+    return {"read_write": [run_dir], "read_only": [Path(spec.data_dir) if spec.data_dir else data_dir(home)]}
+
+
+def isolate_files(spec: RunSpec, run_dir: Path) -> dict:
+    """How the run's keepers and replicas see the file system: ``{"confined": true, "hidden": [...],
+    "read_write": [...], "read_only": [...]}`` (see ``tasks.confine``), or ``{"confined": false,
+    "reason": ...}`` (and a warning) where that takes what this process lacks."""
+    reason = confine.unavailable()
+    if reason:
+        log.warning("replicas of %s see this host's whole file system as this user does (%s)", run_dir.name, reason)
+        return {"confined": False, "reason": reason}
+    view = replica_view(spec, run_dir, hetflow_home())
+    return {"confined": True, "hidden": [str(hetflow_home())], **{k: [str(p) for p in v] for k, v in view.items()}}
 
 
 def port_taken(port: int) -> bool:
@@ -208,7 +231,9 @@ class LocalReplicas:
         self.gpus = visible_gpus(layout, spec)
         self._offsets: dict[str, int] = {}
         self._lease = None
-        self.network_isolation: dict | None = None  # set by provision, else read from cluster.json
+        # Set by provision, else read from cluster.json.
+        self.network_isolation: dict | None = None
+        self.file_isolation: dict | None = None
 
     def log_path(self, name: str) -> Path:
         return self.paths.logs / f"{'probe-' if self.probe else ''}{name}.log"
@@ -219,23 +244,32 @@ class LocalReplicas:
         self.paths.logs.mkdir(parents=True, exist_ok=True)
         self.paths.replicas.mkdir(parents=True, exist_ok=True)
         self.network_isolation = isolate_network(self.layout.run_id)
+        self.file_isolation = isolate_files(self.spec, self.run_dir)
         if not self.network_isolation["isolated"]:
             self._move_off_taken_ports()
         if not self.probe:  # the probe's layout is not the run's
-            write_record(self.paths.cluster, {**self.layout.to_dict(), "network_isolation": self.network_isolation})
+            write_record(
+                self.paths.cluster,
+                {
+                    **self.layout.to_dict(),
+                    "network_isolation": self.network_isolation,
+                    "file_isolation": self.file_isolation,
+                },
+            )
         try:
             self.start(self.layout.replicas)
         except BaseException:
             teardown_run(self.layout.run_id)  # nothing half-started stays, the namespace included
             raise
 
-    def _namespace(self) -> str | None:
-        """The namespace the run's replicas live in: a restart comes from the supervising task, which
-        did not provision, so it reads what provisioning recorded."""
+    def _isolation(self) -> tuple[str | None, dict]:
+        """The network namespace the run's replicas live in and how they see files: a restart comes
+        from the supervising task, which did not provision, so it reads what provisioning recorded."""
         if self.network_isolation is None:
             record = json.loads(self.paths.cluster.read_text()) if self.paths.cluster.exists() else {}
             self.network_isolation = record.get("network_isolation", {"isolated": False})
-        return self.network_isolation.get("namespace")
+            self.file_isolation = record.get("file_isolation", {"confined": False})
+        return self.network_isolation.get("namespace"), self.file_isolation
 
     def _move_off_taken_ports(self) -> None:
         """Ports were picked free at planning; whatever took one since, the replica moves to
@@ -269,13 +303,16 @@ class LocalReplicas:
         command += ["--slowdown", repr(slowdown), *(["--probe"] if self.probe else [])]
         if replica.name in self.cores:
             command += ["--core", str(self.cores[replica.name])]
-        namespace = self._namespace()
+        namespace, files = self._isolation()
+        if files["confined"]:
+            command = confine.confined(command, files["hidden"], files["read_write"], files["read_only"])
         if namespace:
-            # Only the network namespace changes (`ip netns exec` would also remount /sys); nsenter
-            # execs the keeper in place, so the pid recorded below is the keeper's.
+            # Only the network namespace changes (`ip netns exec` would also remount /sys); nsenter,
+            # unshare and confine exec in place, so the pid recorded below is the keeper's.
             command = ["nsenter", f"--net={NETNS_DIR / namespace}", "--", *command]
         env = {
             **os.environ,
+            **({"HOME": "/tmp"} if files["confined"] else {}),  # the real one is read-only there
             "TF_CONFIG": self.layout.tf_config(replica),
             RUN_ID_ENV: self.layout.run_id,
             "HETFLOW_LAUNCH_TIME": repr(time.time()),
@@ -294,6 +331,8 @@ class LocalReplicas:
             )
         self._pid_path(replica.name).write_text(str(keeper.pid))
         notes = [f"in network namespace {namespace}"] if namespace else []
+        if files["confined"]:
+            notes.append("seeing only its run directory and the data")
         if replica.name in self.cores:
             notes.append(f"pinned to core {self.cores[replica.name]}")
         if slowdown > 1:
