@@ -48,15 +48,23 @@ def train_slices(
 ) -> tf.data.Dataset:
     """Endless training batches of the examples ``start:end`` of each global batch.
 
-    For workers with unequal shares of the global batch (balanced sync): every worker shuffles with
-    the same seed, then keeps and batches only the examples at its positions, so the slices of the
-    workers' k-th batches, in order, are exactly the k-th batch of one worker with the global batch.
+    For workers with unequal shares of the global batch (balanced sync). Every worker shuffles the
+    example *indices* with the same seed as ``train_input`` shuffles the examples (tf.data's order
+    depends on the seed and the count, not on the elements), groups them into global batches and
+    gathers only the examples at its own positions: the slices of the workers' k-th batches, in
+    order, are exactly the k-th batch of one worker with the global batch, and a worker reads only
+    its own share of each.
     """
-    if not 0 <= start < end <= global_batch:  # an empty slice would make the filter below wait forever
+    if not 0 <= start < end <= global_batch:
         raise ValueError(f"examples {start}:{end} are not a slice of a global batch of {global_batch}")
-    examples = _training_examples(dataset, shuffle, seed).enumerate()
-    mine = examples.filter(lambda position, _: (position % global_batch >= start) & (position % global_batch < end))
-    return mine.map(lambda _, example: example).batch(end - start, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    images, labels = (tf.convert_to_tensor(array) for array in split_arrays(dataset, "train"))
+    indices = tf.data.Dataset.range(dataset["splits"]["train"])
+    if shuffle:
+        indices = indices.shuffle(dataset["splits"]["train"], seed=seed, reshuffle_each_iteration=True)
+    mine = indices.repeat().batch(global_batch, drop_remainder=True).map(lambda batch: batch[start:end])
+    return mine.map(lambda positions: (tf.gather(images, positions), tf.gather(labels, positions))).prefetch(
+        tf.data.AUTOTUNE
+    )
 
 
 def _training_examples(dataset: dict[str, Any], shuffle: bool, seed: int) -> tf.data.Dataset:
