@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import subprocess
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
@@ -365,6 +366,15 @@ def _served_check(version, predict: Callable[[np.ndarray], np.ndarray], images: 
     return lambda: serving.served_check(uri, tracking_uri(), batch, predict(batch), log_path)
 
 
+def _decided(client: MlflowClient, version) -> str | None:
+    """The gate's decision on ``version`` when a previous try of the task applied it, else None."""
+    recorded = client.get_model_version(version.name, version.version).tags
+    champion = _version_by_alias(client, version.name, CHAMPION)
+    if "gate" not in recorded and champion is not None and champion.version == version.version:
+        return "already champion (task retried)"
+    return recorded.get("gate")
+
+
 def _promote(
     client: MlflowClient,
     spec: RunSpec,
@@ -372,13 +382,14 @@ def _promote(
     accuracy: float,
     dataset: dict,
     tags: dict[str, str],
-    check: Callable[[], dict[str, Any]],
+    check: Future | None,
     report: str,
     table: str,
     log_dir: Path,
 ) -> dict[str, Any]:
-    """Tag the version and give it ``candidate``; serve it, and give it ``champion`` when it passes
-    the served check and the accuracy gate; describe it."""
+    """Tag the version and give it ``candidate``; give it ``champion`` when it passes the served
+    check (``check``, running: None when ``_decided`` found the gate already applied) and the
+    accuracy gate; describe it."""
     name = version.name
     for key, value in {**tags, "test_accuracy": repr(accuracy)}.items():
         client.set_model_version_tag(name, version.version, key, value)
@@ -386,15 +397,13 @@ def _promote(
     champion = _version_by_alias(client, name, CHAMPION)
     is_champion = champion is not None and champion.version == version.version
     # A retried task finds the gate already applied to this version: its decision stands.
-    recorded = client.get_model_version(name, version.version).tags
-    decided = recorded.get("gate")
-    if decided is None and is_champion:
-        decided = "already champion (task retried)"
+    decided = _decided(client, version)
     if decided is not None:
         decision = {"promote": is_champion, "reason": decided}
+        recorded = client.get_model_version(name, version.version).tags
         served = json.loads(recorded["served"]) if "served" in recorded else None
     else:
-        served = check()  # the candidate's own check, independent of the champion: outside the lock
+        served = check.result()  # the candidate's own check, independent of the champion: outside the lock
         with promotion_lock(name):
             # Read again under the lock: another run may have moved `champion` since the read above,
             # and none can move it between this read and our set.
@@ -484,17 +493,22 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
 
         save_serving_model(trained_model(spec, dataset, paths.model), paths.saved_model)
     version = _register(client, name, run_id, lambda: _log_saved_model(paths.saved_model, name, images))
-    check = _served_check(version, saved_model_predictor(paths.saved_model), images, log_dir)
     report = headline + "- float model: the exported SavedModel (serving_default: raw uint8 images -> logits)"
-    accuracy = evaluation["test_accuracy"]
-    models = [_promote(client, spec, version, accuracy, dataset, tags, check, report, table, log_dir)]
-
+    # (version, its served check, test accuracy, tags, description's report)
+    candidates = [
+        (
+            version,
+            _served_check(version, saved_model_predictor(paths.saved_model), images, log_dir),
+            evaluation["test_accuracy"],
+            tags,
+            report,
+        )
+    ]
     if chosen is not None:
         artifact = exported["artifacts"][chosen]
         tflite_version = _register(
             client, tflite_name, run_id, lambda: _log_tflite_model(artifact["path"], tflite_name, images)
         )
-        check = _served_check(tflite_version, tflite_predictor(Path(artifact["path"])), images, log_dir)
         compression_tags = {
             "variant": artifact["variant"],
             "prune": str(spec.prune),
@@ -508,21 +522,16 @@ def register(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow
             f"float model's accuracy {exported['float_test_accuracy']:.4f}, agreement with it "
             f"{artifact['agreement_with_float']:.4f}, latency at batch 1 {artifact['latency_ms']:.4f} ms"
         )
-        tflite_tags = {**tags, **compression_tags}
-        models.append(
-            _promote(
-                client,
-                spec,
-                tflite_version,
-                artifact["test_accuracy"],
-                dataset,
-                tflite_tags,
-                check,
-                report,
-                table,
-                log_dir,
-            )
-        )
+        check = _served_check(tflite_version, tflite_predictor(Path(artifact["path"])), images, log_dir)
+        candidates.append((tflite_version, check, artifact["test_accuracy"], {**tags, **compression_tags}, report))
+    # The models' servers start together: each spends its ~10 s start-up loading TensorFlow, idle
+    # on I/O part of it, and the checks do not depend on each other.
+    with ThreadPoolExecutor(max_workers=len(candidates)) as pool:
+        checks = [None if _decided(client, v) is not None else pool.submit(check) for v, check, *_ in candidates]
+        models = [
+            _promote(client, spec, v, accuracy, dataset, v_tags, running, v_report, table, log_dir)
+            for (v, _, accuracy, v_tags, v_report), running in zip(candidates, checks)
+        ]
     _log_served_checks(client, run_id, models, log_dir)
     client.set_tag(run_id, "registry.gate", models[0]["gate"])
     record = {
