@@ -45,9 +45,10 @@ def test_auto_keeps_short_steps_on_one_device():
     assert "steps under 20 ms" in decision["reason"]
 
 
-def test_auto_uses_plain_sync_for_an_even_cluster():
+def test_auto_uses_sync_with_equal_shares_for_an_even_cluster():
     decision = decide(_spec(), [_probe(0, 700, 0.09), _probe(1, 680, 0.094)])
-    assert decision["settings"] == {"strategy": "multi_worker_mirrored", "ps": 0}
+    settings = {"strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": True, "batch_shares": "equal"}
+    assert decision["settings"] == settings
     assert "spread 1.03x" in decision["reason"]
 
 
