@@ -116,6 +116,11 @@ def unavailable() -> str | None:
 def confined(command: list[str], hide=(), read_write=(), read_only=(), working_directory=None) -> list[str]:
     """``command`` as run by this script in a mount namespace of its own (see the module's doc),
     in ``working_directory`` (default: the caller's, as it looks there)."""
+    # The code and the interpreter stay visible (read-only) wherever they are: a HETFLOW_HOME that
+    # holds the checkout or the venv must not hide what the command runs.
+    for path in (str(Path(__file__).resolve().parents[1]), os.path.realpath(sys.prefix)):
+        if _under(path, hide) and not _under(path, [*read_write, *read_only]):
+            read_only = [*read_only, path]
     views = (("hide", hide), ("rw", read_write), ("ro", read_only))
     options = [f"--{flag}={path}" for flag, paths in views for path in paths]
     options += [f"--cwd={working_directory}"] if working_directory else []

@@ -176,3 +176,15 @@ def test_a_served_model_that_runs_code_cannot_touch_the_pipelines_files(hetflow_
     assert tried.tolist() == [[0.0, 0.0, 0.0]]  # wrote nothing, read no secret
     assert not (home / "planted").exists() and not (store / "planted").exists()
     assert server.isolation == {"confined": True, "hidden": [str(home), str(store), os.environ["AIRFLOW_HOME"]]}
+
+
+@needs_root
+def test_hiding_a_directory_that_holds_the_checkout_keeps_the_code_and_interpreter_visible():
+    """A HETFLOW_HOME above the checkout (here: its parent) hides it, but not what the command runs."""
+    import sys
+
+    probe = "import tasks.confine, os; print(os.access(tasks.confine.__file__, os.W_OK))"
+    command = confine.confined([sys.executable, "-c", probe], hide=[str(REPO.parent)], working_directory=str(REPO))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"  # the code runs, read-only
