@@ -75,13 +75,15 @@ def confine(hide: list[str], read_write: list[str], read_only: list[str]) -> Non
     shown = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in read_write + read_only}
     hide = [directory for directory in hide if os.path.isdir(directory)]  # none is created on the host
     scratch = ["/tmp", "/dev/shm"]
-    for directory in scratch + hide:
-        os.makedirs(directory, exist_ok=True)  # in a fresh /tmp, when the directory lies under it
-        _mount("tmpfs", directory, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777" if directory in scratch else "mode=755")
-    for path, handle in shown.items():
-        os.makedirs(path, exist_ok=True)  # in one of those tmpfs, when the path lies under one
-        _mount(f"/proc/self/fd/{handle}", path, None, _MS_BIND)
-        os.close(handle)
+    # Parents first: a directory shown inside a hidden one, or hidden inside a shown one, is mounted
+    # over what its parent's mount put there, never covered by it.
+    for path in sorted([*scratch, *hide, *shown], key=lambda p: len(Path(p).parts)):
+        os.makedirs(path, exist_ok=True)  # in a tmpfs mounted above, when the path lies under one
+        if path in shown:
+            _mount(f"/proc/self/fd/{shown[path]}", path, None, _MS_BIND)
+            os.close(shown[path])
+        else:
+            _mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777" if path in scratch else "mode=755")
     writable = {*read_write, *scratch}
     for point, options in _mounts():
         if point in writable or _under(point, _KERNEL_MOUNTS) and point not in scratch:
@@ -113,12 +115,19 @@ def unavailable() -> str | None:
     return None
 
 
+def user_home() -> list[str]:
+    """This user's home directory, to hide (its keys and tokens), unless it is / (a container's)."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    return [] if home == "/" else [home]
+
+
 def confined(command: list[str], hide=(), read_write=(), read_only=(), working_directory=None) -> list[str]:
     """``command`` as run by this script in a mount namespace of its own (see the module's doc),
     in ``working_directory`` (default: the caller's, as it looks there)."""
-    # The code and the interpreter stay visible (read-only) wherever they are: a HETFLOW_HOME that
-    # holds the checkout or the venv must not hide what the command runs.
-    for path in (str(Path(__file__).resolve().parents[1]), os.path.realpath(sys.prefix)):
+    # The code, the venv and the interpreter's own install stay visible (read-only) wherever they
+    # are: a hidden HETFLOW_HOME or home that holds them must not hide what the command runs.
+    code = [str(Path(__file__).resolve().parents[1]), *map(os.path.realpath, (sys.prefix, sys.base_prefix))]
+    for path in code:
         if _under(path, hide) and not _under(path, [*read_write, *read_only]):
             read_only = [*read_only, path]
     views = (("hide", hide), ("rw", read_write), ("ro", read_only))

@@ -8,7 +8,7 @@ code (MLflow's "models from code"), and the pipeline never does.
 
 Run as root, the server is also confined (``tasks.confine``): the pipeline downloads the version's
 files (a copy, nothing loaded) and the server serves that folder in a view of the file system where
-HETFLOW_HOME, the MLflow store and Airflow's home are hidden, every mount is read-only, and it has no
+HETFLOW_HOME, the MLflow store, Airflow's home and the user's home are hidden, every mount is read-only, and it has no
 capabilities and no registry credentials: a model's code can neither read nor change the
 pipeline's state or the registry's files. The check records whether it was confined.
 
@@ -91,7 +91,7 @@ def hidden_from_server(tracking_uri: str) -> list[str]:
         hidden.append(Path(tracking_uri.removeprefix("sqlite:///")).parent)
     if "AIRFLOW_HOME" in os.environ:
         hidden.append(Path(os.environ["AIRFLOW_HOME"]))
-    return [str(path.resolve()) for path in hidden]
+    return [str(path.resolve()) for path in hidden] + confine.user_home()
 
 
 class ModelServer:
@@ -136,7 +136,8 @@ class ModelServer:
         with open(self.log_path, "wb") as output:
             self.process = subprocess.Popen(
                 watched,
-                env=server_environment(tracking),
+                # A confined server's HOME is its own /tmp: the user's is hidden.
+                env={**server_environment(tracking), **({"HOME": "/tmp"} if self.isolation["confined"] else {})},
                 cwd=self.log_path.parent,
                 stdin=subprocess.DEVNULL,
                 stdout=output,

@@ -100,7 +100,7 @@ def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     record = json.loads(run_paths(run_id).cluster.read_text())["file_isolation"]
     assert record == {
         "confined": True,
-        "hidden": [str(home)],
+        "hidden": [str(home), os.path.expanduser("~")],
         "read_write": [str(run_dir)],
         "read_only": [str(data_dir(home))],
     }
@@ -175,7 +175,8 @@ def test_a_served_model_that_runs_code_cannot_touch_the_pipelines_files(hetflow_
         tried = server.predict(np.zeros((1, 4), np.float32))
     assert tried.tolist() == [[0.0, 0.0, 0.0]]  # wrote nothing, read no secret
     assert not (home / "planted").exists() and not (store / "planted").exists()
-    assert server.isolation == {"confined": True, "hidden": [str(home), str(store), os.environ["AIRFLOW_HOME"]]}
+    hidden = [str(home), str(store), os.environ["AIRFLOW_HOME"], os.path.expanduser("~")]
+    assert server.isolation == {"confined": True, "hidden": hidden}
 
 
 @needs_root
@@ -188,3 +189,33 @@ def test_hiding_a_directory_that_holds_the_checkout_keeps_the_code_and_interpret
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"  # the code runs, read-only
+
+
+@needs_root
+def test_directories_hidden_and_shown_inside_each_other_nest_as_written(tmp_path):
+    """A checkout shown inside a hidden home, holding a hidden HETFLOW_HOME that holds the shown run
+    directory: each mount goes over its parent's, none covers a deeper one."""
+    user = tmp_path / "user"
+    checkout, runs = user / "checkout", user / "checkout" / ".hetflow" / "runs"
+    for directory in (runs / "mine", runs / "other"):
+        directory.mkdir(parents=True)
+    (checkout / "code.py").write_text("code")
+    (user / "key").write_text("secret")
+    probe = textwrap.dedent(
+        f"""
+        import os
+        print(os.path.exists({str(user / "key")!r}), open({str(checkout / "code.py")!r}).read(),
+              os.access({str(checkout)!r}, os.W_OK), sorted(os.listdir({str(runs)!r})),
+              os.access({str(runs / "mine")!r}, os.W_OK))
+        """
+    )
+    command = confine.confined(
+        ["python3", "-c", probe],
+        hide=[str(user), str(checkout / ".hetflow")],
+        read_write=[str(runs / "mine")],
+        read_only=[str(checkout)],
+        working_directory="/",
+    )
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "code", "False", "['mine']", "True"]

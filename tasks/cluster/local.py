@@ -13,7 +13,8 @@ them. They stay in this PID namespace, so signals (throttling, stopping) work as
 root or iproute2 they listen on this host's interfaces, and ``cluster.json`` says so.
 
 Run as root, each keeper and replica also gets a mount namespace (``tasks.confine``): HETFLOW_HOME
-shows only the run directory (read-write) and the prepared data (read-only), every other mount is
+shows only the run directory (read-write) and the prepared data (read-only), the user's home is
+hidden, every other mount is
 read-only, and the process has no capabilities; what a container of the docker backend mounts.
 """
 
@@ -132,7 +133,8 @@ def isolate_files(spec: RunSpec, run_dir: Path) -> dict:
         log.warning("replicas of %s see this host's whole file system as this user does (%s)", run_dir.name, reason)
         return {"confined": False, "reason": reason}
     view = replica_view(spec, run_dir, hetflow_home())
-    return {"confined": True, "hidden": [str(hetflow_home())], **{k: [str(p) for p in v] for k, v in view.items()}}
+    hidden = [str(hetflow_home()), *confine.user_home()]
+    return {"confined": True, "hidden": hidden, **{k: [str(p) for p in v] for k, v in view.items()}}
 
 
 def port_taken(port: int) -> bool:
