@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -59,8 +60,9 @@ def _mounts() -> list[tuple[str, str]]:
     mounts = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         fields = line.split()
-        # Mount points escape space, tab, newline and backslash as octal.
-        point = fields[4].encode().decode("unicode_escape")
+        # Mount points escape space, tab, newline and backslash as octal; other characters (UTF-8
+        # included) are as they are.
+        point = re.sub(r"\\([0-7]{3})", lambda escape: chr(int(escape[1], 8)), fields[4])
         mounts.append((point, fields[5]))
     return mounts
 
