@@ -40,10 +40,9 @@ PER_WORKER_BATCH = 64  # as in bench/run.py's throughput cases
 GLOBAL_BATCH = 2 * PER_WORKER_BATCH
 SYNC = {"strategy": "multi_worker_mirrored", "batch_size": GLOBAL_BATCH}
 # Async: each update is one worker's batch.
-# Naive and balanced sync run one loop (balanced sync's), differing in the batch shares only:
-# equal, or proportional to the probed speeds.
-SYNC_LOOP = {**SYNC, "balance_batches": "true"}
-EQUAL_SHARES = {**SYNC_LOOP, "batch_shares": "equal"}
+# Naive and balanced sync run one loop, differing in the batch shares only: equal, or
+# proportional to the probed speeds.
+BALANCED = {**SYNC, "balance_batches": "true"}
 ASYNC = {"strategy": "parameter_server", "ps": 1, "batch_size": PER_WORKER_BATCH}
 AUTO = {"strategy": "auto", "batch_size": GLOBAL_BATCH}
 SCENARIOS = {
@@ -51,8 +50,8 @@ SCENARIOS = {
         "workers": '[{"threads": 1}, {"threads": 1, "slowdown": 2}]',
         "baseline": "naive_sync",
         "cases": {
-            "naive_sync": EQUAL_SHARES,
-            "balanced_sync": SYNC_LOOP,
+            "naive_sync": SYNC,
+            "balanced_sync": BALANCED,
             "async": ASYNC,
             "auto": AUTO,
         },
@@ -61,9 +60,9 @@ SCENARIOS = {
         "workers": '[{"threads": 1}, {"threads": 1}]',
         "baseline": "sync",
         "cases": {
-            "sync": EQUAL_SHARES,
+            "sync": SYNC,
             # The control: what probing and balancing cost where there is nothing to balance.
-            "balanced_sync": SYNC_LOOP,
+            "balanced_sync": BALANCED,
             "async": ASYNC,
             # The fastest worker alone, the whole global batch on it.
             "one_device": {
@@ -158,10 +157,10 @@ def markdown(record: dict) -> str:
         "- **launch s**: from the command's start until the target, process start-up included, and the probe: "
         "auto's is a separate short launch of every worker, balanced sync's runs in the training replicas.",
         "- **wall s**: the whole command, shutdown included.",
-        "- naive and balanced sync run the same custom loop (validation split over the workers inside each "
-        "epoch, a checkpoint after it), differing in the batch shares only (equal, or by probed speed); "
-        "`balanced_sync` on the even cluster is the control. async has its own loop (the chief validates), "
-        "one_device and auto's plain sync run `model.fit`.",
+        "- every case runs one epoch loop (validation inside each epoch, a checkpoint after it); naive and "
+        "balanced sync share their step too (validation split over the workers), differing in the batch "
+        "shares only (equal, or by probed speed); `balanced_sync` on the even cluster is the control. async's "
+        "step is scheduled by its chief, which validates alone.",
         "- **whole-job examples/s**: examples / launch to final weights; **validation share**: of the time in epochs.",
         "",
         f"- date: {record['date']}",

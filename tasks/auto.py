@@ -81,16 +81,9 @@ def decide(spec: RunSpec, probes: list[dict[str, Any]]) -> dict[str, Any]:
             "all-reduce than a second worker saves",
         }
     if spread <= EVEN_SPREAD and spec.batch_size % spec.workers == 0:
-        # Balanced sync's loop with equal shares, not model.fit: the same all-reduce without fit's
-        # per-step metric all-reduces (bench/STRAGGLER.md, even cluster: 41.5 s to the target, 51.9 s).
         return {
             "strategy": "multi_worker_mirrored",
-            "settings": {
-                "strategy": "multi_worker_mirrored",
-                "ps": 0,
-                "balance_batches": True,
-                "batch_shares": "equal",
-            },
+            "settings": {"strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": False},
             "reason": f"auto chose sync all-reduce (multi_worker_mirrored): {measured}; the workers are even "
             f"(spread <= {EVEN_SPREAD}), so equal batches make no one wait",
         }
@@ -123,9 +116,7 @@ def plan_training(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
     plan: dict[str, Any] = {"requested": spec.model_dump(), "probes": probes, "decision": decision}
     spec = parse_spec({**spec.model_dump(), **decision["settings"]})
     if spec.balance_batches:
-        equal = spec.batch_shares == "equal"
-        speeds = [1.0 if equal else p["examples_per_second"] for p in probes]
-        plan["worker_batches"] = split_batch(spec.batch_size, speeds)
+        plan["worker_batches"] = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
         log.info("balanced per-worker batches: %s", plan["worker_batches"])
     write_record(paths.plan, plan)
     return spec

@@ -162,12 +162,6 @@ class RunSpec(BaseModel):
         "multi_worker_mirrored only: measure each worker's speed first and give it a share of the global batch "
         "proportional to it; the loss is weighted so each update is still exactly the global-batch gradient.",
     )
-    batch_shares: Literal["measured", "equal"] = _field(
-        "measured",
-        "Cluster",
-        "With balance_batches: each worker's share of the global batch, proportional to its measured speed, or "
-        "equal (the balanced loop without the balance: the like-for-like control for it).",
-    )
     devices_per_worker: int = _field(
         1,
         "Cluster",
@@ -354,8 +348,6 @@ def cluster_problems(spec: RunSpec) -> list[str]:
             f"balance_batches=true is invalid with strategy={spec.strategy}, devices_per_worker="
             f"{spec.devices_per_worker}: expected strategy=multi_worker_mirrored with devices_per_worker=1"
         )
-    if spec.batch_shares == "equal" and not spec.balance_batches:
-        problems.append('batch_shares="equal" is invalid with balance_batches=false: expected balance_batches=true')
     if spec.batch_size % spec.replicas_in_sync:
         problems.append(
             f"batch_size={spec.batch_size} is invalid with {spec.replicas_in_sync} replicas in sync: "

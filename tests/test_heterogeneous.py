@@ -47,7 +47,7 @@ def test_auto_keeps_short_steps_on_one_device():
 
 def test_auto_uses_sync_with_equal_shares_for_an_even_cluster():
     decision = decide(_spec(), [_probe(0, 700, 0.09), _probe(1, 680, 0.094)])
-    settings = {"strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": True, "batch_shares": "equal"}
+    settings = {"strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": False}
     assert decision["settings"] == settings
     assert "spread 1.03x" in decision["reason"]
 
@@ -182,22 +182,20 @@ def test_balanced_update_on_unequal_shards_equals_the_single_replica_update(hetf
 
 
 @pytest.mark.slow
-def test_equal_shares_run_the_balanced_loop_without_probing(hetflow_env):
+def test_plain_sync_runs_the_balanced_loop_with_equal_shares_without_probing(hetflow_env):
     """The control for balanced sync: the same loop, the slowed worker given half the batch."""
     record, run_dir = _train(
         hetflow_env,
         "strategy=multi_worker_mirrored",
         "workers=2",
-        "balance_batches=true",
-        "batch_shares=equal",
         f"worker_devices={SLOW_WORKER}",
         "epochs=1",
         "batch_size=32",
     )
-    assert record["worker_batches"] == record["per_replica_batch"] == [16, 16]
-    assert not (run_dir / "plan.json").exists()
+    assert record["worker_batches"] == [16, 16] and record["per_replica_batch"] == 16
+    assert record["balanced"] is False and not (run_dir / "plan.json").exists()
     assert "probe worker-1:" not in (run_dir / "logs/worker-1.log").read_text()
-    assert "balanced batches [16, 16] of 32" in (run_dir / "logs/worker-0.log").read_text()
+    assert "batches [16, 16] of 32; this worker takes 16" in (run_dir / "logs/worker-0.log").read_text()
 
 
 @pytest.mark.slow

@@ -63,8 +63,6 @@ def test_valid_cluster_shapes(values):
         ),
         ({"strategy": "model_parallel"}, "devices_per_worker=1 is invalid with strategy=model_parallel: expected 2"),
         ({"devices_per_worker": 2}, "devices_per_worker=2 is invalid with strategy=one_device: expected 1"),
-        ({"batch_shares": "equal"}, 'batch_shares="equal" is invalid with balance_batches=false: expected'),
-        ({"batch_shares": "even"}, 'batch_shares="even" is invalid: expected one of measured, equal'),
         ({"backend": "slurm"}, 'backend="slurm" is invalid: expected one of local'),
         ({"model": "resnet"}, 'model="resnet" is invalid: expected one of mlp, cnn, convnet'),
         ({"optimizer": "rmsprop"}, 'optimizer="rmsprop" is invalid: expected one of sgd, adam'),

@@ -2,10 +2,12 @@
 
 - ``probe``: a short measured run of one worker on its own model, all workers at once (for
   balance_batches and auto).
-- ``sync``: one_device, mirrored, multi_worker_mirrored, with ``model.fit`` (all-reduce).
-- ``balanced``: multi_worker_mirrored with per-worker batches proportional to speed (custom loop).
-- ``parameter_server``: async updates with ``ClusterCoordinator`` and a custom loop.
-- ``model_parallel``: one replica, layer groups placed on different devices, custom loop.
+- ``sync``: one_device, mirrored, multi_worker_mirrored (all-reduce), with equal per-worker
+  batches or batches proportional to each worker's speed (``balance_batches``).
+- ``parameter_server``: async updates with ``ClusterCoordinator``.
+- ``model_parallel``: one replica, layer groups placed on different devices.
+
+All run the same epoch loop (``common.run_epochs``), each with its own step.
 
 Only the chief writes the model and ``training.json``; the supervising Airflow task reads them.
 """
@@ -36,10 +38,6 @@ def run_replica(
             parameter_server.train(spec, dataset, paths)
         else:
             parameter_server.serve(task)
-    elif spec.balance_batches:
-        from tasks.strategies import balanced
-
-        balanced.train(spec, dataset, paths, task)
     elif spec.strategy == "model_parallel":
         from tasks.strategies import model_parallel
 

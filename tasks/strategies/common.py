@@ -10,7 +10,6 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.data.pipeline import eval_input
 from tasks.models import build_model
 from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec, WorkerDevice
@@ -106,19 +105,17 @@ def make_optimizer(spec: RunSpec, schedule) -> tf.keras.optimizers.Optimizer:
     return optimizers[spec.optimizer](learning_rate=schedule)
 
 
-class TrainingClock(tf.keras.callbacks.Callback):
-    """Where a replica's time goes, from its launch (``HETFLOW_LAUNCH_TIME``) to its final weights:
-    a Keras callback for ``model.fit``, called by hand in the custom loops (same method names).
+class TrainingClock:
+    """Where a replica's time goes, from its launch (``HETFLOW_LAUNCH_TIME``) to its final weights,
+    told by ``run_epochs`` (its method names are Keras callbacks').
 
     Records wall time per epoch (validation included) and within it the validation passes; the
     time to the end of the first step; and, given a target accuracy, the training time until
-    validation accuracy first reached it (training stops there: ``reached`` for custom loops,
-    ``stop_training`` for ``model.fit``). ``whole_job`` splits the whole job into parts that add
-    up to it. Checkpoints are saved after ``on_epoch_end`` (put this callback before
-    BackupAndRestore), so they fall between epochs."""
+    validation accuracy first reached it (training stops there: ``reached``). ``whole_job`` splits
+    the whole job into parts that add up to it. Checkpoints are saved after ``on_epoch_end``, so
+    they fall between epochs."""
 
     def __init__(self, target_accuracy: float | None = None):
-        super().__init__()
         self.launched_at = float(os.environ.get("HETFLOW_LAUNCH_TIME", time.time()))
         self.target_accuracy = target_accuracy
         self.first_step_seconds: float | None = None
@@ -136,9 +133,6 @@ class TrainingClock(tf.keras.callbacks.Callback):
         self._epoch_start = time.perf_counter()
         if self._first_epoch_began_at is None:
             self._first_epoch_began_at = time.time()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.first_step_done()
 
     def first_step_done(self) -> None:
         if self.first_step_seconds is None:
@@ -158,8 +152,6 @@ class TrainingClock(tf.keras.callbacks.Callback):
         if self.target_accuracy is not None and not self.reached and accuracy >= self.target_accuracy:
             self.seconds_to_target = sum(self.epoch_seconds)
             self.target_reached_at = time.time()
-            if self.model is not None:
-                self.model.stop_training = True
 
     @property
     def reached(self) -> bool:
@@ -214,7 +206,7 @@ class TrainingClock(tf.keras.callbacks.Callback):
 
 class EpochCheckpoint:
     """Model, optimizer and the count of finished epochs, saved every ``checkpoint_every`` epochs
-    under the run directory, for custom loops (``model.fit`` uses BackupAndRestore). ``restore``
+    under the run directory. ``restore``
     returns the epoch to resume from: 0 on a fresh start.
 
     Every replica restores from the chief's checkpoint, so after a restart all resume from the same
@@ -259,31 +251,44 @@ def validation_sums(predict, batches: tf.data.Dataset) -> tuple[float, float, fl
     return total_loss, float(correct), float(count)
 
 
-def validation_metrics(predict, dataset: dict[str, Any]) -> tuple[float, float]:
-    """Loss and accuracy of ``predict`` (images -> logits) on the whole validation split."""
-    total_loss, correct, count = validation_sums(predict, eval_input(dataset, "validation"))
-    return total_loss / count, correct / count
+def one_step_at_a_time(train_step, steps: int, clock: TrainingClock):
+    """An epoch of ``steps`` calls of ``train_step()``, each returning this replica's part of
+    (loss, correctly classified examples): the ``train_epoch`` of ``run_epochs``."""
 
-
-def run_epochs(
-    spec: RunSpec, steps: int, train_step, score_validation, checkpoint, clock: TrainingClock, sum_over_workers=None
-) -> dict[str, list[float]]:
-    """The epoch loop of the custom sync loops (balanced, model_parallel), from the last checkpoint
-    on: ``train_step()`` runs one step and returns this replica's part of (loss, correctly
-    classified examples); after each epoch come ``score_validation()`` (this replica's summed
-    validation loss, correct examples and examples), one ``sum_over_workers`` of all of it (the
-    identity for one process; a single collective per epoch, none per step), a progress line, the
-    checkpoint, and a stop once the target is reached (every replica sees the same validation
-    accuracy, so all stop together)."""
-    history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
-    for epoch in range(checkpoint.restore(), spec.epochs):
-        clock.on_epoch_begin(epoch)
+    def train_epoch() -> tuple[float, float]:
         loss_sum, correct = 0.0, 0.0
         for _ in range(steps):
             loss, hits = train_step()
             clock.first_step_done()
             loss_sum += float(loss)
             correct += float(hits)
+        return loss_sum, correct
+
+    return train_epoch
+
+
+def run_epochs(
+    spec: RunSpec,
+    steps: int,
+    train_epoch,
+    score_validation,
+    checkpoint: EpochCheckpoint,
+    clock: TrainingClock,
+    sum_over_workers=None,
+    describe_epoch=None,
+) -> dict[str, list[float]]:
+    """The epoch loop every strategy runs, from the last checkpoint on: ``train_epoch()`` trains
+    ``steps`` updates of ``spec.batch_size`` examples (telling ``clock`` when the first is done) and
+    returns this replica's part of their summed loss and correctly classified examples; after each
+    epoch come ``score_validation()`` (this replica's summed validation loss, correct examples and
+    examples), one ``sum_over_workers`` of all of it (None for one process: a single collective per
+    epoch, none per step), a progress line (with ``describe_epoch()`` appended, if given), the
+    checkpoint, and a stop once the target is reached (every replica sees the same validation
+    accuracy, so all stop together)."""
+    history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
+    for epoch in range(checkpoint.restore(), spec.epochs):
+        clock.on_epoch_begin(epoch)
+        loss_sum, correct = train_epoch()
         clock.on_test_begin()
         sums = [loss_sum, correct, *score_validation()]
         loss_sum, correct, val_loss_sum, val_correct, val_count = sum_over_workers(sums) if sum_over_workers else sums
@@ -297,7 +302,8 @@ def run_epochs(
             f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s"
             f" (validation {clock.validation_seconds[-1]:.1f}s)"
             f" - loss: {history['loss'][-1]:.4f} - accuracy: {history['accuracy'][-1]:.4f}"
-            f" - val_loss: {history['val_loss'][-1]:.4f} - val_accuracy: {val_accuracy:.4f}",
+            f" - val_loss: {history['val_loss'][-1]:.4f} - val_accuracy: {val_accuracy:.4f}"
+            + (f" - {describe_epoch()}" if describe_epoch else ""),
             flush=True,
         )
         checkpoint.epoch_done(epoch + 1)
@@ -323,17 +329,16 @@ def training_record(
     clock: TrainingClock,
     train_seconds: float,
     per_worker: dict[str, dict[str, float]],
-    measured_seconds: float | None = None,
     per_replica_batch: int | list[int] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """training.json's content common to every strategy, made right after the final weights are
-    written. ``examples_per_second`` is measured over ``measured_seconds`` (default: the whole
-    training time); ``whole_job_examples_per_second`` over the time from the replica's launch to
+    written. ``examples_per_second`` is measured over the time in epochs (validation included);
+    ``whole_job_examples_per_second`` over the time from the replica's launch to
     its final weights, with ``whole_job_breakdown`` saying where that time went;
     ``per_replica_batch`` defaults to equal shares of the global batch (balanced sync gives each
     worker's)."""
-    seconds = measured_seconds or train_seconds
+    seconds = sum(clock.epoch_seconds) or train_seconds  # a retry with no epoch left trained 0 examples
     examples = spec.batch_size * clock.epochs_done * steps
     return {
         "strategy": spec.strategy,

@@ -28,6 +28,7 @@ from tasks.strategies.common import (
     learning_rate,
     local_devices,
     make_optimizer,
+    one_step_at_a_time,
     run_epochs,
     save_model,
     steps_per_epoch,
@@ -73,7 +74,12 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
     started = time.perf_counter()
     validation = eval_input(dataset, "validation")
     history = run_epochs(
-        spec, steps, lambda: train_step(*next(batches)), lambda: validation_sums(predict, validation), checkpoint, clock
+        spec,
+        steps,
+        one_step_at_a_time(lambda: train_step(*next(batches)), steps, clock),
+        lambda: validation_sums(predict, validation),
+        checkpoint,
+        clock,
     )
     train_seconds = time.perf_counter() - started
     save_model(model, spec, dataset, paths.model)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tasks.data.pipeline import train_input
+from tasks.data.pipeline import eval_input, train_input
 from tasks.models import build_model
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
@@ -28,10 +28,11 @@ from tasks.strategies.common import (
     TrainingClock,
     learning_rate,
     make_optimizer,
+    run_epochs,
     save_model,
     steps_per_epoch,
     training_record,
-    validation_metrics,
+    validation_sums,
     worker_rate,
     write_training_record,
 )
@@ -98,7 +99,8 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
         read_at = updates_applied.read_value()
         with tf.control_dependencies([read_at]):  # the parameters are read after the counter
             with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(loss_fn(labels, model(images, training=True)))
+                logits = model(images, training=True)
+                loss = tf.nn.compute_average_loss(loss_fn(labels, logits))
             gradients = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         # A tf.function orders ops on the same variable only, so the update of each parameter is
@@ -109,56 +111,59 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
         updated = [tf.raw_ops.VarIsInitializedOp(resource=v.handle) for v in model.trainable_variables]
         with tf.control_dependencies(updated):
             applied_at = tf.raw_ops.ResourceCountUpTo(resource=updates_applied.handle, limit=2**62, T=tf.int64)
-        return loss, applied_at - read_at
+        correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
+        return loss, correct, applied_at - read_at
 
     @tf.function
     def run_closure(iterator, worker_id):
         losses = tf.TensorArray(tf.float32, size=STEPS_PER_CLOSURE)
         staleness = tf.TensorArray(tf.int64, size=STEPS_PER_CLOSURE)
+        correct = tf.constant(0.0)
         for i in tf.range(STEPS_PER_CLOSURE):
             images, labels = next(iterator)
-            loss, stale = strategy.run(one_update, args=(images, labels))
+            loss, hits, stale = strategy.run(one_update, args=(images, labels))
             losses = losses.write(i, loss)
             staleness = staleness.write(i, stale)
-        return losses.stack(), staleness.stack(), tf.identity(worker_id)
+            correct += hits
+        return losses.stack(), correct, staleness.stack(), tf.identity(worker_id)
 
-    with strategy.scope():
-        checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer, updates_applied=updates_applied)
-    first_epoch = checkpoint.restore()
-    clock = TrainingClock(spec.target_accuracy)
-    history: dict[str, list[float]] = {"loss": [], "val_loss": [], "val_accuracy": []}
     all_staleness: list[int] = []
     staleness_by_worker: dict[int, list[int]] = {}
-    started = time.perf_counter()
-    for epoch in range(first_epoch, spec.epochs):
-        clock.on_epoch_begin(epoch)
+
+    def train_epoch() -> tuple[float, float]:
         results = [coordinator.schedule(run_closure, args=(iterator, worker_ids)) for _ in range(closures_per_epoch)]
         if clock.first_step_seconds is None:
             results[0].fetch()  # the first closure's steps done: not the whole first epoch's
             clock.first_step_done()
         coordinator.join()  # bounds the updates in flight, and so the staleness, to one epoch's
-        epoch_losses = []
+        loss_sum, correct = 0.0, 0.0
         for result in results:
-            losses, staleness, worker = result.fetch()
-            epoch_losses.extend(losses.tolist())
+            losses, hits, staleness, worker = result.fetch()
+            loss_sum += float(np.sum(losses))
+            correct += float(hits)
             all_staleness.extend(int(s) for s in staleness)
             staleness_by_worker.setdefault(int(worker), []).extend(int(s) for s in staleness)
-        clock.on_test_begin()
-        val_loss, val_accuracy = validation_metrics(lambda images: model(images, training=False), dataset)
-        clock.on_test_end()
-        clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
-        history["loss"].append(float(np.mean(epoch_losses)))
-        history["val_loss"].append(val_loss)
-        history["val_accuracy"].append(val_accuracy)
-        print(
-            f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s - loss: {history['loss'][-1]:.4f} "
-            f"- val_loss: {val_loss:.4f} - val_accuracy: {val_accuracy:.4f} - staleness mean "
-            f"{np.mean(all_staleness[-steps:]):.2f} max {max(all_staleness[-steps:])}",
-            flush=True,
-        )
-        checkpoint.epoch_done(epoch + 1)
-        if clock.reached:
-            break
+        return loss_sum, correct
+
+    def describe_staleness() -> str:
+        this_epoch = all_staleness[-steps:]
+        return f"staleness mean {np.mean(this_epoch):.2f} max {max(this_epoch)}"
+
+    predict = tf.function(lambda images: model(images, training=False))
+    validation = eval_input(dataset, "validation")
+    with strategy.scope():
+        checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer, updates_applied=updates_applied)
+    clock = TrainingClock(spec.target_accuracy)
+    started = time.perf_counter()
+    history = run_epochs(
+        spec,
+        steps,
+        train_epoch,
+        lambda: validation_sums(predict, validation),
+        checkpoint,
+        clock,
+        describe_epoch=describe_staleness,
+    )
     train_seconds = time.perf_counter() - started
     save_model(model, spec, dataset, paths.model)
 

@@ -1,37 +1,68 @@
-"""Synchronous data-parallel training with ``model.fit``: one_device, mirrored, multi_worker_mirrored.
+"""Synchronous data-parallel training, one loop for one_device, mirrored and multi_worker_mirrored,
+with equal shares of each global batch or (``balance_batches``) shares proportional to each
+worker's measured speed.
 
-``model.fit`` serves sync training best: Keras all-reduces the gradients, scales the loss by the
-global batch and aggregates metrics over replicas itself, and prints per-epoch progress. (tf_keras
-is required: Keras 3's fit fails under MultiWorkerMirroredStrategy on TF 2.21.)
+With equal batches every step waits for the slowest worker. Balanced, worker i takes a share b_i
+of each global batch B (b_i proportional to its probed examples/s, sum b_i = B), so all finish a
+step at about the same time. Every worker shuffles the examples in the same order (same seed) and
+batches only those at its own positions of each global batch (``train_slices``), so the slices of
+a step are exactly the global batch. Each replica's loss is its examples' summed loss divided by
+B, not by b_i; all-reduce sums the gradients, so the update is exactly the mean gradient over the
+global batch, as one replica with batch B would compute it. A worker with several devices
+(mirrored, or multi_worker_mirrored with devices_per_worker > 1) splits its share evenly over them.
+
+Validation is shared the same way: each worker scores its share of the validation examples and
+the sums are all-reduced once per epoch, so every worker sees the same accuracy (and stops at the
+target together) without the slow worker scoring the whole split.
+
+The shares come from the probe. ``strategy=auto`` probed the workers before launching them (its
+choice decides the cluster's layout) and wrote them to plan.json; with ``balance_batches=true``
+every worker probes itself here, right after the strategy connects the workers and before
+training, and the speeds are exchanged in one collective: one launch instead of two.
+
+A custom loop, not ``model.fit``: fit divides each replica's loss by its own batch size (it would
+weight a small share as much as a large one), all-reduces its metrics every step (two collectives
+per step waiting on the slowest worker), and under multi_worker_mirrored spent 45 s after its last
+epoch before returning (bench/RESULTS.md, 2026-11-23: 300-step epochs); this loop's shutdown takes
+under a second.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import json
 import time
 from typing import Any
 
 import tensorflow as tf
 
-from tasks.data.pipeline import eval_input, train_input
-from tasks.models import build_model, compile_model
-from tasks.paths import RunPaths
+from tasks.auto import split_batch
+from tasks.data.pipeline import eval_input, train_slices
+from tasks.models import build_model
+from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec
 from tasks.strategies.common import (
+    EpochCheckpoint,
     TrainingClock,
     learning_rate,
     local_devices,
     make_optimizer,
+    one_step_at_a_time,
+    run_epochs,
     save_model,
     steps_per_epoch,
     training_record,
+    validation_sums,
     worker_rate,
     write_training_record,
 )
+from tasks.strategies.probe import measure
 
 
 def make_strategy(spec: RunSpec) -> tf.distribute.Strategy:
     if spec.strategy == "one_device":
-        # The default strategy: one device, and (unlike OneDeviceStrategy) BackupAndRestore works with it.
+        # The default strategy: TensorFlow places the ops on the one device this replica sees.
         return tf.distribute.get_strategy()
     if spec.strategy == "mirrored":
         return tf.distribute.MirroredStrategy(local_devices(spec.worker_device(0).count))
@@ -46,68 +77,149 @@ def is_chief(task: dict[str, Any]) -> bool:
     return task["type"] == "worker" and task["index"] == 0
 
 
+def worker_shares(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], sum_over_workers):
+    """Every worker's share of the global batch: equal without ``balance_batches`` (no probe); from
+    plan.json when the workers were probed already (by ``strategy=auto``, or before a restart of this
+    group); otherwise probed here, all workers at once, the chief recording the probes and shares in
+    plan.json."""
+    workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
+    if not spec.balance_batches:
+        return split_batch(spec.batch_size, [1.0] * workers)
+    plan = json.loads(paths.plan.read_text()) if paths.plan.exists() else {}
+    if "worker_batches" in plan:
+        return plan["worker_batches"]
+    mine = measure(spec, dataset, paths, task, barrier=lambda: sum_over_workers([0.0]))
+    slots = [0.0] * (2 * workers)  # (examples/s, step seconds) per worker, zeros but this worker's
+    slots[2 * task["index"] : 2 * task["index"] + 2] = mine["examples_per_second"], mine["step_seconds"]
+    measured = sum_over_workers(slots)
+    probes = [
+        {
+            "worker": f"worker-{i}",
+            "batch": mine["batch"],
+            "examples_per_second": measured[2 * i],
+            "step_seconds": measured[2 * i + 1],
+            "model_parameters": mine["model_parameters"],
+        }
+        for i in range(workers)
+    ]
+    shares = split_batch(spec.batch_size, [probe["examples_per_second"] for probe in probes])
+    if is_chief(task):
+        write_record(paths.plan, {"requested": spec.model_dump(), "probes": probes, "worker_batches": shares})
+    return shares
+
+
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
     strategy = make_strategy(spec)
-    replicas = strategy.num_replicas_in_sync
+    workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
+    local_replicas = strategy.num_replicas_in_sync // workers
+
+    @tf.function
+    def sum_values_over_workers(values):
+        def once_per_worker():
+            # Every replica holds its worker's values: only each worker's first one counts them.
+            first_on_worker = tf.distribute.get_replica_context().replica_id_in_sync_group % local_replicas == 0
+            return values * tf.cast(first_on_worker, values.dtype)
+
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(once_per_worker), axis=None)
+
+    def sum_over_workers(values: list[float]) -> list[float]:
+        return sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
+
+    shares = worker_shares(spec, dataset, paths, task, sum_over_workers)
+    replica_shares = [part for share in shares for part in split_batch(share, [1.0] * local_replicas)]
+    offsets = [0, *itertools.accumulate(replica_shares)]
     steps = steps_per_epoch(spec, dataset)
     schedule, lr_per_epoch = learning_rate(spec, steps)
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
-        compile_model(model, make_optimizer(spec, schedule))
+        optimizer = make_optimizer(spec, schedule)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
-    def worker_batches(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        return train_input(
-            dataset,
-            per_worker_batch=context.get_per_replica_batch_size(spec.batch_size),
-            shuffle=spec.shuffle,
-            seed=spec.seed,
-            num_workers=context.num_input_pipelines,
-            worker_index=context.input_pipeline_id,
+    def worker_slices(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        # The worker's replicas take its dataset's batches in turn, so it yields their slices in turn.
+        mine = range(context.input_pipeline_id * local_replicas, (context.input_pipeline_id + 1) * local_replicas)
+        slices = [
+            train_slices(
+                dataset,
+                start=offsets[r],
+                end=offsets[r + 1],
+                global_batch=spec.batch_size,
+                shuffle=spec.shuffle,
+                seed=spec.seed,
+            )
+            for r in mine
+        ]
+        parts = tf.data.Dataset.zip(tuple(slices))
+        return parts.flat_map(
+            lambda *batches: functools.reduce(
+                tf.data.Dataset.concatenate, [tf.data.Dataset.from_tensors(batch) for batch in batches]
+            )
         )
 
-    validation = eval_input(dataset, "validation")
-    # Every worker evaluates its share of the validation examples; Keras sums the metrics.
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    clock = TrainingClock(spec.target_accuracy)
-    # Saves model, optimizer and the epoch reached; a restarted (or retried) run resumes from it.
-    # Under multi_worker_mirrored only the chief writes there (the others into scratch dirs).
-    backup = tf.keras.callbacks.BackupAndRestore(
-        str(paths.checkpoints / "backup"),
-        save_freq="epoch" if spec.checkpoint_every == 1 else spec.checkpoint_every * steps,
+    batches = iter(strategy.distribute_datasets_from_function(worker_slices))
+
+    def replica_step(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = tf.reduce_sum(loss_fn(labels, logits)) / spec.batch_size
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # all-reduce: sum over replicas
+        correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
+        return loss, correct
+
+    @tf.function
+    def train_step(iterator):
+        # This worker's part only: summing loss and accuracy over workers every step would add two
+        # collectives per step, each waiting on the slowest worker; run_epochs sums once per epoch.
+        loss, correct = strategy.run(replica_step, args=next(iterator))
+        return tuple(tf.add_n(strategy.experimental_local_results(value)) for value in (loss, correct))
+
+    predict = tf.function(lambda images: model(images, training=False))
+    validation_size = dataset["splits"]["validation"]
+    worker_offsets = [0, *itertools.accumulate(shares)]
+    first, last = (
+        round(worker_offsets[i] * validation_size / spec.batch_size) for i in (task["index"], task["index"] + 1)
     )
+    my_validation = eval_input(dataset, "validation", examples=(first, last))
+
+    with strategy.scope():
+        checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
+    clock = TrainingClock(spec.target_accuracy)
+    kind = "balanced" if spec.balance_batches else "equal"
+    print(f"{kind} batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
     started = time.perf_counter()
-    history = model.fit(
-        strategy.distribute_datasets_from_function(worker_batches),
-        epochs=spec.epochs,
-        steps_per_epoch=steps,
-        validation_data=validation.with_options(options),
-        callbacks=[clock, backup],  # clock first: checkpoints are timed between epochs
-        verbose=2,  # one line per epoch: readable in the Airflow task log
+    history = run_epochs(
+        spec,
+        steps,
+        one_step_at_a_time(lambda: train_step(batches), steps, clock),
+        lambda: validation_sums(predict, my_validation),
+        checkpoint,
+        clock,
+        sum_over_workers if workers > 1 else None,
     )
     train_seconds = time.perf_counter() - started
 
     save_model(model, spec, dataset, paths.model, chief=is_chief(task))
     if not is_chief(task):
         return
-    workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
     total_steps = clock.epochs_done * steps
-    epochs_seconds = sum(clock.epoch_seconds)
     write_training_record(
         paths,
         training_record(
             spec,
             steps=steps,
-            replicas_in_sync=replicas,
-            history={name: [float(v) for v in values] for name, values in history.history.items()},
+            replicas_in_sync=strategy.num_replicas_in_sync,
+            history=history,
             lr_per_epoch=lr_per_epoch,
             clock=clock,
             train_seconds=train_seconds,
-            measured_seconds=epochs_seconds,
-            # Sync steps are lockstep: every worker does every step in the same wall time.
             per_worker={
-                f"worker-{i}": worker_rate(spec.batch_size // workers, total_steps, epochs_seconds)
-                for i in range(workers)
+                f"worker-{i}": {**worker_rate(share, total_steps, train_seconds), "batch": share}
+                for i, share in enumerate(shares)
             },
+            # Without balance_batches the shares are equal (validation requires it).
+            per_replica_batch=replica_shares if spec.balance_batches else replica_shares[0],
+            balanced=spec.balance_batches,
+            worker_batches=shares,
         ),
     )
