@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup test-deps engine image run test test-fast bench bench-peer chaos lint lint-docker up down up-docker down-docker clean
+.PHONY: setup test-deps engine image run test test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,12 +50,17 @@ test: test-deps
 test-fast: setup
 	$(BIN)/pytest -v -m "not slow"
 
-## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md) and containers vs processes (bench/CONTAINERS.md)
+## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md), containers vs processes (bench/CONTAINERS.md) and a default run's fixed overhead (bench/OVERHEAD.md)
 bench: setup image
 	$(BIN)/python bench/run.py $(ARGS)
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/straggler.py
 	$(BIN)/python bench/containers.py
+	$(BIN)/python bench/overhead.py $(RUN_SPEC)
+
+## make run's job once, timed: DAG wall time less training, per stage imports / MLflow I/O / work (bench/OVERHEAD.md)
+bench-overhead: setup
+	$(BIN)/python bench/overhead.py $(RUN_SPEC)
 
 ## the throughput cases beside a peer, Ray Train on the same job (bench/RESULTS.md: mwms_2 / ray_2w); installs bench/ray-requirements.lock into .bench-ray on first use
 bench-peer: setup

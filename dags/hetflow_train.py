@@ -103,11 +103,13 @@ def hetflow_train():
         return stages.register(run_id, dag.dag_id, ti.try_number)
 
     @task(trigger_rule="all_done")
-    def summarize(run_id: str | None = None, ti=None):
+    def summarize(run_id: str | None = None, dag_run=None, ti=None):
         from tasks import stages
 
         # None for a stage whose last try failed or never ran: Airflow deletes a task's XComs when a try starts.
-        return stages.summarize(run_id, {stage: ti.xcom_pull(task_ids=stage) for stage in stages.STAGES})
+        returned = {stage: ti.xcom_pull(task_ids=stage) for stage in stages.STAGES}
+        started = dag_run.start_date.timestamp() if dag_run.start_date else None  # the DAG's wall time runs from here
+        return stages.summarize(run_id, returned, started)
 
     cluster = provision_cluster()
     trained = train()

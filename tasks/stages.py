@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import logging
 import signal
@@ -20,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from tasks import timings
 from tasks.paths import RunPaths, create_run_dir, data_dir, run_paths, write_record
 from tasks.spec import RunSpec, SpecError, parse_spec
 
@@ -40,21 +42,23 @@ STAGES = tuple(stage for stage, _ in STAGE_OUTPUTS)
 
 
 def _reported(stage: Callable) -> Callable:
-    """Log a stage's failure, with its reason, on the stages' logger: Airflow reports it in its own
-    structured log, which `hetflow run`'s live view does not read."""
+    """Time a stage (``tasks.timings``: its receipt records where its time went) and log its failure,
+    with its reason, on the stages' logger: Airflow reports it in its own structured log, which
+    `hetflow run`'s live view does not read."""
 
     @functools.wraps(stage)
     def run(*args, **kwargs):
-        try:
-            return stage(*args, **kwargs)
-        except Exception as error:
-            log.error(
-                "%s failed: %s: %s",
-                stage.__name__,
-                type(error).__name__,
-                str(error).splitlines()[0] if str(error) else "",
-            )
-            raise
+        with timings.stage_clock():
+            try:
+                return stage(*args, **kwargs)
+            except Exception as error:
+                log.error(
+                    "%s failed: %s: %s",
+                    stage.__name__,
+                    type(error).__name__,
+                    str(error).splitlines()[0] if str(error) else "",
+                )
+                raise
 
     return run
 
@@ -71,7 +75,9 @@ def load_spec(paths: RunPaths) -> RunSpec:
 def _attempt(paths: RunPaths, stage: str, run_id: str, try_number: int | None):
     """One attempt of ``stage``: on entry it removes the records of this stage and of every later one,
     and the summary, so that no earlier attempt's files outlive a failing one; on success it writes
-    the receipt naming this attempt (the dict it yields, which the stage also returns to Airflow).
+    the receipt naming this attempt (the dict it yields, which the stage also returns to Airflow) and
+    saying where the stage's time went (``timing``: its start, unix time, and ``tasks.timings``'
+    parts in seconds, up to the receipt).
 
     :param try_number: Airflow's try number of the task (None outside Airflow), for the reader.
     """
@@ -81,7 +87,11 @@ def _attempt(paths: RunPaths, stage: str, run_id: str, try_number: int | None):
     paths.summary.unlink(missing_ok=True)
     attempt = {"stage": stage, "run_id": run_id, "try_number": try_number, "id": uuid.uuid4().hex}
     yield attempt
-    write_record(paths.attempt(stage), {**attempt, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    clock = timings.current()
+    timing = {"started_at": clock.started_at, **clock.record()} if clock else None
+    write_record(
+        paths.attempt(stage), {**attempt, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "timing": timing}
+    )
 
 
 @_reported
@@ -153,7 +163,8 @@ def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | No
     from tasks.registry import tracking_uri
 
     try:
-        return trained_before(MlflowClient(tracking_uri()), spec.registered_model, key, run_id)
+        with timings.part("mlflow_io"):
+            return trained_before(MlflowClient(tracking_uri()), spec.registered_model, key, run_id)
     except Exception as error:  # noqa: BLE001  (an unreachable server, two runs creating one SQLite store, ...)
         # Training is never skipped on a guess; register will say if MLflow is still away.
         log.warning("could not ask MLflow whether this training was done before (%s): training", error)
@@ -204,7 +215,8 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
 @_reported
 def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Supervise the provisioned replicas until training ends; their output streams into this
-    task's log. A SIGTERM (Airflow stopping the task) stops them before the task goes."""
+    task's log. A SIGTERM (Airflow stopping the task) stops them before the task goes. With
+    ``IMPORT_LATER_STAGES`` set, the later stages' modules are imported meanwhile."""
     from tasks.cluster import backends
     from tasks.cluster.layout import ClusterLayout
 
@@ -212,9 +224,38 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     with _attempt(paths, "train", run_id, try_number) as attempt:
         spec = load_spec(paths)
         cluster = backends.replicas(spec, ClusterLayout.from_dict(_read(paths.cluster)), paths.root)
+        importing = _import_in_background(LATER_STAGE_MODULES) if IMPORT_LATER_STAGES else None
         with _stopped_on_sigterm(lambda: backends.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
             backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
+        if importing is not None:
+            importing.join()  # no later stage imports a module while that thread still does
     return {**_read(paths.training), "attempt": attempt}
+
+
+# What the stages after training import (TensorFlow, tf_keras, tensorflow-model-optimization, matplotlib,
+# LiteRT, MLflow's TensorFlow flavour: ~7 s here). Where every task runs in one process (`hetflow run`'s
+# dag.test sets IMPORT_LATER_STAGES), train imports them while it only waits for the replicas, off the
+# critical path; where each task has a process of its own (a scheduler), that would be wasted.
+LATER_STAGE_MODULES = ("tasks.evaluate", "tasks.compress", "tasks.export", "tasks.registry", "mlflow.tensorflow")
+IMPORT_LATER_STAGES = False
+
+
+def _import_in_background(modules: tuple[str, ...]) -> threading.Thread:
+    def run():
+        started = time.perf_counter()
+        try:
+            for module in modules:
+                importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001  (the stage that needs the module imports it again and says why)
+            log.warning("importing the later stages' modules during training failed: %s", error)
+            return
+        log.info(
+            "imported the later stages' modules in %.1f s while the replicas trained", time.perf_counter() - started
+        )
+
+    thread = threading.Thread(target=run, name="import-later-stages", daemon=True)
+    thread.start()
+    return thread
 
 
 class Interrupted(RuntimeError):
@@ -365,14 +406,44 @@ def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
     }
 
 
+def _timings(paths: RunPaths, finished: tuple[str, ...], training: dict, dag_started_at: float | None) -> dict | None:
+    """Where the run's time went so far: the DAG's wall time (from the DAG run's start, else the first
+    stage's), the training's (the replicas' whole job: launch to final weights), the fixed overhead
+    (DAG wall time less training), each finished stage's parts (``tasks.timings``) and Airflow's time
+    outside every stage (task start-up and bookkeeping, teardown_cluster), of which before the first."""
+    stages = {stage: _read(paths.attempt(stage)).get("timing") for stage in finished}
+    stages = {stage: timing for stage, timing in stages.items() if timing}  # receipts of older hetflows have none
+    if not stages:
+        return None
+    first_stage = min(timing["started_at"] for timing in stages.values())
+    started = first_stage if dag_started_at is None else dag_started_at
+    dag_seconds = time.time() - started
+    training_seconds = training.get("whole_job_seconds")
+    in_stages = sum(timing["wall"] for timing in stages.values())
+    return {
+        "dag_seconds": dag_seconds,
+        "training_seconds": training_seconds,
+        "fixed_overhead_seconds": None if training_seconds is None else dag_seconds - training_seconds,
+        "airflow_seconds": dag_seconds - in_stages,
+        "airflow_before_first_stage_seconds": first_stage - started,
+        "stages": {
+            stage: {part: timing[part] for part in ("wall", *timings.PARTS)} for stage, timing in stages.items()
+        },
+    }
+
+
 @_reported
-def summarize(run_id: str, returned: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize(
+    run_id: str, returned: dict[str, Any] | None = None, dag_started_at: float | None = None
+) -> dict[str, Any]:
     """Write summary.json; status is ``failed`` when a stage did not finish, whatever files an
     earlier attempt left behind.
 
     :param returned: each stage's return value as Airflow holds it for this DAG run, None where
         the stage's last try failed or never ran (Airflow deletes a task's XComs when a try
         starts); None outside Airflow, where the receipts alone decide.
+    :param dag_started_at: when the DAG run started (unix time), for its wall time in ``timings``;
+        None: from the first stage's start.
     """
     paths = run_paths(run_id)
     failed_stage = next((stage for stage, record in STAGE_OUTPUTS if not _done(paths, stage, record, returned)), None)
@@ -418,6 +489,7 @@ def summarize(run_id: str, returned: dict[str, Any] | None = None) -> dict[str, 
         },
         "replicas": (read["provision_cluster"] or {}).get("replicas"),
         "restarts": _read(paths.restarts) if paths.restarts.exists() else [],
+        "timings": _timings(paths, finished, training, dag_started_at),
         # strategy=auto: what it chose and why, from the probes (plan.json).
         "auto": _auto_decision(paths) if "provision_cluster" in finished else None,
         "registry": {

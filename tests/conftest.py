@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,6 +41,27 @@ def hetflow(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess
         text=True,
         timeout=timeout,
     )
+
+
+E2E_MODEL = "e2e-digits"
+
+
+def run_dag(env: dict[str, str], *sets: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """`hetflow run` registering into E2E_MODEL with ``sets`` (KEY=VALUE); its output and summary."""
+    args = ["run", "--set", f"registered_model={E2E_MODEL}"]
+    for assignment in sets:
+        args += ["--set", assignment]
+    done = hetflow(env, *args)
+    summary_path = Path(done.stdout.strip().splitlines()[-1])
+    assert summary_path.name == "summary.json", done.stdout[-3000:] + done.stderr[-3000:]
+    return done, json.loads(summary_path.read_text())
+
+
+@pytest.fixture(scope="session")
+def e2e_first_run(hetflow_env) -> tuple[subprocess.CompletedProcess, dict]:
+    """The first run of the end-to-end tests (the defaults, 15 epochs), made once for every test
+    file that reads a real run (test_e2e, test_overhead)."""
+    return run_dag(hetflow_env, "epochs=15")
 
 
 def full_log(done: subprocess.CompletedProcess) -> str:

@@ -8,32 +8,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import hetflow, replica_listening
+from conftest import E2E_MODEL as MODEL
+from conftest import replica_listening, run_dag
 
 pytestmark = pytest.mark.slow
 
-MODEL = "e2e-digits"
-
-
-def _run(env, *sets: str) -> tuple[object, dict]:
-    args = ["run", "--set", f"registered_model={MODEL}"]
-    for assignment in sets:
-        args += ["--set", assignment]
-    done = hetflow(env, *args)
-    summary_path = Path(done.stdout.strip().splitlines()[-1])
-    assert summary_path.name == "summary.json", done.stdout[-3000:] + done.stderr[-3000:]
-    return done, json.loads(summary_path.read_text())
-
 
 @pytest.fixture(scope="module")
-def first(hetflow_env):
-    return _run(hetflow_env, "epochs=15")
+def first(e2e_first_run):
+    return e2e_first_run
 
 
 @pytest.fixture(scope="module")
 def second(hetflow_env, first):
     """A later run that cannot pass the gate (min_improvement=1)."""
-    return _run(hetflow_env, "epochs=2", "min_improvement=1")
+    return run_dag(hetflow_env, "epochs=2", "min_improvement=1")
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +125,7 @@ def test_second_run_reuses_data_and_does_not_take_champion_below_the_gate(first,
 
 
 def test_a_failing_stage_fails_the_run_and_says_where(hetflow_env, second, client):
-    done, summary = _run(hetflow_env, "epochs=1000", "train_timeout_seconds=10")
+    done, summary = run_dag(hetflow_env, "epochs=1000", "train_timeout_seconds=10")
     assert done.returncode == 1
     assert summary["status"] == "failed" and summary["failed_stage"] == "train"
     assert "training timed out after 10 s (train_timeout_seconds)" in done.stdout + done.stderr

@@ -137,8 +137,9 @@ def test_a_champion_scored_on_other_data_is_served_not_loaded(run, client, tmp_p
     assert (tmp_path / f"{MODEL}-v{champion.version}-champion.log").exists()
 
 
-def _log_class_order_reversed(saved_model: Path, name: str, images: np.ndarray):
-    """A deliberately broken model: serving_default's logits with the classes in reverse order."""
+def _log_class_order_reversed(saved_model: Path, name: str, images: np.ndarray, predict):
+    """A deliberately broken model: serving_default's logits with the classes in reverse order
+    (registry._log_saved_model's stand-in; ``predict``, the exported model's logits, is unused)."""
     import tensorflow as tf
 
     import mlflow

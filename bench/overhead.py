@@ -1,0 +1,224 @@
+"""``make bench-overhead``: what a default run costs beside its training, and where that goes.
+
+Runs ``hetflow run`` once with the given arguments (the Makefile passes ``make run``'s RUN_SPEC) in a
+temporary HETFLOW_HOME and MLflow store, after a set-up that a user's first ``make run`` pays once:
+the dataset prepared, Airflow's metadata DB and the MLflow store created. The run measured is then
+what every later run that trains costs.
+
+Figures, from the run's summary.json (``timings``, see tasks/stages.py and tasks/timings.py):
+- the DAG's wall time, from the DAG run's start to ``summarize``; the training's, the replicas'
+  whole job (their launch to the final weights written); the fixed overhead, the one less the other;
+- per stage: its wall time = imports + MLflow I/O + work (exclusive parts, on the stage's thread);
+- Airflow's time outside every stage (its start-up before the first task, task bookkeeping,
+  teardown_cluster);
+- beside them the command's own wall time, launch to exit (Python, Airflow and the DAG files
+  loaded before the DAG run starts), and the served checks' start-up, which bounds register.
+
+Writes bench/results/overhead-<UTC timestamp>.json and bench/OVERHEAD.md.
+
+    python bench/overhead.py --set strategy=multi_worker_mirrored --set workers=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from report import save  # bench/report.py: the scripts run as bench/<name>.py
+from run import BIN, REPO_ROOT, machine_facts, shown
+
+AIM_SECONDS = 15.0  # issue 15: fixed pipeline overhead (DAG wall time less training), at most
+PARTS = ("imports", "mlflow_io", "work")
+
+# The first use of a home, each in a process of its own so that the measured run starts cold.
+SET_UP = {
+    "dataset": (
+        "import json, sys; from pathlib import Path; from tasks.data.prepare import prepare_dataset; "
+        "from tasks.paths import data_dir; spec = json.loads(sys.argv[1]); "
+        "prepare_dataset(spec['dataset'], Path(spec['data_dir']) if spec['data_dir'] else data_dir(), "
+        "spec['image_size'])"
+    ),
+    "airflow_db": (
+        "import os; from tasks.cli import _ensure_airflow_db, airflow_environment; "
+        "os.environ.update(airflow_environment()); _ensure_airflow_db()"
+    ),
+    "mlflow_store": (
+        "from mlflow import MlflowClient; from tasks.registry import tracking_uri; "
+        "MlflowClient(tracking_uri()).search_experiments()"
+    ),
+}
+
+
+class BenchFailed(RuntimeError):
+    pass
+
+
+def _checked(done: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
+        raise BenchFailed(f"{what}: exit code {done.returncode}; last output:\n{tail}")
+    return done
+
+
+def set_up(run_args: list[str], env: dict[str, str]) -> dict[str, float]:
+    """Seconds each first-use step took (not part of the run measured)."""
+    validated = subprocess.run(
+        [str(BIN / "hetflow"), "validate", *run_args], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
+    spec = json.loads(_checked(validated, "hetflow validate").stdout)
+    seconds = {}
+    for step, code in SET_UP.items():
+        started = time.monotonic()
+        done = subprocess.run(
+            [str(BIN / "python"), "-c", code, json.dumps(spec)], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+        )
+        _checked(done, f"set-up step {step}")
+        seconds[step] = time.monotonic() - started
+    return seconds
+
+
+def measure(command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run ``hetflow run`` once; its wall time and its summary.json."""
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    wall = time.monotonic() - started
+    _checked(done, "hetflow run")
+    summary = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
+    if summary["status"] != "success" or not summary.get("timings"):
+        raise BenchFailed(f"hetflow run ended {summary['status']} ({summary.get('skipped_because')})")
+    return {"command_seconds": wall, "summary": summary}
+
+
+def figures(measured: dict[str, Any]) -> dict[str, Any]:
+    """What the report shows, from the run's wall time and summary."""
+    summary = measured["summary"]
+    timings = summary["timings"]
+    served = [model["served"] for model in (summary["registry"] or {}).get("models", []) if model.get("served")]
+    return {
+        "command_seconds": measured["command_seconds"],
+        "dag_seconds": timings["dag_seconds"],
+        "training_seconds": timings["training_seconds"],
+        "fixed_overhead_seconds": timings["fixed_overhead_seconds"],
+        "command_overhead_seconds": measured["command_seconds"] - timings["training_seconds"],
+        "before_dag_seconds": measured["command_seconds"] - timings["dag_seconds"],
+        "airflow_seconds": timings["airflow_seconds"],
+        "airflow_before_first_stage_seconds": timings["airflow_before_first_stage_seconds"],
+        "stages": timings["stages"],
+        "parts": {part: sum(stage[part] for stage in timings["stages"].values()) for part in PARTS},
+        "served_checks": [
+            {key: check.get(key) for key in ("model_uri", "start_seconds", "seconds", "passed")} for check in served
+        ],
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    machine, result = report["machine"], report["figures"]
+    overhead = result["fixed_overhead_seconds"]
+    lines = [
+        "# Fixed pipeline overhead",
+        "",
+        "One default run (`make run`'s spec) through `hetflow run`, in a temporary `HETFLOW_HOME` and MLflow "
+        "store whose first-use set-up (dataset, Airflow's metadata DB, MLflow store) was done beforehand.",
+        "",
+        f"- date: {report['date']}",
+        f"- command: `{report['command']}`",
+        f"- machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['memory_gib']} GiB memory, "
+        f"TensorFlow {machine['tensorflow']}, Python {machine['python']}, git {machine['git']}",
+        f"- 1-minute load average before the run: {report['load_average_1min_at_start']:.2f}"
+        + (" (other work was competing for the cores)" if report["load_average_1min_at_start"] > 0.5 else ""),
+        "",
+        "| | seconds |",
+        "|---|---:|",
+        f"| DAG wall time (DAG run start to `summarize`) | {result['dag_seconds']:.1f} |",
+        f"| training (the replicas' whole job) | {result['training_seconds']:.1f} |",
+        f"| **fixed overhead** (DAG wall time − training; aim ≤ {AIM_SECONDS:.0f}) | **{overhead:.1f}** "
+        f"({'met' if overhead <= AIM_SECONDS else 'not met'}) |",
+        f"| `hetflow run` wall time (launch to exit) | {result['command_seconds']:.1f} |",
+        f"| of it before the DAG run starts and after it ends (Python, Airflow, DAG files) | "
+        f"{result['before_dag_seconds']:.1f} |",
+        f"| `hetflow run` wall time − training | {result['command_overhead_seconds']:.1f} |",
+        "",
+        "Where the DAG's wall time went, per stage (seconds; wall = imports + MLflow I/O + work):",
+        "",
+        "| stage | wall | imports | MLflow I/O | work |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for stage, timing in result["stages"].items():
+        lines.append(
+            f"| {stage} | {timing['wall']:.1f} | {timing['imports']:.1f} | {timing['mlflow_io']:.1f} | "
+            f"{timing['work']:.1f} |"
+        )
+    parts = result["parts"]
+    lines += [
+        f"| all stages | {sum(parts.values()):.1f} | {parts['imports']:.1f} | {parts['mlflow_io']:.1f} | "
+        f"{parts['work']:.1f} |",
+        f"| Airflow, outside every stage (of it before the first: "
+        f"{result['airflow_before_first_stage_seconds']:.1f}) | {result['airflow_seconds']:.1f} | | | |",
+        "",
+    ]
+    if result["served_checks"]:
+        lines += ["register's served checks, each a model server started for the check (running together):", ""]
+        lines += [
+            f"- `{check['model_uri']}`: up in {check['start_seconds']:.1f} s, check done in {check['seconds']:.1f} s"
+            for check in result["served_checks"]
+            if check["start_seconds"] is not None
+        ]
+        lines.append("")
+    set_up_seconds = ", ".join(
+        f"{step.replace('_', ' ')} {seconds:.1f} s" for step, seconds in report["set_up"].items()
+    )
+    lines += [
+        f"First use of the home, before the run and not in it: {set_up_seconds}.",
+        "",
+        "train's wall time holds the training but for the replicas' start-up in provision_cluster; "
+        "imports: time in Python imports on the stage's thread (one process runs every task: each module is "
+        "imported once, by the first stage that needs it; train imports the later stages' modules on a thread "
+        "of its own while the replicas train, counted by no stage); MLflow I/O: calls to MLflow's client and "
+        "`log_model`; work: the rest, waiting for the replicas and the served checks' model servers included.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds the run may take")
+    # Everything else is hetflow run's (--set KEY=VALUE ..., --config FILE).
+    args, run_args = parser.parse_known_args()
+    command = [str(BIN / "hetflow"), "run", *run_args]
+
+    started_at = datetime.now(timezone.utc)
+    with tempfile.TemporaryDirectory(prefix="hetflow-overhead-") as home:
+        env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
+        try:
+            print(f"[bench] setting up {home} ...", flush=True)
+            set_up_seconds = set_up(run_args, env)
+            # Other work on the machine skews every figure: the load before the run shows whether some was going on.
+            load_at_start = os.getloadavg()[0]
+            print(f"[bench] {shown(command)} ...", flush=True)
+            measured = measure(command, env, args.timeout)
+        except (BenchFailed, subprocess.TimeoutExpired) as error:
+            print(f"[bench] {error}", file=sys.stderr)
+            return 1
+    report = {
+        "date": started_at.isoformat(timespec="seconds"),
+        "command": shown([sys.executable, "bench/overhead.py", *sys.argv[1:]]),
+        "run_command": shown(command),
+        "machine": machine_facts(),
+        "load_average_1min_at_start": load_at_start,
+        "set_up": set_up_seconds,
+        "figures": figures(measured),
+    }
+    print(save("overhead", report, "OVERHEAD.md", markdown(report), at=started_at))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
