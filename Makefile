@@ -64,7 +64,7 @@ bench-overhead: setup
 
 ## the throughput cases beside a peer, Ray Train on the same job (bench/RESULTS.md: mwms_2 / ray_2w); installs bench/ray-requirements.lock into .bench-ray on first use
 bench-peer: setup
-	$(BIN)/python bench/run.py --cases baseline,one_worker,mwms_2,ray_2w $(ARGS)
+	$(BIN)/python bench/run.py --cases baseline,one_worker,mwms_2,two_apart,ray_2w $(ARGS)
 
 ## runs that lose a random replica at a random time (bench/CHAOS.md)
 chaos: setup

@@ -7,6 +7,9 @@ tasks/data/synthetic_images.py) with 64 examples per worker per step, for a fixe
   one_worker   ``hetflow train``, one replica, one_device, one TensorFlow thread
   mwms_2       ``hetflow train``, 2 workers, multi_worker_mirrored, one thread each, pinned to a core each
   ps_2w_1ps    ``hetflow train``, a chief, 2 workers and 1 ps, parameter_server, one thread each, not pinned
+  two_apart    two one_worker jobs at once, each pinned to a core of its own: no communication at
+               all, so their summed examples/s is what two single-threaded workers can reach on
+               this machine (the ceiling for mwms_2, which adds the all-reduce)
   ray_2w       optional, not run by default (it installs Ray on first use): mwms_2's job under a peer,
                Ray Train's ``TensorflowTrainer``, 2 workers, one thread each, not pinned (bench/ray_peer.py)
 
@@ -18,13 +21,14 @@ in-epoch rate (examples over the time in epochs, validation included) and ``stea
 epoch alone). Dataset preparation and provisioning come before the launch and are not in it, for
 every case alike. Each case runs ``--repeats`` times, the repeats interleaved across cases so a
 drift of the machine hits every case alike; medians are reported. With mwms_2 and ray_2w both run,
-their ratios (whole-job examples/s and time to first step, ours / Ray's) are reported too.
+their ratios (whole-job examples/s and time to first step, ours / Ray's) are reported too; with
+mwms_2, two_apart and one_worker, mwms_2's share of the two-core ceiling.
 
 Writes bench/results/throughput-<UTC timestamp>.json and bench/RESULTS.md.
 
     make bench
     make bench ARGS="--cases baseline,one_worker --repeats 1 --steps-per-epoch 50"
-    make bench-peer    # baseline, one_worker, mwms_2 and ray_2w
+    make bench-peer    # baseline, one_worker, mwms_2, two_apart and ray_2w
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ PEER_PACKAGES = REPO_ROOT / ".bench-ray"
 PEER_PAIR = ("mwms_2", "ray_2w")
 AIM_EXAMPLES_RATIO = 1.2  # ours / Ray's whole-job examples/s, at least
 AIM_FIRST_STEP_RATIO = 0.5  # ours / Ray's time to first step, at most
+# Two synchronous workers against the same two workers with nothing to exchange.
+CEILING_PAIR = ("mwms_2", "two_apart")
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,8 @@ class Case:
     script_args: tuple[str, ...] = ()
     # Needs the peer's packages (PEER_LOCK): not run unless asked for, as it may have to download them.
     peer: bool = False
+    # Copies of the job run at once, copy i pinned to core i; their examples/s are summed.
+    side_by_side: int = 1
 
 
 CASES = (
@@ -110,6 +118,12 @@ CASES = (
             "batch_size": PER_WORKER_BATCH,
             "replica_threads": 1,
         },
+    ),
+    Case(
+        "two_apart",
+        "two one_worker jobs at once, each pinned to a core of its own, no communication (summed)",
+        {"strategy": "one_device", "batch_size": PER_WORKER_BATCH, "replica_threads": 1},
+        side_by_side=2,
     ),
     Case(
         "ray_2w",
@@ -182,22 +196,43 @@ def install_peer() -> None:
 
 
 def run_once(case: Case, command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Run one case once; return its training record (training.json's fields, less the history)."""
+    """Run one case once; return its training record (training.json's fields, less the history).
+    A case of several copies side by side returns the slower copy's record (the pair's job ends with
+    it) with the copies' records under ``copies``."""
     if case.peer:
         env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(PEER_PACKAGES), env.get("PYTHONPATH")]))}
     env = {**env, "HETFLOW_LAUNCH_TIME": repr(time.time())}
+    if case.side_by_side > 1:
+        commands = [["taskset", "-c", str(core), *command] for core in range(case.side_by_side)]
+    else:
+        commands = [command]
+    running = [
+        subprocess.Popen(copy, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for copy in commands
+    ]
     try:
-        done = subprocess.run(
-            command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired:
-        # hetflow's replicas die with the killed `hetflow train` (their keepers lose its lease), Ray's
+        records = [_record(case, process, timeout) for process in running]
+    finally:
+        # hetflow's replicas die with a killed `hetflow train` (their keepers lose its lease), Ray's
         # with its driver.
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
+    if len(records) == 1:
+        return records[0]
+    return {**max(records, key=lambda record: record["whole_job_seconds"]), "copies": records}
+
+
+def _record(case: Case, process: subprocess.Popen, timeout: float) -> dict[str, Any]:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
         raise RunFailed(f"{case.name}: no result after {timeout:.0f} s") from None
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
-        raise RunFailed(f"{case.name}: exit code {done.returncode}; last output:\n{tail}")
-    last_line = done.stdout.strip().splitlines()[-1]
+    if process.returncode != 0:
+        tail = "\n".join((stdout + stderr).strip().splitlines()[-25:])
+        raise RunFailed(f"{case.name}: exit code {process.returncode}; last output:\n{tail}")
+    last_line = stdout.strip().splitlines()[-1]
     if case.settings is None:
         return json.loads(last_line)
     # `hetflow train` prints the path of the run's training.json last.
@@ -209,8 +244,19 @@ def run_once(case: Case, command: list[str], env: dict[str, str], timeout: float
     return record
 
 
+# The rates that copies side by side add up; every other figure is the slower copy's.
+SUMMED = ("whole_job_examples_per_second", "examples_per_second", "steady_examples_per_second")
+
+
 def sample(record: dict[str, Any]) -> dict[str, Any]:
     """The figures compared across cases, from one run's record."""
+    if "copies" in record:
+        copies = [sample(copy) for copy in record["copies"]]
+        return {
+            **sample({k: v for k, v in record.items() if k != "copies"}),
+            **{key: sum(copy[key] for copy in copies) for key in SUMMED},
+            "record": record,
+        }
     examples_per_epoch = record["steps_per_epoch"] * record["global_batch"]
     return {
         "whole_job_examples_per_second": record["whole_job_examples_per_second"],
@@ -294,6 +340,21 @@ def peer_comparison(cases: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+def ceiling_comparison(cases: dict[str, Any]) -> dict[str, Any] | None:
+    """mwms_2 against two_apart, the same two single-threaded workers without communication, each
+    as a multiple of one_worker (medians), when all three ran."""
+    ours, apart = (cases.get(name, {}) for name in CEILING_PAIR)
+    if ours.get("ratio_to_one_worker") is None or apart.get("ratio_to_one_worker") is None:
+        return None
+    return {
+        "case": CEILING_PAIR[0],
+        "ceiling": CEILING_PAIR[1],
+        "case_vs_one_worker": ours["ratio_to_one_worker"],
+        "ceiling_vs_one_worker": apart["ratio_to_one_worker"],
+        "case_vs_ceiling": ours["ratio_to_one_worker"] / apart["ratio_to_one_worker"],
+    }
+
+
 def _number(value: float | None, digits: int = 0) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -360,8 +421,17 @@ def markdown(report: dict[str, Any]) -> str:
             "(`ray.init` and the trainer's start included) to rank 0's final weights written. Where it "
             "differs: its workers are not pinned to cores (Ray's CPUs are logical: it sets no affinity); "
             "its per-epoch checkpoint is Ray's (every worker writes model and optimizer, `ray.train.report` "
-            "persists rank 0's) where hetflow's is BackupAndRestore; its whole job ends at the weights, as "
+            "persists rank 0's) where hetflow's chief alone writes them; its whole job ends at the weights, as "
             "ours does, not when `fit()` returns (`fit_returned_after_seconds` in the JSON).",
+        ]
+    ceiling = report.get("ceiling")
+    if ceiling:
+        lines += [
+            "",
+            f"Two workers against what two cores give here: {ceiling['ceiling']} (one_worker's job twice at once, "
+            f"a core each, no communication) reaches {ceiling['ceiling_vs_one_worker']:.2f}× one_worker's "
+            f"whole-job examples/s; {ceiling['case']} reaches {ceiling['case_vs_one_worker']:.2f}×, "
+            f"{ceiling['case_vs_ceiling']:.2f} of that ceiling (the rest is the all-reduce and the lockstep).",
         ]
     lines += [
         "",
@@ -456,6 +526,7 @@ def main() -> int:
         "cases": summarize(cases, commands, samples, errors),
     }
     report["peer"] = peer_comparison(report["cases"])
+    report["ceiling"] = ceiling_comparison(report["cases"])
     print(save("throughput", report, "RESULTS.md", markdown(report), at=started_at))
     return 1 if errors else 0
 

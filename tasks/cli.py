@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -172,11 +173,17 @@ def _cmd_run(args) -> int:
     return 0 if summary["status"] in ("success", "skipped") else 1
 
 
+def train_run_id() -> str:
+    """A run id for `hetflow train`: its start time, readable, and a random part, so that two
+    commands started in the same second (a bench's side-by-side jobs) get run directories of their own."""
+    return f"train__{time.strftime('%Y%m%dT%H%M%S')}_{uuid.uuid4().hex[:8]}"
+
+
 def _cmd_train(args) -> int:
     """Only the training stage (validate, prepare, provision, train, teardown): for development."""
     from tasks import stages
 
-    run_id = f"train__{time.strftime('%Y%m%dT%H%M%S')}"
+    run_id = train_run_id()
     stages.validate_spec(spec_values(args.config, args.set), run_id)
     stages.prepare_data(run_id)
     stages.provision_cluster(run_id)

@@ -35,6 +35,16 @@ def test_run_ids_that_read_alike_get_directories_of_their_own(home):
     assert re.fullmatch(r"manual__2026-11-22T00_12_03\.120579_00_00-[0-9a-f]{12}", airflow_dir)
 
 
+def test_two_hetflow_trains_started_in_one_second_get_directories_of_their_own(home):
+    """`hetflow train` names its run itself; the bench starts two at once (two_apart)."""
+    from tasks.cli import train_run_id
+    from tasks.paths import create_run_dir
+
+    first, second = train_run_id(), train_run_id()
+    assert re.fullmatch(r"train__\d{8}T\d{6}_[0-9a-f]{8}", first)  # readable: the start time first
+    assert create_run_dir(first).root != create_run_dir(second).root
+
+
 def test_another_process_finds_the_same_directory(home):
     """A retried task runs in a new process: the name must not depend on the process (no hash())."""
     from tasks.paths import run_paths

@@ -135,9 +135,8 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         optimizer = make_optimizer(spec, schedule)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
-    def worker_slices(context: tf.distribute.InputContext) -> tf.data.Dataset:
+    def worker_slices(worker: int) -> tf.data.Dataset:
         # The worker's replicas take its dataset's batches in turn, so it yields their slices in turn.
-        mine = range(context.input_pipeline_id * local_replicas, (context.input_pipeline_id + 1) * local_replicas)
         slices = [
             train_slices(
                 dataset,
@@ -147,7 +146,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
                 shuffle=spec.shuffle,
                 seed=spec.seed,
             )
-            for r in mine
+            for r in range(worker * local_replicas, (worker + 1) * local_replicas)
         ]
         parts = tf.data.Dataset.zip(tuple(slices))
         return parts.flat_map(
@@ -156,7 +155,16 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
             )
         )
 
-    batches = iter(strategy.distribute_datasets_from_function(worker_slices))
+    if local_replicas == 1:
+        # A worker with one replica feeds it its own batches: strategy.run hands a plain tensor to the
+        # worker's one replica. A distributed iterator costs ~0.1 s per step under multi_worker_mirrored
+        # for nothing here (measured 2026-11-24, one worker, convnet steps of 64 examples: 0.30 s
+        # through it, 0.19 s fed directly; the default strategy showed no such cost).
+        batches = iter(worker_slices(task["index"] if spec.strategy == "multi_worker_mirrored" else 0))
+    else:
+        batches = iter(
+            strategy.distribute_datasets_from_function(lambda context: worker_slices(context.input_pipeline_id))
+        )
 
     def replica_step(images, labels):
         with tf.GradientTape() as tape:
