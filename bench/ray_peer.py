@@ -1,10 +1,10 @@
 """The ``ray_2w`` case of ``bench/run.py``: the job of ``mwms_2`` under a peer, Ray Train.
 
-Same dataset, model (seed, optimizer), input pipeline, per-worker batch, sharding, steps and
-validation as hetflow's multi_worker_mirrored workers (tasks/strategies/sync.py), but run by Ray
-Train's ``TensorflowTrainer`` on 2 Ray workers (one TensorFlow thread each, not pinned), with
-``MultiWorkerMirroredStrategy`` built from the ``TF_CONFIG`` Ray sets. Per epoch, in place of
-hetflow's BackupAndRestore, Ray's own way: every worker writes a checkpoint (model and optimizer)
+Same dataset, model (seed, optimizer), per-worker batch, steps and validation as hetflow's
+multi_worker_mirrored workers (tasks/strategies/sync.py), trained as Ray's guides train Keras:
+``model.fit`` under ``MultiWorkerMirroredStrategy`` (built from the ``TF_CONFIG`` Ray sets) by Ray
+Train's ``TensorflowTrainer`` on 2 Ray workers (one TensorFlow thread each, not pinned). Per epoch, in place of
+hetflow's per-epoch checkpoint, Ray's own way: every worker writes a checkpoint (model and optimizer)
 and ``ray.train.report`` persists rank 0's to the run's storage. Rank 0 is timed by hetflow's
 ``TrainingClock`` from the launch (``HETFLOW_LAUNCH_TIME``, set by bench/run.py before this process
 starts, so Ray's start-up counts as hetflow's process launch does) to its final weights written.
@@ -34,7 +34,7 @@ from tasks.strategies.common import TrainingClock
 import ray
 import ray.train
 import tensorflow as tf
-from baseline import job_parser  # bench/<name>.py scripts run with bench/ on sys.path
+from baseline import FitClock, job_parser  # bench/<name>.py scripts run with bench/ on sys.path
 from ray.train.tensorflow import TensorflowTrainer
 
 
@@ -56,7 +56,7 @@ class ReportEachEpoch(tf.keras.callbacks.Callback):
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    """One Ray worker: what a hetflow mwms worker does in tasks/strategies/sync.py."""
+    """One Ray worker: the job of a hetflow mwms worker (tasks/strategies/sync.py), with model.fit."""
     # One thread, as hetflow's replica_threads=1; before TensorFlow runs its first op.
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -94,7 +94,7 @@ def train_loop(config: dict[str, Any]) -> None:
         epochs=config["epochs"],
         steps_per_epoch=config["steps_per_epoch"],
         validation_data=eval_input(dataset, "validation").with_options(options),
-        callbacks=[clock, ReportEachEpoch(rank)],  # clock first: checkpoints are timed between epochs
+        callbacks=[FitClock(clock), ReportEachEpoch(rank)],  # clock first: checkpoints fall between epochs
         verbose=2 if rank == 0 else 0,
     )
     train_seconds = time.perf_counter() - started
