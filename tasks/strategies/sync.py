@@ -77,12 +77,13 @@ def is_chief(task: dict[str, Any]) -> bool:
     return task["type"] == "worker" and task["index"] == 0
 
 
-def worker_shares(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], sum_over_workers):
+def worker_shares(
+    spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], workers: int, sum_over_workers
+):
     """Every worker's share of the global batch: equal without ``balance_batches`` (no probe); from
     plan.json when the workers were probed already (by ``strategy=auto``, or before a restart of this
     group); otherwise probed here, all workers at once, the chief recording the probes and shares in
     plan.json."""
-    workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
     if not spec.balance_batches:
         return split_batch(spec.batch_size, [1.0] * workers)
     plan = json.loads(paths.plan.read_text()) if paths.plan.exists() else {}
@@ -125,7 +126,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     def sum_over_workers(values: list[float]) -> list[float]:
         return sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
 
-    shares = worker_shares(spec, dataset, paths, task, sum_over_workers)
+    shares = worker_shares(spec, dataset, paths, task, workers, sum_over_workers)
     replica_shares = [part for share in shares for part in split_batch(share, [1.0] * local_replicas)]
     offsets = [0, *itertools.accumulate(replica_shares)]
     steps = steps_per_epoch(spec, dataset)
@@ -160,7 +161,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         # worker's one replica. A distributed iterator costs ~0.1 s per step under multi_worker_mirrored
         # for nothing here (measured 2026-11-24, one worker, convnet steps of 64 examples: 0.30 s
         # through it, 0.19 s fed directly; the default strategy showed no such cost).
-        batches = iter(worker_slices(task["index"] if spec.strategy == "multi_worker_mirrored" else 0))
+        batches = iter(worker_slices(task["index"]))
     else:
         batches = iter(
             strategy.distribute_datasets_from_function(lambda context: worker_slices(context.input_pipeline_id))
