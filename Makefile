@@ -72,8 +72,8 @@ chaos: setup
 
 ## style and static checks
 lint: setup lint-docker
-	$(BIN)/ruff check tasks tests dags plugins bench
-	$(BIN)/ruff format --check tasks tests dags plugins bench
+	$(BIN)/ruff check tasks devstack tests dags plugins bench
+	$(BIN)/ruff format --check tasks devstack tests dags plugins bench
 
 ## the Dockerfiles (hadolint) and the compose file (compose-spec schema), offline
 lint-docker: setup
@@ -92,17 +92,17 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 up: setup
 	@if [ "$(DB)" = postgres ] && ! command -v pg_ctlcluster >/dev/null; then \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql; fi
-	$(BIN)/python -m tasks.stack up --airflow-port $(AIRFLOW_PORT) --mlflow-port $(MLFLOW_PORT) \
+	$(BIN)/python -m devstack.stack up --airflow-port $(AIRFLOW_PORT) --mlflow-port $(MLFLOW_PORT) \
 		$(if $(filter postgres,$(DB)),--postgres) $(if $(filter off,$(LOGIN)),--no-login)
 
 ## stop everything make up started
 down:
-	@if [ -x $(BIN)/python ]; then $(BIN)/python -m tasks.stack down; fi
+	@if [ -x $(BIN)/python ]; then $(BIN)/python -m devstack.stack down; fi
 
-# The compose file has no default secrets: tasks/compose_env.py writes them (generated once per
+# The compose file has no default secrets: devstack/compose_env.py writes them (generated once per
 # HETFLOW_HOME, 0600) with the uid and the socket's group into the env file, on every call; LOGIN=off
 # as for make up. The password is in .hetflow/stack/passwords.json, never printed.
-COMPOSE_ENV = HETFLOW_HOME=$(CURDIR)/.hetflow $(BIN)/python -m tasks.compose_env
+COMPOSE_ENV = HETFLOW_HOME=$(CURDIR)/.hetflow $(BIN)/python -m devstack.compose_env
 COMPOSE = docker compose --env-file $(CURDIR)/.hetflow/stack/compose.env -f docker/compose.yaml
 
 ## the compose stack (PostgreSQL, Airflow, MLflow) on this host's Docker engine, and the replica image

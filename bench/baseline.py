@@ -21,7 +21,7 @@ from tasks.data.pipeline import eval_input, train_input
 from tasks.data.prepare import prepare_dataset
 from tasks.models import build_model, compile_model
 from tasks.paths import data_dir
-from tasks.strategies.common import TrainingClock
+from tasks.replica.clock import TrainingClock
 
 # isort: split
 import tensorflow as tf

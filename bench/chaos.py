@@ -43,9 +43,9 @@ from pathlib import Path
 from chaos_scenarios import SCENARIOS, Bench, leftovers, replica_count, run_dir
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 
-from tasks.cluster.local import delete_namespace, namespace_name
+from tasks.attempts import STAGE_OUTPUTS, STAGES
+from tasks.cluster.netns import delete_namespace, namespace_name
 from tasks.paths import RunPaths
-from tasks.stages import STAGE_OUTPUTS, STAGES
 
 
 def record_problems(home: Path, run_id: str) -> list[str]:
@@ -255,7 +255,7 @@ def _sigterm_lines(ran: dict) -> list[str]:
         "",
         "## SIGTERM of the train task",
         "",
-        f"A 2-worker multi_worker_mirrored run's supervising process (running `stages.train`) gets SIGTERM after "
+        f"A 2-worker multi_worker_mirrored run's supervising process (running `tasks.train.train`) gets SIGTERM after "
         f"its second epoch, and SIGKILL {grace:g} s later if it is still there, as Airflow 3 does.",
         "",
         "| backend | SIGTERM at s | no replica left after s | train task |",

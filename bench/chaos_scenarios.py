@@ -24,9 +24,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.cluster.local import NETNS_DIR, namespace_name, namespace_processes, run_processes, run_replicas
+from tasks.attempts import STAGE_OUTPUTS, STAGES
+from tasks.cluster.netns import NETNS_DIR, namespace_name, namespace_processes
+from tasks.cluster.processes import run_processes, run_replicas
 from tasks.paths import RunPaths, run_dir_name
-from tasks.stages import STAGE_OUTPUTS, STAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Airflow 3 stops a task with SIGTERM and SIGKILLs it this many seconds later (its task supervisor's
@@ -51,21 +52,27 @@ WATCHED = {"sync": "worker-0", "async": "chief-0"}
 SUPERVISOR = """
 import json, sys, time
 from pathlib import Path
-from tasks import stages
+from tasks.attempts import STAGES
+from tasks.prepare_data import prepare_data
+from tasks.provision_cluster import provision_cluster
+from tasks.summarize import summarize
+from tasks.teardown_cluster import teardown_cluster
+from tasks.train import train
+from tasks.validate_spec import validate_spec
 import tensorflow_datasets  # noqa: F401
 run_id, values, teardown, start = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "teardown", sys.argv[4:]
 if start:
     Path(start[1]).touch()
     while not Path(start[0]).exists():
         time.sleep(0.01)
-stages.validate_spec(values, run_id)
-stages.prepare_data(run_id)
-stages.provision_cluster(run_id)
+validate_spec(values, run_id)
+prepare_data(run_id)
+provision_cluster(run_id)
 try:
-    stages.train(run_id)
+    train(run_id)
 finally:
     if teardown:
-        stages.teardown_cluster(run_id)
+        teardown_cluster(run_id)
 """
 
 # One try of every stage of a run, as the DAG runs them after a Clear: teardown whatever happened
@@ -74,25 +81,27 @@ finally:
 # never ran, the return values of the earlier run (argv[4]): their XComs are deleted only when a
 # try of theirs starts. Prints what the stages returned and summarize's error.
 CLEAR_PASS = """
-import json, sys
-from tasks import stages
+import importlib, json, sys
+from tasks.attempts import STAGES
+from tasks.summarize import summarize
+from tasks.teardown_cluster import teardown_cluster
 run_id, values, try_number, earlier = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 returned = {}
 def ran(stage, *args):
     try:
-        returned[stage] = getattr(stages, stage)(*args, try_number=try_number)
+        returned[stage] = getattr(importlib.import_module(f"tasks.{stage}"), stage)(*args, try_number=try_number)
     except Exception:
         returned[stage] = None
     return returned[stage] is not None
 trained = all(ran(*call) for call in (("validate_spec", values, run_id), ("prepare_data", run_id),
     ("provision_cluster", run_id), ("train", run_id)))
-stages.teardown_cluster(run_id)
+teardown_cluster(run_id)
 if trained:
     all(ran(*call) for call in (("evaluate", run_id), ("compress", run_id), ("export", run_id),
         ("register", run_id, "hetflow_train")))
 error = None
 try:
-    stages.summarize(run_id, {stage: returned.get(stage, earlier.get(stage)) for stage in stages.STAGES})
+    summarize(run_id, {stage: returned.get(stage, earlier.get(stage)) for stage in STAGES})
 except RuntimeError as failed:
     error = str(failed)
 print(json.dumps({"returned": returned, "summarize_error": error}, default=str))
@@ -294,7 +303,7 @@ def teardown(home: Path, run_id: str) -> None:
     command = [
         sys.executable,
         "-c",
-        "import sys; from tasks import stages; stages.teardown_cluster(sys.argv[1])",
+        "import sys; from tasks.teardown_cluster import teardown_cluster; teardown_cluster(sys.argv[1])",
         run_id,
     ]
     subprocess.run(command, cwd=REPO_ROOT, env=environment(home), capture_output=True)

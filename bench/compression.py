@@ -4,7 +4,7 @@ variant of the digits models, over seeds.
 For each model and seed, ``hetflow train`` (the pipeline's training stage, default spec on
 uci_digits) trains the float model; then ``tasks.compress.prune`` (the compress stage's own code:
 schedule, fine-tuning, the kernels it leaves dense) prunes it to each sparsity, and
-``tasks.compress.to_tflite`` converts each base with each quantization. Every file is re-loaded
+``tasks.tflite.to_tflite`` converts each base with each quantization. Every file is re-loaded
 in the LiteRT interpreter and scored on the whole test split by ``tasks.export.score`` (accuracy;
 latency = median of 200 batch-1 calls after a warm-up), as export scores what it ships. The
 markdown shows mean ± sd over the seeds, every figure computed from the JSON record.
@@ -50,20 +50,20 @@ def train(model: str, seed: int, env: dict[str, str]) -> Path:
 def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     """Every (sparsity, quantization) variant of one trained model, converted and scored."""
 
+    from tasks.attempts import load_spec
     from tasks.compress import (
         fine_tuning_epoch_steps,
         kernel_sparsity,
         overall_sparsity,
         prune,
         pruned_layers,
-        representative_images,
-        to_tflite,
     )
     from tasks.data.pipeline import split_arrays
-    from tasks.export import score, tflite_predictor
+    from tasks.export import score
     from tasks.models import trained_model
     from tasks.paths import RunPaths
-    from tasks.stages import load_spec
+    from tasks.predictors import tflite_predictor
+    from tasks.tflite import representative_images, to_tflite
 
     paths = RunPaths(run_dir)
     spec, dataset = load_spec(paths), json.loads(paths.dataset.read_text())

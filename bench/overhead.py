@@ -5,7 +5,7 @@ temporary HETFLOW_HOME and MLflow store, after a set-up that a user's first ``ma
 the dataset prepared, Airflow's metadata DB and the MLflow store created. The run measured is then
 what every later run that trains costs.
 
-Figures, from the run's summary.json (``timings``, see tasks/stages.py and tasks/timings.py):
+Figures, from the run's summary.json (``timings``, see tasks/summarize.py and tasks/timings.py):
 - the DAG's wall time, from the DAG run's start to ``summarize``; the training's, the replicas'
   whole job (their launch to the final weights written); the fixed overhead, the one less the other;
 - per stage: its wall time = imports + MLflow I/O + work (exclusive parts, on the stage's thread);
@@ -47,11 +47,11 @@ SET_UP = {
         "spec['image_size'])"
     ),
     "airflow_db": (
-        "import os; from tasks.cli import _ensure_airflow_db, airflow_environment; "
-        "os.environ.update(airflow_environment()); _ensure_airflow_db()"
+        "import os; from tasks.cli.dag_run import ensure_airflow_db, airflow_environment; "
+        "os.environ.update(airflow_environment()); ensure_airflow_db()"
     ),
     "mlflow_store": (
-        "from mlflow import MlflowClient; from tasks.registry import tracking_uri; "
+        "from mlflow import MlflowClient; from tasks.registry.store import tracking_uri; "
         "MlflowClient(tracking_uri()).search_experiments()"
     ),
 }

@@ -1,7 +1,7 @@
 """The ``ray_2w`` case of ``bench/run.py``: the job of ``mwms_2`` under a peer, Ray Train.
 
 Same dataset, model (seed, optimizer), per-worker batch, steps and validation as hetflow's
-multi_worker_mirrored workers (tasks/strategies/sync.py), trained as Ray's guides train Keras:
+multi_worker_mirrored workers (tasks/replica/sync.py), trained as Ray's guides train Keras:
 ``model.fit`` under ``MultiWorkerMirroredStrategy`` (built from the ``TF_CONFIG`` Ray sets) by Ray
 Train's ``TensorflowTrainer`` on 2 Ray workers (one TensorFlow thread each, not pinned). Per epoch, in place of
 hetflow's per-epoch checkpoint, Ray's own way: every worker writes a checkpoint (model and optimizer)
@@ -28,7 +28,7 @@ from tasks.data.pipeline import eval_input, train_input
 from tasks.data.prepare import prepare_dataset
 from tasks.models import build_model, compile_model
 from tasks.paths import data_dir, hetflow_home
-from tasks.strategies.common import TrainingClock
+from tasks.replica.clock import TrainingClock
 
 # isort: split
 import ray
@@ -56,7 +56,7 @@ class ReportEachEpoch(tf.keras.callbacks.Callback):
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    """One Ray worker: the job of a hetflow mwms worker (tasks/strategies/sync.py), with model.fit."""
+    """One Ray worker: the job of a hetflow mwms worker (tasks/replica/sync.py), with model.fit."""
     # One thread, as hetflow's replica_threads=1; before TensorFlow runs its first op.
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)

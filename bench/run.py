@@ -417,7 +417,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{'yes' if first_step <= AIM_FIRST_STEP_RATIO else 'no'} |",
             "",
             "ray_2w (bench/ray_peer.py) runs mwms_2's job with Ray's own machinery: the same model, data, "
-            "per-worker batch, steps and per-epoch validation, trained with `model.fit` as Ray's guides do, timed by the same clock from its launch "
+            "per-worker batch, steps and per-epoch validation, trained with `model.fit` as Ray's guides do, "
+            "timed by the same clock from its launch "
             "(`ray.init` and the trainer's start included) to rank 0's final weights written. Where it "
             "differs: its workers are not pinned to cores (Ray's CPUs are logical: it sets no affinity); "
             "its per-epoch checkpoint is Ray's (every worker writes model and optimizer, `ray.train.report` "

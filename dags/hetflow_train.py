@@ -1,7 +1,8 @@
 """hetflow_train: prepare data, provision replicas, train, tear down, evaluate, compress, export, register.
 
-Wiring only: every task calls a stage in ``tasks.stages``, imported inside the task so that parsing
-this file never imports TensorFlow (the dag-processor re-parses it every few seconds). The trigger
+Wiring only: every task calls the function of its own name in the module of its own name,
+``tasks.<task_id>.<task_id>``, imported inside the task so that parsing this file never imports
+TensorFlow (the dag-processor re-parses it every few seconds). The trigger
 form's fields are generated from ``tasks.spec.RunSpec``. Each stage gets its task's try number, which
 its record's receipt names; ``summarize`` checks the receipts against what the stages returned.
 """
@@ -32,23 +33,23 @@ DATA_CHANGES = AssetAlias("hetflow_data_changes")
     default_args={"retries": 0},
     # No max_active_runs: concurrent runs (two triggers, a retrain beside a manual run) are a
     # feature, made safe rather than forbidden: `champion` moves under one lock per registered
-    # model (tasks.registry.promotion_lock). How many runs fit at once is a question of capacity
+    # model (tasks/registry/). How many runs fit at once is a question of capacity
     # (each replica holds ~1 GB), which the operator sets with [core] max_active_runs_per_dag.
 )
 def hetflow_train():
     @task
     def validate_spec(params: dict[str, Any] | None = None, dag_run=None, run_id: str | None = None, ti=None):
-        from tasks import stages
+        from tasks import validate_spec as stage
 
         # params hold the form values (conf applied); conf may also carry keys the form does not
         # know, which must be rejected rather than ignored.
-        return stages.validate_spec({**params, **(dag_run.conf or {})}, run_id, ti.try_number)
+        return stage.validate_spec({**params, **(dag_run.conf or {})}, run_id, ti.try_number)
 
     @task(outlets=[DATA_CHANGES])
     def prepare_data(run_id: str | None = None, outlet_events=None, ti=None):
-        from tasks import stages
+        from tasks import prepare_data as stage
 
-        record = stages.prepare_data(run_id, ti.try_number)
+        record = stage.prepare_data(run_id, ti.try_number)
         if record["data_changed"]:
             extra = {key: record[key] for key in ("name", "version", "fingerprint")}
             outlet_events[DATA_CHANGES].add(Asset(PREPARED_DATA_URI), extra=extra)
@@ -57,59 +58,60 @@ def hetflow_train():
 
             # Skipped, every task downstream is skipped too; summarize still reads the record.
             ti.xcom_push(key="return_value", value=record)
-            raise AirflowSkipException(stages.skip_reason(record))
+            raise AirflowSkipException(stage.skip_reason(record))
         return record
 
     @task
     def provision_cluster(run_id: str | None = None, ti=None):
-        from tasks import stages
+        from tasks import provision_cluster as stage
 
-        return stages.provision_cluster(run_id, ti.try_number)
+        return stage.provision_cluster(run_id, ti.try_number)
 
     @task
     def train(run_id: str | None = None, ti=None):
-        from tasks import stages
+        from tasks import train as stage
 
-        return stages.train(run_id, ti.try_number)
+        return stage.train(run_id, ti.try_number)
 
     @task
     def teardown_cluster(run_id: str | None = None):
-        from tasks import stages
+        from tasks import teardown_cluster as stage
 
-        return stages.teardown_cluster(run_id)
+        return stage.teardown_cluster(run_id)
 
     @task
     def evaluate(run_id: str | None = None, ti=None):
-        from tasks import stages
+        from tasks import evaluate as stage
 
-        return stages.evaluate(run_id, ti.try_number)
+        return stage.evaluate(run_id, ti.try_number)
 
     @task
     def compress(run_id: str | None = None, ti=None):
-        from tasks import stages
+        from tasks import compress as stage
 
-        return stages.compress(run_id, ti.try_number)
+        return stage.compress(run_id, ti.try_number)
 
     @task
     def export(run_id: str | None = None, ti=None):
-        from tasks import stages
+        from tasks import export as stage
 
-        return stages.export(run_id, ti.try_number)
+        return stage.export(run_id, ti.try_number)
 
     @task
     def register(run_id: str | None = None, dag=None, ti=None):
-        from tasks import stages
+        from tasks import register as stage
 
-        return stages.register(run_id, dag.dag_id, ti.try_number)
+        return stage.register(run_id, dag.dag_id, ti.try_number)
 
     @task(trigger_rule="all_done")
     def summarize(run_id: str | None = None, dag_run=None, ti=None):
-        from tasks import stages
+        from tasks import summarize as stage
+        from tasks.attempts import STAGES
 
         # None for a stage whose last try failed or never ran: Airflow deletes a task's XComs when a try starts.
-        returned = {stage: ti.xcom_pull(task_ids=stage) for stage in stages.STAGES}
+        returned = {name: ti.xcom_pull(task_ids=name) for name in STAGES}
         started = dag_run.start_date.timestamp() if dag_run.start_date else None  # the DAG's wall time runs from here
-        return stages.summarize(run_id, returned, started)
+        return stage.summarize(run_id, returned, started)
 
     cluster = provision_cluster()
     trained = train()

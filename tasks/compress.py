@@ -1,7 +1,7 @@
 """compress: magnitude pruning (tensorflow-model-optimization) and post-training quantization.
 
-Variants, each written as a TFLite file under ``compressed/``:
-- ``float``: the trained model as is (the reference every other variant is measured against);
+Variants of the trained (float) model, each written as a TFLite file under ``compressed/`` (the
+float model's own TFLite file is an export: ``tasks.export``):
 - ``pruned``: fine-tuned with a polynomial-decay sparsity schedule to ``target_sparsity`` in every
   kernel of at least ``MIN_PRUNED_WEIGHTS`` weights (smaller ones stay dense), then stripped of the
   pruning wrappers (``prune=true``);
@@ -16,19 +16,22 @@ fine-tuning pass to every run.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 import tensorflow_model_optimization as tfmot
 
-from tasks.data.pipeline import split_arrays, train_input
+from tasks.attempts import attempt, load_spec, read_record, reported
+from tasks.data.pipeline import train_input
 from tasks.models import compile_model, trained_model
-from tasks.paths import RunPaths, write_record
+from tasks.paths import RunPaths, run_paths, write_record
+from tasks.schedule import make_optimizer, steps_per_epoch
 from tasks.spec import RunSpec
-from tasks.strategies.common import make_optimizer, steps_per_epoch
+from tasks.tflite import representative_images, to_tflite
 
-REPRESENTATIVE_EXAMPLES = 200
+log = logging.getLogger("hetflow.stages")
 _PRUNABLE = (tf.keras.layers.Dense, tf.keras.layers.Conv2D)
 # Why the digits CNN pruned to 80 % fell to chance (issue 15), measured over 4 seeds (drop in
 # accuracy points): it fine-tuned 78 steps (2 epochs of 1,258 examples) at a tenth of the training
@@ -110,26 +113,17 @@ def overall_sparsity(model: tf.keras.Model) -> float:
     return float(sum(np.sum(k == 0) for k in kernels) / sum(k.size for k in kernels))
 
 
-def representative_images(dataset: dict[str, Any], seed: int) -> np.ndarray:
-    """The int8 calibration sample: ``REPRESENTATIVE_EXAMPLES`` train images drawn with ``seed``."""
-    images, _ = split_arrays(dataset, "train")
-    return np.random.default_rng(seed).permutation(images)[:REPRESENTATIVE_EXAMPLES]
+@reported
+def compress(run_id: str, try_number: int | None = None) -> dict[str, Any]:
+    paths = run_paths(run_id)
+    with attempt(paths, "compress", run_id, try_number) as receipt:
+        record = compress_model(load_spec(paths), paths, read_record(paths.dataset))
+    log.info("compressed variants: %s; kernel sparsity %s", list(record["variants"]), record.get("kernel_sparsity"))
+    return {**record, "attempt": receipt}
 
 
-def to_tflite(model: tf.keras.Model, quantize: str, representative: np.ndarray) -> bytes:
-    converter = tf.lite.TFLiteConverter.from_keras_model(model)
-    if quantize != "none":
-        converter.optimizations = [tf.lite.Optimize.DEFAULT]
-    if quantize == "float16":
-        converter.target_spec.supported_types = [tf.float16]
-    if quantize == "int8":
-        converter.representative_dataset = lambda: ([image[np.newaxis]] for image in representative)
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-        converter.inference_input_type = tf.uint8  # raw pixels in, as the float model takes them
-    return converter.convert()
-
-
-def compress(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
+def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
+    """Prune (``prune=true``) and quantize (``quantize``) the trained model; writes compression.json."""
     model = trained_model(spec, dataset, paths.model)
     paths.compressed.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"prune": spec.prune, "quantize": spec.quantize, "variants": {}}
@@ -144,7 +138,7 @@ def compress(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[st
         bases["pruned"] = pruned
     if "tflite" in spec.export_formats:
         representative = representative_images(dataset, spec.seed)
-        conversions = [(name, base, "none") for name, base in bases.items()]
+        conversions = [("pruned", bases["pruned"], "none")] if spec.prune else []
         if spec.quantize != "none":
             conversions += [(f"{name}_{spec.quantize}", base, spec.quantize) for name, base in bases.items()]
         for name, base, quantize in conversions:

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
-import json
+import logging
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from tasks import plots
+from tasks.attempts import attempt, load_spec, read_record, reported
 from tasks.data.pipeline import split_arrays
 from tasks.models import trained_model
-from tasks.paths import RunPaths, write_record
-from tasks.spec import RunSpec
+from tasks.paths import RunPaths, run_paths, write_record
+
+log = logging.getLogger("hetflow.stages")
+
+
+@reported
+def evaluate(run_id: str, try_number: int | None = None) -> dict[str, Any]:
+    paths = run_paths(run_id)
+    with attempt(paths, "evaluate", run_id, try_number) as receipt:
+        result = evaluate_model(paths, read_record(paths.dataset))
+    log.info("test accuracy %.4f, loss %.4f", result["test_accuracy"], result["test_loss"])
+    return {**{k: v for k, v in result.items() if k != "confusion_matrix"}, "attempt": receipt}
 
 
 def score_logits(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
@@ -26,15 +37,16 @@ def confusion_counts(predicted: np.ndarray, labels: np.ndarray, num_classes: int
     return matrix
 
 
-def evaluate(paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
-    model = trained_model(RunSpec.model_validate_json(paths.spec.read_text()), dataset, paths.model)
+def evaluate_model(paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
+    """Score the trained model on the test split, draw the plots; writes evaluation.json."""
+    model = trained_model(load_spec(paths), dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     logits = model.predict(images, batch_size=256, verbose=0)
     result = score_logits(logits, labels)
     matrix = confusion_counts(np.argmax(logits, axis=1), labels, dataset["num_classes"])
     paths.plots.mkdir(parents=True, exist_ok=True)
     plots.confusion_matrix(matrix, result["test_accuracy"], paths.plots / "confusion_matrix.png")
-    plots.training(json.loads(paths.training.read_text()), paths.plots)
+    plots.training(read_record(paths.training), paths.plots)
     result |= {"test_examples": int(len(labels)), "confusion_matrix": matrix.tolist()}
     write_record(paths.evaluation, result)
     return result

@@ -1,8 +1,9 @@
-"""export: a SavedModel for serving, and every artifact re-loaded and scored on the test split.
+"""export: the float model as a SavedModel for serving and as a TFLite file, and every artifact
+(those and compress's variants) re-loaded and scored on the test split.
 
-Each artifact is loaded back from disk the way a consumer would (``tf.saved_model.load``; the
-LiteRT interpreter of ``ai-edge-litert`` for TFLite) and scored on the whole test split: accuracy,
-agreement with the float model, size raw and gzipped, latency per example at batch 1. Float
+Each artifact is loaded back from disk the way a consumer would (``tasks.predictors``) and scored
+on the whole test split: accuracy, agreement with the float model, size raw and gzipped, latency
+per example at batch 1. Float
 artifacts must reproduce the float model (parity); a compressed variant more than
 ``max_accuracy_drop`` below the float model is rejected, not deployable.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
+import logging
 import shutil
 import tarfile
 import time
@@ -20,13 +21,17 @@ from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
-from ai_edge_litert.interpreter import Interpreter
 
 from tasks import plots
+from tasks.attempts import attempt, load_spec, read_record, reported
 from tasks.data.pipeline import split_arrays
 from tasks.models import trained_model
-from tasks.paths import RunPaths, write_record
+from tasks.paths import RunPaths, run_paths, write_record
+from tasks.predictors import saved_model_predictor, tflite_predictor
 from tasks.spec import RunSpec
+from tasks.tflite import to_tflite
+
+log = logging.getLogger("hetflow.stages")
 
 LATENCY_EXAMPLES = 200
 # Float artifacts compute what the float model computes, up to float rounding.
@@ -48,31 +53,6 @@ def save_serving_model(model: tf.keras.Model, path: Path) -> None:
     if path.exists():
         shutil.rmtree(path)  # a retried task writes it anew
     tf.saved_model.save(model, str(path), signatures={"serving_default": serve})
-
-
-def saved_model_predictor(path: Path) -> Callable[[np.ndarray], np.ndarray]:
-    serve = tf.saved_model.load(str(path)).signatures["serving_default"]
-    return lambda images: serve(image=tf.constant(images))["logits"].numpy()
-
-
-def tflite_predictor(path: Path) -> Callable[[np.ndarray], np.ndarray]:
-    """Logits from the LiteRT interpreter, for any batch size (the input is resized to fit)."""
-    interpreter = Interpreter(model_path=str(path))
-    input_index = interpreter.get_input_details()[0]["index"]
-    output_index = interpreter.get_output_details()[0]["index"]
-    shape = None
-
-    def predict(images: np.ndarray) -> np.ndarray:
-        nonlocal shape
-        if images.shape != shape:
-            interpreter.resize_tensor_input(input_index, images.shape)
-            interpreter.allocate_tensors()
-            shape = images.shape
-        interpreter.set_tensor(input_index, images)
-        interpreter.invoke()
-        return interpreter.get_tensor(output_index).copy()
-
-    return predict
 
 
 def _latency_ms(predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray) -> float:
@@ -130,12 +110,42 @@ def judge(artifacts: dict[str, dict[str, Any]], float_accuracy: float, max_accur
     return min(deployable, key=lambda n: artifacts[n]["gzip_bytes"]) if deployable else None
 
 
-def export(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
+@reported
+def export(run_id: str, try_number: int | None = None) -> dict[str, Any]:
+    paths = run_paths(run_id)
+    with attempt(paths, "export", run_id, try_number) as receipt:
+        record = export_artifacts(load_spec(paths), paths, read_record(paths.dataset))
+    for name, artifact in record["artifacts"].items():
+        log.info(
+            "%s: accuracy %.4f (drop %+.4f), %d bytes (%d gzipped), %.4f ms/example%s",
+            name,
+            artifact["test_accuracy"],
+            artifact["accuracy_drop"],
+            artifact["bytes"],
+            artifact["gzip_bytes"],
+            artifact["latency_ms"],
+            "" if artifact["accepted"] else f" -- rejected: {artifact['reason']}",
+        )
+    return {
+        "chosen_tflite": record["chosen_tflite"],
+        "float_test_accuracy": record["float_test_accuracy"],
+        "attempt": receipt,
+    }
+
+
+def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
+    """Write the float model's artifacts, score them and compress's variants, choose the TFLite
+    variant to deploy; writes export.json and the size-vs-accuracy plot."""
     model = trained_model(spec, dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
     float_accuracy = float(np.mean(np.argmax(float_logits, axis=1) == labels))
-    compression = json.loads(paths.compression.read_text())
+    tflite_variants = {}
+    if "tflite" in spec.export_formats:
+        paths.float_tflite.parent.mkdir(parents=True, exist_ok=True)
+        paths.float_tflite.write_bytes(to_tflite(model, "none"))
+        tflite_variants["float"] = {"path": str(paths.float_tflite), "base": "float", "quantize": "none"}
+    tflite_variants |= read_record(paths.compression)["variants"]
 
     artifacts: dict[str, dict[str, Any]] = {}
     if "saved_model" in spec.export_formats:
@@ -147,7 +157,7 @@ def export(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[str,
             **_sizes(paths.saved_model),
             **score(saved_model_predictor(paths.saved_model), images, labels, float_logits),
         }
-    for name, variant in compression["variants"].items():
+    for name, variant in tflite_variants.items():
         path = Path(variant["path"])
         artifacts[f"tflite_{name}"] = {
             "format": "tflite",

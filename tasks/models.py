@@ -40,7 +40,7 @@ def _layer_chain(kind: str, num_classes: int) -> list[tf.keras.layers.Layer]:
             layers.Dense(64, activation="relu"),
         ]
     elif kind == "convnet":
-        # The benchmark model (DESIGN.md section 7): ~1.1 M parameters on 32x32x3, enough compute
+        # The benchmark model (bench/RESULTS.md): ~1.1 M parameters on 32x32x3, enough compute
         # per step that multi-worker all-reduce can hide behind it.
         for filters in (32, 64):
             chain += [

@@ -67,7 +67,7 @@ class RunPaths:
         return self.root / "run_id"
 
     def attempt(self, stage: str) -> Path:
-        """Which attempt of ``stage`` wrote its record (tasks.stages)."""
+        """Which attempt of ``stage`` wrote its record (tasks.attempts)."""
         return self.root / "attempts" / f"{stage}.json"
 
     @property
@@ -132,6 +132,10 @@ class RunPaths:
     @property
     def saved_model(self) -> Path:
         return self.root / "export" / "saved_model"
+
+    @property
+    def float_tflite(self) -> Path:
+        return self.root / "export" / "float.tflite"
 
     @property
     def export(self) -> Path:

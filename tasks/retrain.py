@@ -29,7 +29,8 @@ def retrain_spec(registered_model: str, overrides: dict[str, Any]) -> dict[str, 
     from mlflow.exceptions import MlflowException
 
     from mlflow import MlflowClient
-    from tasks.registry import CHAMPION, tracking_uri
+    from tasks.registry.champion import CHAMPION
+    from tasks.registry.store import tracking_uri
 
     client = MlflowClient(tracking_uri())
     try:

@@ -25,7 +25,7 @@ def hetflow_env(tmp_path_factory) -> dict[str, str]:
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
     }
     os.environ.update(env)  # for what the test process itself uses (MlflowClient, tasks.paths, Airflow)
-    from tasks.cli import airflow_environment
+    from tasks.cli.dag_run import airflow_environment
 
     os.environ.update(airflow_environment())
     return dict(os.environ)
@@ -34,7 +34,7 @@ def hetflow_env(tmp_path_factory) -> dict[str, str]:
 def hetflow(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the ``hetflow`` command as a user would, capturing its output."""
     return subprocess.run(
-        [sys.executable, "-m", "tasks.cli", *args],
+        [sys.executable, "-m", "tasks.cli.main", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -94,21 +94,24 @@ def listening(address: str) -> bool:
 def provisioned(hetflow_env, request):
     """Makes runs with a validated spec (long training by default) and prepared data, provisioned;
     tears them all down after the test."""
-    from tasks import stages
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.validate_spec import validate_spec
 
     made = []
 
     def provision(**values) -> str:
         run = f"test_{request.node.name}_{len(made)}_{os.getpid()}"
-        stages.validate_spec({"epochs": 1000, **values}, run)
-        stages.prepare_data(run)
+        validate_spec({"epochs": 1000, **values}, run)
+        prepare_data(run)
         made.append(run)  # before provisioning: a half-provisioned run is torn down too
-        stages.provision_cluster(run)
+        provision_cluster(run)
         return run
 
     yield provision
     for run in made:
-        stages.teardown_cluster(run)
+        teardown_cluster(run)
 
 
 def replica_listening(cluster: dict, address: str) -> bool:

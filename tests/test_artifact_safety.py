@@ -46,8 +46,8 @@ def hostile_hdf5(directory: Path, marker: Path) -> Path:
 def trained_weights(directory: Path) -> tuple[Path, list[np.ndarray]]:
     """A weights file as a chief writes it, with weights unlike a fresh model's, and those weights."""
     from tasks.models import build_model
+    from tasks.replica.weights import save_model
     from tasks.spec import RunSpec
-    from tasks.strategies.common import save_model
 
     model = build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=3)
     model.set_weights([w * 2 + 0.5 for w in model.get_weights()])
@@ -64,8 +64,8 @@ def fresh_mlp():
 
 def test_the_chief_writes_weights_that_read_back_into_the_rebuilt_model_and_nothing_more(tmp_path):
     from tasks.models import read_weights
+    from tasks.replica.weights import save_model
     from tasks.spec import RunSpec
-    from tasks.strategies.common import save_model
 
     path, weights = trained_weights(tmp_path)
     with h5py.File(path, "r") as file:
@@ -164,19 +164,26 @@ def test_a_hostile_model_file_is_refused_and_its_code_never_runs(tmp_path):
 def pipeline_run(hetflow_env):
     """A run trained by a real replica and taken through evaluate, compress and export; no SavedModel
     is exported, so that register rebuilds the model from the weights too."""
-    from tasks import stages
+    from tasks.compress import compress
+    from tasks.evaluate import evaluate
+    from tasks.export import export
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.train import train
+    from tasks.validate_spec import validate_spec
 
     run_id = f"artifact_safety_{os.getpid()}"
     values = {"epochs": 3, "prune": False, "export_formats": ["tflite"], "registered_model": "artifact-safety"}
-    stages.validate_spec(values, run_id)
+    validate_spec(values, run_id)
     try:
-        for stage in (stages.prepare_data, stages.provision_cluster, stages.train):
+        for stage in (prepare_data, provision_cluster, train):
             stage(run_id)
     finally:
-        stages.teardown_cluster(run_id)
-    evaluation = stages.evaluate(run_id)
-    stages.compress(run_id)
-    stages.export(run_id)
+        teardown_cluster(run_id)
+    evaluation = evaluate(run_id)
+    compress(run_id)
+    export(run_id)
     return run_id, evaluation
 
 
@@ -194,9 +201,12 @@ def test_the_replica_writes_weights_only_and_the_stages_read_them(pipeline_run):
 
 @pytest.mark.slow
 def test_every_stage_refuses_a_hostile_model_file_and_its_code_never_runs(pipeline_run, tmp_path):
-    from tasks import stages
+    from tasks.compress import compress
+    from tasks.evaluate import evaluate
+    from tasks.export import export
     from tasks.models import WeightsError
     from tasks.paths import run_paths
+    from tasks.register import register
 
     run_id, _ = pipeline_run
     paths = run_paths(run_id)
@@ -211,10 +221,10 @@ def test_every_stage_refuses_a_hostile_model_file_and_its_code_never_runs(pipeli
     try:
         # Last stage first: an attempt removes its own and later stages' records, which each reads.
         for stage, args in (
-            (stages.register, ("hetflow_train",)),
-            (stages.export, ()),
-            (stages.compress, ()),
-            (stages.evaluate, ()),
+            (register, ("hetflow_train",)),
+            (export, ()),
+            (compress, ()),
+            (evaluate, ()),
         ):
             try:
                 stage(run_id, *args)

@@ -25,6 +25,7 @@ from kubernetes.client import (
 
 from tasks.cluster import docker_backend as dk
 from tasks.cluster import kubernetes_backend as k8s
+from tasks.cluster import kubernetes_manifests as manifests
 from tasks.cluster.containers import lines_to_file
 from tasks.cluster.layout import plan_cluster, run_slug
 from tasks.cluster.supervisor import ReplicaState
@@ -199,19 +200,19 @@ def test_a_slower_worker_is_a_container_with_a_smaller_cpu_quota_and_pinning_is_
 
 # --- kubernetes: manifests ------------------------------------------------------------------------
 
-OWNER = k8s.owner_reference(k8s.run_name(RUN_ID), "0b8e4a3c-6f0e-4a8e-9c1b-2d3e4f5a6b7c")
+OWNER = manifests.owner_reference(manifests.run_name(RUN_ID), "0b8e4a3c-6f0e-4a8e-9c1b-2d3e4f5a6b7c")
 
 
 def _manifests(spec):
     layout = k8s.plan(spec, RUN_ID)
-    pods = {r.name: k8s.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5) for r in layout.replicas}
-    return layout, k8s.headless_service(layout, spec.kubernetes_namespace, OWNER), pods
+    pods = {r.name: manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5) for r in layout.replicas}
+    return layout, manifests.headless_service(layout, spec.kubernetes_namespace, OWNER), pods
 
 
 def test_kubernetes_service_is_headless_and_selects_every_pod_of_the_run():
     spec = ps_spec("kubernetes", kubernetes_namespace="ml")
     layout, service, pods = _manifests(spec)
-    assert service["metadata"]["name"] == k8s.run_name(RUN_ID)
+    assert service["metadata"]["name"] == manifests.run_name(RUN_ID)
     assert service["metadata"]["namespace"] == "ml"
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is True  # peers resolve each other while starting
@@ -265,7 +266,7 @@ def test_kubernetes_restart_policy_is_mapped_from_the_spec():
 def test_kubernetes_manifests_pass_strict_schema_validation(tmp_path):
     spec = ps_spec("kubernetes", replica_cpus=0.5, replica_memory_mb=1024, request_gpus=True)
     layout, service, pods = _manifests(spec)
-    policy = k8s.run_network_policy(layout, "default", OWNER)
+    policy = manifests.run_network_policy(layout, "default", OWNER)
     # The TFJob's pod templates, as the pods the operator makes of them.
     templates = [
         {
@@ -274,9 +275,9 @@ def test_kubernetes_manifests_pass_strict_schema_validation(tmp_path):
             "metadata": {"name": kind.lower(), **r["template"]["metadata"]},
             "spec": r["template"]["spec"],
         }
-        for kind, r in k8s.tfjob_manifest(layout, spec, RUN_DIR)["spec"]["tfReplicaSpecs"].items()
+        for kind, r in manifests.tfjob_manifest(layout, spec, RUN_DIR)["spec"]["tfReplicaSpecs"].items()
     ]
-    documents = [k8s.run_configmap(layout, spec, "default"), service, policy, *pods.values(), *templates]
+    documents = [manifests.run_configmap(layout, spec, "default"), service, policy, *pods.values(), *templates]
     manifest = tmp_path / "run.yaml"
     manifest.write_text(yaml.safe_dump_all(documents))
     result = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest], capture_output=True, text=True)
@@ -291,8 +292,8 @@ def test_kubernetes_manifests_pass_strict_schema_validation(tmp_path):
 def test_kubernetes_run_configmap_holds_the_spec_and_layout():
     spec = ps_spec("kubernetes")
     layout = k8s.plan(spec, RUN_ID)
-    configmap = k8s.run_configmap(layout, spec, "default")
-    assert configmap["metadata"]["name"] == OWNER["name"] == k8s.run_name(RUN_ID)
+    configmap = manifests.run_configmap(layout, spec, "default")
+    assert configmap["metadata"]["name"] == OWNER["name"] == manifests.run_name(RUN_ID)
     assert json.loads(configmap["data"]["cluster.json"]) == layout.to_dict()
     assert json.loads(configmap["data"]["spec.json"]) == spec.model_dump()
     assert OWNER["blockOwnerDeletion"] is True and OWNER["kind"] == "ConfigMap"
@@ -300,7 +301,7 @@ def test_kubernetes_run_configmap_holds_the_spec_and_layout():
 
 def test_tfjob_manifest_has_the_same_replicas_and_cleans_up_running_ps():
     spec = ps_spec("kubernetes", restart_policy="on_failure", backoff_limit=5)
-    tfjob = k8s.tfjob_manifest(k8s.plan(spec, RUN_ID), spec, RUN_DIR)
+    tfjob = manifests.tfjob_manifest(k8s.plan(spec, RUN_ID), spec, RUN_DIR)
     assert (tfjob["apiVersion"], tfjob["kind"]) == ("kubeflow.org/v1", "TFJob")
     replicas = tfjob["spec"]["tfReplicaSpecs"]
     assert {kind: r["replicas"] for kind, r in replicas.items()} == {"Chief": 1, "Worker": 2, "PS": 1}
@@ -313,7 +314,7 @@ def test_tfjob_manifest_has_the_same_replicas_and_cleans_up_running_ps():
         names = {e["name"] for e in container["env"]}
         assert "TF_CONFIG" not in names and "HETFLOW_RUN_ID" in names  # the operator sets TF_CONFIG
     sync = parse_spec({"backend": "kubernetes", "strategy": "multi_worker_mirrored", "workers": 2})
-    assert list(k8s.tfjob_manifest(k8s.plan(sync, RUN_ID), sync, RUN_DIR)["spec"]["tfReplicaSpecs"]) == ["Worker"]
+    assert list(manifests.tfjob_manifest(k8s.plan(sync, RUN_ID), sync, RUN_DIR)["spec"]["tfReplicaSpecs"]) == ["Worker"]
 
 
 def _pod(phase, state=None, last=None, restarts=0):
@@ -416,21 +417,25 @@ def test_a_sync_run_on_kubernetes_trains_and_deleting_the_run_leaves_nothing(het
     that is this machine's HETFLOW_HOME (e.g. a hostPath volume of a kind cluster on this host)."""
     import kubernetes
 
-    from tasks import stages
     from tasks.paths import run_paths
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.train import train
+    from tasks.validate_spec import validate_spec
 
     run = "kube-mwms-run"
-    stages.validate_spec(
+    validate_spec(
         {"backend": "kubernetes", "strategy": "multi_worker_mirrored", "workers": 2, "epochs": 2, "steps_per_epoch": 5},
         run,
     )
-    stages.prepare_data(run)
-    stages.provision_cluster(run)
+    prepare_data(run)
+    provision_cluster(run)
     try:
-        assert stages.train(run)["epochs"] == 2
+        assert train(run)["epochs"] == 2
         assert "Epoch 2/" in (run_paths(run).logs / "worker-0.log").read_text()
     finally:
-        stages.teardown_cluster(run)
+        teardown_cluster(run)
     core = kubernetes.client.CoreV1Api()
     left = core.list_namespaced_pod("default", label_selector=f"hetflow.dev/run={run_slug(run)}").items
     assert all(p.metadata.deletion_timestamp for p in left)  # every pod is gone or going

@@ -41,20 +41,20 @@ def test_a_data_dir_that_is_not_writable_is_named(tmp_path):
 def test_a_tfds_dataset_that_cannot_be_had_offline_is_refused_before_the_run_starts(tmp_path, monkeypatch):
     """Offline, a TFDS dataset not prepared in data_dir fails validate_spec in one line naming the
     dataset, the data dir and how to prepare it; an unknown name lists the offline datasets."""
-    from tasks import stages
     from tasks.data import prepare
+    from tasks.validate_spec import validate_spec
 
     # Where TFDS would download from: a port nothing listens on, as on a machine without network.
     monkeypatch.setattr(prepare, "_DOWNLOAD_HOST", ("127.0.0.1", _free_port()))
     monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
     data_dir = tmp_path / "tfds"
     with pytest.raises(SpecError) as caught:
-        stages.validate_spec({"dataset": "mnist", "data_dir": str(data_dir)}, "offline-run")
+        validate_spec({"dataset": "mnist", "data_dir": str(data_dir)}, "offline-run")
     [problem] = caught.value.problems
     assert problem.startswith(f"dataset=mnist is not prepared in data_dir {data_dir} and 127.0.0.1 is unreachable")
     assert f"`tfds build mnist --data_dir DIR`) and copy DIR's contents into {data_dir}" in problem
     with pytest.raises(SpecError, match="dataset='no_such_set' is not a TFDS dataset; offline datasets: uci_digits"):
-        stages.validate_spec({"dataset": "no_such_set"}, "offline-run")
+        validate_spec({"dataset": "no_such_set"}, "offline-run")
     assert not (tmp_path / "home" / "runs").exists()  # refused before a run directory was made
 
 
@@ -97,30 +97,36 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_mlflow_unreachable_fails_register_clearly_and_a_retry_registers(hetflow_env, monkeypatch):
-    from tasks import stages
+    from tasks.compress import compress
+    from tasks.evaluate import evaluate
+    from tasks.export import export
     from tasks.paths import run_paths
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.register import TrackingUnavailable, register
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.train import train
+    from tasks.validate_spec import validate_spec
 
     run_id = f"unreachable_{os.getpid()}"
-    stages.validate_spec({"epochs": 2, "registered_model": "unreachable-digits"}, run_id)
+    validate_spec({"epochs": 2, "registered_model": "unreachable-digits"}, run_id)
     for stage in (
-        stages.prepare_data,
-        stages.provision_cluster,
-        stages.train,
-        stages.evaluate,
-        stages.compress,
-        stages.export,
+        prepare_data,
+        provision_cluster,
+        train,
+        evaluate,
+        compress,
+        export,
     ):
         stage(run_id)
-    stages.teardown_cluster(run_id)
+    teardown_cluster(run_id)
     store = hetflow_env["MLFLOW_TRACKING_URI"]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{_free_port()}")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
-    with pytest.raises(
-        stages.TrackingUnavailable, match=r"MLflow at http://127.0.0.1:\d+ failed: .*retry the register task"
-    ):
-        stages.register(run_id, "hetflow_train")
+    with pytest.raises(TrackingUnavailable, match=r"MLflow at http://127.0.0.1:\d+ failed: .*retry the register task"):
+        register(run_id, "hetflow_train")
     paths = run_paths(run_id)
     assert paths.model.exists() and paths.export.exists() and not paths.registry.exists()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
-    assert stages.register(run_id, "hetflow_train")["version"] == 1
+    assert register(run_id, "hetflow_train")["version"] == 1

@@ -12,7 +12,7 @@ from tasks.spec import parse_spec
 def _checkpoint(paths: RunPaths, chief: bool, seed: int):
     import tensorflow as tf
 
-    from tasks.strategies.common import EpochCheckpoint
+    from tasks.replica.checkpoint import EpochCheckpoint
 
     model = build_model("mlp", [8, 8, 1], 10, seed)
     return model, EpochCheckpoint(parse_spec({}), paths, chief, model, tf.keras.optimizers.SGD(0.1))

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, replica_listening, wait_for
 
 from tasks.cluster.layout import ClusterLayout, Replica, plan_cluster
-from tasks.cluster.local import run_replicas
+from tasks.cluster.processes import run_replicas
 from tasks.spec import parse_spec
 
 
@@ -36,17 +36,17 @@ def run_id(provisioned):
 
 
 def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
-    from tasks import stages
-    from tasks.cluster.local import run_processes
+    from tasks.cluster.processes import run_processes
     from tasks.cluster.supervisor import ReplicaFailed
     from tasks.paths import run_paths
+    from tasks.train import train
 
     paths = run_paths(run_id)
     dataset = json.loads(paths.dataset.read_text())
     missing = dataset["prepared_dir"].replace("1.0.0", "9.9.9")
     paths.dataset.write_text(json.dumps({**dataset, "prepared_dir": missing}))
     with pytest.raises(ReplicaFailed, match=r"replica worker-0 exited with code 1; last output: .*") as caught:
-        stages.train(run_id)
+        train(run_id)
     assert "9.9.9" in str(caught.value)
     assert "Traceback" in (paths.logs / "worker-0.log").read_text()
     assert run_processes(run_id) == []
@@ -55,8 +55,8 @@ def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
 _SUPERVISOR = textwrap.dedent(
     """
     import sys
-    from tasks import stages
-    stages.train(sys.argv[1])
+    from tasks.train import train
+    train(sys.argv[1])
     """
 )
 
@@ -76,7 +76,7 @@ def _train_until_worker_1_epoch_2(run_id: str, env: dict) -> subprocess.Popen:
 
 
 def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
-    from tasks.cluster.local import run_processes
+    from tasks.cluster.processes import run_processes
     from tasks.paths import run_paths
 
     supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=hetflow_env)
@@ -94,7 +94,7 @@ def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
 def test_sigterm_of_the_train_task_ends_its_replicas_and_namespace_within_airflows_grace(provisioned, hetflow_env):
     """Airflow 3 stops a task with SIGTERM and SIGKILLs it 5 s later: the train stage must have
     stopped its replicas (TF ignores SIGTERM) and deleted the run's network namespace by then."""
-    from tasks.cluster.local import run_processes
+    from tasks.cluster.processes import run_processes
     from tasks.paths import run_paths
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
@@ -115,7 +115,7 @@ def test_sigterm_of_the_train_task_ends_its_replicas_and_namespace_within_airflo
 def test_stopping_the_stack_ends_replicas_no_task_supervises_yet(provisioned, hetflow_env, tmp_path):
     """Between provision_cluster and train the keepers have no supervisor: ``make down`` ends them
     (else they would wait out the attach timeout); a run under another HETFLOW_HOME is left alone."""
-    from tasks.cluster.local import RUN_ID_ENV, run_processes, teardown_runs_of_home
+    from tasks.cluster.processes import RUN_ID_ENV, run_processes, teardown_runs_of_home
     from tasks.paths import hetflow_home
 
     run_id = provisioned()
@@ -134,7 +134,7 @@ def test_stopping_the_stack_ends_replicas_no_task_supervises_yet(provisioned, he
 
 
 def test_teardown_ends_a_replica_that_ignores_sigterm(hetflow_env):
-    from tasks.cluster.local import RUN_ID_ENV, run_processes, teardown_run
+    from tasks.cluster.processes import RUN_ID_ENV, run_processes, teardown_run
 
     stubborn = subprocess.Popen(
         [
@@ -160,7 +160,7 @@ def test_teardown_ends_a_replica_that_ignores_sigterm(hetflow_env):
 
 
 def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(provisioned, hetflow_env):
-    from tasks.cluster.local import run_processes
+    from tasks.cluster.processes import run_processes
     from tasks.paths import run_paths
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
@@ -178,7 +178,7 @@ def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(prov
 
 
 def test_killing_the_supervisor_ends_servers_and_chief_of_a_parameter_server_run(provisioned, hetflow_env):
-    from tasks.cluster.local import run_processes
+    from tasks.cluster.processes import run_processes
     from tasks.paths import run_paths
 
     run_id = provisioned(strategy="parameter_server", workers=2, ps=1)
@@ -228,15 +228,15 @@ def test_ports_are_distinct_even_when_the_os_repeats_one():
 
 
 def test_a_run_past_its_timeout_is_stopped_and_fails(provisioned):
-    from tasks import stages
-    from tasks.cluster.local import run_processes
+    from tasks.cluster.processes import run_processes
     from tasks.cluster.supervisor import ReplicaFailed
+    from tasks.train import train
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2, train_timeout_seconds=10)
     started = time.monotonic()
     with pytest.raises(
         ReplicaFailed, match=r"training timed out after 10 s \(train_timeout_seconds\); stopped worker-0, worker-1"
     ):
-        stages.train(run_id)
+        train(run_id)
     assert time.monotonic() - started < 30
     assert run_processes(run_id) == []

@@ -125,7 +125,7 @@ def test_login_is_on_in_every_airflow_component():
 
 
 def test_env_file_holds_every_required_variable_owner_only_generated_once_per_home(tmp_path, monkeypatch, socket):
-    from tasks import compose_env
+    from devstack import compose_env
 
     def write(home: Path, **kwargs) -> dict[str, str]:
         monkeypatch.setenv("HETFLOW_HOME", str(home))
@@ -160,7 +160,7 @@ def test_env_file_holds_every_required_variable_owner_only_generated_once_per_ho
 
 
 def test_make_up_docker_says_where_the_password_is_not_what_it_is(home, socket, monkeypatch, capsys):
-    from tasks import compose_env
+    from devstack import compose_env
 
     monkeypatch.setattr(compose_env, "DOCKER_SOCKET", socket)
     compose_env.main([])
@@ -175,7 +175,7 @@ def test_make_up_docker_says_where_the_password_is_not_what_it_is(home, socket, 
 
 
 def test_no_engine_socket_is_one_line(home, tmp_path):
-    from tasks import compose_env
+    from devstack import compose_env
 
     with pytest.raises(SystemExit, match="no Docker engine socket at .*make engine"):
         compose_env.write_env_file(tmp_path / "absent.sock")
@@ -184,7 +184,7 @@ def test_no_engine_socket_is_one_line(home, tmp_path):
 def test_airflow_takes_the_generated_password_with_the_api_servers_settings(home, socket):
     """Airflow's simple auth manager, with the api-server's environment as compose resolves it from
     the env file: login on, hetflow's password used as it is, nothing printed."""
-    from tasks import compose_env
+    from devstack import compose_env
 
     variables = _env_values(compose_env.write_env_file(socket))
     settings = _services()["airflow-apiserver"]["environment"]
@@ -230,7 +230,7 @@ def _compose_cli() -> list[str] | None:
 
 @pytest.mark.skipif(not _compose_cli(), reason="no compose CLI: neither `docker compose` nor `docker-compose`")
 def test_compose_config_fails_clearly_without_the_env_file_and_resolves_with_it(home, socket, tmp_path):
-    from tasks import compose_env
+    from devstack import compose_env
 
     command, file = _compose_cli(), COMPOSE_FILE
     if command == ["docker-compose"]:  # v1 predates the top-level `name`

@@ -17,8 +17,8 @@ def model_and_images():
 
 
 def test_each_quantization_mode_converts_and_shrinks_the_model(model_and_images, tmp_path):
-    from tasks.compress import to_tflite
-    from tasks.export import tflite_predictor
+    from tasks.predictors import tflite_predictor
+    from tasks.tflite import to_tflite
 
     model, images = model_and_images
     sizes, logits = {}, {}
@@ -39,7 +39,7 @@ def test_each_quantization_mode_converts_and_shrinks_the_model(model_and_images,
 def test_int8_variant_takes_raw_uint8_pixels(model_and_images, tmp_path):
     from ai_edge_litert.interpreter import Interpreter
 
-    from tasks.compress import to_tflite
+    from tasks.tflite import to_tflite
 
     model, images = model_and_images
     path = tmp_path / "int8.tflite"
@@ -106,13 +106,14 @@ MAX_PRUNING_DROP = 0.03
 def test_pruning_the_cnn_to_80_percent_keeps_its_accuracy_and_real_sparsity(tmp_path):
     import tensorflow as tf
 
-    from tasks.compress import kernel_sparsity, prune, pruned_layers, to_tflite
+    from tasks.compress import kernel_sparsity, prune, pruned_layers
     from tasks.data.pipeline import split_arrays, train_input
     from tasks.data.prepare import prepare_dataset
-    from tasks.export import tflite_predictor
     from tasks.models import build_model, compile_model
+    from tasks.predictors import tflite_predictor
+    from tasks.schedule import steps_per_epoch
     from tasks.spec import RunSpec
-    from tasks.strategies.common import steps_per_epoch
+    from tasks.tflite import to_tflite
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
     spec = RunSpec(model="cnn", seed=1, prune=True, target_sparsity=0.8)

@@ -54,3 +54,26 @@ def test_dag_wiring(hetflow_env):
     assert dag.get_task("provision_cluster").is_setup
     assert dag.get_task("summarize").trigger_rule == "all_done"
     assert set(dag.params) >= {"dataset", "model", "epochs", "batch_size", "registered_model"}
+
+
+def test_every_task_runs_the_function_of_its_name_in_the_module_of_its_name(hetflow_env):
+    """A reader finds each DAG task at ``tasks/<task_id>``: the mapping is read from the DAG itself,
+    so renaming a task without its module (or the reverse) fails here."""
+    import importlib
+    import inspect
+
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tasks.attempts import STAGES
+
+    dag = DagBag(dag_folder=str(REPO / "dags")).dags["hetflow_train"]
+    for task in dag.tasks:
+        module = importlib.import_module(f"tasks.{task.task_id}")
+        function = getattr(module, task.task_id)
+        assert callable(function) and function.__module__ == module.__name__, task.task_id
+        body = inspect.getsource(task.python_callable)
+        assert f"from tasks import {task.task_id} as stage\n" in body, task.task_id
+        assert f"stage.{task.task_id}(" in body, task.task_id
+    # The stages whose records summarize checks are the DAG's tasks in order, less the two that write none.
+    order = [task.task_id for task in dag.topological_sort()]
+    assert list(STAGES) == [t for t in order if t not in ("teardown_cluster", "summarize")]

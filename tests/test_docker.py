@@ -24,14 +24,17 @@ def _docker_names(client, run_id: str, running_only: bool = False) -> list[str]:
 
 @pytest.mark.slow
 def test_provisioning_starts_the_containers_a_clash_is_refused_and_teardown_removes_all(docker_client, hetflow_env):
-    from tasks import stages
     from tasks.paths import run_paths
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.validate_spec import validate_spec
 
     run = "named-run"
     values = {"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2}
-    stages.validate_spec(values, run)
-    stages.prepare_data(run)
-    stages.provision_cluster(run)
+    validate_spec(values, run)
+    prepare_data(run)
+    provision_cluster(run)
     prefix = f"hetflow-{run_slug(run)}"
     try:
         cluster = json.loads(run_paths(run).cluster.read_text())
@@ -40,10 +43,10 @@ def test_provisioning_starts_the_containers_a_clash_is_refused_and_teardown_remo
         assert _docker_names(docker_client, run, running_only=True) == running
         # the same run id again is refused before anything starts, and the running run is untouched
         with pytest.raises(SpecError, match=rf"^run named-run already has containers or a network .*{prefix}-worker-0"):
-            stages.validate_spec(values, run)
+            validate_spec(values, run)
         assert _docker_names(docker_client, run, running_only=True) == running
     finally:
-        removed = stages.teardown_cluster(run)
+        removed = teardown_cluster(run)
     assert sorted(removed) == running
     assert _docker_names(docker_client, run) == []  # no container, no network
 
@@ -83,23 +86,27 @@ def test_docker_input_the_engine_cannot_serve_is_refused_before_anything_starts(
 
 @pytest.mark.slow
 def test_a_parameter_server_run_in_docker_trains_and_leaves_nothing(docker_client, hetflow_env):
-    from tasks import stages
     from tasks.paths import run_paths
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.train import train
+    from tasks.validate_spec import validate_spec
 
     run = "docker-ps-run"
-    stages.validate_spec(
+    validate_spec(
         {"backend": "docker", "strategy": "parameter_server", "workers": 2, "ps": 1, "epochs": 2, "steps_per_epoch": 5},
         run,
     )
-    stages.prepare_data(run)
-    stages.provision_cluster(run)
+    prepare_data(run)
+    provision_cluster(run)
     try:
-        training = stages.train(run)
+        training = train(run)
         assert training["epochs"] == 2
         assert "Epoch 2/" in (run_paths(run).logs / "chief-0.log").read_text()
         assert _docker_names(docker_client, run, running_only=True) == []  # ps and workers stopped with the chief
     finally:
-        removed = stages.teardown_cluster(run)
+        removed = teardown_cluster(run)
     assert len(removed) == 4 and _docker_names(docker_client, run) == []
 
 
@@ -197,9 +204,12 @@ def test_a_killed_container_is_restarted_by_the_policy_counted_and_the_run_compl
 def test_a_container_with_half_the_cpu_quota_is_measured_half_as_fast_and_gets_half_the_batch(
     docker_client, hetflow_env
 ):
-    from tasks import stages
-    from tasks.auto import probe_workers, split_batch
+    from tasks.attempts import load_spec
+    from tasks.batch_shares import split_batch
+    from tasks.cluster.probe import probe_workers
     from tasks.paths import run_paths
+    from tasks.prepare_data import prepare_data
+    from tasks.validate_spec import validate_spec
 
     run = f"quota-{int(time.time())}"
     devices = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 2}]
@@ -209,9 +219,9 @@ def test_a_container_with_half_the_cpu_quota_is_measured_half_as_fast_and_gets_h
     # The CNN: the MLP's few-ms steps are not CPU-bound enough for a quota to scale them (1.44x).
     values = {"strategy": "auto", "workers": 2, "worker_devices": devices, "batch_size": 64, "pin_cores": True}
     values["model"] = "cnn"
-    stages.validate_spec({"backend": "docker", "replica_cpus": 0.5, **values}, run)
-    stages.prepare_data(run)
-    spec = stages.load_spec(run_paths(run))
+    validate_spec({"backend": "docker", "replica_cpus": 0.5, **values}, run)
+    prepare_data(run)
+    spec = load_spec(run_paths(run))
     probes = probe_workers(spec, run, run_paths(run))
     ratio = probes[0]["examples_per_second"] / probes[1]["examples_per_second"]
     # Half the CPU quota: about half as fast (measured 2.0-2.5x over the probe's 3-s windows, with
@@ -232,14 +242,17 @@ def test_sigterm_of_the_train_task_removes_its_containers(docker_client, hetflow
 
     from conftest import REPO
 
-    from tasks import stages
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.validate_spec import validate_spec
 
     run = f"sigterm-{int(time.time())}"
-    stages.validate_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2}, run)
-    stages.prepare_data(run)
-    stages.provision_cluster(run)
+    validate_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2}, run)
+    prepare_data(run)
+    provision_cluster(run)
     supervisor = subprocess.Popen(
-        [sys.executable, "-c", f"from tasks import stages; stages.train({run!r})"],
+        [sys.executable, "-c", f"from tasks.train import train; train({run!r})"],
         cwd=REPO,
         env=hetflow_env,
         stdout=subprocess.DEVNULL,
@@ -255,4 +268,4 @@ def test_sigterm_of_the_train_task_removes_its_containers(docker_client, hetflow
         assert _docker_names(docker_client, run) == []
     finally:
         supervisor.kill()
-        stages.teardown_cluster(run)
+        teardown_cluster(run)

@@ -47,7 +47,7 @@ def test_run_succeeds_and_streams_replica_progress(first):
 
 
 def test_no_replica_or_port_outlives_the_run(first):
-    from tasks.cluster.local import run_processes
+    from tasks.cluster.processes import run_processes
 
     _, summary = first
     assert run_processes(summary["run_id"]) == []
@@ -95,10 +95,10 @@ def test_first_version_is_candidate_and_champion_and_predicts_the_test_split(fir
 
 
 def test_a_retried_register_task_makes_no_second_run_or_version(first, client):
-    from tasks import stages
+    from tasks.register import register
 
     _, summary = first
-    again = stages.register(summary["run_id"], "hetflow_train")
+    again = register(summary["run_id"], "hetflow_train")
     assert again["version"] == 1 and again["mlflow_run_id"] == summary["mlflow_run_id"]
     assert len(client.search_model_versions(f"name='{MODEL}'")) >= 1
     for name in (MODEL, f"{MODEL}-tflite"):
@@ -137,7 +137,7 @@ import json, sys
 import numpy as np
 import tasks
 from tasks.data.pipeline import split_arrays
-from tasks.export import saved_model_predictor, tflite_predictor
+from tasks.predictors import saved_model_predictor, tflite_predictor
 from pathlib import Path
 exported, dataset = json.loads(Path(sys.argv[1]).read_text()), json.loads(Path(sys.argv[2]).read_text())
 images, labels = split_arrays(dataset, "test")

@@ -12,9 +12,9 @@ import sys
 import pytest
 from conftest import REPO, wait_for
 
-from tasks.cluster.local import run_replicas
+from tasks.cluster.processes import run_replicas
 
-_SUPERVISOR = "import sys\nfrom tasks import stages\nstages.train(sys.argv[1])\n"
+_SUPERVISOR = "import sys\nfrom tasks.train import train\ntrain(sys.argv[1])\n"
 
 
 def _attempts(log_text: str, name: str) -> list[str]:
@@ -53,24 +53,27 @@ def _run_and_kill(run_id: str, env: dict, watch: str, when: str, victim: str) ->
 
 
 def _provision(env: dict, run_id: str, **values) -> None:
-    from tasks import stages
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.validate_spec import validate_spec
 
-    stages.validate_spec({"restart_policy": "on_failure", "backoff_limit": 2, **values}, run_id)
-    stages.prepare_data(run_id)
-    stages.provision_cluster(run_id)
+    validate_spec({"restart_policy": "on_failure", "backoff_limit": 2, **values}, run_id)
+    prepare_data(run_id)
+    provision_cluster(run_id)
 
 
 @pytest.mark.slow
 def test_sync_worker_killed_mid_epoch_restarts_the_group_and_resumes(hetflow_env):
-    from tasks import stages
-    from tasks.cluster.local import run_processes
+    from tasks.cluster.processes import run_processes
+    from tasks.evaluate import evaluate
     from tasks.paths import run_paths
+    from tasks.train import train
 
     shape = {"strategy": "multi_worker_mirrored", "workers": 2, "epochs": 15}
     undisturbed = f"ft_sync_ref_{os.getpid()}"
     _provision(hetflow_env, undisturbed, **shape)
-    stages.train(undisturbed)
-    reference = stages.evaluate(undisturbed)
+    train(undisturbed)
+    reference = evaluate(undisturbed)
 
     run_id = f"ft_sync_{os.getpid()}"
     _provision(hetflow_env, run_id, **shape)
@@ -84,7 +87,7 @@ def test_sync_worker_killed_mid_epoch_restarts_the_group_and_resumes(hetflow_env
     killed_in = max(_epochs(attempts[0]))
     assert min(_epochs(attempts[1])) >= killed_in - 1 >= 2  # resumed: at most one checkpoint interval lost
     # Within one point of the undisturbed run on the test split.
-    assert abs(stages.evaluate(run_id)["test_accuracy"] - reference["test_accuracy"]) <= 0.01
+    assert abs(evaluate(run_id)["test_accuracy"] - reference["test_accuracy"]) <= 0.01
     assert run_processes(run_id) == []
 
 
@@ -174,18 +177,20 @@ def test_after_a_restart_every_balanced_worker_resumes_from_the_chiefs_epoch(het
 
 @pytest.mark.slow
 def test_a_retry_of_a_finished_async_training_succeeds_without_training_again(hetflow_env):
-    from tasks import stages
     from tasks.paths import run_paths
+    from tasks.provision_cluster import provision_cluster
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.train import train
 
     run_id = f"ft_ps_retry_{os.getpid()}"
     _provision(hetflow_env, run_id, strategy="parameter_server", workers=1, ps=1, epochs=2, steps_per_epoch=50)
     try:
-        first = stages.train(run_id)
-        stages.teardown_cluster(run_id)
-        stages.provision_cluster(run_id)
-        retried = stages.train(run_id)
+        first = train(run_id)
+        teardown_cluster(run_id)
+        provision_cluster(run_id)
+        retried = train(run_id)
     finally:
-        stages.teardown_cluster(run_id)
+        teardown_cluster(run_id)
     assert first["epochs_done"] == 2 and sum(first["staleness"]["histogram"].values()) == 100
     assert retried["epochs_done"] == 0 and retried["staleness"] is None  # resumed after the last epoch
     chief_log = (run_paths(run_id).logs / "chief-0.log").read_text()

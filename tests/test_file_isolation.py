@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, wait_for
 
 from tasks import confine
-from tasks.cluster.local import run_replicas
+from tasks.cluster.processes import run_replicas
 from tasks.paths import data_dir, hetflow_home, run_paths
 
 needs_root = pytest.mark.skipif(confine.unavailable() is not None, reason=confine.unavailable() or "")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import hetflow
 
-from tasks.auto import ASYNC_SPREAD, decide, split_batch
+from tasks.auto_strategy import ASYNC_SPREAD, decide
+from tasks.batch_shares import split_batch
 from tasks.spec import parse_spec
 
 SLOW_WORKER = '[{"threads": 1}, {"threads": 1, "slowdown": 3}]'
@@ -110,7 +111,7 @@ def test_unequal_worker_slices_are_the_global_batch_and_each_worker_batches_only
 
 
 def test_throttle_limits_cpu_time_from_outside():
-    from tasks.cluster.local import Throttle
+    from tasks.cluster.throttle import Throttle
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     throttle = Throttle(busy.pid, slowdown=4)

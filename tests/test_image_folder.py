@@ -157,14 +157,14 @@ def test_new_images_make_a_new_prepared_version_beside_the_old(tmp_path):
 
 def test_the_validate_spec_task_refuses_a_bad_folder_before_it_makes_a_run_directory(tmp_path, monkeypatch):
     """What a trigger from the Airflow form meets: the DAG's first task fails with the one line."""
-    from tasks import stages
     from tasks.spec import SpecError
+    from tasks.validate_spec import validate_spec
 
     monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
     root = write_digit_folder(tmp_path / "digits", per_class=3)
     (root / "digit_6" / "notes.png").write_text("not an image")
     with pytest.raises(SpecError) as refused:
-        stages.validate_spec({"dataset": f"folder:{root}"}, "bad-folder-run")
+        validate_spec({"dataset": f"folder:{root}"}, "bad-folder-run")
     assert refused.value.problems == [
         f"image {root}/digit_6/notes.png cannot be decoded (cannot identify image file '{root}/digit_6/notes.png')"
     ]

@@ -19,7 +19,8 @@ import psutil
 import pytest
 from conftest import REPO, hetflow, listening, wait_for
 
-from tasks.cluster.local import LocalReplicas, run_processes, run_replicas, teardown_runs_of_home
+from tasks.cluster.local import LocalReplicas
+from tasks.cluster.processes import run_processes, run_replicas, teardown_runs_of_home
 from tasks.paths import hetflow_home, run_paths
 
 
@@ -90,7 +91,7 @@ def _host_addresses() -> list[str]:
 
 @needs_netns
 def test_replicas_are_reachable_only_inside_their_namespace_which_teardown_deletes(provisioned):
-    from tasks import stages
+    from tasks.attempts import load_spec
 
     devices = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 4}]
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2, worker_devices=devices)
@@ -127,7 +128,7 @@ def test_replicas_are_reachable_only_inside_their_namespace_which_teardown_delet
 
     paths = run_paths(run_id)
     layout = ClusterLayout.from_dict(record)
-    restarted = LocalReplicas(layout, stages.load_spec(paths), paths.root)
+    restarted = LocalReplicas(layout, load_spec(paths), paths.root)
     restarted.start(layout.replicas[:1])
     keeper = restarted._keeper("worker-0")  # nsenter, until it has entered the namespace and exec'd the keeper
     assert wait_for(lambda: _net_namespace(keeper) == (namespace.st_dev, namespace.st_ino), timeout=10)
@@ -161,17 +162,19 @@ def test_a_short_training_run_succeeds_inside_its_namespace(hetflow_env):
 _PROVISION = textwrap.dedent(
     """
     import sys
-    from tasks import stages
-    stages.validate_spec({"epochs": 1000, "strategy": "multi_worker_mirrored", "workers": 2}, sys.argv[1])
-    stages.prepare_data(sys.argv[1])
-    stages.provision_cluster(sys.argv[1])
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.validate_spec import validate_spec
+    validate_spec({"epochs": 1000, "strategy": "multi_worker_mirrored", "workers": 2}, sys.argv[1])
+    prepare_data(sys.argv[1])
+    provision_cluster(sys.argv[1])
     """
 )
 
 
 def test_without_iproute2_the_run_records_and_warns_that_it_is_not_isolated(hetflow_env):
     """The fallback (as without root): replicas on this host's ports, and the run says so."""
-    from tasks import stages
+    from tasks.teardown_cluster import teardown_cluster
 
     run_id = f"netns_fallback_{os.getpid()}"
     try:
@@ -193,5 +196,5 @@ def test_without_iproute2_the_run_records_and_warns_that_it_is_not_isolated(hetf
         addresses = [replica["address"] for replica in record["replicas"]]
         assert wait_for(lambda: all(map(listening, addresses)), timeout=90), "the replicas never listened here"
     finally:
-        stages.teardown_cluster(run_id)
+        teardown_cluster(run_id)
     assert run_processes(run_id) == []

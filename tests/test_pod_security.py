@@ -18,12 +18,13 @@ import pytest
 import yaml
 
 from tasks.cluster import kubernetes_backend as k8s
+from tasks.cluster import kubernetes_manifests as manifests
 from tasks.cluster.layout import run_slug
 from tasks.spec import parse_spec
 
 RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"
 RUN_DIR = Path("/srv/hetflow/runs/manual__2026-11-22T00_12_03.120579_00_00")
-OWNER = k8s.owner_reference(k8s.run_name(RUN_ID), "0b8e4a3c-6f0e-4a8e-9c1b-2d3e4f5a6b7c")
+OWNER = manifests.owner_reference(manifests.run_name(RUN_ID), "0b8e4a3c-6f0e-4a8e-9c1b-2d3e4f5a6b7c")
 BIN = Path(sys.executable).parent
 
 # The restricted profile's lists (Kubernetes 1.33).
@@ -130,8 +131,10 @@ def _specs():
 def _pod_specs(spec) -> dict[str, dict]:
     """Every pod spec the backend renders for the spec: one per replica and the TFJob's templates."""
     layout = k8s.plan(spec, RUN_ID)
-    pods = {f"pod {r.name}": k8s.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5)["spec"] for r in layout.replicas}
-    tfjob = k8s.tfjob_manifest(layout, spec, RUN_DIR)
+    pods = {
+        f"pod {r.name}": manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5)["spec"] for r in layout.replicas
+    }
+    tfjob = manifests.tfjob_manifest(layout, spec, RUN_DIR)
     for kind, replicas in tfjob["spec"]["tfReplicaSpecs"].items():
         pods[f"tfjob {kind}"] = replicas["template"]["spec"]
     return pods
@@ -193,20 +196,20 @@ def test_the_checker_sees_each_violation(violation):
 @pytest.mark.parametrize("strategy", list(_specs()))
 def test_pods_mount_no_service_account_token_and_run_as_the_image_user(strategy):
     # Numeric ids: the kubelet can only verify runAsNonRoot for a numeric user.
-    assert isinstance(k8s.IMAGE_USER, int) and k8s.IMAGE_USER > 0
+    assert isinstance(manifests.IMAGE_USER, int) and manifests.IMAGE_USER > 0
     for name, pod in _pod_specs(_specs()[strategy]).items():
         assert pod["automountServiceAccountToken"] is False, name
         context = pod["securityContext"]
-        assert context["runAsUser"] == context["runAsGroup"] == k8s.IMAGE_USER, name
+        assert context["runAsUser"] == context["runAsGroup"] == manifests.IMAGE_USER, name
 
 
 def test_every_pod_carries_a_deadline_from_train_timeout_seconds():
     for timeout in (600, 7200):
         spec = _specs()["parameter_server"].model_copy(update={"train_timeout_seconds": timeout})
         deadlines = {name: pod["activeDeadlineSeconds"] for name, pod in _pod_specs(spec).items()}
-        assert set(deadlines.values()) == {timeout + k8s._DEADLINE_MARGIN_SECONDS}, deadlines
-        tfjob = k8s.tfjob_manifest(k8s.plan(spec, RUN_ID), spec, RUN_DIR)
-        assert tfjob["spec"]["runPolicy"]["activeDeadlineSeconds"] == timeout + k8s._DEADLINE_MARGIN_SECONDS
+        assert set(deadlines.values()) == {timeout + manifests.DEADLINE_MARGIN_SECONDS}, deadlines
+        tfjob = manifests.tfjob_manifest(k8s.plan(spec, RUN_ID), spec, RUN_DIR)
+        assert tfjob["spec"]["runPolicy"]["activeDeadlineSeconds"] == timeout + manifests.DEADLINE_MARGIN_SECONDS
 
 
 # --- the run's NetworkPolicy ----------------------------------------------------------------------
@@ -220,10 +223,10 @@ def _selects(selector: dict, labels: dict) -> bool:
 def test_network_policy_admits_the_runs_pods_only_on_the_grpc_port():
     spec = _specs()["parameter_server"]
     layout = k8s.plan(spec, RUN_ID)
-    policy = k8s.run_network_policy(layout, "ml", OWNER)
+    policy = manifests.run_network_policy(layout, "ml", OWNER)
     assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
     assert policy["metadata"]["namespace"] == "ml"
-    assert policy["metadata"]["labels"][k8s.LABEL_RUN] == run_slug(RUN_ID)  # what teardown selects on
+    assert policy["metadata"]["labels"][manifests.LABEL_RUN] == run_slug(RUN_ID)  # what teardown selects on
     assert policy["metadata"]["ownerReferences"] == [OWNER]  # deleted with the run
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     (rule,) = policy["spec"]["ingress"]
@@ -233,21 +236,23 @@ def test_network_policy_admits_the_runs_pods_only_on_the_grpc_port():
     assert {int(r.address.rsplit(":", 1)[1]) for r in layout.replicas} == {2222}  # TF_CONFIG's port
 
     other_layout = k8s.plan(spec, "manual__another-run")
-    ours = [k8s.replica_pod(layout, r, spec, RUN_DIR, OWNER, 0)["metadata"]["labels"] for r in layout.replicas]
-    theirs = [k8s.replica_pod(other_layout, r, spec, RUN_DIR, OWNER, 0)["metadata"]["labels"] for r in layout.replicas]
+    ours = [manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 0)["metadata"]["labels"] for r in layout.replicas]
+    theirs = [
+        manifests.replica_pod(other_layout, r, spec, RUN_DIR, OWNER, 0)["metadata"]["labels"] for r in layout.replicas
+    ]
     for selector in (policy["spec"]["podSelector"], peer["podSelector"]):
         assert all(_selects(selector, labels) for labels in ours)
         assert not any(_selects(selector, labels) for labels in theirs)
     # The TFJob's pods carry the run's labels too, so its policy (in tfjob.yaml) selects them.
-    for replicas in k8s.tfjob_manifest(layout, spec, RUN_DIR)["spec"]["tfReplicaSpecs"].values():
+    for replicas in manifests.tfjob_manifest(layout, spec, RUN_DIR)["spec"]["tfReplicaSpecs"].values():
         assert _selects(policy["spec"]["podSelector"], replicas["template"]["metadata"]["labels"])
 
 
 def test_network_policy_passes_strict_schema_validation(tmp_path):
     layout = k8s.plan(_specs()["parameter_server"], RUN_ID)
     manifest = tmp_path / "policy.yaml"
-    policy = k8s.run_network_policy(layout, "ml", OWNER)
-    manifest.write_text(yaml.safe_dump_all([policy, k8s.run_network_policy(layout, "ml", None)]))
+    policy = manifests.run_network_policy(layout, "ml", OWNER)
+    manifest.write_text(yaml.safe_dump_all([policy, manifests.run_network_policy(layout, "ml", None)]))
     result = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     policy["spec"]["ingress"][0]["form"] = policy["spec"]["ingress"][0].pop("from")  # and the check bites
@@ -269,7 +274,7 @@ class _FakeApi:
             if method.startswith("create_"):
                 return SimpleNamespace(metadata=SimpleNamespace(name=args[1]["metadata"]["name"], uid="uid-1"))
             if method.startswith("list_"):
-                selected = kwargs.get("label_selector") == f"{k8s.LABEL_RUN}={run_slug(RUN_ID)}"
+                selected = kwargs.get("label_selector") == f"{manifests.LABEL_RUN}={run_slug(RUN_ID)}"
                 return SimpleNamespace(
                     items=[SimpleNamespace(metadata=SimpleNamespace(name="obj"))] if selected else []
                 )
@@ -287,8 +292,8 @@ def test_provision_creates_the_policy_owned_by_the_run_before_any_pod(tmp_path):
     order = [method for method, _ in created]
     assert order.index("create_namespaced_network_policy") < order.index("create_namespaced_pod")
     (policy,) = [body for method, body in created if method == "create_namespaced_network_policy"]
-    assert policy == k8s.run_network_policy(
-        k8s.plan(spec, RUN_ID), "ml", k8s.owner_reference(k8s.run_name(RUN_ID), "uid-1")
+    assert policy == manifests.run_network_policy(
+        k8s.plan(spec, RUN_ID), "ml", manifests.owner_reference(manifests.run_name(RUN_ID), "uid-1")
     )
     # tfjob.yaml, for `kubectl apply -f`, brings the same isolation.
     kinds = [doc["kind"] for doc in yaml.safe_load_all((run_dir / "tfjob.yaml").read_text())]

@@ -27,7 +27,9 @@ def _new_registered_model(name: str, champion_accuracy: float, candidates: list[
     """A hetflow registered model whose v1 is champion at ``champion_accuracy``, with one version per
     candidate accuracy not yet gated. Returns the candidates' versions."""
     from mlflow import MlflowClient
-    from tasks.registry import CHAMPION, EXPERIMENT, own_registered_model
+    from tasks.registry.champion import CHAMPION
+    from tasks.registry.store import EXPERIMENT
+    from tasks.registry.versions import own_registered_model
 
     client = MlflowClient()
     own_registered_model(client, name, name)
@@ -50,7 +52,7 @@ def _gate(name: str, version: str, accuracy: float, log_dir: Path, ready=None) -
     the aliases. Its served check passed: that check serves real models in tests/test_serving.py,
     here the gate is what is under test. ``ready`` is called once the process has started up."""
     from mlflow import MlflowClient
-    from tasks import registry
+    from tasks.registry import champion
     from tasks.spec import RunSpec
 
     served = {
@@ -69,7 +71,7 @@ def _gate(name: str, version: str, accuracy: float, log_dir: Path, ready=None) -
     registered = client.get_model_version(name, version)
     if ready:
         ready()
-    registry._promote(
+    champion.promote(
         client,
         RunSpec(min_improvement=0.001),
         registered,
@@ -97,7 +99,7 @@ def _worse_run(name, version, log_dir, pause_at, paused, better_pid, better_done
     ``champion``; ``set``: right before it sets ``champion``) until the 0.95 run is done or waits
     for a lock (which this run may hold)."""
     from mlflow import MlflowClient
-    from tasks import registry
+    from tasks.registry import champion
 
     def pause():
         paused.set()
@@ -107,20 +109,20 @@ def _worse_run(name, version, log_dir, pause_at, paused, better_pid, better_done
             time.sleep(0.05)
 
     if pause_at == "read":
-        read = registry._version_by_alias
+        read = champion.version_by_alias
 
         def read_then_pause(client, model, alias):
             found = read(client, model, alias)
-            if alias == registry.CHAMPION and not paused.is_set():
+            if alias == champion.CHAMPION and not paused.is_set():
                 pause()
             return found
 
-        registry._version_by_alias = read_then_pause
+        champion.version_by_alias = read_then_pause
     else:
         set_alias = MlflowClient.set_registered_model_alias
 
         def pause_then_set(client, model, alias, to_version):
-            if alias == registry.CHAMPION:
+            if alias == champion.CHAMPION:
                 pause()
             set_alias(client, model, alias, to_version)
 
@@ -146,7 +148,7 @@ def test_a_worse_candidate_that_read_the_champion_first_does_not_take_it_from_a_
     """0.93 has read the 0.90 champion (``read``), or has decided to replace it (``set``), when
     0.95 is promoted: 0.95 stays champion."""
     from mlflow import MlflowClient
-    from tasks.registry import CHAMPION
+    from tasks.registry.champion import CHAMPION
 
     name = f"race-{pause_at}"
     better, worse = _new_registered_model(name, 0.90, [0.95, 0.93])
@@ -180,7 +182,7 @@ def test_a_worse_candidate_that_read_the_champion_first_does_not_take_it_from_a_
 def test_the_promotion_lock_is_one_per_registered_model_and_dies_with_its_holder(hetflow_env):
     """A promotion of another registered model does not wait; one of the same model does, until
     the holder releases it, also by dying (a task SIGKILLed by Airflow leaves no stale lock)."""
-    from tasks.registry import promotion_lock
+    from tasks.registry.champion import promotion_lock
 
     def acquired_within(name: str, seconds: float) -> bool:
         got = threading.Event()
@@ -193,7 +195,7 @@ def test_the_promotion_lock_is_one_per_registered_model_and_dies_with_its_holder
         return got.wait(seconds)
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", "from tasks.registry import promotion_lock\nwith promotion_lock('held'):\n"
+        [sys.executable, "-c", "from tasks.registry.champion import promotion_lock\nwith promotion_lock('held'):\n"
          "    print('held', flush=True)\n    input()"],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -222,7 +224,9 @@ def test_register_refuses_a_registered_model_hetflow_did_not_create(hetflow_env,
     with one line naming ``registered_model``, before the run writes anything to MLflow."""
     from mlflow import MlflowClient
     from tasks.paths import RunPaths
-    from tasks.registry import EXPERIMENT, ForeignRegisteredModel, register
+    from tasks.register import register_model
+    from tasks.registry.store import EXPERIMENT
+    from tasks.registry.versions import ForeignRegisteredModel
     from tasks.spec import RunSpec
 
     name = f"shared-{foreign}"
@@ -233,7 +237,7 @@ def test_register_refuses_a_registered_model_hetflow_did_not_create(hetflow_env,
     _write_run_records(paths, chosen_tflite="int8")
 
     with pytest.raises(ForeignRegisteredModel) as refused:
-        register(RunSpec(registered_model=name), paths, {"fingerprint": FINGERPRINT}, "hetflow_train", name)
+        register_model(RunSpec(registered_model=name), paths, {"fingerprint": FINGERPRINT}, "hetflow_train", name)
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"registered_model '{name}': "), message
     assert f"registered model '{taken}' in " in message, message
@@ -245,7 +249,7 @@ def test_register_refuses_a_registered_model_hetflow_did_not_create(hetflow_env,
 
 def test_a_registered_model_hetflow_created_is_marked_and_taken_again(hetflow_env):
     from mlflow import MlflowClient
-    from tasks.registry import OWNER, OWNER_TAG, own_registered_model
+    from tasks.registry.versions import OWNER, OWNER_TAG, own_registered_model
 
     client = MlflowClient()
     own_registered_model(client, "ours", "ours")

@@ -37,7 +37,7 @@ def test_run_ids_that_read_alike_get_directories_of_their_own(home):
 
 def test_two_hetflow_trains_started_in_one_second_get_directories_of_their_own(home):
     """`hetflow train` names its run itself; the bench starts two at once (two_apart)."""
-    from tasks.cli import train_run_id
+    from tasks.cli.main import train_run_id
     from tasks.paths import create_run_dir
 
     first, second = train_run_id(), train_run_id()
@@ -60,28 +60,29 @@ def test_another_process_finds_the_same_directory(home):
 
 
 def test_a_directory_that_belongs_to_another_run_id_is_refused(home):
-    from tasks import stages
     from tasks.paths import RunDirectoryTaken, run_paths
+    from tasks.summarize import summarize
+    from tasks.validate_spec import validate_spec
 
-    stages.validate_spec({"epochs": 3}, "team-a")
+    validate_spec({"epochs": 3}, "team-a")
     paths = run_paths("team-a")
     # What a clash of names would leave: the directory records another run's id.
     paths.owner.write_text("team-b")
     with pytest.raises(RunDirectoryTaken) as refused:
-        stages.validate_spec({"epochs": 5}, "team-a")
+        validate_spec({"epochs": 5}, "team-a")
     assert str(refused.value) == f"run directory {paths.root} belongs to run 'team-b', not to run 'team-a'"
     assert json.loads(paths.spec.read_text())["epochs"] == 3  # the other run's record is untouched
     with pytest.raises(RunDirectoryTaken):
-        stages.summarize("team-a")
+        summarize("team-a")
     assert not paths.summary.exists()
 
 
 def test_a_retry_reuses_its_own_directory(home):
-    from tasks import stages
     from tasks.paths import run_paths
+    from tasks.validate_spec import validate_spec
 
-    stages.validate_spec({"epochs": 3}, "retried", try_number=1)
-    stages.validate_spec({"epochs": 4}, "retried", try_number=2)
+    validate_spec({"epochs": 3}, "retried", try_number=1)
+    validate_spec({"epochs": 4}, "retried", try_number=2)
     paths = run_paths("retried")
     assert json.loads(paths.spec.read_text())["epochs"] == 4
     assert json.loads(paths.attempt("validate_spec").read_text())["try_number"] == 2
@@ -97,11 +98,12 @@ def test_an_empty_run_id_is_refused_naming_the_field(home):
 @pytest.fixture
 def prepared_run(home):
     """validate_spec and prepare_data, for real, as try 1 of run ``rerun``; what they returned."""
-    from tasks import stages
+    from tasks.prepare_data import prepare_data
+    from tasks.validate_spec import validate_spec
 
     returned = {
-        "validate_spec": stages.validate_spec({"epochs": 2}, "rerun", try_number=1),
-        "prepare_data": stages.prepare_data("rerun", try_number=1),
+        "validate_spec": validate_spec({"epochs": 2}, "rerun", try_number=1),
+        "prepare_data": prepare_data("rerun", try_number=1),
     }
     return returned
 
@@ -121,8 +123,9 @@ def test_every_record_names_the_attempt_that_wrote_it(prepared_run):
 
 
 def test_a_stage_that_starts_removes_its_own_and_later_records(prepared_run, home):
-    from tasks import stages
     from tasks.paths import run_paths
+    from tasks.prepare_data import prepare_data
+    from tasks.summarize import summarize
 
     paths = run_paths("rerun")
     # An earlier attempt got further: its records of later stages, with their receipts, are there.
@@ -134,11 +137,11 @@ def test_a_stage_that_starts_removes_its_own_and_later_records(prepared_run, hom
     shard = sorted((home / "data" / "uci_digits" / "1.0.0").glob("uci_digits-test.tfrecord-*"))[0]
     shard.write_bytes(shard.read_bytes()[:-50])
     with pytest.raises(ValueError, match=rf"data shard {shard}"):
-        stages.prepare_data("rerun", try_number=2)
+        prepare_data("rerun", try_number=2)
     left = sorted(str(p.relative_to(paths.root)) for p in paths.root.rglob("*") if p.is_file())
     assert left == ["attempts/validate_spec.json", "run_id", "spec.json"]
     with pytest.raises(RuntimeError, match=r"^run rerun failed at stage prepare_data; summary: "):
-        stages.summarize("rerun")
+        summarize("rerun")
     summary = json.loads(paths.summary.read_text())
     assert (summary["status"], summary["failed_stage"]) == ("failed", "prepare_data")
     assert summary["metrics"]["test_accuracy"] is None and summary["metrics"]["train_seconds"] is None
@@ -149,21 +152,21 @@ def test_summarize_fails_a_stage_whose_last_try_failed_whatever_files_are_left(p
     """Airflow holds a task's return value only for its last try, and only if that try succeeded:
     a try that failed before it could remove anything (killed while starting) leaves the earlier
     attempt's record and receipt, and the run still fails at that stage."""
-    from tasks import stages
     from tasks.paths import run_paths
+    from tasks.summarize import summarize
 
     paths = run_paths("rerun")
     earlier = prepared_run["prepare_data"]
     for returned_by_prepare in (None, {**earlier, "attempt": {**earlier["attempt"], "id": "0" * 32}}):
         returned = {"validate_spec": prepared_run["validate_spec"], "prepare_data": returned_by_prepare}
         with pytest.raises(RuntimeError, match=r"failed at stage prepare_data"):
-            stages.summarize("rerun", returned)
+            summarize("rerun", returned)
         summary = json.loads(paths.summary.read_text())
         assert (summary["failed_stage"], summary["dataset"]["fingerprint"]) == ("prepare_data", None)
         assert paths.dataset.exists() and paths.attempt("prepare_data").exists()
     # What Airflow returned matches the receipts: the run goes on to fail where records stop.
     with pytest.raises(RuntimeError, match=r"failed at stage provision_cluster"):
-        stages.summarize("rerun", prepared_run)
+        summarize("rerun", prepared_run)
     summary = json.loads(paths.summary.read_text())
     assert summary["dataset"]["fingerprint"] == json.loads(paths.dataset.read_text())["fingerprint"]
     assert summary["attempts"]["prepare_data"]["try_number"] == 1
@@ -173,10 +176,10 @@ _DAG_TEST = """
 import json, sys
 from datetime import datetime, timezone
 
-from tasks.cli import DAG_ID, _ensure_airflow_db
+from tasks.cli.dag_run import DAG_ID, ensure_airflow_db
 from tasks.paths import REPO_ROOT
 
-_ensure_airflow_db()
+ensure_airflow_db()
 from airflow.dag_processing.dagbag import DagBag
 
 # One logical date for both: dag.test then replaces the DAG run, and the run id is the same.

@@ -96,7 +96,7 @@ print(json.dumps(logits))
 def test_the_champions_load_and_predict_in_a_clean_process_that_never_imported_hetflow(
     run, hetflow_env, test_images, tmp_path
 ):
-    from tasks.export import saved_model_predictor, tflite_predictor
+    from tasks.predictors import saved_model_predictor, tflite_predictor
 
     images, _ = test_images
     np.save(tmp_path / "images.npy", images)
@@ -123,7 +123,7 @@ def test_the_champions_load_and_predict_in_a_clean_process_that_never_imported_h
 
 
 def test_a_champion_scored_on_other_data_is_served_not_loaded(run, client, tmp_path):
-    from tasks.registry import champion_accuracy
+    from tasks.registry.champion import champion_accuracy
 
     champion = client.get_model_version_by_alias(MODEL, "champion")
     dataset = {**json.loads((Path(run["run_dir"]) / "dataset.json").read_text()), "fingerprint": "other data"}
@@ -139,7 +139,7 @@ def test_a_champion_scored_on_other_data_is_served_not_loaded(run, client, tmp_p
 
 def _log_class_order_reversed(saved_model: Path, name: str, images: np.ndarray, predict):
     """A deliberately broken model: serving_default's logits with the classes in reverse order
-    (registry._log_saved_model's stand-in; ``predict``, the exported model's logits, is unused)."""
+    (versions.log_saved_model's stand-in; ``predict``, the exported model's logits, is unused)."""
     import tensorflow as tf
 
     import mlflow
@@ -165,17 +165,18 @@ def _log_class_order_reversed(saved_model: Path, name: str, images: np.ndarray, 
 
 
 def test_a_served_model_that_disagrees_is_not_promoted_and_its_server_is_gone(run, client, monkeypatch, tmp_path):
-    from tasks import registry
+    from tasks.attempts import load_spec
     from tasks.paths import RunPaths
-    from tasks.stages import load_spec
+    from tasks.register import register_model
+    from tasks.registry import versions
 
     paths = RunPaths(tmp_path / "run")
     shutil.copytree(run["run_dir"], paths.root)
     # min_improvement 0: the same accuracy as the champion passes the accuracy gate, so only the
     # served check can stop the float model.
     spec = load_spec(paths).model_copy(update={"min_improvement": 0.0})
-    monkeypatch.setattr(registry, "_log_saved_model", _log_class_order_reversed)
-    record = registry.register(spec, paths, json.loads(paths.dataset.read_text()), "hetflow_train", "broken")
+    monkeypatch.setattr(versions, "log_saved_model", _log_class_order_reversed)
+    record = register_model(spec, paths, json.loads(paths.dataset.read_text()), "hetflow_train", "broken")
 
     float_model, tflite_model = record["models"]
     served = float_model["served"]

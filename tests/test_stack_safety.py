@@ -41,14 +41,14 @@ def _mode(path) -> int:
 
 
 def test_secrets_password_and_logs_are_their_owners_only(home):
-    from tasks import stack
+    from devstack import processes, stack
 
     (home / "stack" / "logs").mkdir(parents=True)
     old_log = home / "stack" / "logs" / "api-server.log"
     old_log.write_bytes(b"before\n")
     old_log.chmod(0o644)  # as an older hetflow left it
     env = stack.environment(8080, login=True, database_url=None)
-    with stack._log("api-server") as log:
+    with processes._log("api-server") as log:
         log.write(b"after\n")
     assert old_log.read_bytes() == b"before\nafter\n"
     secret_files = [home / "stack" / "secrets.json", home / "stack" / "passwords.json"]
@@ -60,10 +60,10 @@ def test_secrets_password_and_logs_are_their_owners_only(home):
 def test_airflow_takes_the_generated_password_without_printing_it(home):
     """Airflow's simple auth manager, started as the api-server starts it, uses hetflow's password
     file as it is: no password of its own, nothing printed, the file's mode kept."""
-    from tasks import stack
+    from devstack import secrets, stack
 
     env = stack.environment(8080, login=True, database_url=None)
-    path = stack.password_file()
+    path = secrets.password_file()
     before = path.read_text()
     started = subprocess.run(
         [
@@ -88,7 +88,7 @@ def test_airflow_takes_the_generated_password_without_printing_it(home):
 
 
 def test_make_up_says_where_the_password_is_not_what_it_is(home, capsys):
-    from tasks import stack
+    from devstack import secrets, stack
 
     state = {
         "processes": {},
@@ -96,18 +96,18 @@ def test_make_up_says_where_the_password_is_not_what_it_is(home, capsys):
         "mlflow_url": "http://127.0.0.1:5000",
         "database": "sqlite",
         "login": True,
-        "password_file": str(stack.password_file()),
+        "password_file": str(secrets.password_file()),
         "seconds_to_healthy": 1.0,
     }
     stack._print_up(state, started=True)
     printed = capsys.readouterr().out
-    assert f"log in as admin, password in {stack.password_file()}" in printed
+    assert f"log in as admin, password in {secrets.password_file()}" in printed
     assert stack.password(state) not in printed
 
 
 def test_create_time_reads_the_kernels_start_time_whatever_the_process_is_called(hetflow_env):
     """The command name in /proc/PID/stat may hold spaces and parentheses."""
-    from tasks.stack import _create_time
+    from devstack.processes import create_time
 
     named = subprocess.Popen(
         [sys.executable, "-c", "open('/proc/self/comm', 'w').write('a) b (c'); print(flush=True); input()"],
@@ -117,50 +117,52 @@ def test_create_time_reads_the_kernels_start_time_whatever_the_process_is_called
     try:
         named.stdout.readline()
         assert psutil.Process(named.pid).name() == "a) b (c"
-        boot, ticks = _create_time(named.pid).split("+")
+        boot, ticks = create_time(named.pid).split("+")
         started = int(ticks) / os.sysconf("SC_CLK_TCK") + psutil.boot_time()
         assert abs(started - psutil.Process(named.pid).create_time()) < 0.02
         assert boot == open("/proc/sys/kernel/random/boot_id").read().strip()
     finally:
         named.kill()
         named.wait()
-    assert _create_time(named.pid) is None
+    assert create_time(named.pid) is None
 
 
 def test_down_stops_what_up_started_and_leaves_a_reused_pid_alone(home):
     """State names three components: one still running (stopped, its whole group); one whose pid
     now belongs to another process (left alone); one that died leaving a child that carries the
     stack's id (stopped). A process of another stack is left alone too."""
-    from tasks import stack
+    from devstack import processes, secrets, stack
 
     stack_id = "stack-under-test"
-    ours_env = {**os.environ, stack.STACK_ID_ENV: stack_id}
+    ours_env = {**os.environ, processes.STACK_ID_ENV: stack_id}
     component = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time\n"
          f"subprocess.Popen({SLEEPER!r}); print(flush=True); time.sleep(600)"],
         env=ours_env, stdout=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     ended = subprocess.Popen(SLEEPER, start_new_session=True)
-    ended_started = stack._create_time(ended.pid)
+    ended_started = processes.create_time(ended.pid)
     time.sleep(0.1)  # the kernel hands a pid out again only after going round the others: not in the same tick
     ended.kill()
     ended.wait()
     reused = subprocess.Popen(SLEEPER, start_new_session=True)  # stands for a process given the ended one's pid
     orphan = subprocess.Popen(SLEEPER, env=ours_env, start_new_session=True)
-    other_stack = subprocess.Popen(SLEEPER, env={**os.environ, stack.STACK_ID_ENV: "another"}, start_new_session=True)
+    other_stack = subprocess.Popen(
+        SLEEPER, env={**os.environ, processes.STACK_ID_ENV: "another"}, start_new_session=True
+    )
     try:
         component.stdout.readline()
         (grandchild,) = psutil.Process(component.pid).children()
         state = {
             "stack_id": stack_id,
             "processes": {
-                "scheduler": {"pid": component.pid, "create_time": stack._create_time(component.pid)},
+                "scheduler": {"pid": component.pid, "create_time": processes.create_time(component.pid)},
                 "triggerer": {"pid": reused.pid, "create_time": ended_started},
                 "mlflow": {"pid": 2**22 + 1, "create_time": "a process long gone"},
             },
         }
-        stack._private_dir(stack.stack_dir())
-        stack.write_private(stack._state_path(), json.dumps(state))
+        secrets.private_dir(secrets.stack_dir())
+        secrets.write_private(stack._state_path(), json.dumps(state))
 
         assert stack.down() == {"stopped": ["scheduler"], "gone": ["triggerer", "mlflow"]}
         assert all(_ended(process.pid) for process in (component, orphan, grandchild))

@@ -35,7 +35,7 @@ def client(hetflow_env):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(CASES))
 def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
-    from tasks.cluster.local import run_processes
+    from tasks.cluster.processes import run_processes
 
     args = ["run", "--set", f"registered_model=strategies-{strategy.replace('_', '-')}", "--set", "epochs=6"]
     for assignment in CASES[strategy]:
@@ -85,23 +85,17 @@ GOYAL = {"learning_rate": 0.1, "lr_scaling": "linear", "lr_reference_batch": 256
 
 
 def test_linear_scaling_multiplies_the_base_rate_by_global_over_reference_batch():
-    from tasks.strategies.common import TrainingClock, learning_rate, training_record
+    from tasks.replica.loop import EpochLoop
+    from tasks.replica.record import training_record
 
     spec = parse_spec({**GOYAL, "strategy": "multi_worker_mirrored", "workers": 2, "warmup_epochs": 2})
-    schedule, per_epoch = learning_rate(spec, 10)
+    loop = EpochLoop(spec, steps=10)
     # 0.1 tuned for 256 examples, 1024 per update: 0.4, reached linearly over 2 epochs of 10 steps.
-    assert [float(schedule(step)) for step in (0, 5, 10, 20, 1000)] == pytest.approx([0.1, 0.175, 0.25, 0.4, 0.4])
-    assert per_epoch == pytest.approx([0.1, 0.25, 0.4, 0.4])
-    record = training_record(
-        spec,
-        steps=10,
-        replicas_in_sync=2,
-        history={},
-        lr_per_epoch=per_epoch,
-        clock=TrainingClock(),
-        train_seconds=1.0,
-        per_worker={},
-    )
+    assert [float(loop.schedule(step)) for step in (0, 5, 10, 20, 1000)] == pytest.approx([0.1, 0.175, 0.25, 0.4, 0.4])
+    assert loop.lr_per_epoch == pytest.approx([0.1, 0.25, 0.4, 0.4])
+    loop.train_seconds = 1.0
+    record = training_record(spec, loop, replicas_in_sync=2, per_worker={})
+    assert record["learning_rate_per_epoch"] == pytest.approx([0.1, 0.25, 0.4, 0.4])
     assert record["learning_rate_schedule"] == {
         "scaling": "linear",
         "base": 0.1,
@@ -114,7 +108,7 @@ def test_linear_scaling_multiplies_the_base_rate_by_global_over_reference_batch(
 
 @pytest.mark.parametrize(("global_batch", "peak"), [(128, 0.05), (256, 0.1), (512, 0.2), (1024, 0.4)])
 def test_the_rate_is_proportional_to_the_global_batch(global_batch, peak):
-    from tasks.strategies.common import learning_rate
+    from tasks.schedule import learning_rate
 
     spec = parse_spec({**GOYAL, "strategy": "multi_worker_mirrored", "workers": 2, "batch_size": global_batch})
     assert learning_rate(spec, 10)[1] == pytest.approx([peak] * 4)
@@ -130,7 +124,7 @@ def test_the_rate_is_proportional_to_the_global_batch(global_batch, peak):
     ],
 )
 def test_replicas_sharing_the_same_global_batch_get_the_same_rate(cluster):
-    from tasks.strategies.common import learning_rate
+    from tasks.schedule import learning_rate
 
     spec = parse_spec({**GOYAL, **cluster})
     schedule, per_epoch = learning_rate(spec, 10)
@@ -138,7 +132,7 @@ def test_replicas_sharing_the_same_global_batch_get_the_same_rate(cluster):
 
 
 def test_without_scaling_the_rate_is_the_base_rate_whatever_the_batch():
-    from tasks.strategies.common import learning_rate, learning_rate_plan
+    from tasks.schedule import learning_rate, learning_rate_plan
 
     spec = parse_spec({**GOYAL, "lr_scaling": "none", "warmup_epochs": 1})
     assert learning_rate(spec, 10)[1] == pytest.approx([0.1] * 4)

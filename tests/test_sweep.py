@@ -11,7 +11,7 @@ import uuid
 import pytest
 from conftest import hetflow, wait_for
 
-from tasks.cluster.local import namespace_processes
+from tasks.cluster.netns import namespace_processes
 from tasks.cluster.sweep import sweep
 
 
@@ -106,13 +106,14 @@ def test_the_sweep_command_reports_what_it_removed(hetflow_env):
 
 @pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
 def test_every_teardown_sweeps_what_earlier_runs_left(hetflow_env, monkeypatch):
-    from tasks import stages
     from tasks.cluster import sweep as sweeping
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.validate_spec import validate_spec
 
     monkeypatch.setattr(sweeping, "NAMESPACE_GRACE_SECONDS", 0)
     left = f"hetflow-{uuid.uuid4().hex[:12]}"
     subprocess.run(["ip", "netns", "add", left], check=True)
     run_id = f"sweeping_teardown_{os.getpid()}"
-    stages.validate_spec({}, run_id)
-    stages.teardown_cluster(run_id)
+    validate_spec({}, run_id)
+    teardown_cluster(run_id)
     assert left not in _namespaces()

@@ -1,7 +1,7 @@
 """Airflow and MLflow as users use them: the stack of ``make up``, the trigger form in headless
 Chromium, the REST API's answer to a bad conf, and retraining started by the data Asset.
 
-One stack for the module (``python -m tasks.stack up``, what ``make up`` runs) on free ports over
+One stack for the module (``python -m devstack.stack up``, what ``make up`` runs) on free ports over
 a temporary HETFLOW_HOME; ``down`` after it, and then no process of it may be left. Screenshots go
 to tests/artifacts/ (the README's come from there).
 """
@@ -95,7 +95,7 @@ def stack(tmp_path_factory):
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
     }
     ports = ["--airflow-port", str(_free_port()), "--mlflow-port", str(_free_port())]
-    command = [sys.executable, "-m", "tasks.stack"]
+    command = [sys.executable, "-m", "devstack.stack"]
     try:
         up = subprocess.run([*command, "up", *ports], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
@@ -112,7 +112,7 @@ def stack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api(stack) -> Api:
-    from tasks.stack import password
+    from devstack.stack import password
 
     client = Api(stack["state"]["airflow_url"], "admin", password(stack["state"]))
     # The dag-processor parses dags/ within ~10 s of starting.
@@ -124,7 +124,7 @@ def api(stack) -> Api:
 
 
 def test_make_up_is_healthy_prints_the_urls_and_how_to_log_in(stack):
-    from tasks.stack import health, rss_bytes
+    from devstack.stack import health, rss_bytes
 
     state = stack["state"]
     assert all(status == "healthy" for status in health(state).values()), health(state)
@@ -172,7 +172,7 @@ def browser():
 def form_run(stack, api, browser):
     """Log in, open hetflow_train's trigger form, submit a bad cluster shape, read the error,
     fix it, submit, and wait for the run through the REST API."""
-    from tasks.stack import password
+    from devstack.stack import password
 
     state = stack["state"]
     ARTIFACTS.mkdir(exist_ok=True)

@@ -73,6 +73,6 @@ def teardown(spec: RunSpec | None, run_id: str, grace: float | None = None) -> l
         from tasks.cluster import kubernetes_backend
 
         return kubernetes_backend.teardown_run(run_id, spec.kubernetes_namespace)
-    from tasks.cluster.local import TERM_GRACE_SECONDS, teardown_run
+    from tasks.cluster.processes import TERM_GRACE_SECONDS, teardown_run
 
     return teardown_run(run_id, TERM_GRACE_SECONDS if grace is None else grace)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from tasks.cluster.layout import ClusterLayout, Replica
-from tasks.cluster.local import RUN_ID_ENV
+from tasks.cluster.processes import RUN_ID_ENV
 from tasks.spec import RunSpec
 
 # Grace between SIGTERM and SIGKILL when stopping a replica: a TF worker waiting for a peer

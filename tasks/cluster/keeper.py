@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.cluster.local import TERM_GRACE_SECONDS, Throttle, signal_group
+from tasks.cluster.processes import TERM_GRACE_SECONDS, signal_group
+from tasks.cluster.throttle import Throttle
 from tasks.paths import REPO_ROOT, RunPaths
 
 # From provisioning to the train task's start: Airflow schedules the next task within seconds,

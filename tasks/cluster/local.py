@@ -21,30 +21,31 @@ read-only, and the process has no capabilities; what a container of the docker b
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from tasks import confine
 from tasks.cluster.layout import ClusterLayout, Replica, free_local_port
+from tasks.cluster.netns import NETNS_DIR, isolate_network
+from tasks.cluster.processes import (
+    RUN_ID_ENV,
+    TERM_GRACE_SECONDS,
+    is_running,
+    stop_process_groups,
+    teardown_run,
+)
 from tasks.cluster.supervisor import ReplicaState
 from tasks.paths import REPO_ROOT, RunPaths, data_dir, hetflow_home, write_record
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
-
-RUN_ID_ENV = "HETFLOW_RUN_ID"
-TERM_GRACE_SECONDS = 10.0
-NETNS_DIR = Path("/run/netns")  # where `ip netns` names namespaces
 
 
 def core_assignment(layout: ClusterLayout) -> dict[str, int]:
@@ -68,54 +69,6 @@ def visible_gpus(layout: ClusterLayout, spec: RunSpec) -> dict[str, str]:
         else:
             visible[replica.name] = ""
     return visible
-
-
-class Throttle(threading.Thread):
-    """Simulates a machine ``slowdown`` times slower: the replica's process group runs for
-    1/slowdown of the time and is stopped (SIGSTOP) for the rest, the way ``cpulimit`` does.
-    A real limit on CPU time from outside the process, not a sleep inside the training loop."""
-
-    # Short, so the replica is slow all the time rather than absent for long stretches: with 100 ms
-    # it was stopped for 50 ms at a time (slowdown 2) and every collective could wait that long.
-    PERIOD_SECONDS = 0.02
-    MAX_STOP_PERIODS = 4
-
-    def __init__(self, pid: int, slowdown: float):
-        super().__init__(daemon=True)
-        self.pid, self.running_share = pid, 1.0 / slowdown
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        running_phase = self.PERIOD_SECONDS * self.running_share
-        # The moment at which what the replica has run so far is its share of the time.
-        even_at = continued_at = time.monotonic()
-        while True:
-            if self._wait_until(continued_at + running_phase):
-                break
-            if not signal_group(self.pid, signal.SIGSTOP):
-                return
-            stopped_at = time.monotonic()
-            # Resume at that moment, so a late SIGSTOP lengthens the stop to match: this thread
-            # wakes 2-3 ms late when the scheduler puts it on the replica's busy core, and with
-            # fixed phases slowdown 4 gave the replica 0.34 of a core, slowdown 2 0.57. A stop lasts
-            # at most MAX_STOP_PERIODS; longer debt (this thread stalled) is forgotten rather than
-            # paid back in one long absence.
-            even_at += (stopped_at - continued_at) / self.running_share
-            even_at = min(max(even_at, stopped_at), stopped_at + self.MAX_STOP_PERIODS * self.PERIOD_SECONDS)
-            stop_requested = self._wait_until(even_at)
-            continued_at = time.monotonic()  # before the call: the replica runs before kill() returns
-            signal_group(self.pid, signal.SIGCONT)
-            if stop_requested:
-                break
-        signal_group(self.pid, signal.SIGCONT)
-
-    def _wait_until(self, deadline: float) -> bool:
-        """Sleeps until ``deadline`` (monotonic); True when stop() was called meanwhile."""
-        return self.done.wait(max(0.0, deadline - time.monotonic()))
-
-    def stop(self) -> None:
-        self.done.set()
-        self.join(timeout=1)
 
 
 def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Path]]:
@@ -147,70 +100,6 @@ def port_taken(port: int) -> bool:
         except OSError:
             return True
     return False
-
-
-def namespace_name(run_id: str, home: Path) -> str:
-    """The run's network namespace: a hash of its HETFLOW_HOME and id (two homes may hold one id),
-    20 characters, which `ip netns` takes as a file name."""
-    return "hetflow-" + hashlib.sha256(f"{home}\0{run_id}".encode()).hexdigest()[:12]
-
-
-def isolate_network(run_id: str) -> dict:
-    """A fresh network namespace for the run's replicas, with only loopback up: ``{"isolated": true,
-    "namespace": NAME}``; or ``{"isolated": false, "reason": ...}`` (and a warning) where none can be
-    had: creating one takes root and iproute2."""
-    ip, nsenter = shutil.which("ip"), shutil.which("nsenter")
-    if os.geteuid() != 0:
-        return _not_isolated(run_id, "not running as root, which `ip netns add` needs")
-    if ip is None or nsenter is None:
-        return _not_isolated(run_id, "no `ip` (iproute2) or `nsenter` (util-linux) command on PATH")
-    name = namespace_name(run_id, hetflow_home())
-    # One left by an earlier provisioning of the run goes: a fresh namespace has every port free.
-    delete_namespace(name)
-    for command in (["netns", "add", name], ["-n", name, "link", "set", "lo", "up"]):
-        done = subprocess.run([ip, *command], capture_output=True, text=True)
-        if done.returncode != 0:
-            delete_namespace(name)
-            return _not_isolated(run_id, f"`ip {' '.join(command)}` failed: {done.stderr.strip()}")
-    log.info("replicas of %s run in network namespace %s, unreachable from outside it", run_id, name)
-    return {"isolated": True, "namespace": name}
-
-
-def _not_isolated(run_id: str, reason: str) -> dict:
-    log.warning(
-        "replicas of %s listen on every interface of this host, without authentication (%s): "
-        "firewall their ports or use backend=docker",
-        run_id,
-        reason,
-    )
-    return {"isolated": False, "reason": reason}
-
-
-def namespace_processes(name: str) -> list[int]:
-    """Pids of every live process in the named network namespace (what `ip netns pids` lists)."""
-    try:
-        namespace = os.stat(NETNS_DIR / name)
-    except OSError:
-        return []
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            net = os.stat(entry / "ns" / "net")
-        except OSError:
-            continue
-        if (net.st_dev, net.st_ino) == (namespace.st_dev, namespace.st_ino):
-            pids.append(int(entry.name))
-    return pids
-
-
-def delete_namespace(name: str) -> None:
-    """Remove the namespace's name; the kernel frees it once no process is left in it."""
-    if (NETNS_DIR / name).exists():
-        done = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
-        if done.returncode != 0:
-            log.warning("could not delete network namespace %s: %s", name, done.stderr.strip())
 
 
 class LocalReplicas:
@@ -374,7 +263,7 @@ class LocalReplicas:
         record = exit_path(self.run_dir, name)
         if record.exists():
             return ReplicaState(json.loads(record.read_text())["exit_code"])
-        if _running(self._keeper(name)):
+        if is_running(self._keeper(name)):
             return ReplicaState(None)
         return ReplicaState(-signal.SIGKILL)  # the keeper was killed: its replica died with it
 
@@ -403,133 +292,3 @@ class LocalReplicas:
                         yield pending.decode("utf-8", "replace").rstrip()
                     return
                 time.sleep(0.2)
-
-
-def _running(pid: int) -> bool:
-    """Whether the process is alive: a zombie is not (a keeper started by another stage's process
-    stays one until that process exits), and a child of ours that exited is reaped here."""
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def stop_process_groups(pids: list[int], grace: float = TERM_GRACE_SECONDS) -> list[int]:
-    """SIGTERM each process group, then SIGKILL what is left after ``grace`` seconds.
-
-    The escalation is needed: a TF worker waiting for a peer ignores SIGTERM (TF's preemption
-    handler catches it). Returns the pids that were still alive.
-    """
-    alive = [pid for pid in pids if signal_group(pid, signal.SIGTERM)]
-    deadline = time.monotonic() + grace
-    while alive and time.monotonic() < deadline:
-        alive_now = [pid for pid in alive if _running(pid)]
-        if not alive_now:
-            break
-        time.sleep(0.1)
-    for pid in alive:
-        signal_group(pid, signal.SIGKILL)
-    _reap(alive)
-    return alive
-
-
-def signal_group(pid: int, sig: int) -> bool:
-    try:
-        os.killpg(pid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _reap(pids: list[int]) -> None:
-    """Collect exit statuses of our own children so they do not linger as zombies."""
-    for pid in pids:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
-
-
-def environments_with(*entries: str) -> dict[int, list[bytes]]:
-    """The environment of every live process whose environment holds all ``entries``
-    (``NAME=value``), by pid."""
-    needles = [entry.encode() for entry in entries]
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if all(needle in environ for needle in needles):
-            found[int(entry.name)] = environ
-    return found
-
-
-def _run_environments(run_id: str) -> dict[int, list[bytes]]:
-    return environments_with(f"{RUN_ID_ENV}={run_id}")
-
-
-def run_processes(run_id: str) -> list[int]:
-    """Pids of every live process that carries this run's id in its environment."""
-    return list(_run_environments(run_id))
-
-
-def run_replicas(run_id: str) -> dict[str, int]:
-    """Pid of each live replica of the run (not its keeper), by name (``worker-1``), read from its
-    TF_CONFIG."""
-    replicas = {}
-    for pid, environ in _run_environments(run_id).items():
-        config = next((e for e in environ if e.startswith(b"TF_CONFIG=")), None)
-        try:
-            replica = b"tasks.replica" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if config is not None and replica:
-            task = json.loads(config.split(b"=", 1)[1])["task"]
-            replicas[f"{task['type']}-{task['index']}"] = pid
-    return replicas
-
-
-def teardown_run(run_id: str, grace: float = TERM_GRACE_SECONDS) -> list[int]:
-    """End every process of the run, found by run id whatever started it, and delete its network
-    namespace. Returns the pids ended."""
-    return _end(run_processes(run_id), [namespace_name(run_id, hetflow_home())], grace)
-
-
-def teardown_runs_of_home(home: Path) -> list[int]:
-    """End every replica and keeper of any run under ``HETFLOW_HOME=home``, found by the
-    environment its task gave it: what ``make down`` does for the runs it interrupts (a run
-    provisioned but not yet supervised lives until its keepers' attach timeout), and delete those
-    runs' network namespaces. Returns the pids."""
-    prefix = f"{RUN_ID_ENV}=".encode()
-    pids, run_ids = [], set()
-    for pid, environ in environments_with(f"HETFLOW_HOME={home}").items():
-        ids = [entry[len(prefix) :].decode() for entry in environ if entry.startswith(prefix)]
-        if ids:
-            pids.append(pid)
-            run_ids.update(ids)
-    return _end(pids, [namespace_name(run_id, home) for run_id in sorted(run_ids)])
-
-
-def _end(pids: list[int], namespaces: list[str], grace: float = TERM_GRACE_SECONDS) -> list[int]:
-    """Stop the pids' process groups and whatever else is in the run's namespaces; kill any pid left
-    (a keeper outside its own group); delete the namespaces once their processes are gone."""
-    pids = pids + [pid for name in namespaces for pid in namespace_processes(name) if pid not in pids]
-    if pids:
-        stop_process_groups(pids, grace)
-        for pid in pids:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5  # a SIGKILLed process takes a moment to leave
-        while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    for name in namespaces:
-        delete_namespace(name)
-    return pids

@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from tasks.cluster import local
+from tasks.cluster import netns
 from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, lease_path, supervisor_holds_lease
 
 log = logging.getLogger("hetflow.cluster")
@@ -33,13 +33,13 @@ def _created_at(path: Path) -> float:
 
 def empty_namespaces(grace_seconds: float = NAMESPACE_GRACE_SECONDS) -> list[str]:
     """hetflow's network namespaces with no process in them, older than ``grace_seconds``."""
-    if not local.NETNS_DIR.is_dir():
+    if not netns.NETNS_DIR.is_dir():
         return []
     now = time.time()
     return sorted(
         path.name
-        for path in local.NETNS_DIR.glob("hetflow-*")
-        if now - _created_at(path) > grace_seconds and not local.namespace_processes(path.name)
+        for path in netns.NETNS_DIR.glob("hetflow-*")
+        if now - _created_at(path) > grace_seconds and not netns.namespace_processes(path.name)
     )
 
 
@@ -112,6 +112,6 @@ def sweep(
     namespace_grace = NAMESPACE_GRACE_SECONDS if namespace_grace is None else namespace_grace
     namespaces = empty_namespaces(namespace_grace)
     for name in namespaces:
-        local.delete_namespace(name)
+        netns.delete_namespace(name)
         log.info("sweep: deleted network namespace %s, which no process was left in", name)
     return {"namespaces": namespaces, **sweep_containers(home, attach_seconds)}

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from tasks.paths import data_dir as shared_data_dir
 from tasks.paths import write_record
 
 # Builders that need no network. Importing their module registers them with TFDS. Image folders
@@ -25,6 +26,12 @@ OFFLINE_DATASETS = ("uci_digits", "synthetic_cifar")
 _FINGERPRINT_CACHE = "hetflow_fingerprint.json"
 # The last fingerprint prepared of each dataset, to tell new data from re-used or re-built data.
 _CURRENT_FINGERPRINTS = "hetflow_fingerprints.json"
+
+
+def dataset_dir(spec) -> Path:
+    """Where the run's TFDS datasets and image folders are prepared: the spec's data_dir, else the
+    data dir every run shares."""
+    return Path(spec.data_dir) if spec.data_dir else shared_data_dir()
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ device scope, which ``model.fit`` would not do.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import tensorflow as tf
@@ -21,32 +20,21 @@ import tensorflow as tf
 from tasks.data.pipeline import eval_input, train_input
 from tasks.models import build_model_parallel
 from tasks.paths import RunPaths
+from tasks.replica.checkpoint import EpochCheckpoint
+from tasks.replica.loop import EpochLoop, validation_sums
+from tasks.replica.record import Trained, worker_rate
+from tasks.replica.runtime import local_devices
+from tasks.schedule import make_optimizer, steps_per_epoch
 from tasks.spec import RunSpec
-from tasks.strategies.common import (
-    EpochCheckpoint,
-    TrainingClock,
-    learning_rate,
-    local_devices,
-    make_optimizer,
-    one_step_at_a_time,
-    run_epochs,
-    save_model,
-    steps_per_epoch,
-    training_record,
-    validation_sums,
-    worker_rate,
-    write_training_record,
-)
 
 
-def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
+def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
     devices = local_devices(spec.worker_device(0).count)
     model, groups = build_model_parallel(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed, devices)
     for device, layers in groups:
         print(f"{device}: {', '.join(layer.name for layer in layers)}", flush=True)
-    steps = steps_per_epoch(spec, dataset)
-    schedule, lr_per_epoch = learning_rate(spec, steps)
-    optimizer = make_optimizer(spec, schedule)
+    loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
+    optimizer = make_optimizer(spec, loop.schedule)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def forward(images, training: bool):
@@ -70,34 +58,18 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
     predict = tf.function(lambda images: forward(images, training=False))
     batches = iter(train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed))
     checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer)
-    clock = TrainingClock(spec.target_accuracy)
-    started = time.perf_counter()
     validation = eval_input(dataset, "validation")
-    history = run_epochs(
-        spec,
-        steps,
-        one_step_at_a_time(lambda: train_step(*next(batches)), steps, clock),
+    loop.run(
+        loop.one_step_at_a_time(lambda: train_step(*next(batches))),
         lambda: validation_sums(predict, validation),
         checkpoint,
-        clock,
     )
-    train_seconds = time.perf_counter() - started
-    save_model(model, spec, dataset, paths.model)
-    write_training_record(
-        paths,
-        training_record(
-            spec,
-            steps=steps,
-            replicas_in_sync=1,
-            history=history,
-            lr_per_epoch=lr_per_epoch,
-            clock=clock,
-            train_seconds=train_seconds,
-            per_worker={"worker-0": worker_rate(spec.batch_size, clock.epochs_done * steps, train_seconds)},
-            layer_placement=[
-                {"layer": layer.name, "device": device, "variables": sorted({v.device for v in layer.weights})}
-                for device, layers in groups
-                for layer in layers
-            ],
-        ),
+    placement = [
+        {"layer": layer.name, "device": device, "variables": sorted({v.device for v in layer.weights})}
+        for device, layers in groups
+        for layer in layers
+    ]
+    worker = worker_rate(spec.batch_size, loop.clock.epochs_done * loop.steps, loop.train_seconds)
+    return Trained(
+        loop, model, {"replicas_in_sync": 1, "per_worker": {"worker-0": worker}, "layer_placement": placement}
     )

@@ -1,6 +1,6 @@
 """``make up-docker``'s env file: the secrets and settings docker/compose.yaml is started with.
 
-The compose stack takes the secrets ``make up`` generates for this HETFLOW_HOME (``tasks.stack``:
+The compose stack takes the secrets ``make up`` generates for this HETFLOW_HOME (``devstack.secrets``:
 once, into ``$HETFLOW_HOME/stack/``, folder 0700, files 0600), plus a Fernet key that its Airflow
 containers, each with an Airflow home of its own, must share. The env file is rewritten on every
 start from those files, so the values stay the same. The admin's password stays in
@@ -16,10 +16,9 @@ import os
 import sys
 from pathlib import Path
 
+# make up's own secrets, so both stacks make and keep their secrets one way.
+from devstack.secrets import generated_once, password_file, stack_dir, stack_secrets, write_private
 from tasks.paths import hetflow_home
-
-# tasks.stack's own helpers, so both stacks make and keep their secrets one way.
-from tasks.stack import generated_once, password_file, stack_dir, stack_secrets, write_private
 
 DOCKER_SOCKET = Path("/var/run/docker.sock")
 
@@ -51,7 +50,7 @@ def write_env_file(socket: Path, login: bool = True) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tasks.compose_env", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m devstack.compose_env", description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-login", action="store_true", help="everyone is admin: local development only")
     args = parser.parse_args(argv)
     path = write_env_file(DOCKER_SOCKET, login=not args.no_login)

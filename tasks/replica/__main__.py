@@ -1,4 +1,4 @@
-"""Entry point of every replica, in every backend: ``python -m tasks.replica --run-dir DIR``.
+"""The entry point of every replica, in every backend: ``python -m tasks.replica --run-dir DIR``.
 
 The replica learns its role from ``TF_CONFIG`` and the run from the run directory (spec.json and
 dataset.json, written by earlier stages).
@@ -19,6 +19,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
+from typing import Any
 
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
@@ -35,9 +36,31 @@ def main(argv: list[str] | None = None) -> None:
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     print(f"replica {task['type']}-{task['index']} pid {os.getpid()} strategy={spec.strategy}", flush=True)
 
-    from tasks.strategies import run_replica
-
     run_replica(spec, dataset, paths, task, probe=args.probe)
+
+
+def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], probe: bool) -> None:
+    """This replica's part: the probe, serving variables and steps (parameter_server's ps and
+    workers), or training with the spec's strategy and writing its results."""
+    from tasks.replica.runtime import configure_runtime
+
+    configure_runtime(spec, task)
+    if probe:
+        from tasks.replica.probe import file_barrier, measure
+
+        barrier = file_barrier(paths.probes, f"{task['type']}-{task['index']}", spec.workers)
+        measure(spec, dataset, paths, task, barrier)
+        return
+    from tasks.replica import model_parallel, parameter_server, sync
+    from tasks.replica.record import finish
+
+    if spec.strategy == "parameter_server" and task["type"] != "chief":
+        parameter_server.serve(task)
+        return
+    train = {"parameter_server": parameter_server.train, "model_parallel": model_parallel.train}.get(
+        spec.strategy, sync.train
+    )
+    finish(spec, dataset, paths, train(spec, dataset, paths, task))
 
 
 def run_and_exit() -> None:

@@ -1,11 +1,9 @@
 """What a model was trained on and how training went, in the forms MLflow and TensorFlow users open
 first: the dataset as an MLflow dataset input (the run page's dataset panel), the curves as
-TensorBoard event files, and the key that tells a repeated training from a new one."""
+TensorBoard event files."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import shutil
 from pathlib import Path
 
@@ -16,40 +14,9 @@ from mlflow.entities import DatasetInput, InputTag
 from mlflow.types import Schema, TensorSpec
 
 from mlflow import MlflowClient
-from tasks.spec import RunSpec
 
 # MLflow stores a dataset digest in 36 characters; the full fingerprint is in the run's tags.
 _DIGEST_CHARS = 36
-
-
-def training_key(spec: RunSpec, fingerprint: str) -> str:
-    """Names one training: the requested spec (less the switch that asks whether to repeat it) and
-    the fingerprint of the data. Two runs with the same key would train the same model."""
-    requested = spec.model_dump(mode="json", exclude={"skip_unchanged"})
-    text = json.dumps({"spec": requested, "data_fingerprint": fingerprint}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-TRAINING_KEY_TAG = "hetflow.training_key"  # on every model version: the training_key it came from
-
-
-def trained_before(client: MlflowClient, registered_model: str, key: str, airflow_run_id: str) -> dict | None:
-    """The version of ``registered_model`` that another Airflow run already trained with ``key``, or
-    None. This run's own version (a Clear re-runs its stages) does not count."""
-    if not client.search_registered_models(f"name = '{registered_model}'"):
-        return None
-    for version in client.search_model_versions(
-        f"name = '{registered_model}' and tags.`{TRAINING_KEY_TAG}` = '{key}'", order_by=["version_number ASC"]
-    ):
-        if version.tags.get("airflow.run_id") != airflow_run_id:
-            return {
-                "model_name": registered_model,
-                "version": int(version.version),
-                "mlflow_run_id": version.run_id,
-                "airflow_run_id": version.tags.get("airflow.run_id"),
-                "aliases": sorted(version.aliases),
-            }
-    return None
 
 
 def dataset_input(dataset: dict) -> DatasetInput:

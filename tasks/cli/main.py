@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
-import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from tasks.paths import REPO_ROOT, hetflow_home, run_paths
+from tasks.cli.dag_run import run_dag
+from tasks.paths import hetflow_home, run_paths
 from tasks.spec import SpecError, parse_assignment, parse_spec
-
-DAG_ID = "hetflow_train"
 
 
 def spec_values(config: Path | None, assignments: list[str]) -> dict[str, Any]:
@@ -36,86 +32,6 @@ def spec_values(config: Path | None, assignments: list[str]) -> dict[str, Any]:
     return values
 
 
-def airflow_environment() -> dict[str, str]:
-    """Airflow settings for hetflow's own Airflow home (a metadata DB per HETFLOW_HOME)."""
-    return {
-        "AIRFLOW_HOME": str(hetflow_home() / "airflow"),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        # The default pre-forks 32 workers (~6 GB); 2 cores need a handful.
-        "AIRFLOW__CORE__PARALLELISM": "4",
-    }
-
-
-def _ensure_airflow_db() -> None:
-    """Create Airflow's metadata DB on first use (``airflow db migrate`` is idempotent but slow)."""
-    db = Path(os.environ["AIRFLOW_HOME"]) / "airflow.db"
-    if not db.exists():
-        print(f"creating the Airflow metadata DB in {db.parent} ...", flush=True)
-        subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
-
-
-def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
-    """Run hetflow_train once with ``conf`` through Airflow's ``dag.test``; return summary.json's path.
-
-    :param log_file: where everything the run prints goes, the terminal showing only the live view
-        (``tasks.live_view``); None prints it all as it comes.
-    """
-    from tasks import stages
-
-    for key, value in airflow_environment().items():
-        os.environ.setdefault(key, value)
-    _ensure_airflow_db()
-    stages.IMPORT_LATER_STAGES = True  # dag.test runs every task in this process
-    with _output_to(log_file) if log_file else contextlib.nullcontext() as terminal:
-        from airflow.dag_processing.dagbag import DagBag  # sets up Airflow's logging: the view comes after
-
-        with _live_view(terminal) if terminal else contextlib.nullcontext():
-            bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
-            if bag.import_errors:
-                raise RuntimeError(f"DAG import errors: {bag.import_errors}")
-            dag_run = bag.get_dag(DAG_ID).test(run_conf=conf)
-    return run_paths(dag_run.run_id).summary
-
-
-@contextlib.contextmanager
-def _output_to(log_file: Path):
-    """Send this process's stdout and stderr (Airflow's structured log, TensorFlow's C++ log, TFDS'
-    progress bars: they write there in ways no logging handler sees) to ``log_file``; yield the
-    terminal."""
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    terminal = os.fdopen(os.dup(1), "w", buffering=1)
-    target = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(target, 1)
-    os.dup2(target, 2)
-    os.close(target)
-    try:
-        yield terminal
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in saved:
-            os.close(fd)
-        terminal.close()
-
-
-@contextlib.contextmanager
-def _live_view(terminal):
-    from tasks.live_view import LiveView
-
-    view = LiveView(terminal)
-    logging.getLogger().addHandler(view)
-    try:
-        yield
-    finally:
-        logging.getLogger().removeHandler(view)
-
-
 def _cmd_validate(args) -> int:
     spec = parse_spec(spec_values(args.config, args.set))
     print(json.dumps(spec.model_dump(), indent=2))
@@ -123,7 +39,7 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from tasks.stages import data_problems
+    from tasks.validate_spec import data_problems
 
     values = spec_values(args.config, args.set)
     # Fail here, before Airflow or any replica starts.
@@ -135,11 +51,12 @@ def _cmd_run(args) -> int:
     try:
         summary_path = run_dag(values, log_file)
     except KeyboardInterrupt:
-        from tasks import stages
+        from tasks.provision_cluster import PROVISIONED_HERE
+        from tasks.teardown_cluster import teardown_cluster
 
-        for run_id in sorted(stages.PROVISIONED_HERE):
+        for run_id in sorted(PROVISIONED_HERE):
             print(f"\ninterrupted: tearing down {run_id}", file=sys.stderr)
-            stages.teardown_cluster(run_id)
+            teardown_cluster(run_id)
         return 130
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "failed"}
     metrics = summary.get("metrics") or {}
@@ -181,16 +98,20 @@ def train_run_id() -> str:
 
 def _cmd_train(args) -> int:
     """Only the training stage (validate, prepare, provision, train, teardown): for development."""
-    from tasks import stages
+    from tasks.prepare_data import prepare_data
+    from tasks.provision_cluster import provision_cluster
+    from tasks.teardown_cluster import teardown_cluster
+    from tasks.train import train
+    from tasks.validate_spec import validate_spec
 
     run_id = train_run_id()
-    stages.validate_spec(spec_values(args.config, args.set), run_id)
-    stages.prepare_data(run_id)
-    stages.provision_cluster(run_id)
+    validate_spec(spec_values(args.config, args.set), run_id)
+    prepare_data(run_id)
+    provision_cluster(run_id)
     try:
-        training = stages.train(run_id)
+        training = train(run_id)
     finally:
-        stages.teardown_cluster(run_id)
+        teardown_cluster(run_id)
     print(json.dumps({k: v for k, v in training.items() if k != "history"}, indent=2))
     print(run_paths(run_id).training)
     return 0

@@ -32,32 +32,21 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import time
 from typing import Any
 
 import tensorflow as tf
 
-from tasks.auto import split_batch
+from tasks.batch_shares import split_batch
 from tasks.data.pipeline import eval_input, train_slices
 from tasks.models import build_model
 from tasks.paths import RunPaths, write_record
+from tasks.replica.checkpoint import EpochCheckpoint
+from tasks.replica.loop import EpochLoop, validation_sums
+from tasks.replica.probe import measure
+from tasks.replica.record import Trained, worker_rate
+from tasks.replica.runtime import local_devices
+from tasks.schedule import make_optimizer, steps_per_epoch
 from tasks.spec import RunSpec
-from tasks.strategies.common import (
-    EpochCheckpoint,
-    TrainingClock,
-    learning_rate,
-    local_devices,
-    make_optimizer,
-    one_step_at_a_time,
-    run_epochs,
-    save_model,
-    steps_per_epoch,
-    training_record,
-    validation_sums,
-    worker_rate,
-    write_training_record,
-)
-from tasks.strategies.probe import measure
 
 
 def make_strategy(spec: RunSpec) -> tf.distribute.Strategy:
@@ -109,7 +98,7 @@ def worker_shares(
     return shares
 
 
-def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
+def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
     strategy = make_strategy(spec)
     workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
     local_replicas = strategy.num_replicas_in_sync // workers
@@ -129,11 +118,10 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     shares = worker_shares(spec, dataset, paths, task, workers, sum_over_workers)
     replica_shares = [part for share in shares for part in split_batch(share, [1.0] * local_replicas)]
     offsets = [0, *itertools.accumulate(replica_shares)]
-    steps = steps_per_epoch(spec, dataset)
-    schedule, lr_per_epoch = learning_rate(spec, steps)
+    loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
-        optimizer = make_optimizer(spec, schedule)
+        optimizer = make_optimizer(spec, loop.schedule)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
     def worker_slices(worker: int) -> tf.data.Dataset:
@@ -179,7 +167,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     @tf.function
     def train_step(iterator):
         # This worker's part only: summing loss and accuracy over workers every step would add two
-        # collectives per step, each waiting on the slowest worker; run_epochs sums once per epoch.
+        # collectives per step, each waiting on the slowest worker; the epoch loop sums once per epoch.
         loss, correct = strategy.run(replica_step, args=next(iterator))
         return tuple(tf.add_n(strategy.experimental_local_results(value)) for value in (loss, correct))
 
@@ -193,42 +181,25 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
 
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
-    clock = TrainingClock(spec.target_accuracy)
     kind = "balanced" if spec.balance_batches else "equal"
     print(f"{kind} batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
-    started = time.perf_counter()
-    history = run_epochs(
-        spec,
-        steps,
-        one_step_at_a_time(lambda: train_step(batches), steps, clock),
+    loop.run(
+        loop.one_step_at_a_time(lambda: train_step(batches)),
         lambda: validation_sums(predict, my_validation),
         checkpoint,
-        clock,
         sum_over_workers if workers > 1 else None,
     )
-    train_seconds = time.perf_counter() - started
-
-    save_model(model, spec, dataset, paths.model, chief=is_chief(task))
-    if not is_chief(task):
-        return
-    total_steps = clock.epochs_done * steps
-    write_training_record(
-        paths,
-        training_record(
-            spec,
-            steps=steps,
-            replicas_in_sync=strategy.num_replicas_in_sync,
-            history=history,
-            lr_per_epoch=lr_per_epoch,
-            clock=clock,
-            train_seconds=train_seconds,
-            per_worker={
-                f"worker-{i}": {**worker_rate(share, total_steps, train_seconds), "batch": share}
-                for i, share in enumerate(shares)
-            },
-            # Without balance_batches the shares are equal (validation requires it).
-            per_replica_batch=replica_shares if spec.balance_batches else replica_shares[0],
-            balanced=spec.balance_batches,
-            worker_batches=shares,
-        ),
-    )
+    total_steps = loop.clock.epochs_done * loop.steps
+    per_worker = {
+        f"worker-{i}": {**worker_rate(share, total_steps, loop.train_seconds), "batch": share}
+        for i, share in enumerate(shares)
+    }
+    fields = {
+        "replicas_in_sync": strategy.num_replicas_in_sync,
+        "per_worker": per_worker,
+        # Without balance_batches the shares are equal (validation requires it).
+        "per_replica_batch": replica_shares if spec.balance_batches else replica_shares[0],
+        "balanced": spec.balance_batches,
+        "worker_batches": shares,
+    }
+    return Trained(loop, model, fields, chief=is_chief(task))

@@ -1,7 +1,7 @@
-"""Acting on measured speeds: the probe of every worker, batch shares proportional to speed, and
-``strategy=auto``'s choice between one device, sync, balanced sync and async.
+"""``strategy=auto``'s policy: from the workers' measured speeds, the choice between one device,
+sync, balanced sync and async, and the sentence saying why.
 
-The advice this encodes (DESIGN.md §1): synchronous training when workers are about equally fast,
+The advice this encodes: synchronous training when workers are about equally fast,
 since every step waits for the slowest; with unequal workers either give each a share of the
 batch proportional to its speed (balanced sync: nobody waits, the update stays exact) or let each
 apply its own updates (async). And do not distribute at all when a step is so short that
@@ -10,55 +10,19 @@ all-reduce would cost more than it saves.
 
 from __future__ import annotations
 
-import json
-import logging
-import shutil
 from typing import Any
 
-from tasks.paths import RunPaths, write_record
-from tasks.spec import RunSpec, parse_spec
-
-log = logging.getLogger("hetflow.auto")
+from tasks.batch_shares import split_batch
+from tasks.spec import RunSpec
 
 # A step shorter than this on the fastest worker is dominated by all-reduce on CPU replicas
-# (2 gRPC workers ran a small MLP 2-3x slower than one: DESIGN.md §5).
+# (2 gRPC workers ran a small MLP 2-3x slower than one, measured on 2 cores).
 MIN_STEP_SECONDS_TO_DISTRIBUTE = 0.020
 # Speed spread (fastest / slowest) up to which workers count as even.
 EVEN_SPREAD = 1.2
 # Beyond this spread the slowest worker's share of a balanced batch gets too small to use its
 # device well: async lets it work on full batches of its own.
 ASYNC_SPREAD = 4.0
-
-
-def probe_workers(spec: RunSpec, run_id: str, paths: RunPaths) -> list[dict[str, Any]]:
-    """Run every worker alone for a few seconds, all at once (as they will train), on the run's
-    backend, and collect their measured speed, in worker order."""
-    from tasks.cluster import backends
-
-    workers_only = spec.model_copy(update={"strategy": "multi_worker_mirrored", "ps": 0})
-    cluster = backends.replicas(spec, backends.plan(workers_only, run_id), paths.root, probe=True)
-    shutil.rmtree(paths.probes, ignore_errors=True)  # a retried probe must not meet the last one's barrier marks
-    try:
-        cluster.provision()
-        backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
-    finally:
-        backends.teardown(spec, run_id)
-    return [json.loads((paths.probes / f"worker-{i}.json").read_text()) for i in range(spec.workers)]
-
-
-def split_batch(global_batch: int, speeds: list[float]) -> list[int]:
-    """Shares of ``global_batch`` proportional to ``speeds``, each at least 1, summing exactly."""
-    total = sum(speeds)
-    shares = [max(1, int(global_batch * speed / total)) for speed in speeds]
-    # Hand out what rounding left over (or take back the excess) largest-remainder first.
-    order = sorted(range(len(speeds)), key=lambda i: global_batch * speeds[i] / total - shares[i], reverse=True)
-    while sum(shares) < global_batch:
-        shares[order[0]] += 1
-        order = order[1:] + order[:1]
-    while sum(shares) > global_batch:
-        largest = max(range(len(shares)), key=lambda i: shares[i])
-        shares[largest] -= 1
-    return shares
 
 
 def decide(spec: RunSpec, probes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -104,19 +68,3 @@ def decide(spec: RunSpec, probes: list[dict[str, Any]]) -> dict[str, Any]:
         f"worker's balanced share would be {min(shares)} examples, so each worker applies its own batches of "
         f"{per_worker} instead",
     }
-
-
-def plan_training(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
-    """Probe the workers and resolve ``strategy=auto`` (with the batch shares when it chooses
-    balanced sync). Writes plan.json and returns the spec to train with (the requested one stays
-    in the plan)."""
-    probes = probe_workers(spec, run_id, paths)
-    decision = decide(spec, probes)
-    log.info("%s", decision["reason"])
-    plan: dict[str, Any] = {"requested": spec.model_dump(), "probes": probes, "decision": decision}
-    spec = parse_spec({**spec.model_dump(), **decision["settings"]})
-    if spec.balance_batches:
-        plan["worker_batches"] = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
-        log.info("balanced per-worker batches: %s", plan["worker_batches"])
-    write_record(paths.plan, plan)
-    return spec

@@ -13,8 +13,8 @@ from typing import Any
 from tasks.data.pipeline import train_input
 from tasks.models import build_model, compile_model
 from tasks.paths import RunPaths, write_record
+from tasks.schedule import make_optimizer
 from tasks.spec import RunSpec
-from tasks.strategies.common import make_optimizer
 
 BARRIER_TIMEOUT_SECONDS = 300.0
 WARMUP_STEPS = 5  # tracing and first-touch costs stay out of the measurement

@@ -12,7 +12,6 @@ schedule costs a round trip (the same idea as ``steps_per_execution``).
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from typing import Any
 
@@ -22,20 +21,11 @@ import tensorflow as tf
 from tasks.data.pipeline import eval_input, train_input
 from tasks.models import build_model
 from tasks.paths import RunPaths
+from tasks.replica.checkpoint import EpochCheckpoint
+from tasks.replica.loop import EpochLoop, validation_sums
+from tasks.replica.record import Trained, worker_rate
+from tasks.schedule import make_optimizer, steps_per_epoch
 from tasks.spec import RunSpec
-from tasks.strategies.common import (
-    EpochCheckpoint,
-    TrainingClock,
-    learning_rate,
-    make_optimizer,
-    run_epochs,
-    save_model,
-    steps_per_epoch,
-    training_record,
-    validation_sums,
-    worker_rate,
-    write_training_record,
-)
 
 STEPS_PER_CLOSURE = 10
 # Variables above this size are split over the ps (at most one shard per ps).
@@ -65,7 +55,8 @@ def _per_worker_ids(coordinator):
     return tf.distribute.experimental.coordinator.PerWorkerValues(ids)
 
 
-def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
+def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
+    """The chief's part: the other replicas ``serve``."""
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.ParameterServerStrategy(
         resolver,
@@ -75,12 +66,11 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
     )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     closures_per_epoch = -(-steps_per_epoch(spec, dataset) // STEPS_PER_CLOSURE)  # ceil: at least the steps asked for
-    steps = closures_per_epoch * STEPS_PER_CLOSURE
     # Async: every update is one worker's batch_size examples, the batch the scaling rule sees.
-    schedule, lr_per_epoch = learning_rate(spec, steps)
+    loop = EpochLoop(spec, closures_per_epoch * STEPS_PER_CLOSURE)
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
-        optimizer = make_optimizer(spec, schedule)
+        optimizer = make_optimizer(spec, loop.schedule)
         # Counts applied updates; lives on a ps, so every worker sees the others' increments.
         updates_applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates_applied")
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
@@ -132,9 +122,9 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
 
     def train_epoch() -> tuple[float, float]:
         results = [coordinator.schedule(run_closure, args=(iterator, worker_ids)) for _ in range(closures_per_epoch)]
-        if clock.first_step_seconds is None:
+        if loop.clock.first_step_seconds is None:
             results[0].fetch()  # the first closure's steps done: not the whole first epoch's
-            clock.first_step_done()
+            loop.clock.first_step_done()
         coordinator.join()  # bounds the updates in flight, and so the staleness, to one epoch's
         loss_sum, correct = 0.0, 0.0
         for result in results:
@@ -146,26 +136,14 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
         return loss_sum, correct
 
     def describe_staleness() -> str:
-        this_epoch = all_staleness[-steps:]
+        this_epoch = all_staleness[-loop.steps :]
         return f"staleness mean {np.mean(this_epoch):.2f} max {max(this_epoch)}"
 
     predict = tf.function(lambda images: model(images, training=False))
     validation = eval_input(dataset, "validation")
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer, updates_applied=updates_applied)
-    clock = TrainingClock(spec.target_accuracy)
-    started = time.perf_counter()
-    history = run_epochs(
-        spec,
-        steps,
-        train_epoch,
-        lambda: validation_sums(predict, validation),
-        checkpoint,
-        clock,
-        describe_epoch=describe_staleness,
-    )
-    train_seconds = time.perf_counter() - started
-    save_model(model, spec, dataset, paths.model)
+    loop.run(train_epoch, lambda: validation_sums(predict, validation), checkpoint, describe_epoch=describe_staleness)
 
     # The model lists a sharded variable as its parts, named <variable>/part_<i>.
     shards: dict[str, list[dict[str, Any]]] = {}
@@ -173,33 +151,24 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths) -> None:
         whole, marker, _ = variable.name.rpartition("/part_")
         if marker:
             shards.setdefault(whole, []).append({"shape": variable.shape.as_list(), "device": variable.device})
-    write_training_record(
-        paths,
-        training_record(
-            spec,
-            steps=steps,
-            replicas_in_sync=1,
-            history=history,
-            lr_per_epoch=lr_per_epoch,
-            clock=clock,
-            train_seconds=train_seconds,
-            # Each worker's share of the steps, and the staleness of the updates it applied.
-            per_worker={
-                f"worker-{worker}": {
-                    **worker_rate(spec.batch_size, len(seen), train_seconds),
-                    "staleness_mean": float(np.mean(seen)),
-                    "staleness_max": int(max(seen)),
-                }
-                for worker, seen in sorted(staleness_by_worker.items())
-            },
-            # None when this attempt applied no update (a retry after the last epoch's checkpoint).
-            staleness={
-                "mean": float(np.mean(all_staleness)),
-                "max": int(max(all_staleness)),
-                "histogram": {str(k): v for k, v in sorted(Counter(all_staleness).items())},
-            }
-            if all_staleness
-            else None,
-            sharded_variables=shards,
-        ),
+    # Each worker's share of the steps, and the staleness of the updates it applied.
+    per_worker = {
+        f"worker-{worker}": {
+            **worker_rate(spec.batch_size, len(seen), loop.train_seconds),
+            "staleness_mean": float(np.mean(seen)),
+            "staleness_max": int(max(seen)),
+        }
+        for worker, seen in sorted(staleness_by_worker.items())
+    }
+    # None when this attempt applied no update (a retry after the last epoch's checkpoint).
+    staleness = (
+        {
+            "mean": float(np.mean(all_staleness)),
+            "max": int(max(all_staleness)),
+            "histogram": {str(k): v for k, v in sorted(Counter(all_staleness).items())},
+        }
+        if all_staleness
+        else None
     )
+    fields = {"replicas_in_sync": 1, "per_worker": per_worker, "staleness": staleness, "sharded_variables": shards}
+    return Trained(loop, model, fields)

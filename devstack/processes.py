@@ -1,0 +1,141 @@
+"""The stack's five processes: Airflow's api-server, scheduler, dag-processor and triggerer
+(LocalExecutor) and ``mlflow server`` — starting them, telling whether one still runs, stopping them.
+
+Each is started in a session of its own, so that stopping it can signal its whole process group
+(uvicorn workers, executor workers, task supervisors and the replicas they started) and then kill
+whatever of its descendants is left. A component is known by its pid with its create time, checked
+before signalling (a pid the system gave to another process is left alone); its descendants by the
+stack's id in their environment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from devstack.secrets import open_private, private_dir, stack_dir
+from tasks.cluster.processes import environments_with
+from tasks.paths import REPO_ROOT
+from tasks.registry.store import tracking_uri
+
+STACK_ID_ENV = "HETFLOW_STACK_ID"  # in every component's environment, so in their descendants'
+STOP_GRACE = 20  # seconds between SIGTERM and SIGKILL
+
+
+def _log(component: str):
+    """The component's log file, appended to, readable by its owner only."""
+    logs = private_dir(stack_dir() / "logs")
+    return os.fdopen(open_private(logs / f"{component}.log", os.O_APPEND), "ab")
+
+
+def _sqlite_store() -> Path:
+    uri = tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        raise SystemExit(f"make up serves a SQLite MLflow store; MLFLOW_TRACKING_URI={uri} is not one")
+    return Path(uri.removeprefix("sqlite:///"))
+
+
+def _commands(airflow_port: int, mlflow_port: int) -> dict[str, list[str]]:
+    airflow = [sys.executable, "-m", "airflow"]
+    store = _sqlite_store()
+    return {
+        "api-server": [*airflow, "api-server", "--host", "127.0.0.1", "--port", str(airflow_port)],
+        "scheduler": [*airflow, "scheduler"],
+        "dag-processor": [*airflow, "dag-processor"],
+        "triggerer": [*airflow, "triggerer"],
+        "mlflow": [
+            sys.executable, "-m", "mlflow", "server",
+            "--backend-store-uri", f"sqlite:///{store}",
+            # Where the registry puts the hetflow experiment's artifacts for a SQLite store.
+            "--default-artifact-root", (store.parent / "artifacts").as_uri(),
+            "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
+        ],
+    }  # fmt: skip
+
+
+def create_time(pid: int) -> str | None:
+    """When the process was created: this boot's id and the clock ticks from boot to its start
+    (field 22 of /proc/PID/stat). With the pid it names one process; unlike psutil's create_time()
+    it does not move when the wall clock is set. None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    # Field 2, the command name, may hold spaces and parentheses: count the fields after its ')'.
+    return f"{boot}+{stat[stat.rindex(')') + 2 :].split()[19]}"
+
+
+def start(env: dict[str, str], airflow_port: int, mlflow_port: int) -> dict[str, dict]:
+    """Start every component in a session of its own, its output appended to ``stack/logs/``.
+    Returns each one's pid and create time, by name."""
+    started = {}
+    for name, command in _commands(airflow_port, mlflow_port).items():
+        with _log(name) as log:
+            process = subprocess.Popen(
+                command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        started[name] = {"pid": process.pid, "create_time": create_time(process.pid)}
+    return started
+
+
+def running(started: dict) -> psutil.Process | None:
+    """The process ``start`` started (``started``: its pid and create time), if it still runs;
+    None if it has ended or its pid now belongs to another process."""
+    try:
+        process = psutil.Process(started["pid"])
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+    except psutil.NoSuchProcess:
+        return None
+    return process if create_time(process.pid) == started["create_time"] else None
+
+
+def _carrying_stack_id(stack_id: str) -> list[psutil.Process]:
+    """Live processes with this stack's id in their environment: the components and every
+    descendant, also one whose component has died (which leaves no group to signal)."""
+    found = []
+    for pid in environments_with(f"{STACK_ID_ENV}={stack_id}"):
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def stop(started: dict[str, dict], stack_id: str) -> list[str]:
+    """Stop the components ``start`` started by process group, and each descendant outside those
+    groups; kill whatever outlived SIGTERM. Returns the names of those that still ran: the others
+    had ended, or their pid is now another process's, which is left alone."""
+    components = {name: running(process) for name, process in started.items()}
+    groups = {process.pid for process in components.values() if process}  # each leads its session's group
+    processes = set(_carrying_stack_id(stack_id))
+    for process in components.values():
+        try:
+            processes.update(process.children(recursive=True) if process else [])  # one that reset its environment
+        except psutil.NoSuchProcess:
+            pass
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for process in processes:
+        try:
+            if os.getpgid(process.pid) not in groups:
+                process.terminate()  # psutil refuses if the pid was reused meanwhile
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=STOP_GRACE)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return [name for name, process in components.items() if process]

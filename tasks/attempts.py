@@ -1,0 +1,92 @@
+"""A stage's attempt: the records it owns in the run directory, the receipt it leaves, its timing.
+
+Every DAG task but ``teardown_cluster`` and ``summarize`` is a stage: a plain function of the
+Airflow run id (no Airflow import) that reads what earlier stages wrote in the run directory and
+writes its own record there, so any stage can be re-run (an Airflow retry, a Clear) or run outside
+Airflow (``hetflow train``, tests). Each attempt of a stage first removes its own record and every
+later stage's, and when it succeeds leaves a receipt naming itself (``attempts/<stage>.json``):
+``summarize`` trusts a record only with the receipt of the attempt Airflow reports as the stage's
+last, successful try.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import time
+import uuid
+from typing import Any, Callable
+
+from tasks import timings
+from tasks.paths import RunPaths, write_record
+from tasks.spec import RunSpec
+
+log = logging.getLogger("hetflow.stages")
+
+# (stage, the record it writes), in DAG order; the stages' names are their Airflow task ids.
+STAGE_OUTPUTS = (
+    ("validate_spec", "spec"),
+    ("prepare_data", "dataset"),
+    ("provision_cluster", "cluster"),
+    ("train", "training"),
+    ("evaluate", "evaluation"),
+    ("compress", "compression"),
+    ("export", "export"),
+    ("register", "registry"),
+)
+STAGES = tuple(stage for stage, _ in STAGE_OUTPUTS)
+
+
+def reported(stage: Callable) -> Callable:
+    """Time a DAG task (``tasks.timings``: its receipt records where its time went) and log its
+    failure, with its reason, on the stages' logger: Airflow reports it in its own structured log,
+    which `hetflow run`'s live view does not read."""
+
+    @functools.wraps(stage)
+    def run(*args, **kwargs):
+        with timings.stage_clock():
+            try:
+                return stage(*args, **kwargs)
+            except Exception as error:
+                log.error(
+                    "%s failed: %s: %s",
+                    stage.__name__,
+                    type(error).__name__,
+                    str(error).splitlines()[0] if str(error) else "",
+                )
+                raise
+
+    return run
+
+
+def read_record(path) -> Any:
+    return json.loads(path.read_text())
+
+
+def load_spec(paths: RunPaths) -> RunSpec:
+    return RunSpec.model_validate_json(paths.spec.read_text())
+
+
+@contextlib.contextmanager
+def attempt(paths: RunPaths, stage: str, run_id: str, try_number: int | None):
+    """One attempt of ``stage``: on entry it removes the records of this stage and of every later one,
+    and the summary, so that no earlier attempt's files outlive a failing one; on success it writes
+    the receipt naming this attempt (the dict it yields, which the stage also returns to Airflow) and
+    saying where the stage's time went (``timing``: its start, unix time, and ``tasks.timings``'
+    parts in seconds, up to the receipt).
+
+    :param try_number: Airflow's try number of the task (None outside Airflow), for the reader.
+    """
+    for later, record in STAGE_OUTPUTS[STAGES.index(stage) :]:
+        paths.attempt(later).unlink(missing_ok=True)  # the receipt first: a record without one is not trusted
+        getattr(paths, record).unlink(missing_ok=True)
+    paths.summary.unlink(missing_ok=True)
+    receipt = {"stage": stage, "run_id": run_id, "try_number": try_number, "id": uuid.uuid4().hex}
+    yield receipt
+    clock = timings.current()
+    timing = {"started_at": clock.started_at, **clock.record()} if clock else None
+    write_record(
+        paths.attempt(stage), {**receipt, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "timing": timing}
+    )

@@ -1,0 +1,97 @@
+"""``hetflow run``'s way through Airflow: hetflow's Airflow settings, and one run of
+hetflow_train in this process (``dag.test``), its output to a log file and a live view to the
+terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tasks.paths import REPO_ROOT, hetflow_home, run_paths
+
+DAG_ID = "hetflow_train"
+
+
+def airflow_environment() -> dict[str, str]:
+    """Airflow settings for hetflow's own Airflow home (a metadata DB per HETFLOW_HOME)."""
+    return {
+        "AIRFLOW_HOME": str(hetflow_home() / "airflow"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(REPO_ROOT / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        # The default pre-forks 32 workers (~6 GB); 2 cores need a handful.
+        "AIRFLOW__CORE__PARALLELISM": "4",
+    }
+
+
+def ensure_airflow_db() -> None:
+    """Create Airflow's metadata DB on first use (``airflow db migrate`` is idempotent but slow)."""
+    db = Path(os.environ["AIRFLOW_HOME"]) / "airflow.db"
+    if not db.exists():
+        print(f"creating the Airflow metadata DB in {db.parent} ...", flush=True)
+        subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
+
+
+def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
+    """Run hetflow_train once with ``conf`` through Airflow's ``dag.test``; return summary.json's path.
+
+    :param log_file: where everything the run prints goes, the terminal showing only the live view
+        (``tasks.cli.live_view``); None prints it all as it comes.
+    """
+    from tasks import train
+
+    for key, value in airflow_environment().items():
+        os.environ.setdefault(key, value)
+    ensure_airflow_db()
+    train.IMPORT_LATER_STAGES = True  # dag.test runs every task in this process
+    with _output_to(log_file) if log_file else contextlib.nullcontext() as terminal:
+        from airflow.dag_processing.dagbag import DagBag  # sets up Airflow's logging: the view comes after
+
+        with _live_view(terminal) if terminal else contextlib.nullcontext():
+            bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
+            if bag.import_errors:
+                raise RuntimeError(f"DAG import errors: {bag.import_errors}")
+            dag_run = bag.get_dag(DAG_ID).test(run_conf=conf)
+    return run_paths(dag_run.run_id).summary
+
+
+@contextlib.contextmanager
+def _output_to(log_file: Path):
+    """Send this process's stdout and stderr (Airflow's structured log, TensorFlow's C++ log, TFDS'
+    progress bars: they write there in ways no logging handler sees) to ``log_file``; yield the
+    terminal."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    terminal = os.fdopen(os.dup(1), "w", buffering=1)
+    target = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(target, 1)
+    os.dup2(target, 2)
+    os.close(target)
+    try:
+        yield terminal
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+        terminal.close()
+
+
+@contextlib.contextmanager
+def _live_view(terminal):
+    from tasks.cli.live_view import LiveView
+
+    view = LiveView(terminal)
+    logging.getLogger().addHandler(view)
+    try:
+        yield
+    finally:
+        logging.getLogger().removeHandler(view)

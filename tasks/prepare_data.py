@@ -1,0 +1,66 @@
+"""prepare_data: the dataset prepared (or re-used) and fingerprinted, and whether this training was
+done before."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tasks import timings
+from tasks.attempts import attempt, load_spec, reported
+from tasks.paths import run_paths, write_record
+from tasks.spec import RunSpec
+
+log = logging.getLogger("hetflow.stages")
+
+
+@reported
+def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
+    """Prepare the dataset (or re-use it) and say whether this training was done before: with
+    skip_unchanged, a version trained by another run from the same spec on the same data makes the
+    rest of the run skip (``record["trained_before"]``)."""
+    from tasks.data.prepare import dataset_dir, prepare_dataset
+    from tasks.registry.training_key import training_key
+
+    paths = run_paths(run_id)
+    with attempt(paths, "prepare_data", run_id, try_number) as receipt:
+        spec = load_spec(paths)
+        record = prepare_dataset(spec.dataset, dataset_dir(spec), spec.image_size)
+        record["training_key"] = training_key(spec, record["fingerprint"])
+        record["trained_before"] = _trained_before(spec, record["training_key"], run_id)
+        write_record(paths.dataset, record)
+    log.info(
+        "dataset %s %s %s (fingerprint %s)",
+        record["name"],
+        record["version"],
+        "re-used" if record["reused"] else "prepared",
+        record["fingerprint"][:12],
+    )
+    if record["trained_before"]:
+        log.info("unchanged: %s", skip_reason(record))
+    return {**record, "attempt": receipt}
+
+
+def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | None:
+    if not spec.skip_unchanged:
+        return None
+    from mlflow import MlflowClient
+    from tasks.registry.store import tracking_uri
+    from tasks.registry.training_key import trained_before
+
+    try:
+        with timings.part("mlflow_io"):
+            return trained_before(MlflowClient(tracking_uri()), spec.registered_model, key, run_id)
+    except Exception as error:  # noqa: BLE001  (an unreachable server, two runs creating one SQLite store, ...)
+        # Training is never skipped on a guess; register will say if MLflow is still away.
+        log.warning("could not ask MLflow whether this training was done before (%s): training", error)
+        return None
+
+
+def skip_reason(dataset: dict[str, Any]) -> str:
+    before = dataset["trained_before"]
+    return (
+        f"{before['model_name']} v{before['version']} was trained from this spec on data with fingerprint "
+        f"{dataset['fingerprint'][:12]} by Airflow run {before['airflow_run_id']}: nothing to train or register "
+        "(skip_unchanged=false trains again)"
+    )

@@ -1,0 +1,165 @@
+"""register: one MLflow run per DAG run, the model registered, and the champion gate.
+
+Every MLflow write of a run happens here, in one process, after training: replicas never talk to
+MLflow, so several processes never interleave metrics or clash on params, and training does not
+depend on the tracking server being up. A retried task finds the run and the version it already
+made (by the Airflow run id) and creates neither twice. The parts are in ``tasks.registry``.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow import MlflowClient
+from tasks import timings
+from tasks.attempts import attempt, load_spec, read_record, reported
+from tasks.data.pipeline import split_arrays
+from tasks.export import save_serving_model
+from tasks.models import trained_model
+from tasks.paths import RunPaths, run_paths, write_record
+from tasks.predictors import saved_model_predictor, tflite_predictor
+from tasks.registry import champion, run_record, store, versions
+from tasks.registry.training_key import TRAINING_KEY_TAG
+from tasks.spec import RunSpec
+
+log = logging.getLogger("hetflow.stages")
+
+
+class TrackingUnavailable(RuntimeError):
+    pass
+
+
+@reported
+def register(run_id: str, dag_id: str, try_number: int | None = None) -> dict[str, Any]:
+    """Everything to MLflow. MLflow's client retries with backoff (MLFLOW_HTTP_REQUEST_MAX_RETRIES,
+    MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR); when the server stays away the task fails saying so, and
+    the run's files stay in place for a retry of this task."""
+    import requests
+    from mlflow.exceptions import MlflowException
+
+    paths = run_paths(run_id)
+    try:
+        with attempt(paths, "register", run_id, try_number) as receipt:
+            record = register_model(load_spec(paths), paths, read_record(paths.dataset), dag_id, run_id)
+    except (MlflowException, requests.exceptions.RequestException) as error:
+        reason = str(error).splitlines()[0][:300]
+        raise TrackingUnavailable(
+            f"MLflow at {store.tracking_uri()} failed: {reason}; the trained model and every stage's files are kept "
+            f"in {paths.root}: retry the register task once MLflow is reachable"
+        ) from error
+    return {**record, "attempt": receipt}
+
+
+def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow_run_id: str) -> dict[str, Any]:
+    """Record the run in MLflow, register the float model and the chosen TFLite variant, serve each
+    (infra validation), move the aliases; writes registry.json."""
+    training = read_record(paths.training)
+    evaluation = read_record(paths.evaluation)
+    exported = read_record(paths.export)
+    compression = read_record(paths.compression)
+    mlflow.set_tracking_uri(store.tracking_uri())
+    client = timings.TimedClient(MlflowClient())
+    name, chosen = spec.registered_model, exported["chosen_tflite"]
+    tflite_name = f"{name}-tflite"
+    # Refused before anything is written to MLflow.
+    for model_name in [name, tflite_name] if chosen is not None else [name]:
+        versions.own_registered_model(client, model_name, name)
+    run_id = store.find_or_create_run(client, dag_id, airflow_run_id, run_name=paths.root.name)
+    images, _ = split_arrays(dataset, "test")
+    log_dir = paths.root / "serving"
+    tags = {
+        "airflow.run_id": airflow_run_id,
+        "dataset.name": dataset["name"],
+        "dataset.version": dataset["version"],
+        "dataset.fingerprint": dataset["fingerprint"],
+        TRAINING_KEY_TAG: dataset["training_key"],
+        "strategy": spec.strategy,
+        "model": spec.model,
+    }
+    headline = (
+        f"Trained by Airflow run `{airflow_run_id}` ({spec.strategy}, {spec.model}) on "
+        f"{dataset['name']} {dataset['version']}.\n\n"
+        f"- dataset: {dataset['name']} {dataset['version']}, fingerprint `{dataset['fingerprint']}`, "
+        f"from `{dataset['source_path']}`\n"
+    )
+    table = compression_table(exported)
+
+    if not paths.saved_model.exists():  # export_formats without saved_model: the registry still serves one
+        save_serving_model(trained_model(spec, dataset, paths.model), paths.saved_model)
+    # Each served check starts as soon as its version exists. A model server is CPU-bound while it
+    # starts (measured alone here: the TFLite model's ~8 s, the float model's ~13 s, most of it
+    # importing TensorFlow): the TFLite model is registered first, so that its server's start-up
+    # overlaps this thread's logging of the float model rather than the float model's server, the
+    # longest, which then shares the two cores with one other process at most.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        # (version, its served check running, test accuracy, tags, description's report)
+        candidates = []
+        if chosen is not None:
+            artifact = exported["artifacts"][chosen]
+            tflite_predict = tflite_predictor(Path(artifact["path"]))
+            tflite_version = versions.register_version(
+                client,
+                tflite_name,
+                run_id,
+                lambda: versions.log_tflite_model(artifact["path"], tflite_name, images, tflite_predict),
+            )
+            tflite_check = champion.start_served_check(pool, client, tflite_version, tflite_predict, images, log_dir)
+            compression_tags = {
+                "variant": artifact["variant"],
+                "prune": str(spec.prune),
+                "target_sparsity": str(compression.get("target_sparsity", 0.0)),
+                "quantize": artifact["quantize"],
+                "size_bytes": str(artifact["bytes"]),
+                "size_gzip_bytes": str(artifact["gzip_bytes"]),
+            }
+            report = headline + (
+                f"- TFLite variant `{artifact['variant']}`: {artifact['bytes']} bytes, {artifact['gzip_bytes']} "
+                f"gzipped, float model's accuracy {exported['float_test_accuracy']:.4f}, agreement with it "
+                f"{artifact['agreement_with_float']:.4f}, latency at batch 1 {artifact['latency_ms']:.4f} ms"
+            )
+            candidates.append(
+                (tflite_version, tflite_check, artifact["test_accuracy"], {**tags, **compression_tags}, report)
+            )
+        float_predict = saved_model_predictor(paths.saved_model)
+        version = versions.register_version(
+            client, name, run_id, lambda: versions.log_saved_model(paths.saved_model, name, images, float_predict)
+        )
+        float_check = champion.start_served_check(pool, client, version, float_predict, images, log_dir)
+        report = headline + "- float model: the exported SavedModel (serving_default: raw uint8 images -> logits)"
+        candidates.insert(0, (version, float_check, evaluation["test_accuracy"], tags, report))
+        run_record.log_run_record(client, run_id, spec, paths, dataset, training, evaluation, exported)
+        models = [
+            champion.promote(client, spec, v, accuracy, dataset, v_tags, check, v_report, table, log_dir)
+            for v, check, accuracy, v_tags, v_report in candidates
+        ]
+    run_record.log_served_checks(client, run_id, models, log_dir)
+    client.set_tag(run_id, "registry.gate", models[0]["gate"])
+    record = {
+        **models[0],
+        "models": models,
+        "mlflow_run_id": run_id,
+        "mlflow_tracking_uri": store.tracking_uri(),
+    }
+    write_record(paths.registry, record)
+    return record
+
+
+def compression_table(exported: dict) -> str:
+    """export.json as a markdown table: what a reviewer compares in the MLflow UI."""
+    rows = [
+        "| artifact | bytes | gzipped | test accuracy | agreement with float | latency ms (batch 1) | verdict |",
+        "|---|--:|--:|--:|--:|--:|---|",
+    ]
+    for name, artifact in exported["artifacts"].items():
+        verdict = "deployed" if name == exported["chosen_tflite"] else "accepted"
+        if not artifact["accepted"]:
+            verdict = f"rejected: {artifact['reason']}"
+        rows.append(
+            f"| {name} | {artifact['bytes']} | {artifact['gzip_bytes']} | {artifact['test_accuracy']:.4f} | "
+            f"{artifact['agreement_with_float']:.4f} | {artifact['latency_ms']:.4f} | {verdict} |"
+        )
+    return "\n".join(rows)

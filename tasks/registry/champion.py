@@ -1,0 +1,190 @@
+"""The champion gate: a registered version gets ``candidate``, and takes ``champion`` when its
+served check passed and it beats the champion's accuracy on this run's test split by
+``min_improvement``.
+
+``champion`` moves under one lock per registered model, so that concurrent runs compare against
+the champion as it is when they set the alias; the decision is recorded on the version, so a
+retried task applies it once."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from mlflow.exceptions import MlflowException
+
+from mlflow import MlflowClient
+from tasks import serving
+from tasks.paths import hetflow_home
+from tasks.registry.store import tracking_uri
+from tasks.spec import RunSpec
+
+log = logging.getLogger("hetflow.registry")
+
+CANDIDATE, CHAMPION = "candidate", "champion"
+
+
+@contextmanager
+def promotion_lock(name: str):
+    """Hold the one promotion of registered model ``name`` in this MLflow store: an exclusive lock
+    on a file under $HETFLOW_HOME, which every process of a deployment shares (the kernel releases
+    it when its holder dies, so a killed task leaves no stale lock)."""
+    key = hashlib.sha256(f"{tracking_uri()}\n{name}".encode()).hexdigest()[:16]
+    path = hetflow_home() / "locks" / f"promote-{key}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # closing the file releases it
+        yield
+
+
+def version_by_alias(client: MlflowClient, name: str, alias: str):
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def champion_accuracy(champion, dataset: dict, log_dir: Path) -> float:
+    """The champion's test accuracy on *this* run's test split.
+
+    Its recorded accuracy counts when it was measured on the same prepared data (same dataset
+    fingerprint); otherwise the champion is served and scored on this test split over HTTP: it
+    is never loaded in this process, where a registered model's code would run. Raises
+    ``serving.ServingError`` when it cannot be served.
+    """
+    if champion.tags.get("dataset.fingerprint") == dataset["fingerprint"]:
+        return float(champion.tags["test_accuracy"])
+    from tasks.data.pipeline import split_arrays
+
+    images, labels = split_arrays(dataset, "test")
+    uri = f"models:/{champion.name}/{champion.version}"
+    with serving.ModelServer(
+        uri, tracking_uri(), log_dir / f"{champion.name}-v{champion.version}-champion.log"
+    ) as server:
+        logits = server.predict(images)
+    return float(np.mean(np.argmax(logits, axis=1) == labels))
+
+
+def gate(spec: RunSpec, candidate_accuracy: float, champion, champion_score: float | None) -> dict[str, Any]:
+    """Whether the candidate takes ``champion``: when there is none, or it beats it by min_improvement."""
+    if champion is None:
+        return {"promote": True, "reason": "no champion yet"}
+    margin = candidate_accuracy - champion_score
+    promote = margin >= spec.min_improvement
+    verb = "beats" if promote else "does not beat"
+    return {
+        "promote": promote,
+        "reason": (
+            f"test accuracy {candidate_accuracy:.4f} {verb} champion v{champion.version} "
+            f"({champion_score:.4f}) by min_improvement {spec.min_improvement} (margin {margin:+.4f})"
+        ),
+    }
+
+
+def start_served_check(
+    pool: ThreadPoolExecutor,
+    client: MlflowClient,
+    version,
+    predict: Callable[[np.ndarray], np.ndarray],
+    images: np.ndarray,
+    log_dir: Path,
+) -> Future | None:
+    """Start the served check of a version in ``pool``, comparing with ``predict``'s logits; None when a
+    previous try of the task decided the version's gate (it is not served again)."""
+    if _decided(client, version) is not None:
+        return None
+    batch = images[: serving.CHECK_EXAMPLES]
+    log_path = log_dir / f"{version.name}-v{version.version}.log"
+    uri = f"models:/{version.name}/{version.version}"
+    return pool.submit(serving.served_check, uri, tracking_uri(), batch, predict(batch), log_path)
+
+
+def _decided(client: MlflowClient, version) -> str | None:
+    """The gate's decision on ``version`` when a previous try of the task applied it, else None."""
+    recorded = client.get_model_version(version.name, version.version).tags
+    champion = version_by_alias(client, version.name, CHAMPION)
+    if "gate" not in recorded and champion is not None and champion.version == version.version:
+        return "already champion (task retried)"
+    return recorded.get("gate")
+
+
+def promote(
+    client: MlflowClient,
+    spec: RunSpec,
+    version,
+    accuracy: float,
+    dataset: dict,
+    tags: dict[str, str],
+    check: Future | None,
+    report: str,
+    table: str,
+    log_dir: Path,
+) -> dict[str, Any]:
+    """Tag the version and give it ``candidate``; give it ``champion`` when it passes the served
+    check (``check``, running: None when ``start_served_check`` found the gate already applied) and the
+    accuracy gate; describe it."""
+    name = version.name
+    for key, value in {**tags, "test_accuracy": repr(accuracy)}.items():
+        client.set_model_version_tag(name, version.version, key, value)
+    client.set_registered_model_alias(name, CANDIDATE, version.version)
+    champion = version_by_alias(client, name, CHAMPION)
+    is_champion = champion is not None and champion.version == version.version
+    # A retried task finds the gate already applied to this version: its decision stands.
+    decided = _decided(client, version)
+    if decided is not None:
+        decision = {"promote": is_champion, "reason": decided}
+        recorded = client.get_model_version(name, version.version).tags
+        served = json.loads(recorded["served"]) if "served" in recorded else None
+    else:
+        served = check.result()  # the candidate's own check, independent of the champion: outside the lock
+        with promotion_lock(name):
+            # Read again under the lock: another run may have moved `champion` since the read above,
+            # and none can move it between this read and our set.
+            champion = version_by_alias(client, name, CHAMPION)
+            versus, score, unscored = "no champion yet", None, None
+            if champion is not None:
+                try:
+                    score = champion_accuracy(champion, dataset, log_dir)
+                    versus = f"champion v{champion.version} {score:.4f} (margin {accuracy - score:+.4f})"
+                except (serving.ServingError, OSError) as error:
+                    unscored = (
+                        f"champion v{champion.version} could not be served to score it on this test split: {error}"
+                    )
+                    versus = unscored
+            if not served["passed"]:
+                decision = {"promote": False, "reason": f"served check failed: {served['reason']}"}
+            elif unscored is not None:  # a champion that no server can run is no champion to defend
+                decision = {"promote": True, "reason": unscored}
+            else:
+                decision = gate(spec, accuracy, champion, score)
+            if decision["promote"]:
+                client.set_registered_model_alias(name, CHAMPION, version.version)
+            # The decision is recorded under the lock too: a retry of this task must find it.
+            client.set_model_version_tag(name, version.version, "served", json.dumps(served))
+            client.set_model_version_tag(name, version.version, "gate", decision["reason"][:5000])
+        client.update_model_version(
+            name,
+            version.version,
+            description=(
+                f"{report}\n- test accuracy: {accuracy:.4f} vs {versus}\n"
+                f"- served check: {serving.describe(served)}\n- gate: {decision['reason']}\n\n"
+                f"Compression (export.json):\n\n{table}"
+            ),
+        )
+    log.info("%s gate: %s -> %s", name, decision["reason"], "champion" if decision["promote"] else "stays candidate")
+    return {
+        "model_name": name,
+        "version": int(version.version),
+        "model_uri": f"models:/{name}/{version.version}",
+        "aliases": sorted(client.get_model_version(name, version.version).aliases),
+        "promoted": decision["promote"],
+        "gate": decision["reason"],
+        "served": served,
+    }

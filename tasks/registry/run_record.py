@@ -1,0 +1,154 @@
+"""What the MLflow run of a DAG run holds: tags, params, per-epoch curves, final metrics, the run's
+records, logs and plots as artifacts, the dataset input, TensorBoard events, the served checks.
+Safe to repeat: a retried register task logs no second copy of a curve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.utils.time import get_current_time_millis
+
+from mlflow import MlflowClient
+from tasks import serving
+from tasks.paths import RunPaths
+from tasks.registry import lineage
+from tasks.registry.store import git_commit
+from tasks.spec import RunSpec
+
+_MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
+
+
+def _stepped_metrics(training: dict) -> list[Metric]:
+    """Metrics with a step: the per-epoch history (loss, accuracy, val_*), epoch time and learning
+    rate (step = epoch), and under async training the staleness histogram (step = staleness,
+    value = updates that saw it)."""
+    now = get_current_time_millis()
+    series = {
+        name if name.startswith("val_") else f"train_{name}": values for name, values in training["history"].items()
+    }
+    series["epoch_seconds"] = training["epoch_seconds"]
+    series["learning_rate"] = training["learning_rate_per_epoch"]
+    metrics = [
+        Metric(name, value, now, epoch)
+        for name, values in series.items()
+        for epoch, value in enumerate(values, start=1)
+    ]
+    if training.get("staleness"):
+        histogram = training["staleness"]["histogram"]
+        metrics += [Metric("staleness_updates", count, now, int(stale)) for stale, count in histogram.items()]
+    return metrics
+
+
+def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
+    """One value per run: test scores, speed, and per-worker speed and share of the steps."""
+    metrics = {
+        "test_loss": evaluation["test_loss"],
+        "test_accuracy": evaluation["test_accuracy"],
+        "train_seconds": training["train_seconds"],
+        "examples_per_second": training["examples_per_second"],
+        "time_to_first_step_seconds": training["time_to_first_step_seconds"],
+    }
+    for worker, numbers in training["per_worker"].items():
+        for key, value in numbers.items():
+            metrics[f"{worker.replace('-', '_')}_{key}"] = value
+    if training.get("seconds_to_target") is not None:
+        metrics["seconds_to_target_accuracy"] = training["seconds_to_target"]
+    if training.get("staleness"):
+        metrics["staleness_mean"] = training["staleness"]["mean"]
+        metrics["staleness_max"] = training["staleness"]["max"]
+    # None where nothing was measured (a retry that had no epoch left to train).
+    return {name: value for name, value in metrics.items() if value is not None}
+
+
+def _export_metrics(exported: dict) -> dict[str, float]:
+    """Per exported artifact: size raw and gzipped, test accuracy, agreement, latency."""
+    metrics = {}
+    for name, artifact in exported["artifacts"].items():
+        for key in ("bytes", "gzip_bytes", "test_accuracy", "agreement_with_float", "latency_ms"):
+            metrics[f"export_{name}_{key}"] = artifact[key]
+    return metrics
+
+
+def log_run_record(
+    client: MlflowClient,
+    run_id: str,
+    spec: RunSpec,
+    paths: RunPaths,
+    dataset: dict,
+    training: dict,
+    evaluation: dict,
+    exported: dict,
+) -> None:
+    """Tags, params, curves, final metrics and artifacts of the run; safe to repeat on retry."""
+    tags = {
+        "dataset.name": dataset["name"],
+        "dataset.version": dataset["version"],
+        "dataset.fingerprint": dataset["fingerprint"],
+        "dataset.source": dataset["source_path"],
+        "mlflow.source.git.commit": git_commit(),
+        "strategy": spec.strategy,
+    }
+    params = {
+        **spec.model_dump(),
+        "effective_steps_per_epoch": training["steps_per_epoch"],
+        "replicas_in_sync": training["replicas_in_sync"],
+        "per_replica_batch": training["per_replica_batch"],
+    }
+    summary = {**_summary_metrics(training, evaluation), **_export_metrics(exported)}
+    if paths.restarts.exists():  # restart_policy restarted replicas
+        restarts = json.loads(paths.restarts.read_text())
+        summary["restarts"] = len(restarts)
+        tags["restarts"] = "; ".join(
+            f"{r['replica']} exited {r['exit_code']} ({r['cause']}): {r['action']}" for r in restarts
+        )[:5000]
+    if paths.plan.exists():  # the workers were probed (strategy=auto, or balance_batches by the workers)
+        plan = json.loads(paths.plan.read_text())
+        params["requested_strategy"] = plan["requested"]["strategy"]
+        for probe in plan["probes"]:
+            summary[f"probe_{probe['worker'].replace('-', '_')}_examples_per_second"] = probe["examples_per_second"]
+        if "decision" in plan:
+            tags["auto.decision"] = plan["decision"]["reason"]
+        if "worker_batches" in plan:
+            params["worker_batches"] = plan["worker_batches"]
+    now = get_current_time_millis()
+    metrics = [Metric(key, value, now, 0) for key, value in summary.items()]
+    # A retried task must not append a second copy of the per-epoch history.
+    if not client.get_metric_history(run_id, "train_loss"):
+        metrics += _stepped_metrics(training)
+    client.log_batch(
+        run_id,
+        params=[Param(key, str(value)) for key, value in params.items()],
+        tags=[RunTag(key, value) for key, value in tags.items()],
+    )
+    for start in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH])
+    for path in (paths.spec, paths.dataset, paths.training, paths.evaluation, paths.compression, paths.export):
+        client.log_artifact(run_id, str(path), "run")
+    for path in (paths.plan, paths.restarts):
+        if path.exists():
+            client.log_artifact(run_id, str(path), "run")
+    client.log_artifacts(run_id, str(paths.logs), "logs")
+    client.log_artifacts(run_id, str(paths.plots), "plots")
+    lineage.log_dataset(client, run_id, dataset)
+    events = lineage.write_tensorboard_events(training, paths.root / "tensorboard")
+    client.log_artifacts(run_id, str(events), "tensorboard")
+
+
+def log_served_checks(client: MlflowClient, run_id: str, models: list[dict], log_dir: Path) -> None:
+    """Each served check in the run: result tag, agreement and latency metrics, the servers' logs."""
+    now = get_current_time_millis()
+    metrics, tags = [], []
+    for kind, model in zip(("float", "tflite"), models):
+        served = model["served"]
+        if served is None:  # decided by a version of hetflow that did not serve
+            continue
+        tags.append(RunTag(f"served.{kind}", serving.describe(served)[:5000]))
+        metrics.append(Metric(f"served_{kind}_passed", float(served["passed"]), now, 0))
+        for key in ("agreement", "max_logit_difference", "latency_p50_ms", "latency_p99_ms", "start_seconds"):
+            if key in served:
+                metrics.append(Metric(f"served_{kind}_{key}", served[key], now, 0))
+    client.log_batch(run_id, metrics=metrics, tags=tags)
+    if log_dir.exists():
+        client.log_artifacts(run_id, str(log_dir), "serving")

@@ -1,0 +1,51 @@
+"""The MLflow store a deployment uses, hetflow's experiment in it, and the one MLflow run of each
+DAG run (found again by the Airflow run id, so a retried task creates no second one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from mlflow import MlflowClient
+from tasks.paths import REPO_ROOT
+
+EXPERIMENT = "hetflow"
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow' / 'mlflow.db'}"
+
+
+def _experiment_id(client: MlflowClient) -> str:
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    if experiment:
+        return experiment.experiment_id
+    uri = tracking_uri()
+    # A SQLite store keeps artifacts beside its database; a tracking server decides for itself.
+    location = Path(uri.removeprefix("sqlite:///")).parent / "artifacts" if uri.startswith("sqlite:///") else None
+    return client.create_experiment(EXPERIMENT, artifact_location=location.as_uri() if location else None)
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def find_or_create_run(client: MlflowClient, dag_id: str, airflow_run_id: str, run_name: str) -> str:
+    experiment_id = _experiment_id(client)
+    found = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`airflow.dag_id` = '{dag_id}' and tags.`airflow.run_id` = '{airflow_run_id}'",
+        max_results=1,
+    )
+    if found:
+        return found[0].info.run_id
+    run = client.create_run(
+        experiment_id, run_name=run_name, tags={"airflow.dag_id": dag_id, "airflow.run_id": airflow_run_id}
+    )
+    return run.info.run_id

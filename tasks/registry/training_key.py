@@ -1,0 +1,40 @@
+"""The training key: what names one training (the requested spec and the data's fingerprint), and the
+registered version another run already trained with it (``skip_unchanged``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from mlflow import MlflowClient
+from tasks.spec import RunSpec
+
+
+def training_key(spec: RunSpec, fingerprint: str) -> str:
+    """Names one training: the requested spec (less the switch that asks whether to repeat it) and
+    the fingerprint of the data. Two runs with the same key would train the same model."""
+    requested = spec.model_dump(mode="json", exclude={"skip_unchanged"})
+    text = json.dumps({"spec": requested, "data_fingerprint": fingerprint}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+TRAINING_KEY_TAG = "hetflow.training_key"  # on every model version: the training_key it came from
+
+
+def trained_before(client: MlflowClient, registered_model: str, key: str, airflow_run_id: str) -> dict | None:
+    """The version of ``registered_model`` that another Airflow run already trained with ``key``, or
+    None. This run's own version (a Clear re-runs its stages) does not count."""
+    if not client.search_registered_models(f"name = '{registered_model}'"):
+        return None
+    for version in client.search_model_versions(
+        f"name = '{registered_model}' and tags.`{TRAINING_KEY_TAG}` = '{key}'", order_by=["version_number ASC"]
+    ):
+        if version.tags.get("airflow.run_id") != airflow_run_id:
+            return {
+                "model_name": registered_model,
+                "version": int(version.version),
+                "mlflow_run_id": version.run_id,
+                "airflow_run_id": version.tags.get("airflow.run_id"),
+                "aliases": sorted(version.aliases),
+            }
+    return None

@@ -1,0 +1,110 @@
+"""The registered models hetflow owns and the versions it logs into them.
+
+Registries are shared: hetflow registers only into registered models it created (they carry
+``OWNER_TAG``). A model is logged as weights and a plain ``tf.Module`` or a TFLite file, never as
+code a replica wrote: nothing in the registry runs in this process."""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from mlflow.exceptions import MlflowException
+from mlflow.models import infer_signature
+from mlflow.protos.databricks_pb2 import ALREADY_EXISTS, RESOURCE_ALREADY_EXISTS, ErrorCode
+
+import mlflow
+from mlflow import MlflowClient
+from tasks import timings
+from tasks.registry.store import tracking_uri
+
+log = logging.getLogger("hetflow.registry")
+
+OWNER_TAG, OWNER = "hetflow.created_by", "hetflow"  # set on every registered model hetflow creates
+
+
+class ForeignRegisteredModel(ValueError):
+    """The registered model name belongs to a model hetflow did not create."""
+
+
+def own_registered_model(client: MlflowClient, name: str, registered_model: str) -> None:
+    """Create registered model ``name`` marked as hetflow's, or check that the one there is hetflow's.
+
+    In a shared registry the name may already hold someone else's model: registering into it, and
+    comparing against its champion, would mix hetflow's versions with theirs. ``registered_model``
+    is the spec's value that chose the name (the TFLite model's name adds ``-tflite`` to it)."""
+    try:
+        client.create_registered_model(name, tags={OWNER_TAG: OWNER})
+        return
+    except MlflowException as error:
+        # Created meanwhile, by an earlier run or a concurrent one (the tag comes with the creation).
+        if error.error_code not in (ErrorCode.Name(RESOURCE_ALREADY_EXISTS), ErrorCode.Name(ALREADY_EXISTS)):
+            raise
+    if client.get_registered_model(name).tags.get(OWNER_TAG) != OWNER:
+        raise ForeignRegisteredModel(
+            f"registered_model {registered_model!r}: the registered model {name!r} in {tracking_uri()} was not "
+            f"created by hetflow (no tag {OWNER_TAG}={OWNER}); choose another registered_model"
+        )
+
+
+def register_version(client: MlflowClient, name: str, run_id: str, log_model: Callable[[], Any]):
+    """Log and register a model version, or return the one a previous try of this run made."""
+    existing = client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
+    if existing:
+        log.info("run %s already registered %s version %s: re-using it", run_id, name, existing[0].version)
+        return existing[0]
+    with timings.part("mlflow_io"), mlflow.start_run(run_id=run_id):
+        info = log_model()
+    return client.get_model_version(name, str(info.registered_model_version))
+
+
+def log_saved_model(saved_model: Path, name: str, images: np.ndarray, predict: Callable[[np.ndarray], np.ndarray]):
+    """Log the exported SavedModel through MLflow's TensorFlow flavour as a plain ``tf.Module``:
+    MLflow then loads it with ``tf.saved_model.load``, without Keras, so it loads in any process
+    with TensorFlow whatever its Keras (a tf_keras model would need TF_USE_LEGACY_KERAS=1).
+
+    :param predict: the exported model's logits (``predictors.saved_model_predictor``), for the signature.
+    """
+    import tensorflow as tf
+
+    exported = tf.saved_model.load(str(saved_model))
+    serve = exported.signatures["serving_default"]
+
+    class Logits(tf.Module):
+        """MLflow's pyfunc calls the module: ``__call__`` is serving_default's logits."""
+
+        def __init__(self):
+            super().__init__()
+            self.exported = exported  # tracked, so its variables are saved
+            self.__call__ = tf.function(
+                lambda image: serve(image=image)["logits"],
+                input_signature=[serve.structured_input_signature[1]["image"]],
+            )
+
+    example = images[:5]
+    return mlflow.tensorflow.log_model(
+        Logits(),
+        name="model",
+        # TF Serving and tf.saved_model.load users keep the export's signature (uint8 image -> logits).
+        saved_model_kwargs={"signatures": {"serving_default": serve}},
+        signature=infer_signature(example, predict(example)),
+        input_example=example,
+        registered_model_name=name,
+        pip_requirements=[f"tensorflow=={version('tensorflow')}", f"numpy=={np.__version__}"],
+    )
+
+
+def log_tflite_model(tflite_path: str, name: str, images: np.ndarray, predict: Callable[[np.ndarray], np.ndarray]):
+    example = images[:5]
+    return mlflow.pyfunc.log_model(
+        name="tflite_model",
+        python_model=str(Path(__file__).with_name("tflite_pyfunc.py")),
+        artifacts={"tflite": tflite_path},
+        signature=infer_signature(example, predict(example)),
+        input_example=example,
+        registered_model_name=name,
+        pip_requirements=[f"ai-edge-litert=={version('ai-edge-litert')}", f"numpy=={np.__version__}"],
+    )

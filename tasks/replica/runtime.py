@@ -1,0 +1,46 @@
+"""A replica's devices and threads, set from its worker_devices entry before TensorFlow runs an op."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from tasks.spec import RunSpec, WorkerDevice
+
+
+def replica_device(spec: RunSpec, task: dict[str, Any]) -> WorkerDevice:
+    """This replica's device settings: its worker_devices entry; a chief or ps computes nothing
+    and takes one CPU."""
+    if task["type"] == "worker":
+        return spec.worker_device(task["index"])
+    return WorkerDevice()
+
+
+def configure_runtime(spec: RunSpec, task: dict[str, Any]) -> None:
+    """Threads and devices; must run before TensorFlow executes its first op."""
+    device = replica_device(spec, task)
+    threads = device.threads or spec.replica_threads
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    gpus = tf.config.list_physical_devices("GPU")
+    if device.device == "gpu":
+        if len(gpus) < device.count:
+            raise RuntimeError(f"this replica asks for {device.count} GPU(s) but sees {len(gpus)}")
+        tf.config.set_visible_devices(gpus[: device.count], "GPU")
+        return
+    tf.config.set_visible_devices([], "GPU")
+    if device.count > 1:
+        # Split the CPU into logical devices, so mirrored and model-parallel placement run for
+        # real (on one machine's cores) with the same code as on several GPUs.
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * device.count)
+
+
+def local_devices(count: int) -> list[str]:
+    """The names of ``count`` local devices: GPUs where there are, else (logical) CPUs."""
+    devices = tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU")
+    if len(devices) < count:
+        raise RuntimeError(f"devices_per_worker={count} but this replica has {len(devices)} devices")
+    return [d.name for d in devices[:count]]

@@ -1,0 +1,137 @@
+"""summarize: summary.json, the run's one report, written whatever happened (``status`` is
+``failed`` when a stage did not finish, whatever files an earlier attempt left behind)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tasks import timings
+from tasks.attempts import STAGE_OUTPUTS, STAGES, read_record, reported
+from tasks.paths import RunPaths, run_paths, write_record
+from tasks.prepare_data import skip_reason
+
+
+def _done(paths: RunPaths, stage: str, record: str, returned: dict[str, Any] | None) -> bool:
+    """Whether ``stage``'s record is there with the receipt of the attempt that wrote it and, under
+    Airflow, that attempt is the one whose return value Airflow holds (a stage's last try)."""
+    receipt = paths.attempt(stage)
+    if not (receipt.exists() and getattr(paths, record).exists()):
+        return False
+    if returned is None:  # outside Airflow: the receipt alone says the last attempt finished
+        return True
+    reported = (returned.get(stage) or {}).get("attempt") or {}
+    return reported.get("id") == read_record(receipt)["id"]
+
+
+def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
+    plan = read_record(paths.plan) if paths.plan.exists() else {}
+    if "decision" not in plan:
+        return None
+    return {
+        "requested": plan["requested"]["strategy"],
+        "decision": plan["decision"],
+        "probes": plan["probes"],
+    }
+
+
+def _timings(paths: RunPaths, finished: tuple[str, ...], training: dict, dag_started_at: float | None) -> dict | None:
+    """Where the run's time went so far: the DAG's wall time (from the DAG run's start, else the first
+    stage's), the training's (the replicas' whole job: launch to final weights), the fixed overhead
+    (DAG wall time less training), each finished stage's parts (``tasks.timings``) and Airflow's time
+    outside every stage (task start-up and bookkeeping, teardown_cluster), of which before the first."""
+    stages = {stage: read_record(paths.attempt(stage)).get("timing") for stage in finished}
+    stages = {stage: timing for stage, timing in stages.items() if timing}  # receipts of older hetflows have none
+    if not stages:
+        return None
+    first_stage = min(timing["started_at"] for timing in stages.values())
+    started = first_stage if dag_started_at is None else dag_started_at
+    dag_seconds = time.time() - started
+    training_seconds = training.get("whole_job_seconds")
+    in_stages = sum(timing["wall"] for timing in stages.values())
+    return {
+        "dag_seconds": dag_seconds,
+        "training_seconds": training_seconds,
+        "fixed_overhead_seconds": None if training_seconds is None else dag_seconds - training_seconds,
+        "airflow_seconds": dag_seconds - in_stages,
+        "airflow_before_first_stage_seconds": first_stage - started,
+        "stages": {
+            stage: {part: timing[part] for part in ("wall", *timings.PARTS)} for stage, timing in stages.items()
+        },
+    }
+
+
+@reported
+def summarize(
+    run_id: str, returned: dict[str, Any] | None = None, dag_started_at: float | None = None
+) -> dict[str, Any]:
+    """Write summary.json; status is ``failed`` when a stage did not finish, whatever files an
+    earlier attempt left behind.
+
+    :param returned: each stage's return value as Airflow holds it for this DAG run, None where
+        the stage's last try failed or never ran (Airflow deletes a task's XComs when a try
+        starts); None outside Airflow, where the receipts alone decide.
+    :param dag_started_at: when the DAG run started (unix time), for its wall time in ``timings``;
+        None: from the first stage's start.
+    """
+    paths = run_paths(run_id)
+    failed_stage = next((stage for stage, record in STAGE_OUTPUTS if not _done(paths, stage, record, returned)), None)
+    # Only the records of the stages before the failed one are this attempt's: nothing after it is reported.
+    finished = STAGES[: STAGES.index(failed_stage)] if failed_stage else STAGES
+    unchanged = None
+    if failed_stage == "provision_cluster" and read_record(paths.dataset).get("trained_before"):
+        unchanged = read_record(paths.dataset)  # prepare_data found this training done before: the rest skipped
+        failed_stage = None
+    read = {
+        stage: read_record(getattr(paths, record)) if stage in finished else None for stage, record in STAGE_OUTPUTS
+    }
+    training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
+    exported = (read["export"] or {}).get("artifacts", {})
+    dataset = read["prepare_data"] or {}
+    summary = {
+        "run_id": run_id,
+        "status": "failed" if failed_stage else "skipped" if unchanged else "success",
+        "failed_stage": failed_stage,
+        "skipped_because": skip_reason(unchanged) if unchanged else None,
+        "run_dir": str(paths.root),
+        "attempts": {stage: read_record(paths.attempt(stage)) for stage in finished},
+        "spec": read["validate_spec"],
+        "dataset": {k: dataset.get(k) for k in ("name", "version", "fingerprint", "splits", "source_path")},
+        "mlflow_tracking_uri": registry.get("mlflow_tracking_uri"),
+        "mlflow_run_id": registry.get("mlflow_run_id"),
+        "metrics": {
+            "test_accuracy": evaluation.get("test_accuracy"),
+            "test_loss": evaluation.get("test_loss"),
+            "train_seconds": training.get("train_seconds"),
+            "examples_per_second": training.get("examples_per_second"),
+            "time_to_first_step_seconds": training.get("time_to_first_step_seconds"),
+        },
+        "artifacts": {
+            "model": {"path": str(paths.model), "bytes": paths.model.stat().st_size}
+            if training and paths.model.exists()
+            else None,
+            "exported": {
+                name: {k: a[k] for k in ("path", "bytes", "gzip_bytes", "test_accuracy", "accepted")}
+                for name, a in exported.items()
+            },
+            "chosen_tflite": (read["export"] or {}).get("chosen_tflite"),
+            "replica_logs": sorted(str(p) for p in paths.logs.glob("*.log")),
+            "plots": sorted(str(p) for p in paths.plots.glob("*.png")),
+        },
+        "replicas": (read["provision_cluster"] or {}).get("replicas"),
+        "restarts": read_record(paths.restarts) if paths.restarts.exists() else [],
+        "timings": _timings(paths, finished, training, dag_started_at),
+        # strategy=auto: what it chose and why, from the probes (plan.json).
+        "auto": _auto_decision(paths) if "provision_cluster" in finished else None,
+        "registry": {
+            k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate", "models")
+        }
+        if registry
+        else unchanged["trained_before"]
+        if unchanged
+        else None,
+    }
+    write_record(paths.summary, summary)
+    if failed_stage:
+        raise RuntimeError(f"run {run_id} failed at stage {failed_stage}; summary: {paths.summary}")
+    return summary

@@ -1,0 +1,32 @@
+"""teardown_cluster: the run's replicas ended whatever happened (Airflow's teardown of
+``provision_cluster``), and what interrupted runs left swept."""
+
+from __future__ import annotations
+
+import logging
+
+from tasks.attempts import load_spec, reported
+from tasks.paths import hetflow_home, run_paths
+from tasks.provision_cluster import PROVISIONED_HERE
+
+log = logging.getLogger("hetflow.stages")
+
+
+@reported
+def teardown_cluster(run_id: str) -> list:
+    """End what is left of the run's replicas: pids (local), containers (docker), pods (kubernetes)."""
+    from tasks.cluster import backends
+    from tasks.cluster.sweep import sweep
+
+    paths = run_paths(run_id)
+    ended = backends.teardown(load_spec(paths) if paths.spec.exists() else None, run_id)
+    PROVISIONED_HERE.discard(run_id)
+    log.info("teardown: %s", f"ended {ended}" if ended else "no replica was left running")
+    try:  # what earlier runs left when they were killed before their own teardown
+        swept = sweep(hetflow_home())
+    except Exception:  # another run's leftovers must not fail this run's teardown
+        log.exception("sweeping what interrupted runs left failed")
+    else:
+        if any(swept.values()):
+            log.info("teardown also swept what interrupted runs left: %s", swept)
+    return ended

@@ -1,0 +1,89 @@
+"""train: the provisioned replicas supervised until training ends; their output streams into this
+task's log, and a SIGTERM (Airflow stopping the task) stops them before the task goes."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+from tasks.attempts import attempt, load_spec, read_record, reported
+from tasks.paths import run_paths
+
+log = logging.getLogger("hetflow.stages")
+
+# What the stages after training import (TensorFlow, tf_keras, tensorflow-model-optimization, matplotlib,
+# LiteRT, MLflow's TensorFlow flavour: ~7 s here). Where every task runs in one process (`hetflow run`'s
+# dag.test sets IMPORT_LATER_STAGES), train imports them while it only waits for the replicas, off the
+# critical path; where each task has a process of its own (a scheduler), that would be wasted.
+LATER_STAGE_MODULES = ("tasks.evaluate", "tasks.compress", "tasks.export", "tasks.register", "mlflow.tensorflow")
+IMPORT_LATER_STAGES = False
+
+# Airflow 3 SIGKILLs a task 5 s after its SIGTERM: the replicas get 2 s to stop before SIGKILL, so
+# the teardown (the network namespace's deletion included) is over before the task is killed.
+SIGTERM_STOP_GRACE_SECONDS = 2.0
+
+
+class Interrupted(RuntimeError):
+    pass
+
+
+@reported
+def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
+    """Supervise the provisioned replicas until training ends; with ``IMPORT_LATER_STAGES`` set,
+    import the later stages' modules meanwhile."""
+    from tasks.cluster import backends
+    from tasks.cluster.layout import ClusterLayout
+
+    paths = run_paths(run_id)
+    with attempt(paths, "train", run_id, try_number) as receipt:
+        spec = load_spec(paths)
+        cluster = backends.replicas(spec, ClusterLayout.from_dict(read_record(paths.cluster)), paths.root)
+        importing = _import_in_background(LATER_STAGE_MODULES) if IMPORT_LATER_STAGES else None
+        with _stopped_on_sigterm(lambda: backends.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
+            backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
+        if importing is not None:
+            importing.join()  # no later stage imports a module while that thread still does
+    return {**read_record(paths.training), "attempt": receipt}
+
+
+def _import_in_background(modules: tuple[str, ...]) -> threading.Thread:
+    def run():
+        started = time.perf_counter()
+        try:
+            for module in modules:
+                importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001  (the stage that needs the module imports it again and says why)
+            log.warning("importing the later stages' modules during training failed: %s", error)
+            return
+        log.info(
+            "imported the later stages' modules in %.1f s while the replicas trained", time.perf_counter() - started
+        )
+
+    thread = threading.Thread(target=run, name="import-later-stages", daemon=True)
+    thread.start()
+    return thread
+
+
+@contextlib.contextmanager
+def _stopped_on_sigterm(stop):
+    """Run ``stop`` when SIGTERM arrives: Airflow 3 stops a task with SIGTERM and kills it a few
+    seconds later, so a ``finally`` that waits for replicas would never run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):
+        log.warning("SIGTERM: stopping the replicas")
+        stop()
+        raise Interrupted("stopped by SIGTERM; the replicas were stopped")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,41 @@
+"""validate_spec: the run's conf checked once, before anything starts; the run directory created."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from tasks.attempts import attempt, reported
+from tasks.paths import create_run_dir, write_record
+from tasks.spec import RunSpec, SpecError, parse_spec
+
+log = logging.getLogger("hetflow.stages")
+
+
+@reported
+def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = None) -> dict[str, Any]:
+    """Validate the run's conf (form values plus any extra keys); nothing starts when it is invalid."""
+    from tasks.cluster import backends
+
+    spec = parse_spec(values)
+    problems = backends.preflight(spec, run_id) + data_problems(spec)
+    if problems:
+        # Before any record is touched: a refused run id may belong to a run that is still going.
+        raise SpecError(problems)
+    paths = create_run_dir(run_id)
+    with attempt(paths, "validate_spec", run_id, try_number) as receipt:
+        write_record(paths.spec, spec.model_dump(mode="json"))
+    log.info("spec: %s", spec.model_dump())
+    return {**spec.model_dump(), "attempt": receipt}
+
+
+def data_problems(spec: RunSpec) -> list[str]:
+    """What keeps the spec's dataset from being prepared here (bad images, an unknown name, no
+    network for a download), as one line; checked before anything starts."""
+    from tasks.data.prepare import check_available, dataset_dir
+
+    try:
+        check_available(spec.dataset, dataset_dir(spec), spec.image_size)
+    except ValueError as error:
+        return [str(error)]
+    return []
