@@ -40,6 +40,8 @@ _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
 # Kernel file systems stay as they are: /proc and /sys are needed read-write by nothing we run, but
 # remounting them is refused or breaks /dev's device nodes.
 _KERNEL_MOUNTS = ("/proc", "/sys", "/dev")
+# Replaced by empty private ones (a tmpfs each): what the command writes there goes with it.
+_SCRATCH = ("/tmp", "/dev/shm")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -76,7 +78,7 @@ def confine(hide: list[str], read_write: list[str], read_only: list[str]) -> Non
     # only this way.
     shown = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in read_write + read_only}
     hide = [directory for directory in hide if os.path.isdir(directory)]  # none is created on the host
-    scratch = ["/tmp", "/dev/shm"]
+    scratch = list(_SCRATCH)
     # Parents first: a directory shown inside a hidden one, or hidden inside a shown one, is mounted
     # over what its parent's mount put there, never covered by it.
     for path in sorted([*scratch, *hide, *shown], key=lambda p: len(Path(p).parts)):
@@ -127,10 +129,11 @@ def confined(command: list[str], hide=(), read_write=(), read_only=(), working_d
     """``command`` as run by this script in a mount namespace of its own (see the module's doc),
     in ``working_directory`` (default: the caller's, as it looks there)."""
     # The code, the venv and the interpreter's own install stay visible (read-only) wherever they
-    # are: a hidden HETFLOW_HOME or home that holds them must not hide what the command runs.
+    # are: a hidden HETFLOW_HOME or home, or the private /tmp, must not hide what the command runs
+    # (a checkout under /tmp did: the replica's interpreter was not found).
     code = [str(Path(__file__).resolve().parents[1]), *map(os.path.realpath, (sys.prefix, sys.base_prefix))]
     for path in code:
-        if _under(path, hide) and not _under(path, [*read_write, *read_only]):
+        if _under(path, [*hide, *_SCRATCH]) and not _under(path, [*read_write, *read_only]):
             read_only = [*read_only, path]
     views = (("hide", hide), ("rw", read_write), ("ro", read_only))
     options = [f"--{flag}={path}" for flag, paths in views for path in paths]

@@ -192,6 +192,27 @@ def test_hiding_a_directory_that_holds_the_checkout_keeps_the_code_and_interpret
 
 
 @needs_root
+def test_a_checkout_under_tmp_stays_visible_in_the_private_tmp(tmp_path):
+    """A clone under /tmp (a CI's, say): the confined command's private /tmp must not hide the code
+    it runs (the replicas of such a clone failed with "No such file or directory")."""
+    import importlib.util
+    import shutil
+
+    checkout = tmp_path / "checkout"  # pytest's tmp_path lies under /tmp
+    (checkout / "tasks").mkdir(parents=True)
+    shutil.copy(REPO / "tasks" / "confine.py", checkout / "tasks" / "confine.py")
+    (checkout / "tasks" / "code.txt").write_text("the checkout's code")
+    loader = importlib.util.spec_from_file_location("confine_in_tmp", checkout / "tasks" / "confine.py")
+    confine_in_tmp = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(confine_in_tmp)
+
+    command = confine_in_tmp.confined(["cat", str(checkout / "tasks" / "code.txt")], working_directory="/")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "the checkout's code"
+
+
+@needs_root
 def test_directories_hidden_and_shown_inside_each_other_nest_as_written(tmp_path):
     """A checkout shown inside a hidden home, holding a hidden HETFLOW_HOME that holds the shown run
     directory: each mount goes over its parent's, none covers a deeper one."""
