@@ -1,4 +1,4 @@
-"""prepare_data: build a TFDS dataset once into the shared data dir and fingerprint it.
+"""Preparing a dataset for the prepare_data task: built once with TFDS into the shared data dir, fingerprinted.
 
 Runs share the data dir and may prepare at the same moment: each dataset is prepared under a file
 lock of its own, and the index of current fingerprints is rewritten under another.
