@@ -1,4 +1,4 @@
-"""The ``hetflow`` command: validate a spec, run the DAG through Airflow, or train only."""
+"""The hetflow command: validate a spec, run the DAG through Airflow, train only, or sweep leftovers."""
 
 from __future__ import annotations
 
