@@ -33,7 +33,7 @@ DATA_CHANGES = AssetAlias("hetflow_data_changes")
     default_args={"retries": 0},
     # No max_active_runs: concurrent runs (two triggers, a retrain beside a manual run) are a
     # feature, made safe rather than forbidden: `champion` moves under one lock per registered
-    # model (tasks/registry/). How many runs fit at once is a question of capacity
+    # model (tasks.registry.champion.promotion_lock). How many runs fit at once is a question of capacity
     # (each replica holds ~1 GB), which the operator sets with [core] max_active_runs_per_dag.
 )
 def hetflow_train():
