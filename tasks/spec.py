@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 def _field(default: Any, section: str, description: str, **constraints: Any) -> Any:
+    """A RunSpec field; give it a ``title`` written for people: the trigger form labels it with that."""
     return Field(default, description=description, json_schema_extra={"section": section}, **constraints)
 
 
@@ -50,6 +51,7 @@ class RunSpec(BaseModel):
         "the UCI optical digits shipped with scikit-learn; other TFDS names are downloaded into data_dir "
         "when not prepared there.",
         pattern=r"^([a-z][a-z0-9_]*(/[a-z0-9_.]+)?(:[0-9]+\.[0-9]+\.[0-9]+)?|folder:/[^\x00]+)$",
+        title="Dataset",
     )
     data_dir: str | None = _field(
         None,
@@ -57,6 +59,7 @@ class RunSpec(BaseModel):
         "Where TFDS datasets (and prepared image folders) are read and prepared; empty: HETFLOW_HOME/data, "
         "shared by all runs.",
         pattern=r"^(/[^\x00]*)?$",
+        title="Data directory",
     )
     image_size: str | None = _field(
         None,
@@ -64,18 +67,21 @@ class RunSpec(BaseModel):
         "dataset=folder:...: resize every image to HEIGHTxWIDTH (e.g. `28x28`); empty: the images' own size, "
         "which must then be the same for all.",
         pattern=r"^([1-9][0-9]{0,3}x[1-9][0-9]{0,3})?$",
+        title="Image size (folder datasets)",
     )
     skip_unchanged: bool = _field(
         True,
         "Data",
         "Skip training and register nothing when a version of registered_model was already trained from this "
         "exact spec on data with the same fingerprint.",
+        title="Skip when already trained",
     )
     model: Literal["mlp", "cnn", "convnet"] = _field(
         "mlp",
         "Model",
         "`mlp`: flatten, dense 128 relu, dense logits. `cnn`: two conv blocks and a dense head. "
         "`convnet`: the benchmark CNN (conv32-conv32-pool-conv64-conv64-pool-dense256), for 32x32 images.",
+        title="Model",
     )
     strategy: Literal[STRATEGIES] = _field(
         "one_device",
@@ -86,6 +92,7 @@ class RunSpec(BaseModel):
         "`multi_worker_mirrored`: several workers, sync all-reduce (worker 0 is chief). `parameter_server`: "
         "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: one "
         "replica, the model's layer groups placed on different devices.",
+        title="Distribution strategy",
     )
     backend: Literal["local", "docker", "kubernetes"] = _field(
         "local",
@@ -93,74 +100,18 @@ class RunSpec(BaseModel):
         "Where replicas run. `local`: subprocesses on 127.0.0.1. `docker`: one container per replica on a "
         "network of the run's own (needs a Docker engine). `kubernetes`: one pod per replica behind a headless "
         "service (needs a kubeconfig or an in-cluster service account).",
-    )
-    image: str = _field(
-        "hetflow-replica:0.1.0",
-        "Cluster",
-        "Replica image for the docker and kubernetes backends (built from docker/Dockerfile).",
-        pattern=r"^[a-z0-9][a-z0-9._/:@-]{0,254}$",
-    )
-    replica_cpus: float = _field(
-        0.0, "Cluster", "CPU limit of each replica container or pod (docker, kubernetes); 0 = no limit.", ge=0, le=256
-    )
-    replica_memory_mb: int = _field(
-        0,
-        "Cluster",
-        "Memory limit of each replica container or pod in MiB (docker, kubernetes); 0 = no limit.",
-        ge=0,
-        le=4_194_304,
-    )
-    request_gpus: bool = _field(
-        False,
-        "Cluster",
-        "Request `devices_per_worker` GPUs for each computing replica (docker, kubernetes); ps and a "
-        "parameter_server chief get none.",
-    )
-    restart_policy: Literal["never", "on_failure", "exit_code"] = _field(
-        "never",
-        "Cluster",
-        "`never`: a failed replica fails the run. `on_failure`: restart it, up to `backoff_limit` times: an "
-        "async worker alone (the coordinator goes on), anything else with its whole group, resuming from the "
-        "last checkpoint. `exit_code` (local, docker): restart only replicas killed by a signal, not ones that "
-        "exited with an error a restart would repeat.",
-    )
-    backoff_limit: int = _field(
-        3,
-        "Cluster",
-        "Restarts allowed before a failure fails the run (restart_policy on_failure, exit_code).",
-        ge=0,
-        le=20,
-    )
-    kubernetes_namespace: str = _field(
-        "default",
-        "Cluster",
-        "Namespace of the run's pods and service (kubernetes).",
-        pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
-    )
-    kubernetes_volume_claim: str = _field(
-        "hetflow-home",
-        "Cluster",
-        "PersistentVolumeClaim (ReadWriteMany) holding HETFLOW_HOME, mounted in every pod at the same path "
-        "(kubernetes).",
-        pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+        title="Where replicas run",
     )
     workers: int = _field(
-        1, "Cluster", "Training workers (several only with multi_worker_mirrored or parameter_server).", ge=1, le=16
-    )
-    ps: int = _field(0, "Cluster", "Parameter servers (parameter_server needs at least one).", ge=0, le=8)
-    worker_devices: list[WorkerDevice] = _field(
-        [],
+        1,
         "Cluster",
-        "Per worker, for heterogeneous clusters: device kind, device count, threads and (simulation) slowdown, "
-        'e.g. [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 2}]. Empty: '
-        "every worker alike.",
-        max_length=16,
+        "Training workers (several only with multi_worker_mirrored or parameter_server).",
+        ge=1,
+        le=16,
+        title="Workers",
     )
-    balance_batches: bool = _field(
-        False,
-        "Cluster",
-        "multi_worker_mirrored only: measure each worker's speed first and give it a share of the global batch "
-        "proportional to it; the loss is weighted so each update is still exactly the global-batch gradient.",
+    ps: int = _field(
+        0, "Cluster", "Parameter servers (parameter_server needs at least one).", ge=0, le=8, title="Parameter servers"
     )
     devices_per_worker: int = _field(
         1,
@@ -169,9 +120,54 @@ class RunSpec(BaseModel):
         "multi_worker_mirrored, model_parallel).",
         ge=1,
         le=8,
+        title="Devices per worker",
+    )
+    worker_devices: list[WorkerDevice] = _field(
+        [],
+        "Cluster",
+        "Per worker, for heterogeneous clusters: device kind, device count, threads and (simulation) slowdown, "
+        'e.g. [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 2}]. Empty: '
+        "every worker alike.",
+        max_length=16,
+        title="Per-worker devices",
+    )
+    balance_batches: bool = _field(
+        False,
+        "Cluster",
+        "multi_worker_mirrored only: measure each worker's speed first and give it a share of the global batch "
+        "proportional to it; the loss is weighted so each update is still exactly the global-batch gradient.",
+        title="Balance batches by worker speed",
     )
     replica_threads: int = _field(
-        0, "Cluster", "TensorFlow intra- and inter-op threads per replica; 0 leaves TensorFlow's default.", ge=0, le=64
+        0,
+        "Cluster",
+        "TensorFlow intra- and inter-op threads per replica; 0 leaves TensorFlow's default.",
+        ge=0,
+        le=64,
+        title="Threads per replica",
+    )
+    pin_cores: bool = _field(
+        False,
+        "Cluster",
+        "Pin each replica to one CPU core (round robin), so replicas do not compete for cores.",
+        title="Pin replicas to cores",
+    )
+    restart_policy: Literal["never", "on_failure", "exit_code"] = _field(
+        "never",
+        "Cluster",
+        "`never`: a failed replica fails the run. `on_failure`: restart it, up to `backoff_limit` times: an "
+        "async worker alone (the coordinator goes on), anything else with its whole group, resuming from the "
+        "last checkpoint. `exit_code` (local, docker): restart only replicas killed by a signal, not ones that "
+        "exited with an error a restart would repeat.",
+        title="Restart failed replicas",
+    )
+    backoff_limit: int = _field(
+        3,
+        "Cluster",
+        "Restarts allowed before a failure fails the run (restart_policy on_failure, exit_code).",
+        ge=0,
+        le=20,
+        title="Restarts allowed",
     )
     train_timeout_seconds: int = _field(
         3600,
@@ -180,16 +176,66 @@ class RunSpec(BaseModel):
         "that never came up, would otherwise block the run forever).",
         ge=10,
         le=7 * 24 * 3600,
+        title="Training time limit (seconds)",
     )
-    pin_cores: bool = _field(
-        False, "Cluster", "Pin each replica to one CPU core (round robin), so replicas do not compete for cores."
+    image: str = _field(
+        "hetflow-replica:0.1.0",
+        "Cluster",
+        "Replica image for the docker and kubernetes backends (built from docker/Dockerfile).",
+        pattern=r"^[a-z0-9][a-z0-9._/:@-]{0,254}$",
+        title="Replica image (docker, kubernetes)",
     )
-    epochs: int = _field(40, "Training", "Passes over the training split.", ge=1, le=1000)
+    replica_cpus: float = _field(
+        0.0,
+        "Cluster",
+        "CPU limit of each replica container or pod (docker, kubernetes); 0 = no limit.",
+        ge=0,
+        le=256,
+        title="CPUs per replica (docker, kubernetes)",
+    )
+    replica_memory_mb: int = _field(
+        0,
+        "Cluster",
+        "Memory limit of each replica container or pod in MiB (docker, kubernetes); 0 = no limit.",
+        ge=0,
+        le=4_194_304,
+        title="Memory per replica, MiB (docker, kubernetes)",
+    )
+    request_gpus: bool = _field(
+        False,
+        "Cluster",
+        "Request `devices_per_worker` GPUs for each computing replica (docker, kubernetes); ps and a "
+        "parameter_server chief get none.",
+        title="Request GPUs (docker, kubernetes)",
+    )
+    kubernetes_namespace: str = _field(
+        "default",
+        "Cluster",
+        "Namespace of the run's pods and service (kubernetes).",
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+        title="Kubernetes namespace",
+    )
+    kubernetes_volume_claim: str = _field(
+        "hetflow-home",
+        "Cluster",
+        "PersistentVolumeClaim (ReadWriteMany) holding HETFLOW_HOME, mounted in every pod at the same path "
+        "(kubernetes).",
+        pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+        title="Kubernetes volume claim",
+    )
+    epochs: int = _field(40, "Training", "Passes over the training split.", ge=1, le=1000, title="Epochs")
     steps_per_epoch: int | None = _field(
-        None, "Training", "Steps per epoch; empty means one full pass over the training split.", ge=1, le=100_000
+        None,
+        "Training",
+        "Steps per epoch; empty means one full pass over the training split.",
+        ge=1,
+        le=100_000,
+        title="Steps per epoch",
     )
-    batch_size: int = _field(32, "Training", "Global batch size, summed over all replicas.", ge=1, le=65_536)
-    learning_rate: float = _field(0.001, "Training", "Base learning rate.", gt=0, le=10)
+    batch_size: int = _field(
+        32, "Training", "Global batch size, summed over all replicas.", ge=1, le=65_536, title="Batch size (global)"
+    )
+    learning_rate: float = _field(0.001, "Training", "Base learning rate.", gt=0, le=10, title="Learning rate")
     target_accuracy: float | None = _field(
         None,
         "Training",
@@ -197,6 +243,7 @@ class RunSpec(BaseModel):
         "reach it is logged); empty trains all epochs.",
         gt=0,
         le=1,
+        title="Stop at validation accuracy",
     )
     lr_scaling: Literal["none", "linear"] = _field(
         "none",
@@ -204,6 +251,7 @@ class RunSpec(BaseModel):
         "`linear`: the linear scaling rule (Goyal et al. 2017): the rate is learning_rate x batch_size / "
         "lr_reference_batch, reached after warmup_epochs. batch_size is the global batch (async: each "
         "update's), so adding replicas at the same batch_size leaves the rate unchanged.",
+        title="Learning-rate scaling",
     )
     lr_reference_batch: int = _field(
         32,
@@ -212,13 +260,19 @@ class RunSpec(BaseModel):
         "(lr_scaling=linear).",
         ge=1,
         le=65_536,
+        title="Reference batch size",
     )
     warmup_epochs: float = _field(
-        0.0, "Training", "Epochs over which the learning rate ramps linearly up to its scaled value.", ge=0, le=100
+        0.0,
+        "Training",
+        "Epochs over which the learning rate ramps linearly up to its scaled value.",
+        ge=0,
+        le=100,
+        title="Warm-up epochs",
     )
-    optimizer: Literal["sgd", "adam"] = _field("adam", "Training", "Optimizer.")
-    shuffle: bool = _field(True, "Training", "Shuffle training examples every epoch.")
-    seed: int = _field(42, "Training", "Seed for weights, shuffling and ops.", ge=0, le=2**31 - 1)
+    optimizer: Literal["sgd", "adam"] = _field("adam", "Training", "Optimizer.", title="Optimizer")
+    shuffle: bool = _field(True, "Training", "Shuffle training examples every epoch.", title="Shuffle")
+    seed: int = _field(42, "Training", "Seed for weights, shuffling and ops.", ge=0, le=2**31 - 1, title="Random seed")
     checkpoint_every: int = _field(
         1,
         "Training",
@@ -226,19 +280,31 @@ class RunSpec(BaseModel):
         "resumes from the last one.",
         ge=1,
         le=1000,
+        title="Checkpoint every (epochs)",
     )
     prune: bool = _field(
-        True, "Compression", "Magnitude-prune the trained model (fine-tuned with a polynomial-decay schedule)."
+        True,
+        "Compression",
+        "Magnitude-prune the trained model (fine-tuned with a polynomial-decay schedule).",
+        title="Prune",
     )
     target_sparsity: float = _field(
-        0.5, "Compression", "Fraction of each kernel's weights set to zero by pruning.", ge=0, lt=1
+        0.5,
+        "Compression",
+        "Fraction of each kernel's weights set to zero by pruning.",
+        ge=0,
+        lt=1,
+        title="Target sparsity",
     )
-    prune_epochs: int = _field(2, "Compression", "Fine-tuning epochs while pruning ramps up.", ge=1, le=100)
+    prune_epochs: int = _field(
+        2, "Compression", "Fine-tuning epochs while pruning ramps up.", ge=1, le=100, title="Pruning epochs"
+    )
     quantize: Literal["none", "dynamic", "float16", "int8"] = _field(
         "int8",
         "Compression",
         "Post-training quantization of the TFLite variant: `dynamic` (int8 weights), `float16`, `int8` "
         "(full integer, calibrated on the train split), or `none`.",
+        title="Quantization",
     )
     max_accuracy_drop: float = _field(
         0.01,
@@ -246,18 +312,21 @@ class RunSpec(BaseModel):
         "A compressed variant whose test accuracy is more than this below the float model's is rejected.",
         ge=0,
         le=1,
+        title="Largest accuracy drop allowed",
     )
     export_formats: list[Literal["saved_model", "tflite"]] = _field(
         ["saved_model", "tflite"],
         "Export",
         "What export writes: a SavedModel (serving_default takes raw uint8 images) and/or TFLite variants.",
         min_length=1,
+        title="Export formats",
     )
     registered_model: str = _field(
         "hetflow-digits",
         "Registry",
         "MLflow registered model name.",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        title="Registered model",
     )
     min_improvement: float = _field(
         0.001,
@@ -265,6 +334,7 @@ class RunSpec(BaseModel):
         "The new version becomes `champion` only if its test accuracy beats the champion's by at least this.",
         ge=0,
         le=1,
+        title="Smallest improvement for champion",
     )
 
     @property

@@ -110,7 +110,8 @@ def test_params_are_generated_from_the_spec():
     for key, param in params.items():
         assert param.value == RunSpec.model_fields[key].default
         assert param.description, key
-        assert param.schema["title"] and param.schema["section"], key
+        assert RunSpec.model_fields[key].title, f"RunSpec.{key} needs a title written for people (the form's label)"
+        assert param.schema["section"], key
     assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet"]
     assert params["strategy"].schema["enum"] == [
         "auto",
