@@ -59,6 +59,8 @@ def environment(airflow_port: int, login: bool, database_url: str | None) -> dic
         "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "10",
         # The plugin that checks hetflow_train's conf with hetflow's own rules at trigger time.
         "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO_ROOT / "plugins"),
+        # The trigger form shows why a trigger was refused right above its Trigger button.
+        "AIRFLOW__API__THEME": (REPO_ROOT / "plugins" / "ui_theme.json").read_text(),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(password_file()),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "False" if login else "True",

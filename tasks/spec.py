@@ -554,7 +554,17 @@ def airflow_params() -> dict[str, Any]:
     for key, field in RunSpec.model_fields.items():
         schema = _field_schema(key)
         json_type = schema.pop("type")
+        description = schema.pop("description")
+        if json_type in ("integer", "number"):
+            description += f" Allowed: {allowed_values(key)}."
         if schema.pop("nullable", False):
             json_type = [json_type, "null"]
-        params[key] = Param(field.default, type=json_type, **schema)
+        # The form's number input clamps what was typed into a top-level minimum/maximum when it
+        # loses focus (-1 in Epochs silently became 1). Under allOf the bounds still refuse the
+        # value at trigger time, and the description states them.
+        bounds = {bound: schema.pop(bound) for bound in ("minimum", "maximum") if bound in schema}
+        if bounds:
+            schema["allOf"] = [bounds]
+        # description_md (with no plain description) renders in the form as Markdown.
+        params[key] = Param(field.default, type=json_type, description_md=description, **schema)
     return params

@@ -109,7 +109,7 @@ def test_params_are_generated_from_the_spec():
     assert tuple(params) == SPEC_KEYS
     for key, param in params.items():
         assert param.value == RunSpec.model_fields[key].default
-        assert param.description, key
+        assert param.schema["description_md"], key
         assert RunSpec.model_fields[key].title, f"RunSpec.{key} needs a title written for people (the form's label)"
         assert param.schema["section"], key
     assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet"]
@@ -121,13 +121,17 @@ def test_params_are_generated_from_the_spec():
         "parameter_server",
         "model_parallel",
     ]
-    assert (params["epochs"].schema["minimum"], params["epochs"].schema["maximum"]) == (1, 1000)
+    # Top-level bounds would make the form's number input clamp what was typed (-1 became 1).
+    assert not {"minimum", "maximum"} & {bound for param in params.values() for bound in param.schema}
+    assert params["epochs"].schema["allOf"] == [{"minimum": 1, "maximum": 1000}]
+    assert params["epochs"].schema["description_md"].endswith("Allowed: an integer >= 1 and <= 1000.")
     assert params["steps_per_epoch"].schema["type"] == ["integer", "null"]
     assert params["learning_rate"].schema["exclusiveMinimum"] == 0
     # The form validates with the same bounds as the spec.
     params["epochs"].resolve(5)
-    with pytest.raises(Exception):
-        params["epochs"].resolve(0)
+    for outside in (0, -1, 1001):
+        with pytest.raises(Exception, match="minimum|maximum"):
+            params["epochs"].resolve(outside)
 
 
 def test_cli_validate_merges_config_and_set(hetflow_env, tmp_path):

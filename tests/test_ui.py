@@ -168,10 +168,18 @@ def browser():
         chromium.close()
 
 
+def _assert_on_screen_above(page, message, button) -> None:
+    """``message`` is on screen without scrolling, right above ``button``, where the eye is after a click."""
+    shown, under = message.bounding_box(), button.bounding_box()
+    assert shown and under, (shown, under)
+    assert 0 <= shown["y"] and shown["y"] + shown["height"] <= page.viewport_size["height"], shown
+    assert 0 <= under["y"] - (shown["y"] + shown["height"]) <= 80, (shown, under)
+
+
 @pytest.fixture(scope="module")
 def form_run(stack, api, browser):
-    """Log in, open hetflow_train's trigger form, submit a bad cluster shape, read the error,
-    fix it, submit, and wait for the run through the REST API."""
+    """Log in, open hetflow_train's trigger form, type an epoch count out of range, then a bad
+    cluster shape, read each refusal, fix them, submit, and wait for the run through the REST API."""
     from devstack.stack import password
 
     state = stack["state"]
@@ -184,24 +192,36 @@ def form_run(stack, api, browser):
     page.get_by_role("button", name="Sign in").click()
     page.get_by_role("button", name="Trigger").first.click()
     dialog = page.get_by_role("dialog")
+    trigger = dialog.get_by_role("button", name="Trigger")
+    before = {run["dag_run_id"] for run in api.runs("hetflow_train")}
     # The sections are an accordion: opening one closes the others.
     dialog.get_by_text("Training", exact=True).click()
-    dialog.get_by_label(_field("Epochs")).fill("2")
+    epochs = dialog.get_by_label(_field("Epochs"))
+    epochs.fill("-1")
+    epochs.blur()
+    assert epochs.input_value() == "-1"  # kept as typed: a number input clamps it to 1 on blur
+    trigger.click()
+    refusal = dialog.get_by_text("invalid spec: epochs=-1 is invalid: expected an integer >= 1 and <= 1000")
+    refusal.wait_for()
+    _assert_on_screen_above(page, refusal, trigger)
+    page.screenshot(path=str(ARTIFACTS / "trigger_form_refused.png"))
+    assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
+    epochs.fill("2")
     dialog.get_by_text("Cluster", exact=True).click()
     dialog.get_by_label(_field("Workers")).fill("2")
-    dialog.get_by_label(_field("Ps")).fill("1")
-    before = {run["dag_run_id"] for run in api.runs("hetflow_train")}
+    dialog.get_by_label(_field("Parameter servers")).fill("1")
     # strategy is still one_device: the REST API answers 400 and the form shows its lines.
-    dialog.get_by_role("button", name="Trigger").click()
+    trigger.click()
     message = dialog.get_by_text("invalid spec: workers=2 is invalid with strategy=one_device")
     message.wait_for()
     assert dialog.get_by_text("invalid spec: ps=1 is invalid with strategy=one_device").count() == 1
-    message.scroll_into_view_if_needed()
+    _assert_on_screen_above(page, dialog.get_by_text("invalid spec: ps=1 is invalid"), trigger)
     page.screenshot(path=str(ARTIFACTS / "trigger_form_error.png"))
-    dialog.get_by_label(_field("Strategy")).click()
+    assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
+    dialog.get_by_label(_field("Distribution strategy")).click()
     page.get_by_role("option", name="parameter_server", exact=True).click()
     page.screenshot(path=str(ARTIFACTS / "trigger_form.png"))
-    dialog.get_by_role("button", name="Trigger").click()
+    trigger.click()
     page.get_by_text("Dag Run Triggered").first.wait_for()  # the toast may be rendered twice
     new = wait_for(lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] not in before], 30)
     assert len(new) == 1, new
@@ -258,15 +278,14 @@ def test_train_task_log_shows_per_worker_progress(api, form_run):
 def test_updating_the_data_asset_starts_retraining_on_the_champions_spec(api, form_run):
     _, trained = form_run
     assert api.patch("/dags/hetflow_retrain", {"is_paused": False}).status_code == 200
+    known = {run["dag_run_id"] for run in api.runs("hetflow_train")}
     [asset] = api.get("/assets", uri_pattern="hetflow://prepared-data")["assets"]
     event = api.post("/assets/events", {"asset_id": asset["id"], "extra": {"why": "new data (test)"}})
     assert event.status_code == 200, event.text
     retrain = wait_for(lambda: api.runs("hetflow_retrain"), 60, interval=2)
     assert retrain and retrain[0]["run_type"] == "asset_triggered", retrain
     # It triggers hetflow_train with the champion's spec: the form run's, the only version so far.
-    triggered = wait_for(
-        lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] != trained["dag_run_id"]], 90, interval=3
-    )
+    triggered = wait_for(lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] not in known], 90, interval=3)
     assert triggered, api.get(f"/dags/hetflow_retrain/dagRuns/{retrain[0]['dag_run_id']}/taskInstances")
     assert {k: triggered[0]["conf"][k] for k in ("strategy", "workers", "ps", "epochs")} == {
         k: trained["conf"][k] for k in ("strategy", "workers", "ps", "epochs")
