@@ -1,13 +1,15 @@
-"""``make bench`` (compression part): size, accuracy and latency of every pruning × quantization
-variant of the digits models, over seeds.
+"""``make bench`` (compression part): file size, accuracy and latency of the pruned and quantized
+TFLite files of the digits models, over seeds, with and without sparsity-aware encoding.
 
 For each model and seed, ``hetflow train`` (the pipeline's training stage, default spec on
-uci_digits) trains the float model; then ``tasks.compress.prune`` (the compress stage's own code:
-schedule, fine-tuning, the kernels it leaves dense) prunes it to each sparsity, and
-``tasks.tflite.to_tflite`` converts each base with each quantization. Every file is re-loaded
-in the LiteRT interpreter and scored on the whole test split by ``tasks.export.score`` (accuracy;
-latency = median of 200 batch-1 calls after a warm-up), as export scores what it ships. The
-markdown shows mean ± sd over the seeds, every figure computed from the JSON record.
+uci_digits: 40 epochs) trains the float model; then ``tasks.compress.prune`` (the compress stage's
+own code: schedule, blocks, the kernels it leaves dense, fine-tuning sized from the training run's
+training.json) prunes it to each sparsity, and ``tasks.tflite.to_tflite`` converts each base with
+each quantization, the pruned ones once with the sparsity encoding (what compress ships) and once
+without (the one difference). Every file is re-loaded in the LiteRT interpreter and scored on the
+whole test split by ``tasks.export.score`` (accuracy; latency = median of 200 batch-1 calls after a
+warm-up), as export scores what it ships. The markdown shows mean ± sd over the seeds, every figure
+computed from the JSON record.
 
 Writes bench/results/compression-<UTC timestamp>.json and bench/COMPRESSION.md.
 
@@ -35,7 +37,7 @@ from report import save  # bench/report.py: the scripts run as bench/<name>.py
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-QUANTIZATIONS = ("none", "dynamic", "float16", "int8")
+QUANTIZATIONS = ("none", "int8")
 
 
 def train(model: str, seed: int, env: dict[str, str]) -> Path:
@@ -48,81 +50,97 @@ def train(model: str, seed: int, env: dict[str, str]) -> Path:
 
 
 def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
-    """Every (sparsity, quantization) variant of one trained model, converted and scored."""
+    """Every (sparsity, quantization, encoding) variant of one trained model, converted and scored."""
 
     from tasks.attempts import load_spec
-    from tasks.compress import (
-        fine_tuning_epoch_steps,
-        kernel_sparsity,
-        overall_sparsity,
-        prune,
-        pruned_layers,
-    )
+    from tasks.compress import fine_tuning_steps, kernel_sparsity, overall_sparsity, prune, pruned_layers
     from tasks.data.pipeline import split_arrays
     from tasks.export import score
     from tasks.models import trained_model
     from tasks.paths import RunPaths
     from tasks.predictors import tflite_predictor
-    from tasks.tflite import representative_images, to_tflite
+    from tasks.tflite import representative_images, to_tflite, weight_encoding
 
     paths = RunPaths(run_dir)
     spec, dataset = load_spec(paths), json.loads(paths.dataset.read_text())
+    training = json.loads(paths.training.read_text())
     model = trained_model(spec, dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
     representative = representative_images(dataset, spec.seed)
+    steps = fine_tuning_steps(spec, training)
     run = {
         "model": spec.model,
         "seed": spec.seed,
         "dataset": f"{dataset['name']}:{dataset['version']}",
         "float_test_accuracy": float((float_logits.argmax(axis=1) == labels).mean()),
-        "fine_tuning_steps": spec.prune_epochs * fine_tuning_epoch_steps(spec, dataset),
+        "trained_steps": training["epochs_done"] * training["steps_per_epoch"],
+        "train_seconds": training["train_seconds"],
+        "fine_tuning_steps": steps,
         "pruned_layers": pruned_layers(model),
         "variants": [],
     }
     for target in (0.0, *sparsities):
         started = time.perf_counter()
-        base = prune(model, spec.model_copy(update={"target_sparsity": target}), dataset) if target else model
+        base = prune(model, spec.model_copy(update={"target_sparsity": target}), dataset, steps) if target else model
         pruning = {
             "target_sparsity": target,
-            "prune_seconds": time.perf_counter() - started if target else 0.0,
+            "fine_tuning_seconds": time.perf_counter() - started if target else 0.0,
             "sparsity": overall_sparsity(base),
             "kernel_sparsity": kernel_sparsity(base),
         }
         for quantize in QUANTIZATIONS:
-            path = work / f"{spec.model}-{spec.seed}-{target}-{quantize}.tflite"
-            data = to_tflite(base, quantize, representative)
-            path.write_bytes(data)
-            run["variants"].append(
-                {
-                    **pruning,
-                    "quantize": quantize,
-                    "bytes": len(data),
-                    "gzip_bytes": len(gzip.compress(data)),
-                    **score(tflite_predictor(path), images, labels, float_logits),
-                }
-            )
+            for sparse in (True, False) if target else (False,):
+                path = work / f"{spec.model}-{spec.seed}-{target}-{quantize}-{sparse}.tflite"
+                data = to_tflite(base, quantize, representative, sparse=sparse)
+                path.write_bytes(data)
+                run["variants"].append(
+                    {
+                        **pruning,
+                        "quantize": quantize,
+                        "sparse_encoding_asked": sparse,
+                        **weight_encoding(data),
+                        "bytes": len(data),
+                        "gzip_bytes": len(gzip.compress(data)),
+                        **score(tflite_predictor(path), images, labels, float_logits),
+                    }
+                )
     return run
 
 
 def summary(runs: list[dict]) -> list[dict]:
-    """Mean and sd over seeds of each (model, sparsity, quantization) variant."""
+    """Mean and sd over seeds of each (model, sparsity, quantization, encoding) variant; bytes
+    relative to the same seed's dense file of the same quantization and to its dense float file."""
     groups: dict[tuple, list[tuple[dict, dict]]] = {}
     for run in runs:
         for variant in run["variants"]:
-            key = (run["model"], variant["target_sparsity"], variant["quantize"])
+            key = (run["model"], variant["target_sparsity"], variant["quantize"], variant["sparse_encoding_asked"])
             groups.setdefault(key, []).append((run, variant))
+
+    def dense(run: dict, quantize: str) -> dict:
+        return next(v for v in run["variants"] if not v["target_sparsity"] and v["quantize"] == quantize)
+
     rows = []
-    for (model, target, quantize), members in groups.items():
+    for (model, target, quantize, sparse), members in groups.items():
         values = {
             "sparsity": [v["sparsity"] for _, v in members],
             "bytes": [v["bytes"] for _, v in members],
+            "smaller_than_dense_same_quantization": [dense(r, quantize)["bytes"] / v["bytes"] for r, v in members],
+            "smaller_than_dense_float": [dense(r, "none")["bytes"] / v["bytes"] for r, v in members],
             "gzip_bytes": [v["gzip_bytes"] for _, v in members],
             "test_accuracy": [v["test_accuracy"] for _, v in members],
             "drop_points": [100 * (r["float_test_accuracy"] - v["test_accuracy"]) for r, v in members],
             "latency_ms": [v["latency_ms"] for _, v in members],
+            "fine_tuning_seconds": [v["fine_tuning_seconds"] for _, v in members],
         }
-        row = {"model": model, "target_sparsity": target, "quantize": quantize, "seeds": len(members)}
+        row = {
+            "model": model,
+            "target_sparsity": target,
+            "quantize": quantize,
+            "sparse_encoding_asked": sparse,
+            "encodings": sorted({v["encoding"] for _, v in members}),
+            "seeds": len(members),
+        }
         for name, series in values.items():
             row[name] = {"mean": statistics.fmean(series), "sd": statistics.stdev(series) if len(series) > 1 else 0.0}
         rows.append(row)
@@ -134,24 +152,31 @@ def _pm(stat: dict, digits: int, scale: float = 1.0) -> str:
 
 
 def _target(sparsity: float) -> str:
-    return f"{sparsity:.0%}" if sparsity else "0 (float)"
+    return f"{sparsity:.0%}" if sparsity else "0 (dense)"
 
 
 def markdown(record: dict) -> str:
     rows, runs = record["summary"], record["runs"]
-    reference = [r for r in rows if not r["target_sparsity"] and r["quantize"] == "none"]
-    float_gzip = {r["model"]: r["gzip_bytes"]["mean"] for r in reference}
     lines = [
         "# Compression benchmark",
         "",
-        f"`hetflow train` on `{record['dataset']}` (default spec) for each model and seed "
+        f"`hetflow train` on `{record['dataset']}` (default spec: 40 epochs) for each model and seed "
         f"({', '.join(map(str, record['seeds']))}). Each float model is pruned by `tasks.compress.prune` to "
-        f"each sparsity (kernels under {record['min_pruned_weights']:,} weights stay dense) and converted to "
-        "TFLite with each quantization (int8: full integer, calibrated on 200 train images); each file is "
-        "re-loaded in the LiteRT interpreter and scored on the whole test split. Latency: median of 200 "
+        f"each sparsity (hidden kernels of at least {record['min_pruned_weights']:,} weights; Dense kernels in "
+        f"{record['dense_block'][0]}x{record['dense_block'][1]} blocks; the logits dense), fine-tuned for "
+        f"{record['fine_tuning_share']} of the steps the model trained, and converted to TFLite as float and as "
+        "int8 (full integer, calibrated on 200 train images), the pruned models once with the sparsity "
+        "encoding (`tf.lite.Optimize.EXPERIMENTAL_SPARSITY`, what compress ships) and once without. Each file "
+        "is re-loaded in the LiteRT interpreter and scored on the whole test split. Latency: median of 200 "
         "batch-1 calls in the interpreter. Every figure is the mean ± sd over the seeds. Δ: the drop in test "
         "accuracy from the float Keras model of the same seed, in points (positive = worse). Sparsity is "
-        "measured: the fraction of exact zeros over all kernels.",
+        "measured: the fraction of exact zeros over all Dense and Conv2D kernels. Bytes: the file itself, no "
+        "gzip. Encoding: read back from each file (sparse: some tensor carries TFLite sparsity metadata).",
+        "",
+        f"What ran (kept small: 2 cores shared with other work): models {', '.join(record['models'])}, seeds "
+        f"{', '.join(map(str, record['seeds']))}, sparsities {', '.join(f'{x:.0%}' for x in record['sparsities'])}, "
+        f"quantizations {', '.join(record['quantizations'])} (dynamic and float16 files are not sparse-encoded, "
+        "see tasks/tflite.py).",
         "",
         f"- date: {record['date']}",
         f"- command: `{record['command']}`",
@@ -159,41 +184,46 @@ def markdown(record: dict) -> str:
         f"- wall time: {record['wall_seconds']:.0f} s",
     ]
     for model in record["models"]:
-        first = next(r for r in runs if r["model"] == model)
-        accuracy = statistics.fmean(r["float_test_accuracy"] for r in runs if r["model"] == model)
+        mine = [r for r in runs if r["model"] == model]
+        accuracy = statistics.fmean(r["float_test_accuracy"] for r in mine)
         lines.append(
-            f"- {model}: float test accuracy {accuracy:.4f}; pruned layers {', '.join(first['pruned_layers'])}; "
-            f"{first['fine_tuning_steps']} fine-tuning steps"
+            f"- {model}: float test accuracy {accuracy:.4f}; pruned layers {', '.join(mine[0]['pruned_layers'])}; "
+            f"trained {statistics.fmean(r['trained_steps'] for r in mine):.0f} steps in "
+            f"{statistics.fmean(r['train_seconds'] for r in mine):.1f} s, fine-tuned "
+            f"{statistics.fmean(r['fine_tuning_steps'] for r in mine):.0f} steps"
         )
     lines += [
         "",
-        "## Each sparsity with int8",
+        "## The shipped pruned files (sparse encoding) against the dense ones",
         "",
-        "| model | target sparsity | measured sparsity | gzipped bytes | vs float TFLite, gzipped | accuracy | Δ |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| model | target sparsity | quantization | measured sparsity | bytes "
+        "| × smaller than dense, same quantization | × smaller than dense float | accuracy | Δ | latency µs "
+        "| fine-tuning s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {r['model']} | {_target(r['target_sparsity'])} | {_pm(r['sparsity'], 3)} | {_pm(r['gzip_bytes'], 0)} "
-        f"| {float_gzip[r['model']] / r['gzip_bytes']['mean']:.1f}× smaller | {_pm(r['test_accuracy'], 4)} "
-        f"| {_pm(r['drop_points'], 1)} |"
+        f"| {r['model']} | {_target(r['target_sparsity'])} | {r['quantize']} | {_pm(r['sparsity'], 3)} "
+        f"| {_pm(r['bytes'], 0)} | {_pm(r['smaller_than_dense_same_quantization'], 2)} "
+        f"| {_pm(r['smaller_than_dense_float'], 2)} | {_pm(r['test_accuracy'], 4)} | {_pm(r['drop_points'], 2)} "
+        f"| {_pm(r['latency_ms'], 1, 1000)} | {_pm(r['fine_tuning_seconds'], 1)} |"
         for r in rows
-        if r["quantize"] == "int8"
+        if r["sparse_encoding_asked"] or not r["target_sparsity"]
     ]
-    for model in record["models"]:
-        lines += [
-            "",
-            f"## {model}",
-            "",
-            "| target sparsity | quantization | measured sparsity | bytes | gzipped | accuracy | Δ | latency µs |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        lines += [
-            f"| {_target(r['target_sparsity'])} | {r['quantize']} | {_pm(r['sparsity'], 3)} | {_pm(r['bytes'], 0)} "
-            f"| {_pm(r['gzip_bytes'], 0)} | {_pm(r['test_accuracy'], 4)} | {_pm(r['drop_points'], 1)} "
-            f"| {_pm(r['latency_ms'], 1, 1000)} |"
-            for r in rows
-            if r["model"] == model
-        ]
+    lines += [
+        "",
+        "## Every file",
+        "",
+        "| model | target sparsity | quantization | encoding asked | encoding in the file | bytes | gzipped | accuracy "
+        "| Δ | latency µs |",
+        "|---|---:|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {r['model']} | {_target(r['target_sparsity'])} | {r['quantize']} "
+        f"| {'sparse' if r['sparse_encoding_asked'] else 'none'} | {', '.join(r['encodings'])} | {_pm(r['bytes'], 0)} "
+        f"| {_pm(r['gzip_bytes'], 0)} | {_pm(r['test_accuracy'], 4)} | {_pm(r['drop_points'], 2)} "
+        f"| {_pm(r['latency_ms'], 1, 1000)} |"
+        for r in rows
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -201,7 +231,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--seeds", default="1,2,3")
-    parser.add_argument("--sparsities", default="0.5,0.8,0.9")
+    parser.add_argument("--sparsities", default="0.8")
     args = parser.parse_args()
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
     sparsities = [float(s) for s in args.sparsities.split(",")]
@@ -211,7 +241,8 @@ def main() -> None:
         os.environ.update(env)  # this process reads the runs' data too
         # Before measure() imports TensorFlow: the package sets TF_USE_LEGACY_KERAS.
         import tasks  # noqa: F401
-        from tasks.compress import MIN_PRUNED_WEIGHTS
+        from tasks.compress import DENSE_BLOCK, MIN_PRUNED_WEIGHTS
+        from tasks.spec import RunSpec
 
         runs = [measure(train(model, seed, env), sparsities, Path(home)) for model in models for seed in seeds]
     record = {
@@ -223,7 +254,10 @@ def main() -> None:
         "models": models,
         "seeds": seeds,
         "sparsities": sparsities,
+        "quantizations": list(QUANTIZATIONS),
         "min_pruned_weights": MIN_PRUNED_WEIGHTS,
+        "dense_block": list(DENSE_BLOCK),
+        "fine_tuning_share": RunSpec().fine_tuning_share,
         "wall_seconds": time.monotonic() - started,
         "runs": runs,
     }

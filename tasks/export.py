@@ -3,9 +3,11 @@
 
 Each artifact is loaded back from disk the way a consumer would (``tasks.predictors``) and scored
 on the whole test split: accuracy, agreement with the float model, size raw and gzipped, latency
-per example at batch 1. Float
-artifacts must reproduce the float model (parity); a compressed variant more than
-``max_accuracy_drop`` below the float model is rejected, not deployable.
+per example at batch 1, sparsity and how the file encodes its weights. Float artifacts must
+reproduce the Keras model they were converted from (parity): the float model's, and the pruned
+model's (its weights kept by compress) for the sparse ``pruned`` file. A compressed variant more
+than ``max_accuracy_drop`` below the float model is rejected, not deployable; of the accepted
+TFLite files, the smallest on disk ships (no consumer of the registered model gets it gzipped).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tasks.models import trained_model
 from tasks.paths import RunPaths, run_paths, write_record
 from tasks.predictors import saved_model_predictor, tflite_predictor
 from tasks.spec import RunSpec
-from tasks.tflite import to_tflite
+from tasks.tflite import to_tflite, weight_encoding
 
 log = logging.getLogger("hetflow.stages")
 
@@ -92,8 +94,9 @@ def score(
 
 
 def judge(artifacts: dict[str, dict[str, Any]], float_accuracy: float, max_accuracy_drop: float) -> str | None:
-    """Check parity of the float artifacts, accept or reject each by its accuracy drop, and pick
-    the TFLite variant to deploy: the smallest accepted one (None if none is accepted)."""
+    """Check parity of the float artifacts (the pruned one against the pruned model), accept or
+    reject each by its accuracy drop, and pick the TFLite variant to deploy: the smallest accepted
+    file, in bytes on disk (None if none is accepted)."""
     for name, artifact in artifacts.items():
         is_float = artifact["format"] == "saved_model" or artifact.get("variant") == "float"
         if is_float and artifact["max_logit_difference"] > PARITY_TOLERANCE:
@@ -101,13 +104,18 @@ def judge(artifacts: dict[str, dict[str, Any]], float_accuracy: float, max_accur
                 f"{name} does not reproduce the float model: logits differ by up to "
                 f"{artifact['max_logit_difference']:.2e} (> {PARITY_TOLERANCE}) on the test split"
             )
+        if artifact.get("variant") == "pruned" and artifact["max_logit_difference_to_pruned"] > PARITY_TOLERANCE:
+            raise ParityError(
+                f"{name} does not reproduce the pruned model: logits differ by up to "
+                f"{artifact['max_logit_difference_to_pruned']:.2e} (> {PARITY_TOLERANCE}) on the test split"
+            )
         drop = float_accuracy - artifact["test_accuracy"]
         artifact["accuracy_drop"] = drop
         artifact["accepted"] = drop <= max_accuracy_drop
         if not artifact["accepted"]:
             artifact["reason"] = f"accuracy drop {drop:.4f} > max_accuracy_drop {max_accuracy_drop}"
     deployable = [n for n, a in artifacts.items() if a["format"] == "tflite" and a["accepted"]]
-    return min(deployable, key=lambda n: artifacts[n]["gzip_bytes"]) if deployable else None
+    return min(deployable, key=lambda n: artifacts[n]["bytes"]) if deployable else None
 
 
 @reported
@@ -117,12 +125,14 @@ def export(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         record = export_artifacts(load_spec(paths), paths, read_record(paths.dataset))
     for name, artifact in record["artifacts"].items():
         log.info(
-            "%s: accuracy %.4f (drop %+.4f), %d bytes (%d gzipped), %.4f ms/example%s",
+            "%s: accuracy %.4f (drop %+.4f), %d bytes (%d gzipped), %s weights, sparsity %.3f, %.4f ms/example%s",
             name,
             artifact["test_accuracy"],
             artifact["accuracy_drop"],
             artifact["bytes"],
             artifact["gzip_bytes"],
+            artifact.get("encoding", "dense"),
+            artifact.get("sparsity", 0.0),
             artifact["latency_ms"],
             "" if artifact["accepted"] else f" -- rejected: {artifact['reason']}",
         )
@@ -140,12 +150,23 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) ->
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
     float_accuracy = float(np.mean(np.argmax(float_logits, axis=1) == labels))
+    compression = read_record(paths.compression)
     tflite_variants = {}
     if "tflite" in spec.export_formats:
         paths.float_tflite.parent.mkdir(parents=True, exist_ok=True)
-        paths.float_tflite.write_bytes(to_tflite(model, "none"))
-        tflite_variants["float"] = {"path": str(paths.float_tflite), "base": "float", "quantize": "none"}
-    tflite_variants |= read_record(paths.compression)["variants"]
+        data = to_tflite(model, "none")
+        paths.float_tflite.write_bytes(data)
+        tflite_variants["float"] = {
+            "path": str(paths.float_tflite),
+            "base": "float",
+            "quantize": "none",
+            **weight_encoding(data),
+        }
+    tflite_variants |= compression["variants"]
+    pruned_logits = None
+    if "pruned" in tflite_variants:
+        pruned = trained_model(spec, dataset, Path(compression["pruned_weights"]))
+        pruned_logits = pruned.predict(images, batch_size=256, verbose=0)
 
     artifacts: dict[str, dict[str, Any]] = {}
     if "saved_model" in spec.export_formats:
@@ -159,15 +180,22 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) ->
         }
     for name, variant in tflite_variants.items():
         path = Path(variant["path"])
+        predict = tflite_predictor(path)
         artifacts[f"tflite_{name}"] = {
             "format": "tflite",
             "variant": name,
             "quantize": variant["quantize"],
             "pruned": variant["base"] == "pruned",
+            "sparsity": variant.get("sparsity", 0.0),
+            "encoding": variant["encoding"],
+            "sparse_tensors": variant["sparse_tensors"],
             "path": str(path),
             **_sizes(path),
-            **score(tflite_predictor(path), images, labels, float_logits),
+            **score(predict, images, labels, float_logits),
         }
+        if name == "pruned":
+            difference = np.max(np.abs(predict(images) - pruned_logits))
+            artifacts[f"tflite_{name}"]["max_logit_difference_to_pruned"] = float(difference)
 
     record = {
         "float_test_accuracy": float_accuracy,

@@ -115,10 +115,13 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
                 "quantize": artifact["quantize"],
                 "size_bytes": str(artifact["bytes"]),
                 "size_gzip_bytes": str(artifact["gzip_bytes"]),
+                "sparsity": f"{artifact['sparsity']:.4f}",
+                "weight_encoding": artifact["encoding"],
             }
             report = headline + (
                 f"- TFLite variant `{artifact['variant']}`: {artifact['bytes']} bytes, {artifact['gzip_bytes']} "
-                f"gzipped, float model's accuracy {exported['float_test_accuracy']:.4f}, agreement with it "
+                f"gzipped, sparsity {artifact['sparsity']:.4f}, {artifact['encoding']} weight encoding, float model's "
+                f"accuracy {exported['float_test_accuracy']:.4f}, agreement with it "
                 f"{artifact['agreement_with_float']:.4f}, latency at batch 1 {artifact['latency_ms']:.4f} ms"
             )
             candidates.append(
@@ -151,8 +154,9 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
 def compression_table(exported: dict) -> str:
     """export.json as a markdown table: what a reviewer compares in the MLflow UI."""
     rows = [
-        "| artifact | bytes | gzipped | test accuracy | agreement with float | latency ms (batch 1) | verdict |",
-        "|---|--:|--:|--:|--:|--:|---|",
+        "| artifact | bytes | gzipped | test accuracy | agreement with float | latency ms (batch 1) | sparsity | "
+        "weight encoding | verdict |",
+        "|---|--:|--:|--:|--:|--:|--:|---|---|",
     ]
     for name, artifact in exported["artifacts"].items():
         verdict = "deployed" if name == exported["chosen_tflite"] else "accepted"
@@ -160,6 +164,7 @@ def compression_table(exported: dict) -> str:
             verdict = f"rejected: {artifact['reason']}"
         rows.append(
             f"| {name} | {artifact['bytes']} | {artifact['gzip_bytes']} | {artifact['test_accuracy']:.4f} | "
-            f"{artifact['agreement_with_float']:.4f} | {artifact['latency_ms']:.4f} | {verdict} |"
+            f"{artifact['agreement_with_float']:.4f} | {artifact['latency_ms']:.4f} | "
+            f"{artifact.get('sparsity', 0.0):.4f} | {artifact.get('encoding', 'dense')} | {verdict} |"
         )
     return "\n".join(rows)

@@ -296,8 +296,14 @@ class RunSpec(BaseModel):
         lt=1,
         title="Target sparsity",
     )
-    prune_epochs: int = _field(
-        2, "Compression", "Fine-tuning epochs while pruning ramps up.", ge=1, le=100, title="Pruning epochs"
+    fine_tuning_share: float = _field(
+        0.75,
+        "Compression",
+        "Length of the pruning fine-tuning, as a share of the optimizer steps training took (at least 200 "
+        "steps): sparsity ramps up over the first half, the second half recovers at target_sparsity.",
+        gt=0,
+        le=4,
+        title="Pruning fine-tuning (share of training steps)",
     )
     quantize: Literal["none", "dynamic", "float16", "int8"] = _field(
         "int8",

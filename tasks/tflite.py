@@ -1,4 +1,14 @@
-"""Converting a trained model to a TFLite file, plain (export) or quantized (compress)."""
+"""Converting a trained model to a TFLite file, plain (export) or quantized (compress), and reading
+back from a file how its weights are encoded.
+
+A pruned model's zeros make the file smaller only when the converter is asked to encode them
+(``tf.lite.Optimize.EXPERIMENTAL_SPARSITY``): without it the pruned file has the bytes of the dense
+one. Measured here (TF 2.21, ai-edge-litert): the converter encodes a float kernel in any pattern,
+and the interpreter runs it (a DENSIFY op before the layer); an int8 FULLY_CONNECTED kernel runs
+only in 1x16 blocks (TFLite's layout, output x input: 16 consecutive inputs of one unit), any other
+pattern fails to prepare in the XNNPACK delegate; a sparse ``dynamic`` file failed to prepare
+(Conv2D) or gave wrong logits (Dense), so ``dynamic`` and ``float16`` files stay dense.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +16,12 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
+from ai_edge_litert import schema_py_generated as schema
 
 from tasks.data.pipeline import split_arrays
 
 REPRESENTATIVE_EXAMPLES = 200
+SPARSE_ENCODABLE = ("none", "int8")
 
 
 def representative_images(dataset: dict[str, Any], seed: int) -> np.ndarray:
@@ -18,11 +30,18 @@ def representative_images(dataset: dict[str, Any], seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(images)[:REPRESENTATIVE_EXAMPLES]
 
 
-def to_tflite(model: tf.keras.Model, quantize: str, representative: np.ndarray | None = None) -> bytes:
-    """The model as a TFLite flatbuffer; ``representative`` calibrates ``quantize="int8"`` only."""
+def to_tflite(
+    model: tf.keras.Model, quantize: str, representative: np.ndarray | None = None, sparse: bool = False
+) -> bytes:
+    """The model as a TFLite flatbuffer; ``representative`` calibrates ``quantize="int8"`` only;
+    ``sparse`` asks the converter to encode zero weights compactly (``quantize`` in ``SPARSE_ENCODABLE``)."""
+    if sparse and quantize not in SPARSE_ENCODABLE:
+        raise ValueError(f"quantize={quantize} has no sparse encoding: expected one of {', '.join(SPARSE_ENCODABLE)}")
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
-    if quantize != "none":
-        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    optimizations = [tf.lite.Optimize.DEFAULT] if quantize != "none" else []
+    if sparse:
+        optimizations.append(tf.lite.Optimize.EXPERIMENTAL_SPARSITY)
+    converter.optimizations = optimizations
     if quantize == "float16":
         converter.target_spec.supported_types = [tf.float16]
     if quantize == "int8":
@@ -30,3 +49,23 @@ def to_tflite(model: tf.keras.Model, quantize: str, representative: np.ndarray |
         converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
         converter.inference_input_type = tf.uint8  # raw pixels in, as the float model takes them
     return converter.convert()
+
+
+def weight_encoding(flatbuffer: bytes) -> dict[str, Any]:
+    """How the file stores its weights, read from the flatbuffer itself: ``sparse`` when some tensor
+    carries sparsity metadata, with each such tensor's name, shape and block shape (None: element-wise)."""
+    model = schema.ModelT.InitFromPackedBuf(flatbuffer, 0)
+    tensors = []
+    for subgraph in model.subgraphs:
+        for tensor in subgraph.tensors:
+            if tensor.sparsity is None:
+                continue
+            block = None
+            if tensor.sparsity.blockMap is not None and len(tensor.sparsity.blockMap):
+                # Each blocked dimension adds one metadata entry after the tensor's own, its block size.
+                block = [1] * len(tensor.shape)
+                extra = tensor.sparsity.dimMetadata[len(tensor.shape) :]
+                for dimension, metadata in zip(tensor.sparsity.blockMap, extra):
+                    block[int(dimension)] = int(metadata.denseSize)
+            tensors.append({"name": tensor.name.decode(), "shape": [int(d) for d in tensor.shape], "block": block})
+    return {"encoding": "sparse" if tensors else "dense", "sparse_tensors": tensors}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
-
 import numpy as np
 import pytest
 
@@ -62,12 +60,12 @@ def test_kernel_sparsity_is_measured_from_the_weights(model_and_images):
     assert len(sparsity) == 2 and "logits" in sparsity
 
 
-def _artifact(fmt, accuracy, gzip_bytes, variant=None, difference=0.0):
+def _artifact(fmt, accuracy, size, variant=None, difference=0.0):
     return {
         "format": fmt,
         "variant": variant,
         "test_accuracy": accuracy,
-        "gzip_bytes": gzip_bytes,
+        "bytes": size,
         "max_logit_difference": difference,
     }
 
@@ -96,51 +94,88 @@ def test_judge_fails_a_float_artifact_that_does_not_reproduce_the_model():
         judge(artifacts, float_accuracy=0.95, max_accuracy_drop=0.01)
 
 
-# Issue 15: the digits CNN pruned to 80 % fell from 0.969 to chance (0.114). Over 4 seeds the fix
-# lost -0.3 to 1.9 points (0.0 with seed 1, the one used here); every kernel pruned lost 7.8-12.3,
-# the old fine-tuning budget (78 steps at a tenth of the rate) 15-42. Either half of that budget
-# alone lost up to 3.1: below what one seed can tell from noise.
-MAX_PRUNING_DROP = 0.03
-
-
-def test_pruning_the_cnn_to_80_percent_keeps_its_accuracy_and_real_sparsity(tmp_path):
+def _trained_run(tmp_path, **values):
+    """A run directory holding a model trained in this process on the digits, as a replica leaves it."""
     import tensorflow as tf
 
-    from tasks.compress import kernel_sparsity, prune, pruned_layers
-    from tasks.data.pipeline import split_arrays, train_input
+    from tasks.data.pipeline import train_input
     from tasks.data.prepare import prepare_dataset
     from tasks.models import build_model, compile_model
-    from tasks.predictors import tflite_predictor
+    from tasks.paths import RunPaths
+    from tasks.replica.weights import save_model
     from tasks.schedule import steps_per_epoch
     from tasks.spec import RunSpec
-    from tasks.tflite import to_tflite
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
-    spec = RunSpec(model="cnn", seed=1, prune=True, target_sparsity=0.8)
+    spec = RunSpec(seed=1, target_sparsity=0.8, export_formats=["tflite"], **values)
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
     model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
     compile_model(model, tf.keras.optimizers.Adam(spec.learning_rate))
+    steps = steps_per_epoch(spec, dataset)
     batches = train_input(dataset, per_worker_batch=spec.batch_size, shuffle=True, seed=spec.seed)
-    model.fit(batches, epochs=spec.epochs, steps_per_epoch=steps_per_epoch(spec, dataset), verbose=0)
+    model.fit(batches, epochs=spec.epochs, steps_per_epoch=steps, verbose=0)
+    save_model(model, spec, dataset, paths.model)
+    return spec, paths, dataset, {"epochs_done": spec.epochs, "steps_per_epoch": steps}
+
+
+def test_the_pruned_files_are_smaller_in_the_file_itself_and_say_how(tmp_path):
+    from tasks.compress import compress_model
+    from tasks.export import export_artifacts
+
+    spec, paths, dataset, training = _trained_run(tmp_path, model="mlp", epochs=10)
+    compression = compress_model(spec, paths, dataset, training)
+    assert compression["fine_tuning_steps"] == 292  # 0.75 of the 10 x 39 steps trained
+    [hidden] = compression["pruned_layers"]  # the logits stay dense
+    assert hidden != "logits" and compression["kernel_sparsity"][hidden] == pytest.approx(0.8, abs=0.01)
+    artifacts = export_artifacts(spec, paths, dataset)["artifacts"]
+    dense, pruned = artifacts["tflite_float"], artifacts["tflite_pruned"]
+    dense_int8, pruned_int8 = artifacts["tflite_float_int8"], artifacts["tflite_pruned_int8"]
+
+    # No gzip: the bytes a consumer of the file gets (without the encoding they are the dense ones).
+    assert pruned["bytes"] < 0.4 * dense["bytes"], (pruned["bytes"], dense["bytes"])
+    assert pruned_int8["bytes"] < 0.85 * dense_int8["bytes"], (pruned_int8["bytes"], dense_int8["bytes"])
+    assert (dense["encoding"], dense_int8["encoding"]) == ("dense", "dense")
+    assert (pruned["encoding"], pruned_int8["encoding"]) == ("sparse", "sparse")
+    # The int8 kernel in TFLite's layout (units x inputs), in the only blocks its interpreter runs.
+    assert [(t["shape"], t["block"]) for t in pruned_int8["sparse_tensors"]] == [([128, 64], [1, 16])]
+    assert pruned_int8["sparsity"] == compression["sparsity"] > 0.6  # 80 % of 8,192 of 9,472 weights
+    # The sparse float file computes what the pruned Keras model computes.
+    assert pruned["max_logit_difference_to_pruned"] < 1e-4
+    assert pruned_int8["agreement_with_float"] > 0.9
+
+
+# Fine-tuning that recovers: at 80 % sparsity the pruned int8 file of the CNN trained with the
+# default 40 epochs stays within the gate's 1 point (seed 1: 0.983 vs the float model's 0.972 when
+# measured); cut to 20 steps, the same pruning loses far more and the gate rejects it.
+SHORT_FINE_TUNING_STEPS = 20
+
+
+@pytest.mark.slow
+def test_pruning_the_cnn_to_80_percent_passes_the_gate_only_when_fine_tuned_long_enough(tmp_path):
+    from tasks.compress import compress_model, kernel_sparsity, prune, pruned_layers
+    from tasks.data.pipeline import split_arrays
+    from tasks.export import export_artifacts, judge, score
+    from tasks.models import trained_model
+    from tasks.predictors import tflite_predictor
+    from tasks.tflite import representative_images, to_tflite
+
+    spec, paths, dataset, training = _trained_run(tmp_path, model="cnn")
+    compression = compress_model(spec, paths, dataset, training)
+    assert compression["fine_tuning_steps"] == 1170  # 0.75 of the 40 x 39 steps trained
+    assert all(compression["kernel_sparsity"][name] >= 0.79 for name in compression["pruned_layers"])
+    exported = export_artifacts(spec, paths, dataset)
+    pruned_int8 = exported["artifacts"]["tflite_pruned_int8"]
+    assert pruned_int8["accepted"], pruned_int8
+    assert exported["chosen_tflite"] == "tflite_pruned_int8"  # the smallest accepted file
+
+    model = trained_model(spec, dataset, paths.model)
+    short = prune(model, spec, dataset, SHORT_FINE_TUNING_STEPS)
+    assert min(kernel_sparsity(short)[name] for name in pruned_layers(short)) >= 0.79
+    path = tmp_path / "short.tflite"
+    path.write_bytes(to_tflite(short, "int8", representative_images(dataset, spec.seed), sparse=True))
     images, labels = split_arrays(dataset, "test")
-
-    def accuracy(predict):
-        return float(np.mean(np.argmax(predict(images), axis=1) == labels))
-
-    float_accuracy = accuracy(lambda x: model.predict(x, verbose=0))
-    pruned = prune(model, spec, dataset)
-    assert accuracy(lambda x: model.predict(x, verbose=0)) == float_accuracy  # the float model is untouched
-
-    sparsity = kernel_sparsity(pruned)
-    chosen = pruned_layers(pruned)
-    kernels = {layer.name: layer.kernel.shape.num_elements() for layer in pruned.layers if layer.name in sparsity}
-    assert sum(kernels[name] for name in chosen) >= 0.95 * sum(kernels.values())  # the dense ones are small
-    assert all(sparsity[name] >= 0.79 for name in chosen), sparsity
-    assert accuracy(lambda x: pruned.predict(x, verbose=0)) >= float_accuracy - MAX_PRUNING_DROP
-
-    # The zeros and the accuracy survive the export: the TFLite file is what is shipped.
-    float_path, pruned_path = tmp_path / "float.tflite", tmp_path / "pruned.tflite"
-    float_path.write_bytes(to_tflite(model, "none", images[:10]))
-    pruned_path.write_bytes(to_tflite(pruned, "none", images[:10]))
-    assert accuracy(tflite_predictor(pruned_path)) >= float_accuracy - MAX_PRUNING_DROP
-    gzipped = {path: len(gzip.compress(path.read_bytes())) for path in (float_path, pruned_path)}
-    assert gzipped[pruned_path] < 0.5 * gzipped[float_path]
+    float_logits = model.predict(images, verbose=0)
+    artifacts = {"tflite_short": {"format": "tflite", **score(tflite_predictor(path), images, labels, float_logits)}}
+    judge(artifacts, exported["float_test_accuracy"], spec.max_accuracy_drop)
+    assert not artifacts["tflite_short"]["accepted"], artifacts
