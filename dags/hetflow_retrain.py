@@ -1,11 +1,16 @@
-"""hetflow_retrain: train the champion's spec again when the prepared data changes, and on a cron.
+"""
+### Retrain the champion: every Sunday at 03:00 UTC, and when the prepared data changes
 
-Runs on whichever comes first: an event on the `hetflow://prepared-data` Asset (hetflow_train's
-`prepare_data` emits one when a dataset's fingerprint changes; any producer may, e.g. through
-`POST /api/v2/assets/events`) or the cron in `HETFLOW_RETRAIN_CRON` (default Sundays 03:00 UTC).
-It reads the champion's spec from the MLflow registry, applies `overrides`, and triggers
-`hetflow_train` with it, so the new version goes through the same champion gate. Paused when
-first created: unpause it to turn retraining on.
+Two triggers start this DAG, whichever comes first:
+
+- **a schedule**: the cron `HETFLOW_RETRAIN_CRON` (default `0 3 * * 0`, Sundays 03:00 UTC);
+- **new data**: an event on the Asset `hetflow://prepared-data`. `hetflow_train` adds one when
+  it prepares a dataset whose contents changed; any other producer may add one too (the Asset's
+  page, or `POST /api/v2/assets/events`).
+
+It reads the spec the registered model's `champion` was trained with from MLflow, applies
+**Overrides** (e.g. `{"epochs": 60}`), and triggers `hetflow_train` with it: the new version goes
+through the same champion gate. It is paused when first created: unpause it to turn retraining on.
 """
 
 from __future__ import annotations
@@ -17,12 +22,15 @@ from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOpe
 from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, Param, dag, task
 
 from tasks.retrain import DEFAULT_CRON, PREPARED_DATA_URI
+from tasks.task_log import CALLBACKS as TASK_LOG_CALLBACKS
+
+CRON = os.environ.get("HETFLOW_RETRAIN_CRON", DEFAULT_CRON)
 
 
 @dag(
     dag_id="hetflow_retrain",
     schedule=AssetOrTimeSchedule(
-        timetable=CronTriggerTimetable(os.environ.get("HETFLOW_RETRAIN_CRON", DEFAULT_CRON), timezone="UTC"),
+        timetable=CronTriggerTimetable(CRON, timezone="UTC"),
         assets=[Asset(PREPARED_DATA_URI)],
     ),
     catchup=False,
@@ -38,12 +46,15 @@ from tasks.retrain import DEFAULT_CRON, PREPARED_DATA_URI
             {},
             type="object",
             title="Overrides",
-            description='RunSpec keys to change from the champion\'s spec, e.g. {"epochs": 60}.',
+            description='hetflow_train fields to change from the champion\'s spec, by key, e.g. {"epochs": 60}.',
         ),
     },
+    # The DAG list shows the asset schedule only: this line names both triggers.
+    description=f"Retrain the champion on the cron {CRON} (UTC) and when the prepared data changes",
     tags=["hetflow"],
     doc_md=__doc__,
-    default_args={"retries": 0},
+    # Task logs: library stderr at DEBUG, a failure's headline last (tasks/task_log.py).
+    default_args={"retries": 0, **TASK_LOG_CALLBACKS},
 )
 def hetflow_retrain():
     @task

@@ -1,11 +1,38 @@
-"""hetflow_train: prepare data, provision replicas, train, tear down, evaluate, compress, export, register.
-
-Wiring only: every task calls the function of its own name in the module of its own name,
-``tasks.<task_id>.<task_id>``, imported inside the task so that parsing this file never imports
-TensorFlow (the dag-processor re-parses it every few seconds). The trigger
-form's fields are generated from ``tasks.spec.RunSpec``. Each stage gets its task's try number, which
-its record's receipt names; ``summarize`` checks the receipts against what the stages returned.
 """
+### Train a TensorFlow model on several replicas and register it in MLflow
+
+Press **Trigger** to start a run. The form has a default for every field; the ones people
+change most:
+
+- **Data**: the dataset (the default, `uci_digits`, is built offline; `folder:/PATH` reads your
+  own images, one sub-folder per class).
+- **Model** and **Cluster**: the architecture, the distribution strategy, how many workers and
+  parameter servers, and where the replicas run (local processes, Docker containers, Kubernetes
+  pods). Fields of one backend only are optional for the others.
+- **Training**: epochs, batch size, learning rate; **Compression**, **Export**, **Registry**: the
+  TFLite variants, and the registered model the new version joins.
+
+Every value is checked when you press Trigger: a refused value is named, with what is allowed,
+right above the button, and no run starts.
+
+A run prepares the data, starts the replicas, trains, always stops the replicas, evaluates the
+model, compresses and exports it, registers it, and summarizes. Where the results go:
+
+- **MLflow**, experiment `hetflow`: one run per DAG run, named after the model, strategy,
+  replicas and start time, with the parameters, curves, test accuracy, plots and replica logs;
+  a new version of the registered model with the alias `candidate`, and `champion` when it beats
+  the current champion by at least *min improvement*.
+- **This run's task logs**: each stage says what it did; a failed stage's log ends with one
+  ERROR line naming it and the cause.
+- **`$HETFLOW_HOME/runs/<run id>-<hash>/summary.json`**: the whole run in one file.
+"""
+
+# For developers: this file is wiring only. Every task calls the function of its own name in the
+# module of its own name, ``tasks.<task_id>.<task_id>``, imported inside the task so that parsing
+# this file never imports TensorFlow (the dag-processor re-parses it every few seconds). The
+# trigger form's fields are generated from ``tasks.spec.RunSpec``. Each stage gets its task's try
+# number, which its record's receipt names; ``summarize`` checks the receipts against what the
+# stages returned.
 
 from __future__ import annotations
 
@@ -15,6 +42,7 @@ from airflow.sdk import Asset, AssetAlias, dag, task
 
 from tasks.retrain import PREPARED_DATA_URI
 from tasks.spec import airflow_params
+from tasks.task_log import CALLBACKS as TASK_LOG_CALLBACKS
 
 # prepare_data adds an event on the prepared-data Asset through this alias only when the data's
 # fingerprint changed: a task's plain outlets would get an event on every run.
@@ -28,9 +56,13 @@ DATA_CHANGES = AssetAlias("hetflow_data_changes")
     # Runs only when triggered; paused, a triggered run would wait in the queue.
     is_paused_upon_creation=False,
     params=airflow_params(),
+    description="Train a TensorFlow model on several replicas and register it in MLflow",
     tags=["hetflow"],
     doc_md=__doc__,
-    default_args={"retries": 0},
+    # Task logs: what libraries write to stderr goes to DEBUG, not ERROR; a failed task's log ends
+    # with one ERROR line naming the task and the cause (tasks/task_log.py). Each stage logs what it
+    # did in a few lines; its return value (whole records, on one line) stays out of its log.
+    default_args={"retries": 0, **TASK_LOG_CALLBACKS, "show_return_value_in_logs": False},
     # No max_active_runs: concurrent runs (two triggers, a retrain beside a manual run) are a
     # feature, made safe rather than forbidden: `champion` moves under one lock per registered
     # model (tasks.registry.champion.promotion_lock). How many runs fit at once is a question of capacity

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from tasks import timings
 from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec
+from tasks.task_log import failure_headline
 
 log = logging.getLogger("hetflow.stages")
 
@@ -50,12 +51,7 @@ def reported(stage: Callable) -> Callable:
             try:
                 return stage(*args, **kwargs)
             except Exception as error:
-                log.error(
-                    "%s failed: %s: %s",
-                    stage.__name__,
-                    type(error).__name__,
-                    str(error).splitlines()[0] if str(error) else "",
-                )
+                log.error("%s", failure_headline(stage.__name__, error))
                 raise
 
     return run

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -10,6 +11,8 @@ from tasks import timings
 from tasks.attempts import STAGE_OUTPUTS, STAGES, read_record, reported
 from tasks.paths import RunPaths, run_paths, write_record
 from tasks.prepare_data import skip_reason
+
+log = logging.getLogger("hetflow.stages")
 
 
 def _done(paths: RunPaths, stage: str, record: str, returned: dict[str, Any] | None) -> bool:
@@ -132,6 +135,26 @@ def summarize(
         else None,
     }
     write_record(paths.summary, summary)
+    log.info("%s", headline(summary))
+    log.info("summary: %s", paths.summary)
     if failed_stage:
         raise RuntimeError(f"run {run_id} failed at stage {failed_stage}; summary: {paths.summary}")
     return summary
+
+
+def headline(summary: dict[str, Any]) -> str:
+    """The run in one line for its task log: how it ended, its scores, what was registered."""
+    if summary["status"] == "failed":
+        return f"run {summary['run_id']} failed at stage {summary['failed_stage']}"
+    if summary["status"] == "skipped":
+        return f"run {summary['run_id']} skipped: {summary['skipped_because']}"
+    metrics, registry = summary["metrics"], summary["registry"] or {}
+    parts = [f"run {summary['run_id']} succeeded"]
+    if metrics["test_accuracy"] is not None:
+        parts.append(f"test accuracy {metrics['test_accuracy']:.4f}")
+    if metrics["examples_per_second"] is not None:
+        parts.append(f"{metrics['examples_per_second']:.0f} examples/s in training")
+    if registry.get("version"):
+        aliases = ", ".join(registry.get("aliases") or []) or "no alias"
+        parts.append(f"registered {registry['model_name']} version {registry['version']} ({aliases})")
+    return "; ".join(parts)

@@ -77,3 +77,70 @@ def test_every_task_runs_the_function_of_its_name_in_the_module_of_its_name(hetf
     # The stages whose records summarize checks are the DAG's tasks in order, less the two that write none.
     order = [task.task_id for task in dag.topological_sort()]
     assert list(STAGES) == [t for t in order if t not in ("teardown_cluster", "summarize")]
+
+
+def test_every_task_keeps_library_stderr_off_error_and_return_values_out_of_its_log(hetflow_env):
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tasks.task_log import CALLBACKS
+
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    for dag_id in ("hetflow_train", "hetflow_retrain"):
+        for task in bag.dags[dag_id].tasks:
+            for name, callback in CALLBACKS.items():
+                assert getattr(task, name) in (callback, [callback]), (dag_id, task.task_id, name)
+    assert not any(task.show_return_value_in_logs for task in bag.dags["hetflow_train"].tasks)
+
+
+# A task run as Airflow runs it: its stderr is a socket (the supervisor logs every line of it at
+# ERROR), and the DAGs' callbacks run around its body; TensorFlow's C++ log (also while a stage
+# module is imported) and progress bars write to file descriptor 2 directly.
+_TASK_UNDER_AIRFLOW = r"""
+import logging, os, socket, sys, types
+logging.basicConfig(stream=sys.stdout, level=logging.DEBUG, format="%(levelname)s %(name)s %(message)s")
+supervisor, child = socket.socketpair()
+os.dup2(child.fileno(), 2)
+from tasks.task_log import CALLBACKS
+
+context = {"ti": types.SimpleNamespace(task_id="evaluate")}
+CALLBACKS["on_execute_callback"](context)
+os.write(2, b"E0000 cuda_platform.cc:52] failed call to cuInit\n")
+sys.stderr.write("\rGenerating splits: 1/3\rGenerating splits: 3/3\n")
+if sys.argv[1] == "fail":
+    context["exception"] = ValueError("no weights at model.weights.h5\nsecond line")
+    CALLBACKS["on_failure_callback"](context)
+else:
+    CALLBACKS["on_success_callback"](context)
+os.write(2, b"after the task\n")
+supervisor.setblocking(False)
+print("SOCKET", repr(supervisor.recv(4096)))
+"""
+
+
+def test_library_stderr_stays_off_the_task_logs_error_level(hetflow_env):
+    def task(outcome: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", _TASK_UNDER_AIRFLOW, outcome],
+            cwd=REPO,
+            env=hetflow_env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return done.stdout.splitlines()
+
+    passed = task("pass")
+    # Nothing the task wrote reached the socket; stderr is the socket again after it.
+    assert passed[-1] == "SOCKET b'after the task\\n'", passed
+    assert "DEBUG hetflow.library E0000 cuda_platform.cc:52] failed call to cuInit" in passed
+    assert "DEBUG hetflow.library Generating splits: 3/3" in passed
+    assert not [line for line in passed if line.startswith(("ERROR", "WARNING"))], passed
+
+    failed = task("fail")
+    assert failed[-1] == "SOCKET b'after the task\\n'", failed
+    problems = [line for line in failed if line.startswith(("ERROR", "WARNING"))]
+    # The libraries' last lines at WARNING, then one ERROR line naming the task and the cause.
+    assert problems[-2:] == [
+        "WARNING hetflow.library   Generating splits: 3/3",
+        "ERROR hetflow.stages evaluate failed: ValueError: no weights at model.weights.h5",
+    ], problems
