@@ -68,7 +68,8 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     # Refused before anything is written to MLflow.
     for model_name in [name, tflite_name] if chosen is not None else [name]:
         versions.own_registered_model(client, model_name, name)
-    run_id = store.find_or_create_run(client, dag_id, airflow_run_id, run_name=paths.root.name)
+    started = run_record.pipeline_started(paths)
+    run_id = store.find_or_create_run(client, dag_id, airflow_run_id, run_record.run_name(spec, started), started)
     images, _ = split_arrays(dataset, "test")
     log_dir = paths.root / "serving"
     tags = {
@@ -141,6 +142,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
         ]
     run_record.log_served_checks(client, run_id, models, log_dir)
     client.set_tag(run_id, "registry.gate", models[0]["gate"])
+    store.finish_run(client, run_id)
     record = {
         **models[0],
         "models": models,

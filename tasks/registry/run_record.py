@@ -5,6 +5,8 @@ Safe to repeat: a retried register task logs no second copy of a curve."""
 from __future__ import annotations
 
 import json
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 from mlflow.entities import Metric, Param, RunTag
@@ -18,6 +20,25 @@ from tasks.registry.store import git_commit
 from tasks.spec import RunSpec
 
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
+
+
+def pipeline_started(paths: RunPaths) -> float | None:
+    """When the run's first stage started (unix time), from its receipt; None without one."""
+    receipt = paths.attempt("validate_spec")
+    timing = json.loads(receipt.read_text()).get("timing") if receipt.exists() else None
+    return timing["started_at"] if timing else None
+
+
+def run_name(spec: RunSpec, started: float | None) -> str:
+    """What the run was, most telling first (MLflow's run list and chart legends cut long names):
+    model, strategy, replicas, when (UTC), e.g. ``mlp parameter_server 2 workers + 1 ps 11-25 13:21:22``."""
+    replicas = f"{spec.workers} worker{'s' if spec.workers > 1 else ''}"
+    if spec.devices_per_worker > 1:
+        replicas += f" x {spec.devices_per_worker} devices"
+    if spec.ps:
+        replicas += f" + {spec.ps} ps"
+    when = datetime.fromtimestamp(started if started is not None else time.time(), timezone.utc)
+    return f"{spec.model} {spec.strategy} {replicas} {when:%m-%d %H:%M:%S}"
 
 
 def _stepped_metrics(training: dict) -> list[Metric]:

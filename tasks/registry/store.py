@@ -11,6 +11,10 @@ from mlflow import MlflowClient
 from tasks.paths import REPO_ROOT
 
 EXPERIMENT = "hetflow"
+# MLflow 3's UI opens an experiment of no declared kind in its GenAI view (traces, an assistant
+# panel); hetflow's holds model-training runs, which the UI then shows first, with the registry.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING = "custom_model_development"
 
 
 def tracking_uri() -> str:
@@ -20,11 +24,17 @@ def tracking_uri() -> str:
 def _experiment_id(client: MlflowClient) -> str:
     experiment = client.get_experiment_by_name(EXPERIMENT)
     if experiment:
+        if experiment.tags.get(EXPERIMENT_KIND_TAG) != MODEL_TRAINING:  # made by an earlier hetflow
+            client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
         return experiment.experiment_id
     uri = tracking_uri()
     # A SQLite store keeps artifacts beside its database; a tracking server decides for itself.
     location = Path(uri.removeprefix("sqlite:///")).parent / "artifacts" if uri.startswith("sqlite:///") else None
-    return client.create_experiment(EXPERIMENT, artifact_location=location.as_uri() if location else None)
+    return client.create_experiment(
+        EXPERIMENT,
+        artifact_location=location.as_uri() if location else None,
+        tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING},
+    )
 
 
 def git_commit() -> str:
@@ -36,7 +46,14 @@ def git_commit() -> str:
         return "unknown"
 
 
-def find_or_create_run(client: MlflowClient, dag_id: str, airflow_run_id: str, run_name: str) -> str:
+def find_or_create_run(
+    client: MlflowClient, dag_id: str, airflow_run_id: str, run_name: str, started: float | None = None
+) -> str:
+    """The MLflow run of this DAG run, created on first use.
+
+    :param started: when the pipeline started (unix time): the run's start in MLflow, so that its
+        duration covers the stages and not only the logging; None: now.
+    """
     experiment_id = _experiment_id(client)
     found = client.search_runs(
         [experiment_id],
@@ -46,6 +63,14 @@ def find_or_create_run(client: MlflowClient, dag_id: str, airflow_run_id: str, r
     if found:
         return found[0].info.run_id
     run = client.create_run(
-        experiment_id, run_name=run_name, tags={"airflow.dag_id": dag_id, "airflow.run_id": airflow_run_id}
+        experiment_id,
+        start_time=None if started is None else int(started * 1000),
+        run_name=run_name,
+        tags={"airflow.dag_id": dag_id, "airflow.run_id": airflow_run_id},
     )
     return run.info.run_id
+
+
+def finish_run(client: MlflowClient, run_id: str) -> None:
+    """Mark the run finished now, after the last stage that records in it."""
+    client.set_terminated(run_id, "FINISHED")
