@@ -7,17 +7,30 @@ module must stay cheap to import: the DAG file imports it at parse time (no Tens
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 
 def _field(default: Any, section: str, description: str, **constraints: Any) -> Any:
     """A RunSpec field; give it a ``title`` written for people: the trigger form labels it with that."""
     return Field(default, description=description, json_schema_extra={"section": section}, **constraints)
 
+
+# Fields only some backends read. The form leaves them optional and sends a cleared one as null,
+# which means the field's default: with backend=local nobody has to fill in a Kubernetes namespace.
+BACKEND_ONLY_KEYS = (
+    "image",
+    "replica_cpus",
+    "replica_memory_mb",
+    "request_gpus",
+    "kubernetes_namespace",
+    "kubernetes_volume_claim",
+)
 
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
 
@@ -343,6 +356,11 @@ class RunSpec(BaseModel):
         title="Smallest improvement for champion",
     )
 
+    @field_validator(*BACKEND_ONLY_KEYS, mode="before")
+    @classmethod
+    def _empty_takes_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
     @property
     def replicas_in_sync(self) -> int:
         """Model replicas whose gradients are averaged into one update (1 for async and model parallel)."""
@@ -465,10 +483,16 @@ class SpecError(ValueError):
         super().__init__("; ".join(problems))
 
 
+@functools.cache
+def _json_schema() -> dict[str, Any]:
+    """RunSpec's JSON schema, built once: the DAG file reads it for every field at parse time."""
+    return RunSpec.model_json_schema()
+
+
 def _field_schema(key: str) -> dict[str, Any]:
     """The JSON schema of one key, flattened: `int | None` renders as anyOf [{integer, bounds},
     {null}], and a one-value Literal as `const`; the form and the messages want plain keywords."""
-    schema = dict(RunSpec.model_json_schema()["properties"][key])
+    schema = copy.deepcopy(_json_schema()["properties"][key])
     schema.pop("default", None)
     branches = schema.pop("anyOf", None)
     if branches:
@@ -479,7 +503,7 @@ def _field_schema(key: str) -> dict[str, Any]:
         schema["enum"] = [schema.pop("const")]
     reference = schema.get("items", {}).get("$ref")
     if reference:  # a list of sub-models: the form needs the item schema inline
-        schema["items"] = RunSpec.model_json_schema()["$defs"][reference.rsplit("/", 1)[1]]
+        schema["items"] = copy.deepcopy(_json_schema()["$defs"][reference.rsplit("/", 1)[1]])
     return schema
 
 
@@ -563,7 +587,9 @@ def airflow_params() -> dict[str, Any]:
         description = schema.pop("description")
         if json_type in ("integer", "number"):
             description += f" Allowed: {allowed_values(key)}."
-        if schema.pop("nullable", False):
+        if key in BACKEND_ONLY_KEYS:
+            description += f" Empty: {json.dumps(field.default)}."
+        if schema.pop("nullable", False) or key in BACKEND_ONLY_KEYS:
             json_type = [json_type, "null"]
         # The form's number input clamps what was typed into a top-level minimum/maximum when it
         # loses focus (-1 in Epochs silently became 1). Under allOf the bounds still refuse the

@@ -155,3 +155,17 @@ def test_cli_rejects_a_bad_spec_with_one_line_per_problem_and_starts_nothing(het
     ]
     assert done.stdout == ""
     assert (set(runs.iterdir()) if runs.exists() else set()) == runs_before
+
+
+def test_fields_of_other_backends_are_optional_in_the_form_and_empty_means_their_default():
+    from tasks.spec import BACKEND_ONLY_KEYS
+
+    params = airflow_params()
+    for key in BACKEND_ONLY_KEYS:
+        # A type with null is what the form reads as "not required".
+        assert "null" in params[key].schema["type"], key
+        assert getattr(parse_spec({key: None}), key) == RunSpec.model_fields[key].default, key
+    assert params["workers"].schema["type"] == "integer"
+    assert parse_spec({"backend": "kubernetes", "kubernetes_namespace": None}).kubernetes_namespace == "default"
+    with pytest.raises(SpecError, match="workers=null is invalid"):
+        parse_spec({"workers": None})
