@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup test-deps engine image run test test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean
+.PHONY: setup sandbox test-deps engine image run test test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,16 +17,21 @@ $(INSTALLED): requirements.lock pyproject.toml
 
 setup: $(INSTALLED)
 
+## the sandbox of local replicas and model servers (tasks/sandbox.py): Debian's bubblewrap; setpriv drops root
+sandbox:
+	@command -v bwrap >/dev/null && command -v setpriv >/dev/null || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap util-linux; }
+
 # make run's job: a real cluster of two sync workers (local processes) on the embedded data.
 RUN_SPEC ?= --set strategy=multi_worker_mirrored --set workers=2
 
 ## run hetflow_train once through Airflow (extra spec keys: ARGS="--set epochs=5"; the whole log: ARGS=-v)
-run: setup
+run: setup sandbox
 	$(BIN)/hetflow run $(RUN_SPEC) $(ARGS)
 
 ## what the tests need beyond .venv: the browser the UI tests drive, a compose CLI, a Docker engine and
 ## the replica image (where no engine can start, the container tests skip and say why)
-test-deps: setup
+test-deps: setup sandbox
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	@# the compose CLI checks docker/compose.yaml's required secrets offline (`config` needs no engine)
@@ -41,6 +46,14 @@ engine:
 ## the replica image (docker/Dockerfile), its base built offline where no registry is reachable
 image: setup engine
 	docker/build-image.sh
+
+## a Docker Swarm of two unequal nodes on this machine (containers running their own dockerd), HETFLOW_HOME
+## shared, the replica image on each; prints the DOCKER_HOST for backend=swarm (docker/swarm.sh says more)
+swarm: image
+	docker/swarm.sh up
+
+swarm-down:
+	docker/swarm.sh down
 
 ## every test, the slow end-to-end tier included
 test: test-deps
@@ -77,7 +90,7 @@ lint: setup lint-docker
 
 ## the Dockerfiles (hadolint) and the compose file (compose-spec schema), offline
 lint-docker: setup
-	$(BIN)/hadolint docker/Dockerfile docker/stack.Dockerfile
+	$(BIN)/hadolint docker/Dockerfile docker/stack.Dockerfile docker/swarm-node.Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
 
 # make up options: ports, DB=postgres (Debian's PostgreSQL as Airflow's metadata DB, installed when

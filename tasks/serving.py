@@ -6,11 +6,13 @@ process group, with a clean environment), asked for predictions on raw test exam
 and stopped. The model runs only in that server process: loading a registered model can run its
 code (MLflow's "models from code"), and the pipeline never does.
 
-Run as root, the server is also confined (``tasks.confine``): the pipeline downloads the version's
-files (a copy, nothing loaded) and the server serves that folder in a view of the file system where
-HETFLOW_HOME, the MLflow store, Airflow's home and the user's home are hidden, every mount is read-only, and it has no
-capabilities and no registry credentials: a model's code can neither read nor change the
-pipeline's state or the registry's files. The check records whether it was confined.
+The server runs sandboxed (``tasks.sandbox``: bubblewrap, an unprivileged uid, no capabilities,
+dying with the process that started it): the pipeline downloads the version's files (a copy,
+nothing loaded) and the server serves that folder, seeing the system, the interpreter and nothing of
+HETFLOW_HOME, the MLflow store, Airflow's home or the user's home, with no registry credentials, in
+a network namespace of its own. The pipeline reaches it through a Unix socket that
+``tasks/serving_relay.py`` relays to the server's port inside. Where no sandbox can be had the
+check is refused unless the operator accepted running unisolated. The check records which.
 
 The runner's life, as TFX's model_server_runners draw it::
 
@@ -24,6 +26,8 @@ within ``STOP_GRACE_SECONDS`` plus a SIGKILL's wait, and never raises.
 
 from __future__ import annotations
 
+import ctypes
+import http.client
 import json
 import logging
 import os
@@ -34,16 +38,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tasks import confine, parent_watch
-from tasks.parent_watch import group_members
-from tasks.paths import hetflow_home
+from tasks import sandbox, serving_relay
+from tasks.cluster.processes import group_members
 
 log = logging.getLogger("hetflow.serving")
 
@@ -83,15 +84,22 @@ def server_environment(tracking_uri: str | None) -> dict[str, str]:
     return env
 
 
-def hidden_from_server(tracking_uri: str) -> list[str]:
-    """What a confined model server must not see: HETFLOW_HOME, a local MLflow store's folder,
-    Airflow's home."""
-    hidden = [hetflow_home()]
-    if tracking_uri.startswith("sqlite:///"):
-        hidden.append(Path(tracking_uri.removeprefix("sqlite:///")).parent)
-    if "AIRFLOW_HOME" in os.environ:
-        hidden.append(Path(os.environ["AIRFLOW_HOME"]))
-    return [str(path.resolve()) for path in hidden] + confine.user_home()
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over the Unix socket that reaches a sandboxed server (see the module's doc)."""
+
+    def __init__(self, path: Path, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+def _die_with_starter() -> None:
+    """Runs in an unisolated server before exec: SIGKILL when the process that started it dies."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class ModelServer:
@@ -109,50 +117,76 @@ class ModelServer:
         self.log_path = log_path
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
-        self._copy: Path | None = None  # the downloaded version a confined server serves
-        reason = confine.unavailable()
-        self.isolation: dict[str, Any] = {"confined": True, "hidden": hidden_from_server(tracking_uri)}
-        if reason is not None:
-            log.warning("the model server of %s runs unconfined (%s)", model_uri, reason)
-            self.isolation = {"confined": False, "reason": reason}
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        self._copy: Path | None = None  # the downloaded version a sandboxed server serves
+        self._socket: Path | None = None  # where the pipeline reaches a sandboxed server
+        if sandbox.required(f"the model server of {model_uri}"):
+            hidden = sandbox.private_directories(tracking_uri)
+            self.isolation: dict[str, Any] = {"confined": True, "sandbox": "bubblewrap", "hidden": hidden}
+        else:
+            self.isolation = {"confined": False, "reason": sandbox.unavailable()}
 
     def start(self) -> None:
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         model, tracking = self.model_uri, self.tracking_uri
-        if self.isolation["confined"]:
+        confined = self.isolation["confined"]
+        if confined:
             model, tracking = str(self._download()), None
         command = [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", model]
         command += ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(self.port)]
-        if self.isolation["confined"]:
-            command = confine.confined(command, self.isolation["hidden"], read_only=[model], working_directory="/tmp")
-        # Under a watcher that ends the server if this process dies without stopping it (SIGKILL). Run as a
-        # script, not a module: the server's environment must not carry hetflow on its path.
-        watched = [sys.executable, str(Path(parent_watch.__file__)), str(os.getpid()), "--", *command]
-        with open(self.log_path, "wb") as output:
-            self.process = subprocess.Popen(
-                watched,
-                # A confined server's HOME is its own /tmp: the user's is hidden.
-                env={**server_environment(tracking), **({"HOME": "/tmp"} if self.isolation["confined"] else {})},
-                cwd=self.log_path.parent,
-                stdin=subprocess.DEVNULL,
-                stdout=output,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stop() ends the watcher, mlflow and uvicorn
-            )
+        box = None
+        if confined:
+            sockets = self._copy / "socket"
+            sockets.mkdir()
+            sandbox.hand_over(sockets)
+            self._socket = sockets / "http.sock"
+            # Run as a script, not a module: the server's environment must not carry hetflow on its path.
+            relay = [sys.executable, serving_relay.__file__, str(self._socket), str(self.port), "--"]
+            box = sandbox.Sandbox(read_write=[str(sockets)], read_only=[model], hidden=self.isolation["hidden"])
+            command = box.command([*relay, *command])
+        try:
+            with open(self.log_path, "wb") as output:
+                self.process = subprocess.Popen(
+                    command,
+                    # A sandboxed server's HOME is its own /tmp: the user's is not there.
+                    env={**server_environment(tracking), **({"HOME": "/tmp"} if confined else {})},
+                    # uvicorn puts its working directory on sys.path: the log's folder holds no modules.
+                    cwd=self.log_path.parent,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: stop() ends bwrap, mlflow and uvicorn
+                    pass_fds=box.fds if box else (),
+                    preexec_fn=None if confined else _die_with_starter,  # bwrap's --die-with-parent does it
+                )
+        finally:
+            if box is not None:
+                box.close()
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self._socket is not None:
+            return _UnixHTTPConnection(self._socket, timeout)
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+
+    def _request(self, method: str, path: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
+        connection = self._connection(timeout)
+        try:
+            connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
 
     def _download(self) -> Path:
         """The version's files, copied into a temporary folder that ``stop()`` removes; nothing is loaded."""
         import mlflow
 
         self._copy = Path(tempfile.mkdtemp(prefix="hetflow-served-"))
+        os.chmod(self._copy, 0o755)  # the sandbox's uid reads the copy
+        (self._copy / "model").mkdir()  # beside it, the server's socket (see start)
         try:
             copy = mlflow.artifacts.download_artifacts(
-                self.model_uri, dst_path=str(self._copy), tracking_uri=self.tracking_uri
+                self.model_uri, dst_path=str(self._copy / "model"), tracking_uri=self.tracking_uri
             )
         except Exception as error:  # MLflow raises its own kinds, and OSError
             raise ServingError(f"could not copy {self.model_uri} from the registry: {error}") from error
@@ -173,10 +207,9 @@ class ModelServer:
                     f"server exited with code {code} before it was healthy; its log ends: {self.log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(f"{self.url}/ping", timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
+                if self._request("GET", "/ping", None, timeout=1)[0] == 200:
+                    return
+            except (OSError, http.client.HTTPException):
                 pass  # not listening yet, or the model still loading
             if time.monotonic() >= deadline:
                 raise ServingError(f"server not healthy by its deadline; its log ends: {self.log_tail()}")
@@ -184,15 +217,12 @@ class ModelServer:
 
     def _invoke(self, images: np.ndarray) -> np.ndarray:
         body = json.dumps({"inputs": images.tolist()}).encode()
-        request = urllib.request.Request(
-            f"{self.url}/invocations", data=body, headers={"Content-Type": "application/json"}
-        )
         try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_SECONDS) as response:
-                return np.asarray(json.loads(response.read())["predictions"], dtype=np.float32)
-        except urllib.error.HTTPError as error:
-            raise ServingError(f"/invocations answered {error.code}: {error.read()[:500].decode(errors='replace')}")
-        except (OSError, urllib.error.URLError, ValueError, KeyError) as error:
+            status, answer = self._request("POST", "/invocations", body, timeout=REQUEST_TIMEOUT_SECONDS)
+            if status != 200:
+                raise ServingError(f"/invocations answered {status}: {answer[:500].decode(errors='replace')}")
+            return np.asarray(json.loads(answer)["predictions"], dtype=np.float32)
+        except (OSError, http.client.HTTPException, ValueError, KeyError) as error:
             raise ServingError(f"/invocations failed: {error!r}")
 
     def predict(self, images: np.ndarray) -> np.ndarray:

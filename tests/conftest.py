@@ -116,18 +116,20 @@ def provisioned(hetflow_env, request):
 
 def replica_listening(cluster: dict, address: str) -> bool:
     """Whether a replica of the run whose ``cluster.json`` is ``cluster`` listens on ``address``'s
-    port: inside the run's network namespace where it has one (the local backend's, as root), else
-    on this host. A namespace that is gone has nothing listening."""
-    namespace = cluster.get("network_isolation", {}).get("namespace")
-    if namespace is None:
+    port: inside the run's network namespace where it has one (sandboxed local replicas: seen from
+    the run's live replicas), else on this host. A namespace no replica is left in has nothing
+    listening."""
+    if cluster.get("network_isolation", {}).get("sandbox") is None:
         return listening(address)
-    if not Path("/run/netns", namespace).exists():
-        return False
-    table = subprocess.run(
-        ["nsenter", f"--net=/run/netns/{namespace}", "cat", "/proc/net/tcp", "/proc/net/tcp6"],
-        capture_output=True,
-        text=True,
-    ).stdout
+    from tasks.cluster.processes import run_replicas
+
+    table = ""
+    for pid in run_replicas(cluster["run_id"]).values():
+        for name in ("tcp", "tcp6"):
+            try:
+                table += Path(f"/proc/{pid}/net/{name}").read_text()
+            except OSError:
+                pass
     port = int(address.rsplit(":", 1)[1])
     # Columns: sl, local address (hex ip:hex port), remote address, state (0A: LISTEN), ...
     return any(

@@ -1,14 +1,13 @@
-"""Local replicas in a network namespace of their run (#17): their gRPC servers, which listen on
-every interface without authentication, are unreachable from this host's network and reachable
-from inside the namespace; the namespace goes with the run. Real processes; the isolated cases
-need root and iproute2 (they skip, saying why, without them)."""
+"""Local replicas in a network namespace of their run (``tasks.cluster.netns``): their gRPC servers,
+which listen on every interface without authentication, are unreachable from this host's network
+and reachable from inside the run's sandboxes; every replica of the run, restarted ones included,
+shares the one namespace, which goes with the run. Real processes in real bubblewrap sandboxes."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,32 +18,10 @@ import psutil
 import pytest
 from conftest import REPO, hetflow, listening, wait_for
 
+from tasks.cluster import netns
 from tasks.cluster.local import LocalReplicas
-from tasks.cluster.processes import run_processes, run_replicas, teardown_runs_of_home
+from tasks.cluster.processes import RUN_ID_ENV, environments_with, run_processes, teardown_runs_of_home
 from tasks.paths import hetflow_home, run_paths
-
-
-def _namespaces() -> list[str]:
-    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
-
-
-def _netns_missing() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if not (shutil.which("ip") and shutil.which("nsenter")):
-        return "no ip or nsenter command"
-    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-        return "`ip netns` does not work here"
-    return None
-
-
-needs_netns = pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")
-
-
-def _net_namespace(pid: int) -> tuple[int, int]:
-    status = os.stat(f"/proc/{pid}/ns/net")
-    return status.st_dev, status.st_ino
 
 
 def _connects(host: str, port: int) -> bool:
@@ -89,23 +66,43 @@ def _host_addresses() -> list[str]:
     ]
 
 
-@needs_netns
-def test_replicas_are_reachable_only_inside_their_namespace_which_teardown_deletes(provisioned):
+def _replica_processes(run_id: str) -> list[int]:
+    """Every live replica process of the run, inside its sandbox (two may share a name)."""
+    found = []
+    for pid in environments_with(f"{RUN_ID_ENV}={run_id}", anywhere=True):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"tasks.replica"]:
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_replicas_are_reachable_only_inside_their_namespace_which_all_of_them_share(provisioned):
     from tasks.attempts import load_spec
+    from tasks.cluster import keeper
+    from tasks.cluster.layout import ClusterLayout
+    from tasks.cluster.local import file_view
 
     devices = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 4}]
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2, worker_devices=devices)
-    record = json.loads(run_paths(run_id).cluster.read_text())
-    name = record["network_isolation"]["namespace"]
-    assert record["network_isolation"] == {"isolated": True, "namespace": name} and name in _namespaces()
+    paths = run_paths(run_id)
+    record = json.loads(paths.cluster.read_text())
+    assert record["network_isolation"] == {"isolated": True, "sandbox": "bubblewrap"}
     ports = [int(r["address"].rsplit(":", 1)[1]) for r in record["replicas"]]
 
-    inside = subprocess.run(
-        ["ip", "netns", "exec", name, sys.executable, "-c", _CONNECT_FROM_INSIDE, *map(str, ports)],
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+    view = file_view(load_spec(paths), paths.root)
+    box = keeper.replica_sandbox(keeper.View(view["read_write"], view["read_only"], view["hidden"]), paths.root, False)
+    try:
+        inside = subprocess.run(
+            box.command([sys.executable, "-c", _CONNECT_FROM_INSIDE, *map(str, ports)]),
+            pass_fds=box.fds,
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+    finally:
+        box.close()
     assert inside.stdout.strip() == "connected", inside.stderr
     assert len(_host_addresses()) >= 1
     for port in ports:
@@ -113,33 +110,31 @@ def test_replicas_are_reachable_only_inside_their_namespace_which_teardown_delet
         for host in ["127.0.0.1", *_host_addresses()]:
             assert not _connects(host, port), f"{host}:{port} accepted a connection from outside the namespace"
 
-    processes = run_processes(run_id)  # the keepers and their replicas, all inside
-    namespace = os.stat(f"/run/netns/{name}")
-    assert len(processes) == 4
-    assert {_net_namespace(pid) for pid in processes} == {(namespace.st_dev, namespace.st_ino)}
+    holder = json.loads(netns.record_path(paths.root, probe=False).read_text())
+    assert holder["net"] != netns.namespace_of(os.getpid())
+    assert wait_for(lambda: len(_replica_processes(run_id)) == 2, timeout=60)
+    assert {netns.namespace_of(pid) for pid in _replica_processes(run_id)} == {holder["net"]}
 
     # Signals still reach them: the keeper throttles worker-1 (slowdown 4) with SIGSTOP/SIGCONT.
+    from tasks.cluster.processes import run_replicas
+
     slowed = run_replicas(run_id)["worker-1"]
     assert wait_for(lambda: psutil.Process(slowed).status() == psutil.STATUS_STOPPED, timeout=5, interval=0.001)
 
-    # A restart comes from the supervising task, which did not provision: it reads the namespace
-    # from cluster.json. (This worker-0 duplicates the running one; only where it starts matters.)
-    from tasks.cluster.layout import ClusterLayout
-
-    paths = run_paths(run_id)
+    # A restart comes from the supervising task, which did not provision: it joins the same
+    # namespace. (This worker-0 duplicates the running one; only where it starts matters.)
     layout = ClusterLayout.from_dict(record)
     restarted = LocalReplicas(layout, load_spec(paths), paths.root)
     restarted.start(layout.replicas[:1])
-    keeper = restarted._keeper("worker-0")  # nsenter, until it has entered the namespace and exec'd the keeper
-    assert wait_for(lambda: _net_namespace(keeper) == (namespace.st_dev, namespace.st_ino), timeout=10)
+    assert wait_for(lambda: len(_replica_processes(run_id)) == 3, timeout=60)
+    assert {netns.namespace_of(pid) for pid in _replica_processes(run_id)} == {holder["net"]}
 
     # What `make down` does (the DAG's teardown task and `hetflow train` call teardown_run).
     teardown_runs_of_home(hetflow_home())
     assert run_processes(run_id) == []
-    assert name not in _namespaces()
+    assert wait_for(lambda: _replica_processes(run_id) == [], timeout=5)
 
 
-@needs_netns
 @pytest.mark.slow
 def test_a_short_training_run_succeeds_inside_its_namespace(hetflow_env):
     args = ["strategy=multi_worker_mirrored", "workers=2", "epochs=2", "steps_per_epoch=4", "batch_size=32"]
@@ -150,13 +145,10 @@ def test_a_short_training_run_succeeds_inside_its_namespace(hetflow_env):
     record = json.loads((run_dir / "training.json").read_text())
     assert record["replicas_in_sync"] == 2 and sorted(record["per_worker"]) == ["worker-0", "worker-1"]
     isolation = json.loads((run_dir / "cluster.json").read_text())["network_isolation"]
-    assert isolation["isolated"] is True
+    assert isolation == {"isolated": True, "sandbox": "bubblewrap"}
     for worker in ("worker-0", "worker-1"):
-        started = (
-            rf"started {worker} \(keeper pid \d+\) at 127\.0\.0\.1:\d+, in network namespace {isolation['namespace']}"
-        )
+        started = rf"started {worker} \(keeper pid \d+\) at 127\.0\.0\.1:\d+, sandboxed in the run's network namespace"
         assert re.search(started, done.stderr), done.stderr[-4000:]
-    assert isolation["namespace"] not in _namespaces()  # the CLI's teardown deleted it
 
 
 _PROVISION = textwrap.dedent(
@@ -172,27 +164,27 @@ _PROVISION = textwrap.dedent(
 )
 
 
-def test_without_iproute2_the_run_records_and_warns_that_it_is_not_isolated(hetflow_env):
-    """The fallback (as without root): replicas on this host's ports, and the run says so."""
+def test_without_bubblewrap_a_run_the_operator_accepted_unisolated_says_so(hetflow_env):
+    """The fallback, only with HETFLOW_ALLOW_UNISOLATED=1: replicas on this host's ports, and the
+    run records and warns that they are."""
     from tasks.teardown_cluster import teardown_cluster
 
-    run_id = f"netns_fallback_{os.getpid()}"
+    run_id = f"unisolated_{os.getpid()}"
     try:
         done = subprocess.run(
             [sys.executable, "-c", _PROVISION, run_id],
             cwd=REPO,
-            env={**hetflow_env, "PATH": str(REPO / "nonexistent")},
+            env={**hetflow_env, "PATH": str(REPO / "nonexistent"), "HETFLOW_ALLOW_UNISOLATED": "1"},
             capture_output=True,
             text=True,
             timeout=120,
         )
         assert done.returncode == 0, done.stderr[-4000:]
         record = json.loads(run_paths(run_id).cluster.read_text())
-        assert record["network_isolation"] == {
-            "isolated": False,
-            "reason": "no `ip` (iproute2) or `nsenter` (util-linux) command on PATH",
-        }
-        assert "listen on every interface of this host, without authentication" in done.stderr
+        reason = "no `bwrap` on PATH (Debian's bubblewrap package)"
+        assert record["network_isolation"] == {"isolated": False, "reason": reason}
+        assert record["file_isolation"] == {"confined": False, "reason": reason}
+        assert "run unisolated, as this machine's HETFLOW_ALLOW_UNISOLATED=1 accepts" in done.stderr
         addresses = [replica["address"] for replica in record["replicas"]]
         assert wait_for(lambda: all(map(listening, addresses)), timeout=90), "the replicas never listened here"
     finally:

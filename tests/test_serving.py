@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 from conftest import hetflow, listening
 
-from tasks import confine
-
 pytestmark = pytest.mark.slow
 
 MODEL = "serve-digits"
@@ -44,7 +42,7 @@ def test_images(run) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _server_gone(check: dict) -> bool:
-    from tasks.parent_watch import group_members
+    from tasks.cluster.processes import group_members
 
     return group_members(check["pgid"]) == [] and not listening(f"127.0.0.1:{check['port']}")
 
@@ -57,7 +55,7 @@ def test_a_good_run_serves_both_models_with_agreement_1_and_promotes_them(run, c
         served = model["served"]
         assert model["promoted"] and model["aliases"] == ["candidate", "champion"]
         assert served["passed"] and served["agreement"] == 1.0 and served["examples"] == 256
-        assert served["isolation"]["confined"] is (confine.unavailable() is None)
+        assert served["isolation"]["confined"] is True
         assert served["max_logit_difference"] <= 1e-3
         assert served["latency_requests"] >= 100 and 0 < served["latency_p50_ms"] <= served["latency_p99_ms"]
         assert 0 < served["start_seconds"] < served["seconds"]
@@ -254,7 +252,7 @@ def test_a_server_whose_starter_is_killed_is_ended_with_everything_it_started(ru
         text=True,
     )
     pgid, port = (int(field) for field in starter.stdout.readline().split())
-    from tasks.parent_watch import group_members
+    from tasks.cluster.processes import group_members
 
     assert len(group_members(pgid)) >= 2 and listening(f"127.0.0.1:{port}")  # the watcher and the server
     os.kill(starter.pid, signal.SIGKILL)

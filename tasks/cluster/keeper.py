@@ -4,8 +4,10 @@ Provisioning starts one keeper per replica, each in a session of its own, so tha
 outlive the process that provisioned them (an Airflow task) and are supervised by the next one
 (``train``). What a container engine does for a container, the keeper does for a process:
 
-- runs the replica (``python -m tasks.replica``) in a process group of its own, tied to the keeper
-  by the parent-death signal, its output appended to ``logs/<name>.log``;
+- runs the replica (``python -m tasks.replica``) in a process group of its own, sandboxed
+  (``tasks.sandbox``: bubblewrap, joined to the run's network namespace, which the run's network
+  holder keeps, see ``tasks.cluster.netns``) and tied to the keeper (``--die-with-parent``), with an
+  allow-listed environment, its output appended to ``logs/<name>.log``;
 - pins it to a core and throttles it (a simulated slower machine) as told;
 - records how it ended in ``replicas/<name>.exit`` (the exit code; negative: killed by that
   signal), which is how the supervisor, not being its parent, learns it;
@@ -29,8 +31,11 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from tasks import sandbox
+from tasks.cluster import netns
 from tasks.cluster.processes import TERM_GRACE_SECONDS, signal_group
 from tasks.cluster.throttle import Throttle
 from tasks.paths import REPO_ROOT, RunPaths
@@ -85,22 +90,89 @@ def _replica_preexec(core: int | None):
     return preexec
 
 
+# What a replica's environment may hold: the keeper's own (the task's: under `make up` Airflow's
+# secrets) stays outside the sandbox.
+REPLICA_ENVIRONMENT = (
+    "PATH",
+    "LANG",
+    "LC_ALL",
+    "TZ",
+    "TF_CONFIG",
+    "TF_CPP_MIN_LOG_LEVEL",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONUNBUFFERED",
+    "HETFLOW_HOME",
+    "HETFLOW_RUN_ID",
+    "HETFLOW_LAUNCH_TIME",
+)
+
+
+def replica_environment() -> dict[str, str]:
+    env = {key: os.environ[key] for key in REPLICA_ENVIRONMENT if key in os.environ}
+    return {**env, "HOME": "/tmp"}  # the real one is not there
+
+
+@dataclass(frozen=True)
+class View:
+    """What the replica sees (``tasks.sandbox.Sandbox``); None: it runs unisolated."""
+
+    read_write: list[str]
+    read_only: list[str]
+    hidden: list[str]
+
+
+def replica_sandbox(view: View, run_dir: Path, probe: bool) -> sandbox.Sandbox:
+    """The sandbox every replica of the run gets: ``view``'s files, the run's network namespace."""
+    network = netns.join(run_dir, probe)
+    return sandbox.Sandbox(view.read_write, view.read_only, view.hidden, network, working_directory=str(REPO_ROOT))
+
+
+def _launch(command: list[str], view: View | None, run_dir: Path, probe: bool, log_file, core: int | None):
+    """Start ``command`` in a process group of its own, sandboxed in the run's network namespace
+    where ``view`` says so."""
+    box = None
+    if view is not None:
+        box = replica_sandbox(view, run_dir, probe)
+        command = box.command(command)
+    try:
+        return subprocess.Popen(
+            command,
+            cwd=REPO_ROOT,
+            env=replica_environment(),
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_replica_preexec(core),
+            pass_fds=box.fds if box else (),
+        )
+    finally:
+        if box is not None:
+            box.close()
+
+
 def keep(
-    run_dir: Path, name: str, log_name: str, core: int | None, slowdown: float, deadline: float, probe: bool
+    run_dir: Path,
+    name: str,
+    log_name: str,
+    core: int | None,
+    slowdown: float,
+    deadline: float,
+    probe: bool,
+    view: View | None = None,
+    network_holder: bool = False,
 ) -> int:
+    """Run the replica ``name`` (or, with ``network_holder``, the holder of the run's network
+    namespace) until it ends, is stopped, or its supervisor is gone."""
     stop_requested = []
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
     signal.signal(signal.SIGINT, lambda *_: stop_requested.append(True))
     log_file = open(RunPaths(run_dir).logs / f"{log_name}.log", "ab")
-    replica = subprocess.Popen(
-        [sys.executable, "-m", "tasks.replica", "--run-dir", str(run_dir), *(["--probe"] if probe else [])],
-        cwd=REPO_ROOT,
-        stdin=subprocess.DEVNULL,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        preexec_fn=_replica_preexec(core),
-    )
+    if network_holder:
+        replica = netns.hold(run_dir, probe, log_file, replica_environment())
+    else:
+        command = [sys.executable, "-m", "tasks.replica", "--run-dir", str(run_dir), *(["--probe"] if probe else [])]
+        replica = _launch(command, view, run_dir, probe, log_file, core)
     throttle = Throttle(replica.pid, slowdown) if slowdown > 1 else None
     if throttle:
         throttle.start()
@@ -144,9 +216,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slowdown", type=float, default=1.0, help="give it 1/slowdown of the CPU time")
     parser.add_argument("--deadline", type=float, required=True, help="stop it at this time (epoch seconds)")
     parser.add_argument("--probe", action="store_true", help="run the replica's speed probe")
+    parser.add_argument("--network-holder", action="store_true", help="hold the run's network namespace instead")
+    parser.add_argument("--unisolated", action="store_true", help="run the replica without a sandbox")
+    parser.add_argument("--rw", action="append", default=[], help="a directory the replica may write")
+    parser.add_argument("--ro", action="append", default=[], help="a directory (or file) it may read")
+    parser.add_argument("--hide", action="append", default=[], help="a directory hidden under a shown one")
     args = parser.parse_args(argv)
+    view = None if args.unisolated else View(args.rw, args.ro, args.hide)
     return keep(
-        args.run_dir, args.name, args.log_name or args.name, args.core, args.slowdown, args.deadline, args.probe
+        args.run_dir,
+        args.name,
+        args.log_name or args.name,
+        args.core,
+        args.slowdown,
+        args.deadline,
+        args.probe,
+        view,
+        args.network_holder,
     )
 
 

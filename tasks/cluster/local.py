@@ -6,16 +6,14 @@ session of its own: the replicas outlive the provisioning task and die when the 
 does. Their output goes to ``logs/<role>-<index>.log`` in the run directory; teardown finds every
 process of a run by the run id in its environment.
 
-TensorFlow's gRPC servers listen on every interface, unauthenticated. Run as root, provisioning
-puts every keeper and replica of a run in a network namespace of the run's own with only loopback
-up (``isolate_network``): they reach each other on its 127.0.0.1 and nothing outside it reaches
-them. They stay in this PID namespace, so signals (throttling, stopping) work as before. Without
-root or iproute2 they listen on this host's interfaces, and ``cluster.json`` says so.
-
-Run as root, each keeper and replica also gets a mount namespace (``tasks.confine``): HETFLOW_HOME
-shows only the run directory (read-write) and the prepared data (read-only), the user's home is
-hidden, every other mount is
-read-only, and the process has no capabilities; what a container of the docker backend mounts.
+Every keeper starts its replica sandboxed (``tasks.sandbox``: bubblewrap, an unprivileged uid, no
+capabilities): it sees its run directory (read-write, less the pipeline's own records, which it
+sees read-only), the prepared data (read-only), the code and the interpreter, and nothing else of
+this host; it listens in the run's network namespace (``tasks.cluster.netns``), with only loopback
+up, which the run's replicas share and nothing outside reaches (TensorFlow's gRPC servers listen
+on every interface, unauthenticated). Where no sandbox can be had, provisioning refuses the run
+unless the operator set ``HETFLOW_ALLOW_UNISOLATED=1``; then replicas listen on this host's ports,
+and ``cluster.json`` says so.
 """
 
 from __future__ import annotations
@@ -31,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from tasks import confine
+from tasks import sandbox
+from tasks.cluster import netns
 from tasks.cluster.layout import ClusterLayout, Replica, free_local_port
-from tasks.cluster.netns import NETNS_DIR, isolate_network
 from tasks.cluster.processes import (
     RUN_ID_ENV,
     TERM_GRACE_SECONDS,
@@ -77,17 +75,24 @@ def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Pat
     return {"read_write": [run_dir], "read_only": [Path(spec.data_dir) if spec.data_dir else data_dir(home)]}
 
 
-def isolate_files(spec: RunSpec, run_dir: Path) -> dict:
-    """How the run's keepers and replicas see the file system: ``{"confined": true, "hidden": [...],
-    "read_write": [...], "read_only": [...]}`` (see ``tasks.confine``), or ``{"confined": false,
-    "reason": ...}`` (and a warning) where that takes what this process lacks."""
-    reason = confine.unavailable()
-    if reason:
-        log.warning("replicas of %s see this host's whole file system as this user does (%s)", run_dir.name, reason)
-        return {"confined": False, "reason": reason}
+def protected_records(paths: RunPaths) -> list[Path]:
+    """What of the run directory only the pipeline writes, shown read-only to its replicas: the spec,
+    the dataset and cluster records, the receipts, the keepers' records and the logs they write."""
+    records = [paths.owner, paths.spec, paths.dataset, paths.cluster, paths.restarts, paths.replicas, paths.logs]
+    return [*records, paths.root / "attempts"]
+
+
+def file_view(spec: RunSpec, run_dir: Path) -> dict:
+    """What a sandboxed replica sees of this host's files: ``{"confined": true, "hidden": [...],
+    "read_write": [...], "read_only": [...]}`` (see ``tasks.sandbox.Sandbox``)."""
     view = replica_view(spec, run_dir, hetflow_home())
-    hidden = [str(hetflow_home()), *confine.user_home()]
-    return {"confined": True, "hidden": hidden, **{k: [str(p) for p in v] for k, v in view.items()}}
+    protected = [path for path in protected_records(RunPaths(run_dir)) if path.exists()]
+    return {
+        "confined": True,
+        "hidden": sandbox.private_directories(),
+        "read_write": [str(path) for path in view["read_write"]],
+        "read_only": [str(path) for path in [*view["read_only"], *protected]],
+    }
 
 
 def port_taken(port: int) -> bool:
@@ -100,6 +105,9 @@ def port_taken(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+_HOLDER = "network"  # the name of the keeper of the run's network holder
 
 
 class LocalReplicas:
@@ -122,45 +130,49 @@ class LocalReplicas:
         self.gpus = visible_gpus(layout, spec)
         self._offsets: dict[str, int] = {}
         self._lease = None
-        # Set by provision, else read from cluster.json.
-        self.network_isolation: dict | None = None
-        self.file_isolation: dict | None = None
+        # Decided here, never read back from the run directory: a restart comes from another task.
+        self.sandboxed = sandbox.required(f"the replicas of {layout.run_id}")
 
     def log_path(self, name: str) -> Path:
         return self.paths.logs / f"{'probe-' if self.probe else ''}{name}.log"
 
     def provision(self) -> None:
-        """Start every replica: in a network namespace of the run's own where one can be had, else
-        on host ports still free. ``cluster.json`` records which (``network_isolation``)."""
+        """Start the run's network holder, then every replica in its namespace; where the run is
+        unisolated (see the module), every replica on host ports still free. ``cluster.json`` records
+        which (``network_isolation``, ``file_isolation``)."""
         self.paths.logs.mkdir(parents=True, exist_ok=True)
         self.paths.replicas.mkdir(parents=True, exist_ok=True)
-        self.network_isolation = isolate_network(self.layout.run_id)
-        self.file_isolation = isolate_files(self.spec, self.run_dir)
-        if not self.network_isolation["isolated"]:
+        if self.sandboxed:
+            network = {"isolated": True, "sandbox": "bubblewrap"}
+            files = file_view(self.spec, self.run_dir)
+            self._hand_over_writable()
+        else:
+            reason = sandbox.unavailable()
+            network = {"isolated": False, "reason": reason}
+            files = {"confined": False, "reason": reason}
             self._move_off_taken_ports()
         if not self.probe:  # the probe's layout is not the run's
             write_record(
-                self.paths.cluster,
-                {
-                    **self.layout.to_dict(),
-                    "network_isolation": self.network_isolation,
-                    "file_isolation": self.file_isolation,
-                },
+                self.paths.cluster, {**self.layout.to_dict(), "network_isolation": network, "file_isolation": files}
             )
         try:
+            if self.sandboxed:
+                self._start_keeper(None)
             self.start(self.layout.replicas)
         except BaseException:
-            teardown_run(self.layout.run_id)  # nothing half-started stays, the namespace included
+            teardown_run(self.layout.run_id)  # nothing half-started stays
             raise
 
-    def _isolation(self) -> tuple[str | None, dict]:
-        """The network namespace the run's replicas live in and how they see files: a restart comes
-        from the supervising task, which did not provision, so it reads what provisioning recorded."""
-        if self.network_isolation is None:
-            record = json.loads(self.paths.cluster.read_text()) if self.paths.cluster.exists() else {}
-            self.network_isolation = record.get("network_isolation", {"isolated": False})
-            self.file_isolation = record.get("file_isolation", {"confined": False})
-        return self.network_isolation.get("namespace"), self.file_isolation
+    def _hand_over_writable(self) -> None:
+        """What the replicas write (the run directory's top, where the chief's weights and record
+        go; checkpoints; the probes' records) becomes the sandbox uid's where root provisions."""
+        for directory in (self.paths.checkpoints, self.paths.probes):
+            directory.mkdir(parents=True, exist_ok=True)
+            for parent, directories, files in os.walk(directory):
+                for name in [*directories, *files]:
+                    sandbox.hand_over(Path(parent) / name)
+            sandbox.hand_over(directory)
+        sandbox.hand_over(self.run_dir)
 
     def _move_off_taken_ports(self) -> None:
         """Ports were picked free at planning; whatever took one since, the replica moves to
@@ -175,41 +187,52 @@ class LocalReplicas:
             replicas.append(replica)
         if tuple(replicas) != self.layout.replicas:
             self.layout = ClusterLayout(self.layout.run_id, tuple(replicas))
-            write_record(self.paths.cluster, self.layout.to_dict())
 
     def start(self, replicas) -> None:
         for replica in replicas:
             self._start_keeper(replica)
 
-    def _start_keeper(self, replica: Replica) -> None:
+    def _start_keeper(self, replica: Replica | None) -> None:
+        """Start the keeper of ``replica``, or of the run's network holder (None)."""
         from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, exit_path
 
-        exit_path(self.run_dir, replica.name).unlink(missing_ok=True)
-        log_path = self.log_path(replica.name)
-        self._offsets[replica.name] = log_path.stat().st_size if log_path.exists() else 0
-        slowdown = self.spec.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
+        name = replica.name if replica else _HOLDER
+        exit_path(self.run_dir, name).unlink(missing_ok=True)
+        log_path = self.log_path(name)
+        self._offsets[name] = log_path.stat().st_size if log_path.exists() else 0
         deadline = time.time() + ATTACH_TIMEOUT_SECONDS + self.spec.train_timeout_seconds
         command = [sys.executable, "-m", "tasks.cluster.keeper", "--run-dir", str(self.run_dir)]
-        command += ["--name", replica.name, "--log-name", log_path.stem, "--deadline", repr(deadline)]
-        command += ["--slowdown", repr(slowdown), *(["--probe"] if self.probe else [])]
-        if replica.name in self.cores:
-            command += ["--core", str(self.cores[replica.name])]
-        namespace, files = self._isolation()
-        if files["confined"]:
-            command = confine.confined(command, files["hidden"], files["read_write"], files["read_only"])
-        if namespace:
-            # Only the network namespace changes (`ip netns exec` would also remount /sys); nsenter,
-            # unshare and confine exec in place, so the pid recorded below is the keeper's.
-            command = ["nsenter", f"--net={NETNS_DIR / namespace}", "--", *command]
+        command += ["--name", name, "--log-name", log_path.stem, "--deadline", repr(deadline)]
+        command += ["--probe"] if self.probe else []
         env = {
             **os.environ,
-            **({"HOME": "/tmp"} if files["confined"] else {}),  # the real one is read-only there
-            "TF_CONFIG": self.layout.tf_config(replica),
+            "HETFLOW_HOME": str(hetflow_home()),  # teardown matches a run's processes by id and home
             RUN_ID_ENV: self.layout.run_id,
-            "HETFLOW_LAUNCH_TIME": repr(time.time()),
             "PYTHONUNBUFFERED": "1",
-            "CUDA_VISIBLE_DEVICES": self.gpus[replica.name],
         }
+        notes = []
+        if replica is None:
+            command += ["--network-holder"]
+            netns.record_path(self.run_dir, self.probe).unlink(missing_ok=True)
+        else:
+            slowdown = self.spec.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
+            command += ["--slowdown", repr(slowdown)]
+            if replica.name in self.cores:
+                command += ["--core", str(self.cores[replica.name])]
+                notes.append(f"pinned to core {self.cores[replica.name]}")
+            if slowdown > 1:
+                notes.append(f"throttled to 1/{slowdown:g} of the CPU time (simulated slower machine)")
+            env.update(
+                TF_CONFIG=self.layout.tf_config(replica),
+                HETFLOW_LAUNCH_TIME=repr(time.time()),
+                CUDA_VISIBLE_DEVICES=self.gpus[replica.name],
+            )
+        if self.sandboxed:
+            view = file_view(self.spec, self.run_dir)
+            command += [f"--{flag}={path}" for flag, key in self._VIEW_FLAGS for path in view[key]]
+            notes.insert(0, "sandboxed in the run's network namespace")
+        else:
+            command += ["--unisolated"]
         with open(log_path, "ab") as keeper_errors:  # what the keeper itself says, if anything
             keeper = subprocess.Popen(
                 command,
@@ -220,21 +243,26 @@ class LocalReplicas:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # outlives this process: the next task supervises it
             )
-        self._pid_path(replica.name).write_text(str(keeper.pid))
-        notes = [f"in network namespace {namespace}"] if namespace else []
-        if files["confined"]:
-            notes.append("seeing only its run directory and the data")
-        if replica.name in self.cores:
-            notes.append(f"pinned to core {self.cores[replica.name]}")
-        if slowdown > 1:
-            notes.append(f"throttled to 1/{slowdown:g} of the CPU time (simulated slower machine)")
+        self._pid_path(name).write_text(str(keeper.pid))
+        if replica is None:
+            self._wait_for_network(keeper)
+            log.info("the network holder of %s runs (keeper pid %d)", self.layout.run_id, keeper.pid)
+            return
         log.info(
-            "started %s (keeper pid %d) at %s%s",
-            replica.name,
-            keeper.pid,
-            replica.address,
-            "".join(f", {n}" for n in notes),
+            "started %s (keeper pid %d) at %s%s", name, keeper.pid, replica.address, "".join(f", {n}" for n in notes)
         )
+
+    _VIEW_FLAGS = (("rw", "read_write"), ("ro", "read_only"), ("hide", "hidden"))
+
+    def _wait_for_network(self, keeper: subprocess.Popen) -> None:
+        """Until the holder's record is there: the replicas join what it names."""
+        record = netns.record_path(self.run_dir, self.probe)
+        deadline = time.monotonic() + netns.HOLDER_START_SECONDS
+        while not record.exists():
+            if keeper.poll() is not None or time.monotonic() > deadline:
+                tail = self.log_path(_HOLDER).read_text(errors="replace")
+                raise netns.NetworkGone(f"the run's network namespace could not be made: {tail.strip()[-500:]}")
+            time.sleep(0.05)
 
     def _pid_path(self, name: str) -> Path:
         return self.paths.replicas / f"{'probe-' if self.probe else ''}{name}.pid"
@@ -250,9 +278,13 @@ class LocalReplicas:
         self._lease = take_lease(self.run_dir)
 
     def detach(self) -> None:
+        """Give the lease back: the keepers end their replicas, and the network holder, which
+        only they used, is stopped here."""
         if self._lease is not None:
             self._lease.close()
             self._lease = None
+            if self.sandboxed:
+                stop_process_groups([self._keeper(_HOLDER)], grace=TERM_GRACE_SECONDS + 2)
 
     def poll(self) -> dict[str, ReplicaState]:
         return {replica.name: self._state(replica.name) for replica in self.layout.replicas}

@@ -1,58 +1,130 @@
-"""The run's network namespace: where a run's replicas listen when provisioning runs as root, with
-only loopback up, so that they reach each other on its 127.0.0.1 and nothing outside reaches them
-(TensorFlow's gRPC servers listen on every interface, unauthenticated)."""
+"""The run's network namespace: where a run's local replicas listen, with only loopback up, so that
+they reach each other on its 127.0.0.1 and nothing outside reaches them (TensorFlow's gRPC servers
+listen on every interface, unauthenticated, and run graph ops for whoever connects).
+
+bubblewrap makes a namespace per sandbox and cannot join one, so the run's namespace is kept by a
+holder: a sandbox that only sleeps (``tasks.sandbox.holder_command``), run by a keeper like a
+replica (``tasks.cluster.keeper --network-holder``), which records in ``replicas/network.json``
+(where replicas cannot write) the holder's pid and the identity of its user and network
+namespaces. Each replica's sandbox enters that user and network namespace first (``join``): the
+uid that made them may, and no other can. No root needed, nothing named on the host: the kernel
+frees the namespace when its last process is gone.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import logging
+import json
 import os
-import shutil
+import select
 import subprocess
+import time
 from pathlib import Path
 
-from tasks.paths import hetflow_home
+from tasks import sandbox
+from tasks.paths import RunPaths, write_record
 
-log = logging.getLogger("hetflow.cluster")
+HOLDER_START_SECONDS = 30.0
 
-NETNS_DIR = Path("/run/netns")  # where `ip netns` names namespaces
+
+class NetworkGone(RuntimeError):
+    """The run's network holder is not running (any more)."""
+
+
+def record_path(run_dir: Path, probe: bool) -> Path:
+    """Where the holder of the run's (or its probe cluster's) namespace is recorded."""
+    return RunPaths(run_dir).replicas / f"{'probe-' if probe else ''}network.json"
+
+
+def _namespace(pid: int, kind: str) -> int:
+    return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
+
+
+def hold(run_dir: Path, probe: bool, log_file, env: dict[str, str]) -> subprocess.Popen:
+    """Start the holder of the run's network namespace (a process group of its own) and record
+    where it is; returns it once the record is written."""
+    read, write = os.pipe()
+    try:
+        holder = subprocess.Popen(
+            sandbox.holder_command(write),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=[write],
+        )
+        os.close(write)
+        write = None
+        info = _read_info(read, holder)
+    finally:
+        os.close(read)
+        if write is not None:
+            os.close(write)
+    pid = info["child-pid"]
+    namespaces = {kind: _namespace(pid, kind) for kind in ("user", "net")}
+    write_record(record_path(run_dir, probe), {"pid": pid, **namespaces})
+    return holder
+
+
+def _read_info(fd: int, holder: subprocess.Popen) -> dict:
+    """bwrap's ``--info-fd`` JSON; the sleeping holder keeps the pipe open, so read until it parses."""
+    text, deadline = b"", time.monotonic() + HOLDER_START_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(text)
+        except ValueError:
+            pass
+        if holder.poll() is not None:
+            raise NetworkGone(f"the network holder exited with code {holder.returncode} before it started")
+        if select.select([fd], [], [], 0.2)[0]:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            text += chunk
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise NetworkGone(f"the network holder said nothing in {HOLDER_START_SECONDS:.0f} s") from None
+
+
+def join(run_dir: Path, probe: bool = False) -> tuple[int, int]:
+    """Open descriptors of the holder's user and network namespaces, checked against its record
+    (a pid reused by another process gives other namespaces, and is refused)."""
+    try:
+        record = json.loads(record_path(run_dir, probe).read_text())
+    except FileNotFoundError:
+        raise NetworkGone(f"{run_dir.name} has no network holder ({record_path(run_dir, probe).name} is missing)")
+    opened = []
+    try:
+        for kind in ("user", "net"):
+            fd = os.open(f"/proc/{int(record['pid'])}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC)
+            opened.append(fd)
+            if os.fstat(fd).st_ino != record[kind]:
+                raise NetworkGone(f"the network holder of {run_dir.name} is gone (its pid is another process's)")
+    except FileNotFoundError:
+        raise NetworkGone(f"the network holder of {run_dir.name} is gone (no process {record['pid']})") from None
+    except BaseException:
+        for fd in opened:
+            os.close(fd)
+        raise
+    return opened[0], opened[1]
+
+
+def namespace_of(pid: int) -> int:
+    """The network namespace a process is in (its inode), to compare with the holder's."""
+    return _namespace(pid, "net")
+
+
+# Named namespaces (`ip netns add`, root only) are what earlier versions of the local backend made;
+# nothing makes them now, and the sweep removes any an interrupted run of those versions left.
+NETNS_DIR = Path("/run/netns")
 
 
 def namespace_name(run_id: str, home: Path) -> str:
-    """The run's network namespace: a hash of its HETFLOW_HOME and id (two homes may hold one id),
-    20 characters, which `ip netns` takes as a file name."""
+    """The name an earlier version gave the run's namespace."""
+    import hashlib
+
     return "hetflow-" + hashlib.sha256(f"{home}\0{run_id}".encode()).hexdigest()[:12]
-
-
-def isolate_network(run_id: str) -> dict:
-    """A fresh network namespace for the run's replicas, with only loopback up: ``{"isolated": true,
-    "namespace": NAME}``; or ``{"isolated": false, "reason": ...}`` (and a warning) where none can be
-    had: creating one takes root and iproute2."""
-    ip, nsenter = shutil.which("ip"), shutil.which("nsenter")
-    if os.geteuid() != 0:
-        return _not_isolated(run_id, "not running as root, which `ip netns add` needs")
-    if ip is None or nsenter is None:
-        return _not_isolated(run_id, "no `ip` (iproute2) or `nsenter` (util-linux) command on PATH")
-    name = namespace_name(run_id, hetflow_home())
-    # One left by an earlier provisioning of the run goes: a fresh namespace has every port free.
-    delete_namespace(name)
-    for command in (["netns", "add", name], ["-n", name, "link", "set", "lo", "up"]):
-        done = subprocess.run([ip, *command], capture_output=True, text=True)
-        if done.returncode != 0:
-            delete_namespace(name)
-            return _not_isolated(run_id, f"`ip {' '.join(command)}` failed: {done.stderr.strip()}")
-    log.info("replicas of %s run in network namespace %s, unreachable from outside it", run_id, name)
-    return {"isolated": True, "namespace": name}
-
-
-def _not_isolated(run_id: str, reason: str) -> dict:
-    log.warning(
-        "replicas of %s listen on every interface of this host, without authentication (%s): "
-        "firewall their ports or use backend=docker",
-        run_id,
-        reason,
-    )
-    return {"isolated": False, "reason": reason}
 
 
 def namespace_processes(name: str) -> list[int]:
@@ -77,6 +149,4 @@ def namespace_processes(name: str) -> list[int]:
 def delete_namespace(name: str) -> None:
     """Remove the namespace's name; the kernel frees it once no process is left in it."""
     if (NETNS_DIR / name).exists():
-        done = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
-        if done.returncode != 0:
-            log.warning("could not delete network namespace %s: %s", name, done.stderr.strip())
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)

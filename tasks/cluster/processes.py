@@ -1,6 +1,9 @@
-"""A run's processes, found by the run id in their environment whatever started them (a keeper, a
-probe, a task of an earlier try), and ended: process group by process group, SIGTERM then SIGKILL,
-with the run's network namespace."""
+"""A run's processes, found by the run id and HETFLOW_HOME in their environment whatever started them
+(a keeper, a probe, a task of an earlier try), and ended: process group by process group, SIGTERM
+then SIGKILL.
+
+Only processes of this user namespace count: a sandboxed process (``tasks.sandbox``) can write any
+environment it likes, and need not be found, as it dies with its sandbox's bwrap, which is here."""
 
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ import signal
 import time
 from pathlib import Path
 
-from tasks.cluster.netns import delete_namespace, namespace_name, namespace_processes
 from tasks.paths import hetflow_home
 
 RUN_ID_ENV = "HETFLOW_RUN_ID"
@@ -67,16 +69,20 @@ def _reap(pids: list[int]) -> None:
             pass
 
 
-def environments_with(*entries: str) -> dict[int, list[bytes]]:
+def environments_with(*entries: str, anywhere: bool = False) -> dict[int, list[bytes]]:
     """The environment of every live process whose environment holds all ``entries``
-    (``NAME=value``), by pid."""
+    (``NAME=value``), by pid: of this user namespace's processes, or with ``anywhere`` of every
+    process (a sandboxed one's environment is what it says it is)."""
     needles = [entry.encode() for entry in entries]
+    ours = os.stat("/proc/self/ns/user").st_ino
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             environ = (entry / "environ").read_bytes().split(b"\0")
+            if not anywhere and os.stat(entry / "ns" / "user").st_ino != ours:
+                continue
         except OSError:
             continue
         if all(needle in environ for needle in needles):
@@ -84,23 +90,25 @@ def environments_with(*entries: str) -> dict[int, list[bytes]]:
     return found
 
 
-def _run_environments(run_id: str) -> dict[int, list[bytes]]:
-    return environments_with(f"{RUN_ID_ENV}={run_id}")
+def _run_environments(run_id: str, home: Path | None = None, anywhere: bool = False) -> dict[int, list[bytes]]:
+    """Two homes may hold runs of one id: a run is its id and its HETFLOW_HOME."""
+    return environments_with(f"{RUN_ID_ENV}={run_id}", f"HETFLOW_HOME={home or hetflow_home()}", anywhere=anywhere)
 
 
-def run_processes(run_id: str) -> list[int]:
-    """Pids of every live process that carries this run's id in its environment."""
-    return list(_run_environments(run_id))
+def run_processes(run_id: str, home: Path | None = None) -> list[int]:
+    """Pids of every live process here (keepers, sandboxes' bwrap) that carries this run's id and
+    home in its environment."""
+    return list(_run_environments(run_id, home))
 
 
 def run_replicas(run_id: str) -> dict[str, int]:
-    """Pid of each live replica of the run (not its keeper), by name (``worker-1``), read from its
-    TF_CONFIG."""
+    """Pid of each live replica of the run (the replica's own process, inside its sandbox if it has
+    one; not its keeper or bwrap), by name (``worker-1``), read from its TF_CONFIG."""
     replicas = {}
-    for pid, environ in _run_environments(run_id).items():
+    for pid, environ in _run_environments(run_id, anywhere=True).items():
         config = next((e for e in environ if e.startswith(b"TF_CONFIG=")), None)
         try:
-            replica = b"tasks.replica" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            replica = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"tasks.replica"]
         except OSError:
             continue
         if config is not None and replica:
@@ -110,30 +118,26 @@ def run_replicas(run_id: str) -> dict[str, int]:
 
 
 def teardown_run(run_id: str, grace: float = TERM_GRACE_SECONDS) -> list[int]:
-    """End every process of the run, found by run id whatever started it, and delete its network
-    namespace. Returns the pids ended."""
-    return _end(run_processes(run_id), [namespace_name(run_id, hetflow_home())], grace)
+    """End every process of the run (its id under this HETFLOW_HOME), whatever started it. Returns
+    the pids ended."""
+    return _end(run_processes(run_id), grace)
 
 
 def teardown_runs_of_home(home: Path) -> list[int]:
     """End every replica and keeper of any run under ``HETFLOW_HOME=home``, found by the
     environment its task gave it: what ``make down`` does for the runs it interrupts (a run
-    provisioned but not yet supervised lives until its keepers' attach timeout), and delete those
-    runs' network namespaces. Returns the pids."""
+    provisioned but not yet supervised lives until its keepers' attach timeout). Returns the pids."""
     prefix = f"{RUN_ID_ENV}=".encode()
-    pids, run_ids = [], set()
-    for pid, environ in environments_with(f"HETFLOW_HOME={home}").items():
-        ids = [entry[len(prefix) :].decode() for entry in environ if entry.startswith(prefix)]
-        if ids:
-            pids.append(pid)
-            run_ids.update(ids)
-    return _end(pids, [namespace_name(run_id, home) for run_id in sorted(run_ids)])
+    pids = [
+        pid
+        for pid, environ in environments_with(f"HETFLOW_HOME={home}").items()
+        if any(entry.startswith(prefix) for entry in environ)
+    ]
+    return _end(pids)
 
 
-def _end(pids: list[int], namespaces: list[str], grace: float = TERM_GRACE_SECONDS) -> list[int]:
-    """Stop the pids' process groups and whatever else is in the run's namespaces; kill any pid left
-    (a keeper outside its own group); delete the namespaces once their processes are gone."""
-    pids = pids + [pid for name in namespaces for pid in namespace_processes(name) if pid not in pids]
+def _end(pids: list[int], grace: float = TERM_GRACE_SECONDS) -> list[int]:
+    """Stop the pids' process groups; kill any pid left (a keeper outside its own group)."""
     if pids:
         stop_process_groups(pids, grace)
         for pid in pids:
@@ -142,6 +146,18 @@ def _end(pids: list[int], namespaces: list[str], grace: float = TERM_GRACE_SECON
         deadline = time.monotonic() + 5  # a SIGKILLed process takes a moment to leave
         while any(is_running(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-    for name in namespaces:
-        delete_namespace(name)
     return pids
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes (zombies excluded) of a process group."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                members.append(int(entry.name))
+    return members
