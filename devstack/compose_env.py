@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import os
 import sys
 from pathlib import Path
 
 # make up's own secrets, so both stacks make and keep their secrets one way.
 from devstack.secrets import generated_once, password_file, stack_dir, stack_secrets, write_private
-from tasks.paths import hetflow_home
+from tasks.paths import REPO_ROOT, hetflow_home
 
 DOCKER_SOCKET = Path("/var/run/docker.sock")
 
@@ -44,6 +45,8 @@ def write_env_file(socket: Path, login: bool = True) -> Path:
         "AIRFLOW_FERNET_KEY": fernet["fernet_key"],
         "AIRFLOW_PASSWORDS_FILE": str(password_file()),
         "AIRFLOW_ALL_ADMINS": "False" if login else "True",
+        # One line: an env file holds one variable a line.
+        "AIRFLOW_UI_THEME": json.dumps(json.loads((REPO_ROOT / "plugins" / "ui_theme.json").read_text())),
     }
     write_private(env_file(), "".join(f"{name}={value}\n" for name, value in values.items()))
     return env_file()

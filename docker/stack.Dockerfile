@@ -9,5 +9,6 @@ RUN pip install --no-cache-dir -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY tasks ./tasks
 COPY dags ./dags
+COPY plugins ./plugins
 RUN pip install --no-cache-dir --no-deps . && useradd --create-home --uid 10001 --user-group hetflow
 USER 10001
