@@ -156,7 +156,8 @@ class Sandbox:
     def _shown(self) -> list[tuple[str, str]]:
         """(option, path) of every directory shown: the code and the interpreter too, wherever
         they are, read-only."""
-        code = [str(REPO_ROOT), *sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)})]
+        interpreter = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix)}
+        code = [str(REPO_ROOT), *sorted(path for path in interpreter if not _under(path, ["/usr"]))]  # /usr is shown
         shown = [("--bind", path) for path in self.read_write]
         read_only = [path for path in dict.fromkeys([*self.read_only, *code]) if path not in self.read_write]
         # Parents first, here and in root's view: a directory shown inside another is mounted over

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -240,3 +242,60 @@ def test_without_a_sandbox_a_run_is_refused_unless_the_operator_accepts_it(hetfl
         assert accepted.sandboxed is False
     finally:
         sandbox.unavailable.cache_clear()
+
+
+_UNPRIVILEGED = textwrap.dedent(
+    """
+    import json, os, subprocess, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[1])
+    from tasks import sandbox
+    from tasks.cluster import netns
+    run = Path(sys.argv[2])
+    (run / "replicas").mkdir()
+    with open(run / "holder.log", "ab") as log:
+        holder = netns.hold(run, False, log, {"PATH": "/usr/bin:/bin"})
+    probe = (
+        "import os; status = open('/proc/self/status').read()\\n"
+        "try:\\n open('/proc/sys/kernel/core_pattern', 'w')\\nexcept OSError as error: core = error.errno\\n"
+        "print(os.getuid(), status.split('CapEff:')[1].split()[0], os.path.exists('/var/run/docker.sock'), core)"
+    )
+    try:
+        box = sandbox.Sandbox(read_write=[str(run)], network=netns.join(run))
+        command = box.command([sys.executable, "-c", probe])
+        done = subprocess.run(command, pass_fds=box.fds, capture_output=True, text=True)
+        print(done.stdout.strip() or done.stderr)
+    finally:
+        holder.kill()
+    """
+)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(), reason="needs root to become nobody")
+def test_the_sandbox_and_the_runs_network_work_when_hetflow_is_not_root():
+    """As an unprivileged user (nobody, with the system's Python: root's interpreter is out of its
+    reach), the same sandbox and network holder: bubblewrap needs no root here."""
+    top = Path(tempfile.mkdtemp(prefix="hetflow-unprivileged-"))  # pytest's tmp_path is root's alone
+    os.chmod(top, 0o755)
+    run = top / "run"
+    run.mkdir()
+    os.chown(run, sandbox.SANDBOX_UID, sandbox.SANDBOX_GID)
+    try:
+        _run_as_nobody(run, top)
+    finally:
+        shutil.rmtree(top)
+
+
+def _run_as_nobody(run: Path, top: Path) -> None:
+    as_nobody = ["setpriv", f"--reuid={sandbox.SANDBOX_UID}", f"--regid={sandbox.SANDBOX_GID}", "--clear-groups"]
+    environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "HETFLOW_HOME": str(top / "home")}
+    done = subprocess.run(
+        [*as_nobody, "/usr/bin/python3", "-c", _UNPRIVILEGED, str(Path(sandbox.__file__).parents[1]), str(run)],
+        env=environment,
+        cwd="/",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(sandbox.SANDBOX_UID), "0000000000000000", "False", "13"]
