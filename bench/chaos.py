@@ -108,7 +108,7 @@ def run_scenario(bench: Bench, name: str) -> dict:
 def sweep_and_clean(bench: Bench) -> dict:
     """``sweep(home)`` for every home of the bench, then whatever of its runs is still there, removed
     by the bench itself (so that nothing outlives it), each reported."""
-    from tasks.cluster.sweep import sweep
+    from tasks.cluster.backends import sweep
 
     runs = [(home, path.read_text()) for home in sorted(bench.homes) for path in home.glob("runs/*/run_id")]
     ours = {namespace_name(run_id, home) for home, run_id in runs}

@@ -49,7 +49,7 @@ tar -c --exclude=__pycache__ tasks | tar -x -C "$CONTEXT"
 
 # Labelled with a digest of the code and pins, which a run's preflight compares with its checkout's.
 digest=$(.venv/bin/python -c 'from tasks.cluster.docker_backend import source_digest; print(source_digest())')
-docker build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" --label "hetflow.source-digest=$digest" \
+docker build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "SOURCE_DIGEST=$digest" --label "hetflow.source-digest=$digest" \
     -f docker/Dockerfile -t "$IMAGE" "$CONTEXT" >/dev/null
 seconds=$(( ($(date +%s%N) - started) / 1000000 ))e-3
 bytes=$(docker image inspect "$IMAGE" --format '{{.Size}}')

@@ -33,9 +33,10 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
             # From here on the run trains with the resolved spec; the request stays in plan.json.
             write_record(paths.spec, spec.model_dump(mode="json"))
         paths.restarts.unlink(missing_ok=True)  # a re-provisioned run starts its restart count anew
-        layout = backends.plan(spec, run_id)
+        backend = backends.backend_for(spec)
+        layout = backend.plan(spec, run_id)
         write_record(paths.cluster, layout.to_dict())
-        cluster = backends.replicas(spec, layout, paths.root)
+        cluster = backend.replicas(spec, layout, paths.root)
         PROVISIONED_HERE.add(run_id)
         cluster.provision()
     log.info(

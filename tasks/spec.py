@@ -51,6 +51,12 @@ class WorkerDevice(BaseModel):
         "process is stopped and resumed from outside; docker: its container's CPU quota is 1/slowdown of "
         "replica_cpus, or of one core). The training code is unchanged.",
     )
+    node: str | None = Field(
+        None,
+        description="backend=swarm: the swarm node (its hostname) this worker runs on; empty: any node whose "
+        "hetflow.device label is this worker's device, or any node where no node has that label.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+    )
 
 
 class RunSpec(BaseModel):
@@ -107,12 +113,14 @@ class RunSpec(BaseModel):
         "replica, the model's layer groups placed on different devices.",
         title="Distribution strategy",
     )
-    backend: Literal["local", "docker", "kubernetes"] = _field(
+    backend: Literal["local", "docker", "swarm", "kubernetes"] = _field(
         "local",
         "Cluster",
         "Where replicas run. `local`: subprocesses on 127.0.0.1. `docker`: one container per replica on a "
-        "network of the run's own (needs a Docker engine). `kubernetes`: one pod per replica behind a headless "
-        "service (needs a kubeconfig or an in-cluster service account).",
+        "network of the run's own (needs a Docker engine). `swarm`: one Docker Swarm service per replica, "
+        "spread over the swarm's nodes on an overlay network of the run's own (run from a manager node; "
+        "HETFLOW_HOME on storage every node mounts at the same path). `kubernetes`: one pod per replica "
+        "behind a headless service (needs a kubeconfig or an in-cluster service account).",
         title="Where replicas run",
     )
     workers: int = _field(
@@ -221,6 +229,13 @@ class RunSpec(BaseModel):
         "parameter_server chief get none.",
         title="Request GPUs (docker, kubernetes)",
     )
+    encrypt_network: bool = _field(
+        True,
+        "Cluster",
+        "backend=swarm: encrypt the run's overlay network between the nodes (IPsec; every node's kernel needs "
+        "ESP). false: unencrypted VXLAN, only for nodes on a private network of their own.",
+        title="Encrypt the swarm network (swarm)",
+    )
     kubernetes_namespace: str = _field(
         "default",
         "Cluster",
@@ -321,8 +336,9 @@ class RunSpec(BaseModel):
     quantize: Literal["none", "dynamic", "float16", "int8"] = _field(
         "int8",
         "Compression",
-        "Post-training quantization of the TFLite variant: `dynamic` (int8 weights), `float16`, `int8` "
-        "(full integer, calibrated on the train split), or `none`.",
+        "Quantization of the TFLite variants: `dynamic` (int8 weights), `float16`, `int8` (full integer, "
+        "calibrated on the train split; where that loses more than max_accuracy_drop on the validation split, "
+        "quantization-aware fine-tuning that keeps the pruned zeros), or `none`.",
         title="Quantization",
     )
     max_accuracy_drop: float = _field(
@@ -454,7 +470,7 @@ def cluster_problems(spec: RunSpec) -> list[str]:
             if value != off:
                 problems.append(
                     f"{key}={json.dumps(value)} is invalid with backend=local: expected {json.dumps(off)} "
-                    "(limits and GPU requests apply to backend=docker or kubernetes)"
+                    "(limits and GPU requests apply to backend=docker, swarm or kubernetes)"
                 )
     elif spec.backend == "kubernetes" and spec.restart_policy == "exit_code":
         problems.append("restart_policy=exit_code is invalid with backend=kubernetes: expected never or on_failure")
@@ -467,6 +483,20 @@ def cluster_problems(spec: RunSpec) -> list[str]:
         problems.append(
             "data_dir and dataset=folder:PATH are invalid with backend=kubernetes: expected data_dir empty and "
             "a TFDS dataset (pods see only the volume claim holding HETFLOW_HOME)"
+        )
+    if any(d.node for d in spec.worker_devices) and spec.backend != "swarm":
+        problems.append(
+            f"worker_devices node is invalid with backend={spec.backend}: expected empty "
+            "(a worker is placed on a named node by backend=swarm only)"
+        )
+    if not spec.encrypt_network and spec.backend != "swarm":
+        problems.append(
+            f"encrypt_network=false is invalid with backend={spec.backend}: expected true "
+            "(only backend=swarm's overlay network crosses machines)"
+        )
+    if spec.backend == "swarm" and spec.pin_cores:
+        problems.append(
+            "pin_cores=true is invalid with backend=swarm: expected false (Swarm services set CPUs by replica_cpus)"
         )
     if spec.backend == "kubernetes" and spec.pin_cores:
         problems.append(

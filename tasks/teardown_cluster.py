@@ -16,10 +16,11 @@ log = logging.getLogger("hetflow.stages")
 def teardown_cluster(run_id: str) -> list:
     """End what is left of the run's replicas: pids (local), containers (docker), pods (kubernetes)."""
     from tasks.cluster import backends
-    from tasks.cluster.sweep import sweep
+    from tasks.cluster.backends import sweep
 
     paths = run_paths(run_id)
-    ended = backends.teardown(load_spec(paths) if paths.spec.exists() else None, run_id)
+    spec = load_spec(paths) if paths.spec.exists() else None
+    ended = backends.backend_for(spec).teardown(spec, run_id)
     PROVISIONED_HERE.discard(run_id)
     log.info("teardown: %s", f"ended {ended}" if ended else "no replica was left running")
     try:  # what earlier runs left when they were killed before their own teardown

@@ -42,9 +42,10 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     paths = run_paths(run_id)
     with attempt(paths, "train", run_id, try_number) as receipt:
         spec = load_spec(paths)
-        cluster = backends.replicas(spec, ClusterLayout.from_dict(read_record(paths.cluster)), paths.root)
+        backend = backends.backend_for(spec)
+        cluster = backend.replicas(spec, ClusterLayout.from_dict(read_record(paths.cluster)), paths.root)
         importing = _import_in_background(LATER_STAGE_MODULES) if IMPORT_LATER_STAGES else None
-        with _stopped_on_sigterm(lambda: backends.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
+        with _stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
             backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
         if importing is not None:
             importing.join()  # no later stage imports a module while that thread still does

@@ -18,7 +18,7 @@ def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = 
     from tasks.cluster import backends
 
     spec = parse_spec(values)
-    problems = backends.preflight(spec, run_id) + data_problems(spec)
+    problems = backends.backend_for(spec).preflight(spec, run_id) + data_problems(spec)
     if problems:
         # Before any record is touched: a refused run id may belong to a run that is still going.
         raise SpecError(problems)

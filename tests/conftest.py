@@ -48,10 +48,15 @@ E2E_MODEL = "e2e-digits"
 
 def run_dag(env: dict[str, str], *sets: str) -> tuple[subprocess.CompletedProcess, dict]:
     """`hetflow run` registering into E2E_MODEL with ``sets`` (KEY=VALUE); its output and summary."""
-    args = ["run", "--set", f"registered_model={E2E_MODEL}"]
+    return dag_run(env, f"registered_model={E2E_MODEL}", *sets)
+
+
+def dag_run(env: dict[str, str], *sets: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, dict]:
+    """`hetflow run` with ``sets`` (KEY=VALUE); its output and summary."""
+    args = ["run"]
     for assignment in sets:
         args += ["--set", assignment]
-    done = hetflow(env, *args)
+    done = hetflow(env, *args, timeout=timeout)
     summary_path = Path(done.stdout.strip().splitlines()[-1])
     assert summary_path.name == "summary.json", done.stdout[-3000:] + done.stderr[-3000:]
     return done, json.loads(summary_path.read_text())

@@ -97,7 +97,7 @@ def test_container_only_keys_are_rejected_with_the_local_backend():
     # (restart_policy is honoured by every backend, the local one included)
     assert caught.value.problems == [
         f"{key}={value} is invalid with backend=local: expected {off} "
-        "(limits and GPU requests apply to backend=docker or kubernetes)"
+        "(limits and GPU requests apply to backend=docker, swarm or kubernetes)"
         for key, value, off in (
             ("replica_cpus", "2.0", "0.0"),
             ("replica_memory_mb", "512", "0"),
@@ -108,8 +108,8 @@ def test_container_only_keys_are_rejected_with_the_local_backend():
         parse_spec({"backend": "kubernetes", "pin_cores": True})
     with pytest.raises(SpecError, match=r'kubernetes_namespace="Bad_NS" is invalid: expected a string matching'):
         parse_spec({"backend": "kubernetes", "kubernetes_namespace": "Bad_NS"})
-    with pytest.raises(SpecError, match=r'backend="swarm" is invalid: expected one of local, docker, kubernetes'):
-        parse_spec({"backend": "swarm"})
+    with pytest.raises(SpecError, match=r'backend="slurm" is invalid: expected one of local, docker, swarm, kube'):
+        parse_spec({"backend": "slurm"})
 
 
 # --- docker: network and container configs --------------------------------------------------------

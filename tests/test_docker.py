@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import hetflow, wait_for
+from conftest import dag_run, wait_for
 
 from tasks.cluster.layout import run_slug
 from tasks.spec import SpecError, parse_spec
@@ -52,11 +52,12 @@ def test_provisioning_starts_the_containers_a_clash_is_refused_and_teardown_remo
 
 
 def test_docker_input_the_engine_cannot_serve_is_refused_before_anything_starts(docker_client, monkeypatch):
-    from tasks.cluster.backends import preflight
+    from tasks.cluster.backends import backend_for
     from tasks.cluster.docker_backend import source_digest
 
     def problems(**values):
-        return preflight(parse_spec({"backend": "docker", **values}), "preflight-run")
+        spec = parse_spec({"backend": "docker", **values})
+        return backend_for(spec).preflight(spec, "preflight-run")
 
     assert problems() == []
     assert problems(image="hetflow-replica:missing") == [
@@ -110,16 +111,6 @@ def test_a_parameter_server_run_in_docker_trains_and_leaves_nothing(docker_clien
     assert len(removed) == 4 and _docker_names(docker_client, run) == []
 
 
-def _dag_run(env, *sets: str) -> tuple[object, dict]:
-    args = ["run"]
-    for assignment in sets:
-        args += ["--set", assignment]
-    done = hetflow(env, *args, timeout=900)
-    summary_path = Path(done.stdout.strip().splitlines()[-1])
-    assert summary_path.name == "summary.json", done.stdout[-3000:] + done.stderr[-3000:]
-    return done, json.loads(summary_path.read_text())
-
-
 # Enough epochs for the MLP to pass the local backend's bar (tests/test_e2e.py); no pruning or
 # quantization, which have nothing to do with where the replicas ran.
 TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=docker")
@@ -135,7 +126,7 @@ TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=docker")
     ids=["sync", "async"],
 )
 def test_a_dag_run_in_containers_reaches_the_local_accuracy_bar_and_leaves_nothing(docker_client, hetflow_env, shape):
-    done, summary = _dag_run(hetflow_env, *TRAINING, *shape, "registered_model=docker-digits")
+    done, summary = dag_run(hetflow_env, *TRAINING, *shape, "registered_model=docker-digits")
     assert done.returncode == 0, done.stdout[-3000:]
     assert summary["status"] == "success" and summary["restarts"] == []
     assert summary["metrics"]["test_accuracy"] >= 0.9
@@ -183,7 +174,7 @@ def test_a_killed_container_is_restarted_by_the_policy_counted_and_the_run_compl
     killed: list[str] = []
     killer = threading.Thread(target=_kill_when, args=(docker_client, *victim, killed), daemon=True)
     killer.start()
-    done, summary = _dag_run(
+    done, summary = dag_run(
         hetflow_env, *TRAINING, *shape, "restart_policy=on_failure", "backoff_limit=2", "registered_model=killed-digits"
     )
     killer.join(timeout=10)

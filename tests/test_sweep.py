@@ -11,8 +11,8 @@ import uuid
 import pytest
 from conftest import hetflow, wait_for
 
+from tasks.cluster.backends import sweep
 from tasks.cluster.netns import namespace_processes
-from tasks.cluster.sweep import sweep
 
 
 def _netns_missing() -> str | None:
@@ -101,7 +101,7 @@ def test_the_sweep_command_reports_what_it_removed(hetflow_env):
     done = hetflow(hetflow_env, "sweep")
     assert done.returncode == 0, done.stderr[-2000:]
     kinds = [line.split(":")[0] for line in done.stdout.strip().splitlines()]
-    assert kinds == ["namespaces", "containers", "networks"]
+    assert kinds == ["namespaces", "containers", "networks", "services"]
 
 
 @pytest.mark.skipif(_netns_missing() is not None, reason=_netns_missing() or "")

@@ -1,53 +1,79 @@
-"""The backend a run uses, chosen by ``spec.backend``: how its layout is planned, what starts its
-replicas, what the supervisor asks about them, and how teardown finds what is left of it."""
+"""The backends a run's replicas run on — local processes, Docker containers, Swarm services,
+Kubernetes pods — behind one interface, chosen once from ``spec.backend`` (``backend_for``).
+
+A backend plans the run's layout (every replica's address), checks before anything starts what
+would stop its replicas from starting (``preflight``), gives the supervisor the run's replicas
+(``replicas``: provision, start, poll, stop, their output), ends everything of one run
+(``teardown``) and removes what interrupted runs left (``sweep``). What to restart and when a run
+has failed is decided by the one supervisor (``tasks.cluster.supervisor``), never by a backend.
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Protocol
 
-from tasks.cluster.layout import ClusterLayout, plan_cluster
-from tasks.cluster.supervisor import Supervisor
+from tasks.cluster.layout import ClusterLayout
+from tasks.cluster.supervisor import Replicas, Supervisor
 from tasks.spec import RunSpec
 
 
-def plan(spec: RunSpec, run_id: str) -> ClusterLayout:
-    if spec.backend == "docker":
-        from tasks.cluster import docker_backend
+class Backend(Protocol):
+    """What every backend does, for one run at a time (the run named by ``run_id``)."""
 
-        return docker_backend.plan(spec, run_id)
-    if spec.backend == "kubernetes":
-        from tasks.cluster import kubernetes_backend
+    def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
+        """Every replica's role, index and address (nothing starts)."""
 
-        return kubernetes_backend.plan(spec, run_id)
-    return plan_cluster(spec, run_id)
+    def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
+        """What would stop the run's replicas from starting, one line each."""
 
+    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False) -> Replicas:
+        """The run's replicas for the supervisor; ``probe`` runs the workers' speed probe instead
+        of training."""
 
-def preflight(spec: RunSpec, run_id: str) -> list[str]:
-    """What would stop the run's replicas from starting on its backend, one line each (checked
-    before anything starts; the local backend needs nothing beyond the spec)."""
-    if spec.backend == "docker":
-        from tasks.cluster import docker_backend
+    def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
+        """End everything of the run, found by its run id; the names of what was ended.
 
-        return docker_backend.preflight(spec, run_id)
-    return []
+        :param grace: seconds between SIGTERM and SIGKILL (default: the backend's)."""
 
+    def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
+        """Remove what interrupted runs of ``home`` left and no supervisor holds, by kind.
 
-def replicas(spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False):
-    """The run's LocalReplicas, DockerReplicas or KubernetesReplicas (``supervisor.Replicas``)."""
-    if spec.backend == "docker":
-        from tasks.cluster.docker_backend import DockerReplicas
-
-        return DockerReplicas(layout, spec, run_dir, probe=probe)
-    if spec.backend == "kubernetes":
-        from tasks.cluster.kubernetes_backend import KubernetesReplicas
-
-        return KubernetesReplicas(layout, spec, run_dir)
-    from tasks.cluster.local import LocalReplicas
-
-    return LocalReplicas(layout, spec, run_dir, probe=probe)
+        :param grace: what started less than this many seconds ago may belong to a run being
+            provisioned and is left alone (default: the backend's)."""
 
 
-def supervise(spec: RunSpec, cluster, run_dir: Path, timeout: float) -> dict[str, int]:
+# Imported only when chosen: the Docker SDK and the Kubernetes client cost time at import.
+_MODULES = {
+    "local": "tasks.cluster.local_backend",
+    "docker": "tasks.cluster.docker_backend",
+    "swarm": "tasks.cluster.swarm_backend",
+    "kubernetes": "tasks.cluster.kubernetes_backend",
+}
+
+
+def backend_for(spec: RunSpec | None) -> Backend:
+    """The run's backend. Without a spec (validation failed) only local processes can exist."""
+    return importlib.import_module(_MODULES[spec.backend if spec is not None else "local"]).BACKEND
+
+
+def sweep(home: Path, attach_seconds: float | None = None, namespace_grace: float | None = None) -> dict[str, list]:
+    """``hetflow sweep``, and every teardown after its own run's: what interrupted runs of ``home`` left
+    on every backend that can leave something — empty network namespaces (local), containers and
+    networks (docker), services and overlay networks (swarm) — of runs no supervisor holds. Kubernetes
+    objects are not swept: pods end at their activeDeadlineSeconds and the run's ConfigMap owns the rest.
+
+    :param attach_seconds: containers and services younger than this are left alone (default: the
+        backends' attach timeout); ``namespace_grace`` the same for network namespaces."""
+    removed: dict[str, list] = {}
+    for name, grace in (("local", namespace_grace), ("docker", attach_seconds), ("swarm", attach_seconds)):
+        for kind, names in importlib.import_module(_MODULES[name]).BACKEND.sweep(home, grace).items():
+            removed[kind] = removed.get(kind, []) + names
+    return removed
+
+
+def supervise(spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float) -> dict[str, int]:
     """Watch ``cluster`` (provisioned replicas) until training ends: the training replicas' exit
     codes, or ReplicaFailed. Local replicas live only while a supervisor holds their lease."""
     supervisor = Supervisor(cluster.layout, spec.restart_policy, spec.backoff_limit, cluster, run_dir)
@@ -57,22 +83,3 @@ def supervise(spec: RunSpec, cluster, run_dir: Path, timeout: float) -> dict[str
         return supervisor.wait(timeout)
     finally:
         cluster.detach()
-
-
-def teardown(spec: RunSpec | None, run_id: str, grace: float | None = None) -> list:
-    """End everything of the run: pids (local), container names (docker), object names
-    (kubernetes). Without a spec (validation failed), only local processes can exist.
-
-    :param grace: seconds local replicas get between SIGTERM and SIGKILL (default: the backend's);
-        containers are killed at once, pods get Kubernetes' own grace."""
-    if spec is not None and spec.backend == "docker":
-        from tasks.cluster import docker_backend
-
-        return docker_backend.teardown_run(run_id)
-    if spec is not None and spec.backend == "kubernetes":
-        from tasks.cluster import kubernetes_backend
-
-        return kubernetes_backend.teardown_run(run_id, spec.kubernetes_namespace)
-    from tasks.cluster.processes import TERM_GRACE_SECONDS, teardown_run
-
-    return teardown_run(run_id, TERM_GRACE_SECONDS if grace is None else grace)

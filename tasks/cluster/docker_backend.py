@@ -35,7 +35,7 @@ from tasks.cluster.containers import (
     replica_environment,
     replica_gpus,
 )
-from tasks.cluster.keeper import take_lease
+from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
 from tasks.cluster.local import core_assignment, replica_view
 from tasks.cluster.supervisor import ReplicaState
@@ -99,8 +99,6 @@ def container_config(
     :param launched_at: when the supervisor launched the run (for time to first step).
     :param probe: run the worker's speed probe instead of training.
     """
-    from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS
-
     view = replica_view(spec, run_dir, home)
     # A container ends itself at its deadline, as a local replica's keeper ends it, whether or not
     # anything is left to stop it: SIGTERM, then SIGKILL after the grace (TF may ignore SIGTERM).
@@ -316,3 +314,61 @@ def teardown_run(run_id: str, client=None) -> list[str]:
     for network in client.networks.list(filters=selector):
         network.remove()
     return [c.name for c in containers]
+
+
+def sweep_containers(home: Path, attach_seconds: float) -> dict[str, list[str]]:
+    """Remove the containers and networks of this home's runs that no supervisor holds; returns
+    their names. Needs a Docker engine; none answering, there is nothing to sweep. Swarm's task
+    containers and overlay networks are the swarm backend's (``tasks.cluster.swarm_backend``)."""
+    from tasks.cluster.sweep import docker_time, run_is_live
+
+    try:
+        client = docker.from_env()
+        client.ping()
+    except docker.errors.DockerException:
+        return {"containers": [], "networks": []}
+    runs: dict[str, tuple[str, float]] = {}  # run id: its run directory, the newest start of its containers
+    for container in client.containers.list(all=True, filters={"label": LABEL_RUN}):
+        labels = container.labels
+        if LABEL_RUN_DIR not in labels:  # made before runs were labelled with their directory
+            continue
+        started = container.attrs["State"].get("StartedAt") or container.attrs["Created"]
+        run_dir, newest = runs.get(labels[LABEL_RUN_ID], (labels[LABEL_RUN_DIR], 0.0))
+        runs[labels[LABEL_RUN_ID]] = (run_dir, max(newest, docker_time(started)))
+    removed: dict[str, list[str]] = {"containers": [], "networks": []}
+    for run_id, (run_dir, started_at) in sorted(runs.items()):
+        if not run_is_live(run_dir, started_at, home, attach_seconds):
+            removed["containers"] += teardown_run(run_id, client)
+            log.info("sweep: removed the containers and network of interrupted run %s", run_id)
+    # A network whose containers are gone (its run was torn down halfway) goes too.
+    for network in client.networks.list(filters={"label": LABEL_RUN}):
+        network.reload()
+        labels = network.attrs.get("Labels") or {}
+        if network.attrs.get("Scope") != "local" or LABEL_RUN_DIR not in labels or network.attrs.get("Containers"):
+            continue
+        if not run_is_live(labels[LABEL_RUN_DIR], docker_time(network.attrs["Created"]), home, attach_seconds):
+            network.remove()
+            removed["networks"].append(network.name)
+    return removed
+
+
+class DockerBackend:
+    """backend=docker as a ``Backend`` (``tasks.cluster.backends``)."""
+
+    def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
+        return plan(spec, run_id)
+
+    def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
+        return preflight(spec, run_id)
+
+    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False):
+        return DockerReplicas(layout, spec, run_dir, probe=probe)
+
+    def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
+        return teardown_run(run_id)  # containers are killed at once: nothing is left to save
+
+    def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
+        return sweep_containers(home, ATTACH_TIMEOUT_SECONDS if grace is None else grace)
+
+
+BACKEND = DockerBackend()

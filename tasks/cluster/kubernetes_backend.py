@@ -201,3 +201,25 @@ def teardown_run(run_id: str, namespace: str, core=None, networking=None) -> lis
                 if error.status != 404:
                     raise
     return deleted
+
+
+class KubernetesBackend:
+    """backend=kubernetes as a ``Backend`` (``tasks.cluster.backends``)."""
+
+    def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
+        return plan(spec, run_id)
+
+    def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
+        return []  # the API server validates what is created; no cluster to ask before that
+
+    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False):
+        return KubernetesReplicas(layout, spec, run_dir)
+
+    def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
+        return teardown_run(run_id, spec.kubernetes_namespace)
+
+    def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
+        return {}  # pods end at their deadline; the run's ConfigMap owns the rest (teardown deletes it)
+
+
+BACKEND = KubernetesBackend()

@@ -46,6 +46,10 @@ class Replicas(Protocol):
     # True where the engine restarts a failed replica in place (Kubernetes pods' restartPolicy):
     # the supervisor then counts its restarts instead of making them.
     restarts_in_place: bool
+    layout: ClusterLayout
+
+    def provision(self) -> None:
+        """Create what the run needs (its network, ...) and start every replica of the layout."""
 
     def attach(self) -> None:
         """Become the replicas' supervisor (local replicas live only while one is attached)."""

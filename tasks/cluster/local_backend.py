@@ -1,0 +1,36 @@
+"""backend=local as a ``Backend`` (``tasks.cluster.backends``): replicas are processes on this
+machine (``tasks.cluster.local``), found by run id (``tasks.cluster.processes``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.cluster.layout import ClusterLayout, plan_cluster
+from tasks.spec import RunSpec
+
+
+class LocalBackend:
+    def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
+        return plan_cluster(spec, run_id)
+
+    def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
+        return []  # nothing beyond the spec, which is already checked
+
+    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False):
+        from tasks.cluster.local import LocalReplicas
+
+        return LocalReplicas(layout, spec, run_dir, probe=probe)
+
+    def teardown(self, spec: RunSpec | None, run_id: str, grace: float | None = None) -> list:
+        from tasks.cluster.processes import TERM_GRACE_SECONDS, teardown_run
+
+        return teardown_run(run_id, TERM_GRACE_SECONDS if grace is None else grace)
+
+    def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
+        """The network namespaces no process is left in (any home's: they hold nothing)."""
+        from tasks.cluster.sweep import NAMESPACE_GRACE_SECONDS, sweep_namespaces
+
+        return {"namespaces": sweep_namespaces(NAMESPACE_GRACE_SECONDS if grace is None else grace)}
+
+
+BACKEND = LocalBackend()

@@ -1,0 +1,240 @@
+"""backend=swarm: the services it creates, and real runs on a real multi-node Docker Swarm — two
+nodes, each a container running its own dockerd (docker/swarm.sh), one at 1.0 CPU and one at 0.5,
+joined and labelled, with the test's HETFLOW_HOME mounted at the same path on both."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO, dag_run
+
+from tasks.cluster import swarm_backend as sw
+from tasks.cluster.layout import run_slug
+from tasks.spec import SpecError, parse_spec
+
+PREFIX = "hetflow-swarm-test"
+NODES = "node-1:1.0:cpu node-2:0.5:cpu"
+
+
+def sync_spec(**values):
+    return parse_spec(
+        {
+            "backend": "swarm",
+            "strategy": "multi_worker_mirrored",
+            "workers": 2,
+            "worker_devices": [{"node": "node-1"}, {"node": "node-2"}],
+            # This machine's kernel has no IPsec ESP (checked in the preflight test)
+            "encrypt_network": False,
+            **values,
+        }
+    )
+
+
+# --- services, placement and states: pure ------------------------------------------------------------
+
+
+def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_only_by_the_supervisor():
+    spec = sync_spec(replica_cpus=1.5, replica_memory_mb=512)
+    layout = sw.plan(spec, "manual__2026-11-25T10:00:00+00:00")
+    worker = layout.replicas[1]
+    config = sw.service_config(layout, worker, spec, Path("/srv/h"), Path("/srv/h/runs/r"), "0:0", 1.0)
+    assert worker.address == f"hetflow-{run_slug(layout.run_id)}-worker-1:2222" == f"{config['name']}:2222"
+    assert config["endpoint_spec"]["Mode"] == "dnsrr"  # no virtual IP: the name resolves to the task
+    assert config["restart_policy"]["Condition"] == "none"
+    assert config["constraints"] == ["node.hostname==node-2"]
+    assert config["mode"] == {"replicated": {"Replicas": 1}}
+    resources = config["resources"]
+    assert resources["Limits"] == {"NanoCPUs": 1_500_000_000, "MemoryBytes": 512 * 2**20}
+    assert resources["Reservations"] == {"NanoCPUs": 1_500_000_000, "MemoryBytes": 512 * 2**20}
+    env = dict(entry.split("=", 1) for entry in config["env"])
+    assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
+    assert config["labels"]["hetflow.run"] == run_slug(layout.run_id) and config["labels"]["hetflow.role"] == "worker"
+    mounts = {m["Target"]: m.get("ReadOnly", False) for m in config["mounts"]}
+    assert mounts["/srv/h/runs/r"] is False and mounts["/srv/h/data"] is True
+    network = sw.network_config(layout.run_id, Path("/srv/h/runs/r"), encrypted=True)
+    assert (network["driver"], network["attachable"], network["internal"]) == ("overlay", True, True)
+    assert network["options"] == {"encrypted": "true"}
+
+
+def test_placement_follows_the_device_label_or_the_named_node_and_gpus_are_generic_resources():
+    spec = parse_spec(
+        {
+            "backend": "swarm",
+            "strategy": "parameter_server",
+            "workers": 2,
+            "ps": 1,
+            "request_gpus": True,
+            "worker_devices": [{"device": "gpu"}, {"device": "cpu"}],
+        }
+    )
+    layout = sw.plan(spec, "r")
+    by_name = {r.name: sw.placement(spec, r) for r in layout.replicas}
+    assert by_name == {
+        "chief-0": [],
+        "worker-0": ["node.labels.hetflow.device==gpu"],
+        "worker-1": ["node.labels.hetflow.device!=gpu"],
+        "ps-0": [],
+    }
+    gpu_node = {"Description": {"Hostname": "g"}, "Spec": {"Labels": {"hetflow.device": "gpu"}}}
+    plain_node = {"Description": {"Hostname": "p"}, "Spec": {"Labels": {}}}
+    assert [sw.satisfies(n, by_name["worker-0"]) for n in (gpu_node, plain_node)] == [True, False]
+    assert [sw.satisfies(n, by_name["worker-1"]) for n in (gpu_node, plain_node)] == [False, True]
+    assert sw.satisfies(plain_node, ["node.hostname==p"]) and not sw.satisfies(gpu_node, ["node.hostname==p"])
+    worker = layout.replicas[1]
+    config = sw.service_config(layout, worker, spec, Path("/h"), Path("/h/runs/r"), "0:0", 1.0)
+    assert config["resources"]["Reservations"]["GenericResources"] == [
+        {"DiscreteResourceSpec": {"Kind": "NVIDIA-GPU", "Value": 1}}
+    ]
+
+
+@pytest.mark.parametrize(
+    "status, expected",
+    [
+        ({"State": "running"}, (None, None)),
+        ({"State": "complete", "ContainerStatus": {"ExitCode": 0}}, (0, None)),
+        ({"State": "failed", "ContainerStatus": {"ExitCode": 137}}, (137, None)),
+        ({"State": "orphaned"}, (-9, None)),  # its node is gone
+        ({"State": "rejected", "Err": "No such image: x"}, (None, "No such image: x")),
+    ],
+)
+def test_a_task_state_is_read_as_the_supervisor_reads_every_backend(status, expected):
+    state = sw.task_state({"Status": status})
+    assert (state.exit_code, state.stuck) == expected
+
+
+def test_swarm_only_settings_are_refused_elsewhere_and_swarm_refuses_pinning():
+    with pytest.raises(SpecError, match=r"^worker_devices node is invalid with backend=docker: expected empty"):
+        parse_spec(
+            {
+                "backend": "docker",
+                "strategy": "multi_worker_mirrored",
+                "workers": 2,
+                "worker_devices": [{"node": "a"}, {"node": "b"}],
+            }
+        )
+    with pytest.raises(SpecError, match=r"^pin_cores=true is invalid with backend=swarm: expected false"):
+        sync_spec(pin_cores=True)
+    with pytest.raises(SpecError, match=r"worker_devices\[0\]\.node=\"-x\" is invalid"):
+        sync_spec(worker_devices=[{"node": "-x"}, {"node": "node-2"}])
+
+
+def test_preflight_refuses_an_engine_that_is_not_in_a_swarm(docker_client):
+    spec = sync_spec()
+    [problem] = sw.preflight(spec, "not-a-swarm", client=docker_client)  # `make test`'s engine: no swarm
+    assert (
+        problem.startswith("backend=swarm: the Docker engine of ") and "is not in a swarm: run `docker swarm" in problem
+    )
+
+
+# --- a real swarm of two unequal nodes ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swarm(docker_client, hetflow_env):
+    """A swarm of two nodes on this machine (docker/swarm.sh up), the test's HETFLOW_HOME shared; the
+    environment for hetflow to use it (DOCKER_HOST: the manager). Down at the end, leaving nothing."""
+    import docker
+
+    env = {**hetflow_env, "SWARM_PREFIX": PREFIX, "SWARM_NODES": NODES, "SWARM_SHARED": hetflow_env["HETFLOW_HOME"]}
+    subprocess.run([REPO / "docker/build-image.sh"], check=True, capture_output=True)  # this checkout's code
+    up = subprocess.run([REPO / "docker/swarm.sh", "up"], env=env, capture_output=True, text=True)
+    assert up.returncode == 0, up.stdout + up.stderr
+    docker_host = up.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    try:
+        yield {"env": {**hetflow_env, "DOCKER_HOST": docker_host}, "client": docker.DockerClient(base_url=docker_host)}
+    finally:
+        down = subprocess.run([REPO / "docker/swarm.sh", "down"], env=env, capture_output=True, text=True)
+        assert down.returncode == 0, down.stdout + down.stderr
+        left = docker_client.containers.list(all=True, filters={"label": f"hetflow.swarm={PREFIX}"})
+        assert left == [] and docker_client.volumes.list(filters={"name": PREFIX}) == []
+
+
+def _kernel_lacks_esp() -> bool:
+    config = Path("/proc/config.gz")
+    if not config.exists():
+        return False
+    import gzip
+
+    return not any(line.startswith(("CONFIG_INET_ESP=y", "CONFIG_INET_ESP=m")) for line in gzip.open(config, "rt"))
+
+
+def _run_objects(client, run_id: str) -> list[str]:
+    selector = {"label": f"hetflow.run={run_slug(run_id)}"}
+    return sorted(s.name for s in client.services.list(filters=selector)) + sorted(
+        n.name for n in client.networks.list(filters=selector)
+    )
+
+
+@pytest.mark.slow
+def test_preflight_on_the_swarm_names_each_node_that_lacks_what_the_run_needs(swarm, monkeypatch, tmp_path):
+    for key, value in swarm["env"].items():
+        monkeypatch.setenv(key, value)
+    assert sw.preflight(sync_spec(), "preflight-run") == []
+    assert sw.preflight(sync_spec(image="hetflow-replica:missing"), "preflight-run") == [
+        f"node {node} does not have image=hetflow-replica:missing: load it there (docker save | docker load) "
+        "or push it to a registry the nodes pull from"
+        for node in ("node-1", "node-2")
+    ]
+    [placement] = sw.preflight(sync_spec(worker_devices=[{"node": "node-1"}, {"node": "node-9"}]), "preflight-run")
+    assert placement.startswith(
+        "worker_devices[1].node=node-9: no ready, active node of the swarm fits node.hostname==node-9 "
+        "(nodes: node-1, node-2)"
+    )
+    if _kernel_lacks_esp():  # an encrypted overlay would drop every packet between the nodes
+        assert sw.preflight(sync_spec(encrypt_network=True), "preflight-run") == [
+            f"node {node}: its kernel has no IPsec ESP (CONFIG_INET_ESP), so encrypt_network=true cannot carry "
+            "traffic between the nodes: set encrypt_network=false where the nodes share a private network"
+            for node in ("node-1", "node-2")
+        ]
+    [gpu] = sw.preflight(sync_spec(worker_devices=[{"device": "gpu"}, {"node": "node-2"}]), "preflight-run")
+    assert gpu.startswith("worker_devices[0].device=gpu: no ready, active node of the swarm fits")
+    # A HETFLOW_HOME that the nodes do not mount (here: a directory only this machine has).
+    monkeypatch.setenv("HETFLOW_HOME", str(tmp_path))
+    assert sw.preflight(sync_spec(), "preflight-run") == [
+        f"node {node} does not mount HETFLOW_HOME={tmp_path}: mount the shared storage there at the same path"
+        for node in ("node-1", "node-2")
+    ]
+    node_2 = f"unix:///run/{PREFIX}/node-2/docker.sock"
+    monkeypatch.setenv("DOCKER_HOST", node_2)
+    [worker] = sw.preflight(sync_spec(), "preflight-run")
+    assert worker.startswith("backend=swarm: node-2 is a swarm worker, not a manager")
+    assert [s.name for s in swarm["client"].services.list()] == []  # the checks left no service
+
+
+# Enough epochs for the MLP to pass the local backend's bar (tests/test_e2e.py); no pruning or
+# quantization, which have nothing to do with where the replicas ran.
+TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=swarm", "encrypt_network=false")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape, expected_nodes",
+    [
+        (("strategy=multi_worker_mirrored", "workers=2"), {"worker-0": "node-1", "worker-1": "node-2"}),
+        (("strategy=parameter_server", "workers=2", "ps=1"), {"worker-0": "node-1", "worker-1": "node-2"}),
+    ],
+    ids=["sync", "async"],
+)
+def test_a_dag_run_across_two_swarm_nodes_reaches_the_local_bar_records_its_nodes_and_leaves_nothing(
+    swarm, shape, expected_nodes
+):
+    devices = '[{"node": "node-1"}, {"node": "node-2"}]'
+    done, summary = dag_run(
+        swarm["env"], *TRAINING, *shape, f"worker_devices={devices}", "registered_model=swarm-digits", timeout=1200
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert summary["status"] == "success" and summary["restarts"] == []
+    assert summary["metrics"]["test_accuracy"] >= 0.9
+    nodes = json.loads((Path(summary["run_dir"]) / "nodes.json").read_text())
+    assert {name: nodes[name] for name in expected_nodes} == expected_nodes
+    assert set(nodes.values()) <= {"node-1", "node-2"}
+    if "ps=1" in shape:
+        assert set(nodes) == {"chief-0", "worker-0", "worker-1", "ps-0"}
+    chief = "chief-0" if "ps=1" in shape else "worker-0"
+    assert f"[{chief}] Epoch 15/15" in done.stdout  # the services' output streamed into the task log
+    assert _run_objects(swarm["client"], summary["run_id"]) == []
+    assert os.path.exists(Path(summary["run_dir"]) / "logs" / "worker-1.log")
