@@ -9,7 +9,10 @@ float model's own TFLite file is an export: ``tasks.export``):
   can check the pruned TFLite file against them;
 - ``float_<quantize>``, ``pruned_<quantize>``: each quantized after training: ``dynamic`` (int8
   weights, float activations), ``float16`` (half-precision weights), ``int8`` (full integer,
-  activations calibrated on a representative sample of the train split).
+  activations calibrated on a representative sample of the train split). When post-training int8
+  loses more than ``max_accuracy_drop`` against the Keras model it was converted from (on the
+  validation split), that model is fine-tuned quantization-aware instead, with tfmot's
+  prune-preserving scheme (the pruned zeros stay zero), and the variant records which was shipped.
 
 Pruned files are converted with sparsity-aware encoding where the interpreter runs it
 (``tasks.tflite``): the zeros then make the file itself smaller. Each variant records the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,9 +31,10 @@ import tensorflow as tf
 import tensorflow_model_optimization as tfmot
 
 from tasks.attempts import attempt, load_spec, read_record, reported
-from tasks.data.pipeline import train_input
+from tasks.data.pipeline import split_arrays, train_input
 from tasks.models import compile_model, trained_model
 from tasks.paths import RunPaths, run_paths, write_record
+from tasks.predictors import tflite_predictor
 from tasks.schedule import make_optimizer
 from tasks.spec import RunSpec
 from tasks.tflite import SPARSE_ENCODABLE, representative_images, to_tflite, weight_encoding
@@ -120,6 +125,71 @@ def prune(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: 
     return tfmot.sparsity.keras.strip_pruning(pruning)
 
 
+def quantization_aware(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: int) -> tf.keras.Model:
+    """Fine-tune ``model`` for ``steps`` with fake int8 quantization of its Dense and Conv2D layers
+    (inputs, weights, outputs), keeping its zero weights zero; convert the result with ``to_tflite``."""
+    copy = tf.keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    # Only the layers the 8-bit scheme knows: the whole-model annotation refuses Rescaling.
+    annotated = tf.keras.models.clone_model(
+        copy,
+        clone_function=lambda layer: (
+            tfmot.quantization.keras.quantize_annotate_layer(layer) if isinstance(layer, _PRUNABLE) else layer
+        ),
+    )
+    quantized = tfmot.quantization.keras.quantize_apply(
+        annotated, tfmot.experimental.combine.Default8BitPrunePreserveQuantizeScheme()
+    )
+    compile_model(quantized, make_optimizer(spec, spec.learning_rate))
+    quantized.fit(
+        train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed),
+        epochs=1,
+        steps_per_epoch=steps,
+        verbose=2,
+    )
+    return quantized
+
+
+def _accuracy(predict, images: np.ndarray, labels: np.ndarray) -> float:
+    return float(np.mean(np.argmax(predict(images), axis=1) == labels))
+
+
+def int8_file(
+    model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: int, sparse: bool, scratch: Path
+) -> tuple[bytes, dict[str, Any]]:
+    """The full-integer file of ``model``: post-training quantized, or, when that loses more than
+    ``max_accuracy_drop`` against ``model`` on the validation split, quantization-aware fine-tuned
+    for ``steps`` (kept only if it does better there); with how it was chosen."""
+    representative = representative_images(dataset, spec.seed)
+    images, labels = split_arrays(dataset, "validation" if "validation" in dataset["splits"] else "train")
+    reference = _accuracy(lambda x: model.predict(x, batch_size=256, verbose=0), images, labels)
+
+    def file_accuracy(data: bytes) -> float:
+        scratch.write_bytes(data)
+        try:
+            return _accuracy(tflite_predictor(scratch), images, labels)
+        finally:
+            scratch.unlink()
+
+    post_training = to_tflite(model, "int8", representative, sparse=sparse)
+    choice = {
+        "reference_validation_accuracy": reference,
+        "post_training_validation_accuracy": file_accuracy(post_training),
+    }
+    if reference - choice["post_training_validation_accuracy"] <= spec.max_accuracy_drop:
+        return post_training, {**choice, "int8_method": "post_training"}
+    started = time.perf_counter()
+    aware = to_tflite(quantization_aware(model, spec, dataset, steps), "int8", representative, sparse=sparse)
+    choice |= {
+        "quantization_aware_steps": steps,
+        "quantization_aware_seconds": time.perf_counter() - started,
+        "quantization_aware_validation_accuracy": file_accuracy(aware),
+    }
+    if choice["quantization_aware_validation_accuracy"] > choice["post_training_validation_accuracy"]:
+        return aware, {**choice, "int8_method": "quantization_aware"}
+    return post_training, {**choice, "int8_method": "post_training"}
+
+
 def kernel_sparsity(model: tf.keras.Model) -> dict[str, float]:
     """The measured fraction of exact zeros in each kernel."""
     return {
@@ -152,8 +222,8 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
     paths.compressed.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"prune": spec.prune, "quantize": spec.quantize, "variants": {}}
     bases = {"float": model}
+    steps = fine_tuning_steps(spec, training)
     if spec.prune:
-        steps = fine_tuning_steps(spec, training)
         started = time.perf_counter()
         pruned = prune(model, spec, dataset, steps)
         record["fine_tuning_seconds"] = time.perf_counter() - started
@@ -176,8 +246,13 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
             conversions += [(f"{base}_{spec.quantize}", base, spec.quantize) for base in bases]
         for name, base, quantize in conversions:
             sparse = base == "pruned" and quantize in SPARSE_ENCODABLE
-            data = to_tflite(bases[base], quantize, representative, sparse=sparse)
             path = paths.compressed / f"{name}.tflite"
+            choice = {}
+            if quantize == "int8":
+                # Half the pruning fine-tuning: enough to recover in the case tests/test_compression.py makes.
+                data, choice = int8_file(bases[base], spec, dataset, steps // 2, sparse, path.with_suffix(".probe"))
+            else:
+                data = to_tflite(bases[base], quantize, representative, sparse=sparse)
             path.write_bytes(data)
             record["variants"][name] = {
                 "path": str(path),
@@ -185,6 +260,7 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
                 "quantize": quantize,
                 "sparsity": record["sparsity"] if base == "pruned" else overall_sparsity(model),
                 **weight_encoding(data),
+                **choice,
             }
     write_record(paths.compression, record)
     return record

@@ -189,6 +189,8 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) ->
             "sparsity": variant.get("sparsity", 0.0),
             "encoding": variant["encoding"],
             "sparse_tensors": variant["sparse_tensors"],
+            # int8 only: post_training, or quantization_aware where post-training lost too much (compress)
+            "int8_method": variant.get("int8_method"),
             "path": str(path),
             **_sizes(path),
             **score(predict, images, labels, float_logits),

@@ -118,6 +118,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
                 "size_gzip_bytes": str(artifact["gzip_bytes"]),
                 "sparsity": f"{artifact['sparsity']:.4f}",
                 "weight_encoding": artifact["encoding"],
+                **({"int8_method": artifact["int8_method"]} if artifact.get("int8_method") else {}),
             }
             report = headline + (
                 f"- TFLite variant `{artifact['variant']}`: {artifact['bytes']} bytes, {artifact['gzip_bytes']} "

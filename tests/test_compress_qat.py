@@ -1,0 +1,68 @@
+"""Quantization-aware fine-tuning that keeps the pruned zeros, chosen when post-training int8 loses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+# A case post-training int8 loses (measured here, deterministic run to run): the digits MLP trained
+# 20 epochs, pruned to 80 % in 400 steps (test accuracy 0.9694), then one hidden unit made 30x
+# larger and its outgoing weights 30x smaller. The Keras model computes the same function, but the
+# hidden activations share one int8 scale, which that unit now sets: post-training int8 falls to
+# 0.9554 on the test split (validation: 0.9556 -> 0.9500, one example, hence the 0.005 budget);
+# quantization-aware fine-tuning of 400 steps reached 0.9805.
+OUTLIER_SCALE = 30
+BUDGET = 0.005
+
+
+@pytest.mark.slow
+def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(tmp_path):
+    import tensorflow as tf
+
+    from tasks.compress import int8_file, prune, pruned_layers
+    from tasks.data.pipeline import split_arrays, train_input
+    from tasks.data.prepare import prepare_dataset
+    from tasks.export import judge, score
+    from tasks.models import build_model, compile_model
+    from tasks.predictors import tflite_predictor
+    from tasks.spec import RunSpec
+    from tasks.tflite import representative_images, to_tflite, weight_encoding
+
+    dataset = prepare_dataset("uci_digits", tmp_path / "data")
+    spec = RunSpec(model="mlp", seed=1, target_sparsity=0.8, max_accuracy_drop=BUDGET)
+    model = build_model("mlp", dataset["input_shape"], dataset["num_classes"], spec.seed)
+    compile_model(model, tf.keras.optimizers.Adam(spec.learning_rate))
+    model.fit(train_input(dataset, per_worker_batch=32, shuffle=True, seed=1), epochs=20, steps_per_epoch=39, verbose=0)
+    pruned = prune(model, spec, dataset, 400)
+    hidden, logits = pruned.get_layer(pruned_layers(pruned)[0]), pruned.get_layer("logits")
+    kernel, bias = hidden.get_weights()
+    outgoing, logit_bias = logits.get_weights()
+    unit = int(np.argmax(np.abs(kernel).sum(axis=0)))
+    kernel[:, unit] *= OUTLIER_SCALE
+    bias[unit] *= OUTLIER_SCALE
+    outgoing[unit, :] /= OUTLIER_SCALE
+    hidden.set_weights([kernel, bias])
+    logits.set_weights([outgoing, logit_bias])
+
+    data, choice = int8_file(pruned, spec, dataset, 400, sparse=True, scratch=tmp_path / "probe.tflite")
+    assert choice["int8_method"] == "quantization_aware", choice
+    assert choice["quantization_aware_validation_accuracy"] > choice["post_training_validation_accuracy"]
+    # The pruned zeros survive the quantization-aware fine-tuning: the file encodes the same blocks.
+    assert [(t["shape"], t["block"]) for t in weight_encoding(data)["sparse_tensors"]] == [([128, 64], [1, 16])]
+
+    images, labels = split_arrays(dataset, "test")
+    keras_logits = pruned.predict(images, verbose=0)
+    keras_accuracy = float(np.mean(np.argmax(keras_logits, axis=1) == labels))
+    post_training, aware = tmp_path / "post_training.tflite", tmp_path / "aware.tflite"
+    post_training.write_bytes(to_tflite(pruned, "int8", representative_images(dataset, spec.seed), sparse=True))
+    aware.write_bytes(data)
+    artifacts = {
+        name: {
+            "format": "tflite",
+            "bytes": path.stat().st_size,
+            **score(tflite_predictor(path), images, labels, keras_logits),
+        }
+        for name, path in (("post_training", post_training), ("aware", aware))
+    }
+    judge(artifacts, keras_accuracy, spec.max_accuracy_drop)
+    assert not artifacts["post_training"]["accepted"] and artifacts["aware"]["accepted"], artifacts
