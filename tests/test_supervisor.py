@@ -176,3 +176,17 @@ def test_a_restart_is_carried_out_and_recorded_with_its_cause(tmp_path):
     assert restart["action"] == "restarted every replica"
     # a supervisor attached later (an Airflow retry) goes on counting from the record
     assert len(Supervisor(layout, "on_failure", 3, replicas, tmp_path).restarts) == 1
+
+
+def test_where_the_engine_reports_a_lost_machine_late_its_replica_not_the_erroring_peer_is_the_cause(tmp_path):
+    """A swarm node killed: its worker's peer exits with an error at once, the node is reported down
+    seconds later; the supervisor waits loss_report_seconds and blames the lost replica."""
+    layout = _layout(SYNC)
+    lost = ReplicaState(-9, note="its node node-2 went down")
+    script = [_states(layout, worker_0=1), _states(layout, worker_0=1), _states(layout, worker_0=1, worker_1=lost)]
+    with pytest.raises(ReplicaFailed, match=r"^replica worker-1 killed by SIGKILL \(its node node-2 went down\)"):
+        Supervisor(layout, "never", 0, ScriptedReplicas(layout, script), tmp_path, 5.0).wait(timeout=60, interval=0)
+    # Without the wait (every other backend sees a loss at once) the erroring peer is what it has.
+    script = [_states(layout, worker_0=1), _states(layout, worker_0=1, worker_1=lost)]
+    with pytest.raises(ReplicaFailed, match=r"^replica worker-0 exited with code 1"):
+        Supervisor(layout, "never", 0, ScriptedReplicas(layout, script), tmp_path).wait(timeout=60, interval=0)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
-from conftest import REPO, dag_run
+from conftest import REPO, dag_run, full_log, wait_for
 
 from tasks.cluster import swarm_backend as sw
 from tasks.cluster.layout import run_slug
@@ -238,3 +239,79 @@ def test_a_dag_run_across_two_swarm_nodes_reaches_the_local_bar_records_its_node
     assert f"[{chief}] Epoch 15/15" in done.stdout  # the services' output streamed into the task log
     assert _run_objects(swarm["client"], summary["run_id"]) == []
     assert os.path.exists(Path(summary["run_dir"]) / "logs" / "worker-1.log")
+
+
+def _kill_node_when(docker_client, run_dir_of, log_line: str, victim: str, killed: list) -> None:
+    """`docker kill` the node container running ``victim`` once its log shows ``log_line``."""
+
+    def ready():
+        run_dir = run_dir_of()
+        if run_dir is None or not (run_dir / "nodes.json").exists():
+            return None
+        log = run_dir / "logs" / f"{victim}.log"
+        return log.exists() and log_line in log.read_text() and json.loads((run_dir / "nodes.json").read_text())
+
+    nodes = wait_for(ready, timeout=900, interval=0.5)
+    if nodes:
+        docker_client.containers.get(f"{PREFIX}-{nodes[victim]}").kill()
+        killed.append(nodes[victim])
+
+
+def _revive(docker_client, swarm, node: str) -> None:
+    """Start a killed node container again and wait until the swarm has it ready (it rejoins by itself)."""
+    docker_client.containers.get(f"{PREFIX}-{node}").start()
+
+    def states():
+        return {n.attrs["Description"]["Hostname"]: n.attrs["Status"]["State"] for n in swarm["client"].nodes.list()}
+
+    assert wait_for(lambda: states().get(node) == "ready", timeout=120), states()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["never", "on_failure"])
+def test_a_node_killed_mid_run_fails_it_naming_the_node_or_places_its_replicas_again(
+    docker_client, swarm, policy, tmp_path
+):
+    """Workers placed by label (not by name), so that after the node is gone the swarm can place
+    them on the other one."""
+    home = Path(swarm["env"]["HETFLOW_HOME"]) / "runs"
+    before = set(home.iterdir()) if home.exists() else set()
+
+    def run_dir_of():
+        new = set(home.iterdir()) - before if home.exists() else set()
+        return next(iter(new), None)
+
+    killed: list[str] = []
+    killer = threading.Thread(
+        target=_kill_node_when, args=(docker_client, run_dir_of, "Epoch 3/", "worker-1", killed), daemon=True
+    )
+    killer.start()
+    try:
+        done, summary = dag_run(
+            swarm["env"],
+            *TRAINING,
+            "strategy=multi_worker_mirrored",
+            "workers=2",
+            f"restart_policy={policy}",
+            "registered_model=swarm-killed",
+            timeout=1200,
+        )
+        killer.join(timeout=10)
+        assert killed, "no node was killed"
+        [node] = killed
+        if policy == "never":
+            assert done.returncode != 0 and summary["status"] == "failed"
+            assert summary["failed_stage"] == "train"
+            assert f"replica worker-1 killed by SIGKILL (its node {node} went down)" in full_log(done)
+        else:
+            assert done.returncode == 0, done.stdout[-3000:]
+            assert summary["status"] == "success" and summary["metrics"]["test_accuracy"] >= 0.9
+            [restart] = summary["restarts"]
+            assert restart["replica"] == "worker-1" and restart["action"] == "restarted every replica"
+            assert restart["cause"].startswith(f"killed by SIGKILL (its node {node} went down)")
+            survivor = "node-1" if node == "node-2" else "node-2"
+            assert set(json.loads((Path(summary["run_dir"]) / "nodes.json").read_text()).values()) == {survivor}
+        assert _run_objects(swarm["client"], summary["run_id"]) == []  # nothing of the run on any node
+    finally:
+        for name in killed:
+            _revive(docker_client, swarm, name)

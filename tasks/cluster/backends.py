@@ -22,6 +22,10 @@ from tasks.spec import RunSpec
 class Backend(Protocol):
     """What every backend does, for one run at a time (the run named by ``run_id``)."""
 
+    # Seconds the engine may take to report a replica lost with its machine (the supervisor waits
+    # that long before blaming a peer that merely exited with an error); 0 where loss is seen at once.
+    loss_report_seconds: float
+
     def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
         """Every replica's role, index and address (nothing starts)."""
 
@@ -76,7 +80,14 @@ def sweep(home: Path, attach_seconds: float | None = None, namespace_grace: floa
 def supervise(spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float) -> dict[str, int]:
     """Watch ``cluster`` (provisioned replicas) until training ends: the training replicas' exit
     codes, or ReplicaFailed. Local replicas live only while a supervisor holds their lease."""
-    supervisor = Supervisor(cluster.layout, spec.restart_policy, spec.backoff_limit, cluster, run_dir)
+    supervisor = Supervisor(
+        cluster.layout,
+        spec.restart_policy,
+        spec.backoff_limit,
+        cluster,
+        run_dir,
+        backend_for(spec).loss_report_seconds,
+    )
     cluster.attach()
     try:
         supervisor.follow(r.name for r in cluster.layout.replicas)

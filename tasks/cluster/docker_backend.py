@@ -355,6 +355,8 @@ def sweep_containers(home: Path, attach_seconds: float) -> dict[str, list[str]]:
 class DockerBackend:
     """backend=docker as a ``Backend`` (``tasks.cluster.backends``)."""
 
+    loss_report_seconds = 0.0
+
     def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
         return plan(spec, run_id)
 

@@ -206,6 +206,8 @@ def teardown_run(run_id: str, namespace: str, core=None, networking=None) -> lis
 class KubernetesBackend:
     """backend=kubernetes as a ``Backend`` (``tasks.cluster.backends``)."""
 
+    loss_report_seconds = 0.0
+
     def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
         return plan(spec, run_id)
 

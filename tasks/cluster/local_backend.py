@@ -10,6 +10,8 @@ from tasks.spec import RunSpec
 
 
 class LocalBackend:
+    loss_report_seconds = 0.0
+
     def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
         return plan_cluster(spec, run_id)
 

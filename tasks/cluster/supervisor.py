@@ -38,6 +38,8 @@ class ReplicaState:
     restarts: int = 0
     # Why it cannot start at all (an image that cannot be pulled): waiting would only time out.
     stuck: str | None = None
+    # What the engine knows of how it ended beyond its exit code (its machine went down).
+    note: str | None = None
 
 
 class Replicas(Protocol):
@@ -171,9 +173,19 @@ class Supervisor:
     """Watches one run's replicas until training succeeds, fails or times out."""
 
     def __init__(
-        self, layout: ClusterLayout, restart_policy: str, backoff_limit: int, replicas: Replicas, run_dir: Path
+        self,
+        layout: ClusterLayout,
+        restart_policy: str,
+        backoff_limit: int,
+        replicas: Replicas,
+        run_dir: Path,
+        loss_report_seconds: float = 0.0,
     ):
+        """:param loss_report_seconds: how long the engine may take to report a replica lost with its
+        machine (Swarm: until the node misses its heartbeats), while its peers already exited with
+        errors: a failure whose cause is not a signal waits this long for the real cause."""
         self.layout = layout
+        self.loss_report_seconds = loss_report_seconds
         self.restart_policy = restart_policy
         self.backoff_limit = backoff_limit
         self.replicas = replicas
@@ -202,16 +214,12 @@ class Supervisor:
         deadline = time.monotonic() + timeout
         try:
             while True:
-                states = self.replicas.poll()
-                self._report_ended(states)
-                decision = decide(
-                    self.layout,
-                    states,
-                    self.restart_policy,
-                    self.backoff_limit,
-                    len(self.restarts),
-                    self.replicas.restarts_in_place,
-                )
+                states, decision = self._decide()
+                if decision.outcome in ("failed", "restart") and self.loss_report_seconds:
+                    settle = time.monotonic() + self.loss_report_seconds
+                    while self._blames_an_error(states, decision) and time.monotonic() < settle:
+                        time.sleep(interval)
+                        states, decision = self._decide()
                 if decision.outcome == "succeeded":
                     if decision.replicas:
                         log.info("stopping %s: training is done", ", ".join(decision.replicas))
@@ -235,6 +243,25 @@ class Supervisor:
         finally:
             self._drain()
 
+    @staticmethod
+    def _blames_an_error(states: dict[str, ReplicaState], decision: Decision) -> bool:
+        """Whether the decision's cause merely exited with an error (what a peer of a lost replica does)."""
+        cause = states[decision.cause]
+        return cause.stuck is None and cause.exit_code is not None and not _killed(cause.exit_code)
+
+    def _decide(self) -> tuple[dict[str, ReplicaState], Decision]:
+        states = self.replicas.poll()
+        self._report_ended(states)
+        decision = decide(
+            self.layout,
+            states,
+            self.restart_policy,
+            self.backoff_limit,
+            len(self.restarts),
+            self.replicas.restarts_in_place,
+        )
+        return states, decision
+
     def _report_ended(self, states: dict[str, ReplicaState]) -> None:
         for name, state in states.items():
             if state.exit_code is not None and name not in self._ended:
@@ -248,7 +275,8 @@ class Supervisor:
         if state.stuck:
             return f"replica {name} could not start: {state.stuck}"
         tail = " | ".join(self.tails[name]) or "(no output)"
-        return f"replica {name} {exit_description(state.exit_code)}; last output: {tail}"
+        note = f" ({state.note})" if state.note else ""
+        return f"replica {name} {exit_description(state.exit_code)}{note}; last output: {tail}"
 
     def _restart(self, decision: Decision, state: ReplicaState) -> None:
         name = decision.cause
@@ -258,7 +286,8 @@ class Supervisor:
         record = {
             "replica": name,
             "exit_code": state.exit_code,
-            "cause": f"{exit_description(state.exit_code)}; last error: {last_error_line(self.tails[name])}",
+            "cause": f"{exit_description(state.exit_code)}{f' ({state.note})' if state.note else ''}; "
+            f"last error: {last_error_line(self.tails[name])}",
             "action": action,
             "after_seconds": round(time.monotonic() - self._started_at, 1),
         }

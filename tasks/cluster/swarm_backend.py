@@ -234,6 +234,7 @@ class SwarmReplicas:
 
     def poll(self) -> dict[str, ReplicaState]:
         states = {}
+        nodes = {node.id: node.attrs for node in self.client.nodes.list()}
         for replica in self.layout.replicas:
             name = container_name(self.layout.run_id, replica.name)
             try:
@@ -243,8 +244,13 @@ class SwarmReplicas:
                 continue
             task = newest_task(self.client, name)
             states[replica.name] = task_state(task)
-            if task and task.get("NodeID") and self.nodes.get(replica.name) != task["NodeID"]:
+            node = nodes.get(task.get("NodeID")) if task else None
+            if node and self.nodes.get(replica.name) != task["NodeID"]:
                 self._placed(replica.name, task["NodeID"])
+            if node and node["Status"]["State"] == "down" and states[replica.name].exit_code is None:
+                # Swarm marks the node down within seconds but the task stays "running": it is lost.
+                hostname = node["Description"]["Hostname"]
+                states[replica.name] = ReplicaState(-9, note=f"its node {hostname} went down")
         return states
 
     def _placed(self, replica_name: str, node_id: str) -> None:
@@ -468,6 +474,9 @@ def sweep_services(home: Path, attach_seconds: float) -> dict[str, list[str]]:
 
 class SwarmBackend:
     """backend=swarm as a ``Backend`` (``tasks.cluster.backends``)."""
+
+    # A node is marked down after missing its heartbeats (5 s apart by default): seen here within 5 s.
+    loss_report_seconds = 15.0
 
     def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
         return plan(spec, run_id)
