@@ -228,7 +228,7 @@ def test_network_policy_admits_the_runs_pods_only_on_the_grpc_port():
     assert policy["metadata"]["namespace"] == "ml"
     assert policy["metadata"]["labels"][manifests.LABEL_RUN] == run_slug(RUN_ID)  # what teardown selects on
     assert policy["metadata"]["ownerReferences"] == [OWNER]  # deleted with the run
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]  # egress: tests/test_backends.py
     (rule,) = policy["spec"]["ingress"]
     (peer,) = rule["from"]
     assert set(peer) == {"podSelector"}  # no namespaceSelector, no ipBlock: this namespace's pods only

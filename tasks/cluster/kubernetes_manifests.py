@@ -32,6 +32,9 @@ IMAGE_USER = 10001
 # died and teardown never ran (image pulls and scheduling come first).
 DEADLINE_MARGIN_SECONDS = 900
 
+# A finished TFJob stays this long for its pods' logs to be read, then the operator deletes it.
+FINISHED_JOB_TTL_SECONDS = 3600
+
 
 def run_name(run_id: str) -> str:
     """Name of the run's ConfigMap and headless service."""
@@ -93,8 +96,10 @@ def headless_service(layout: ClusterLayout, namespace: str, owner: dict) -> dict
 
 def run_network_policy(layout: ClusterLayout, namespace: str, owner: dict | None) -> dict:
     """Ingress to the run's pods only from the run's pods, on the gRPC port: TF's servers run graph
-    ops for whoever reaches them. Selected by the run's label, like everything teardown deletes;
-    ``owner`` is None in tfjob.yaml, where no run ConfigMap exists."""
+    ops for whoever reaches them; egress only to the run's pods on that port and to the cluster's
+    DNS (a replica needs nothing else: not the API server, not a cloud metadata endpoint). Selected
+    by the run's label, like everything teardown deletes; ``owner`` is None in tfjob.yaml, where no
+    run ConfigMap exists."""
     metadata = _metadata(run_name(layout.run_id), layout, namespace)
     run = run_slug(layout.run_id)
     return {
@@ -103,12 +108,27 @@ def run_network_policy(layout: ClusterLayout, namespace: str, owner: dict | None
         "metadata": {**metadata, "ownerReferences": [owner]} if owner else metadata,
         "spec": {
             "podSelector": {"matchLabels": {LABEL_RUN: run}},
-            "policyTypes": ["Ingress"],
+            "policyTypes": ["Ingress", "Egress"],
             "ingress": [
                 {
                     "from": [{"podSelector": {"matchLabels": {LABEL_RUN: run}}}],
                     "ports": [{"protocol": "TCP", "port": SERVICE_PORT}],
                 }
+            ],
+            "egress": [
+                {
+                    "to": [{"podSelector": {"matchLabels": {LABEL_RUN: run}}}],
+                    "ports": [{"protocol": "TCP", "port": SERVICE_PORT}],
+                },
+                {
+                    "to": [
+                        {
+                            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+                        }
+                    ],
+                    "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
+                },
             ],
         },
     }
@@ -236,6 +256,8 @@ def tfjob_manifest(layout: ClusterLayout, spec: RunSpec, run_dir: Path) -> dict:
                 "cleanPodPolicy": "Running",
                 "backoffLimit": spec.backoff_limit,
                 "activeDeadlineSeconds": spec.train_timeout_seconds + DEADLINE_MARGIN_SECONDS,
+                # The finished job and its pods (their logs) are deleted after this long.
+                "ttlSecondsAfterFinished": FINISHED_JOB_TTL_SECONDS,
             },
             "tfReplicaSpecs": replica_specs,
         },
