@@ -385,10 +385,12 @@ class RunSpec(BaseModel):
         return 1
 
     def worker_device(self, index: int) -> WorkerDevice:
-        """Worker ``index``'s device settings (the defaults where worker_devices is empty)."""
+        """Worker ``index``'s device settings: the one place every backend and the replica itself
+        read a worker's device kind and count from (where worker_devices is empty: every worker
+        alike, on ``devices_per_worker`` GPUs when ``request_gpus``, else CPUs)."""
         if self.worker_devices:
             return self.worker_devices[index]
-        return WorkerDevice(count=self.devices_per_worker)
+        return WorkerDevice(device="gpu" if self.request_gpus else "cpu", count=self.devices_per_worker)
 
 
 SPEC_KEYS: tuple[str, ...] = tuple(RunSpec.model_fields)

@@ -177,6 +177,35 @@ def test_docker_config_without_limits_sets_none_and_never_restarts():
     assert config["device_requests"][0]["Count"] == 2
 
 
+def test_every_backend_and_the_replica_read_a_workers_gpus_from_one_place():
+    """What a container asks for is what its replica uses (RunSpec.worker_device): with request_gpus
+    the workers compute on their GPUs; a CPU worker of a mixed cluster asks for none."""
+    from tasks.cluster.containers import replica_gpus
+    from tasks.replica.runtime import replica_device
+
+    spec = parse_spec({"backend": "docker", "strategy": "mirrored", "devices_per_worker": 2, "request_gpus": True})
+    [worker] = dk.plan(spec, RUN_ID).replicas
+    device = replica_device(spec, {"type": "worker", "index": 0})
+    assert (device.device, device.count) == ("gpu", 2) and replica_gpus(spec, worker) == 2
+    mixed = [{"device": "gpu", "count": 2}, {"device": "cpu"}]
+    spec = parse_spec(
+        {
+            "backend": "swarm",
+            "strategy": "parameter_server",
+            "workers": 2,
+            "ps": 1,
+            "request_gpus": True,
+            "worker_devices": mixed,
+        }
+    )
+    assert {r.name: replica_gpus(spec, r) for r in dk.plan(spec, RUN_ID).replicas} == {
+        "chief-0": 0,
+        "worker-0": 2,
+        "worker-1": 0,
+        "ps-0": 0,
+    }
+
+
 def test_docker_container_state_from_inspect():
     assert dk.replica_state({"State": {"Status": "running", "ExitCode": 0}}) == ReplicaState()
     assert dk.replica_state({"State": {"Status": "exited", "ExitCode": 137}}) == ReplicaState(137)

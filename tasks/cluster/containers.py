@@ -39,13 +39,13 @@ def replica_cpus(spec: RunSpec, replica: Replica) -> float:
 
 
 def replica_gpus(spec: RunSpec, replica: Replica) -> int:
-    """GPUs to request for the replica: ``devices_per_worker`` for the replicas that compute, none
-    for a ps or for the chief of parameter_server (it only schedules steps)."""
-    if not spec.request_gpus or replica.role == "ps":
+    """GPUs to request for the replica: a GPU worker's own count (``RunSpec.worker_device``, what
+    the replica itself uses); none for a CPU worker, a ps or the chief of parameter_server (it
+    only schedules steps)."""
+    if not spec.request_gpus or replica.role != "worker":
         return 0
-    if spec.strategy == "parameter_server" and replica.role == "chief":
-        return 0
-    return spec.devices_per_worker
+    device = spec.worker_device(replica.index)
+    return device.count if device.device == "gpu" else 0
 
 
 def lines_to_file(chunks: Iterable[bytes], log_path: Path) -> Iterator[str]:
