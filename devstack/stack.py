@@ -30,7 +30,7 @@ from devstack.secrets import password_file, stack_dir, stack_secrets, write_priv
 from tasks.cli.dag_run import airflow_environment
 from tasks.cluster.processes import teardown_runs_of_home
 from tasks.paths import REPO_ROOT, hetflow_home
-from tasks.registry.store import tracking_uri
+from tasks.registry.store import runs_page, tracking_uri
 
 HEALTHY_TIMEOUT = 180  # seconds; a cold start here takes ~40 s
 
@@ -211,6 +211,7 @@ def _print_up(state: dict, started: bool) -> None:
     else:
         print("           login off (LOGIN=off): everyone is admin — local development only")
     print(f"  MLflow   {state['mlflow_url']}   store: {tracking_uri()}")
+    print(f"           hetflow's runs: {runs_page(state['mlflow_url'])}")
     print("  stop with: make down")
 
 

@@ -37,6 +37,14 @@ def _experiment_id(client: MlflowClient) -> str:
     )
 
 
+def runs_page(server_url: str) -> str:
+    """The MLflow UI's page of hetflow's runs, the experiment created if need be. MLflow 3.17's UI
+    opens an experiment in the view its workflow switch holds, GenAI unless the user switched,
+    whatever the experiment's kind: the page's own ``workflowType`` asks for the training runs."""
+    experiment_id = _experiment_id(MlflowClient(tracking_uri()))
+    return f"{server_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(
