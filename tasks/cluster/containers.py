@@ -1,10 +1,12 @@
-"""What the docker and kubernetes backends share: each replica's environment, CPU share and GPU
-count, and the engine's log stream turned into lines and the replica's log file."""
+"""What the docker, swarm and kubernetes backends share: each replica's declared needs
+(``ReplicaSpec``), its environment, and the engine's log stream turned into lines and the
+replica's log file."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Literal
 
 from tasks.cluster.layout import ClusterLayout, Replica
 from tasks.cluster.processes import RUN_ID_ENV
@@ -13,6 +15,42 @@ from tasks.spec import RunSpec
 # Grace between SIGTERM and SIGKILL when stopping a replica: a TF worker waiting for a peer
 # ignores SIGTERM (see the local backend), so the engine's escalation is what ends it.
 STOP_GRACE_SECONDS = 10
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What one replica needs, declared once and read by every container backend — as a TFJob's
+    ``tfReplicaSpecs`` declares each replica type (image, resources, restart policy), resolved per
+    replica because the workers of a heterogeneous cluster differ (device, slowdown, node).
+
+    :param cpus: CPU limit and reservation (0: none); a slowed worker's is smaller.
+    :param memory_mb: memory limit and reservation in MiB (0: none).
+    :param gpus: GPUs to request; the replica computes on exactly these.
+    :param device: what it computes on (``gpu`` or ``cpu``); a chief or ps computes nothing.
+    :param node: the machine it must run on, by name (swarm), or None.
+    :param restart_policy: never, on_failure or exit_code; the supervisor carries it out.
+    """
+
+    image: str
+    cpus: float
+    memory_mb: int
+    gpus: int
+    device: Literal["cpu", "gpu"]
+    node: str | None
+    restart_policy: str
+
+
+def replica_spec(spec: RunSpec, replica: Replica) -> ReplicaSpec:
+    worker = spec.worker_device(replica.index) if replica.role == "worker" else None
+    return ReplicaSpec(
+        image=spec.image,
+        cpus=replica_cpus(spec, replica),
+        memory_mb=spec.replica_memory_mb,
+        gpus=replica_gpus(spec, replica),
+        device=worker.device if worker else "cpu",
+        node=worker.node if worker else None,
+        restart_policy=spec.restart_policy,
+    )
 
 
 def replica_environment(layout: ClusterLayout, replica: Replica, home: Path, launched_at: float) -> dict[str, str]:

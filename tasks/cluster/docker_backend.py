@@ -31,9 +31,8 @@ import docker  # the Docker SDK (its docker.errors comes with it)
 from tasks.cluster.containers import (
     STOP_GRACE_SECONDS,
     lines_to_file,
-    replica_cpus,
     replica_environment,
-    replica_gpus,
+    replica_spec,
 )
 from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
@@ -100,11 +99,12 @@ def container_config(
     :param probe: run the worker's speed probe instead of training.
     """
     view = replica_view(spec, run_dir, home)
+    needs = replica_spec(spec, replica)
     # A container ends itself at its deadline, as a local replica's keeper ends it, whether or not
     # anything is left to stop it: SIGTERM, then SIGKILL after the grace (TF may ignore SIGTERM).
     deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
     config = {
-        "image": spec.image,
+        "image": needs.image,
         "entrypoint": [
             "timeout",
             f"--kill-after={STOP_GRACE_SECONDS}",
@@ -130,16 +130,14 @@ def container_config(
         "restart_policy": {"Name": "no"},
         "detach": True,
     }
-    cpus = replica_cpus(spec, replica)
-    if cpus:
-        config["nano_cpus"] = round(cpus * 1e9)
+    if needs.cpus:
+        config["nano_cpus"] = round(needs.cpus * 1e9)
     if spec.pin_cores:
         config["cpuset_cpus"] = str(core_assignment(layout)[replica.name])
-    if spec.replica_memory_mb:
-        config["mem_limit"] = f"{spec.replica_memory_mb}m"
-    gpus = replica_gpus(spec, replica)
-    if gpus:
-        config["device_requests"] = [{"Driver": "", "Count": gpus, "Capabilities": [["gpu"]]}]
+    if needs.memory_mb:
+        config["mem_limit"] = f"{needs.memory_mb}m"
+    if needs.gpus:
+        config["device_requests"] = [{"Driver": "", "Count": needs.gpus, "Capabilities": [["gpu"]]}]
     return config
 
 

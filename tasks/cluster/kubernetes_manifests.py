@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.cluster.containers import replica_cpus, replica_environment, replica_gpus
+from tasks.cluster.containers import replica_environment, replica_spec
 from tasks.cluster.layout import SERVICE_PORT, ClusterLayout, Replica, run_slug
 from tasks.paths import data_dir
 from tasks.spec import RunSpec
@@ -136,12 +136,13 @@ def run_network_policy(layout: ClusterLayout, namespace: str, owner: dict | None
 
 def _resources(spec: RunSpec, replica: Replica) -> dict:
     limits = {}
-    cpus = replica_cpus(spec, replica)
+    needs = replica_spec(spec, replica)
+    cpus = needs.cpus
     if cpus:
         limits["cpu"] = f"{round(cpus * 1000)}m"
-    if spec.replica_memory_mb:
-        limits["memory"] = f"{spec.replica_memory_mb}Mi"
-    gpus = replica_gpus(spec, replica)
+    if needs.memory_mb:
+        limits["memory"] = f"{needs.memory_mb}Mi"
+    gpus = needs.gpus
     if gpus:
         limits["nvidia.com/gpu"] = str(gpus)
     # Requests equal to limits: the replica gets what it asked for (Guaranteed QoS when both are set).
@@ -151,7 +152,7 @@ def _resources(spec: RunSpec, replica: Replica) -> dict:
 def _container(spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, str], name: str) -> dict:
     container = {
         "name": name,
-        "image": spec.image,
+        "image": replica_spec(spec, replica).image,
         "args": ["--run-dir", str(run_dir)],
         "env": [{"name": key, "value": value} for key, value in env.items()],
         "ports": [{"name": "grpc", "containerPort": SERVICE_PORT}],

@@ -31,7 +31,7 @@ from pathlib import Path
 import docker
 from docker.types import EndpointSpec, Mount, Resources, RestartPolicy, ServiceMode
 
-from tasks.cluster.containers import STOP_GRACE_SECONDS, replica_cpus, replica_environment, replica_gpus
+from tasks.cluster.containers import STOP_GRACE_SECONDS, replica_environment, replica_spec
 from tasks.cluster.docker_backend import (
     LABEL_INDEX,
     LABEL_ROLE,
@@ -78,10 +78,10 @@ def placement(spec: RunSpec, replica: Replica) -> list[str]:
     node; the chief and the ps anywhere."""
     if replica.role != "worker":
         return []
-    device = spec.worker_device(replica.index)
-    if device.node:
-        return [f"node.hostname=={device.node}"]
-    if device.device == "gpu":
+    needs = replica_spec(spec, replica)
+    if needs.node:
+        return [f"node.hostname=={needs.node}"]
+    if needs.device == "gpu":
         return [f"node.labels.{LABEL_DEVICE}==gpu"]
     return [f"node.labels.{LABEL_DEVICE}!=gpu"]  # unlabelled nodes qualify
 
@@ -129,11 +129,10 @@ def service_config(
     view = replica_view(spec, run_dir, home)
     deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
     environment = {**replica_environment(layout, replica, home, launched_at), "HOME": "/tmp"}
-    cpus = replica_cpus(spec, replica)
-    memory = spec.replica_memory_mb * 2**20
-    gpus = replica_gpus(spec, replica)
+    needs = replica_spec(spec, replica)
+    cpus, memory, gpus = needs.cpus, needs.memory_mb * 2**20, needs.gpus
     return {
-        "image": spec.image,
+        "image": needs.image,
         "command": ["timeout", f"--kill-after={STOP_GRACE_SECONDS}", f"{deadline:.0f}"]
         + ["python", "-m", "tasks.replica"],
         "args": ["--run-dir", str(run_dir), *(["--probe"] if probe else [])],
