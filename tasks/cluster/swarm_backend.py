@@ -232,25 +232,24 @@ class SwarmReplicas:
             return node_id
 
     def poll(self) -> dict[str, ReplicaState]:
-        states = {}
         nodes = {node.id: node.attrs for node in self.client.nodes.list()}
-        for replica in self.layout.replicas:
-            name = container_name(self.layout.run_id, replica.name)
-            try:
-                self.client.services.get(name)
-            except docker.errors.NotFound:  # removed by someone else: gone with its exit code
-                states[replica.name] = ReplicaState(-1)
-                continue
-            task = newest_task(self.client, name)
-            states[replica.name] = task_state(task)
-            node = nodes.get(task.get("NodeID")) if task else None
-            if node and self.nodes.get(replica.name) != task["NodeID"]:
-                self._placed(replica.name, task["NodeID"])
-            if node and node["Status"]["State"] == "down" and states[replica.name].exit_code is None:
-                # Swarm marks the node down within seconds but the task stays "running": it is lost.
-                hostname = node["Description"]["Hostname"]
-                states[replica.name] = ReplicaState(-9, note=f"its node {hostname} went down")
-        return states
+        return {replica.name: self._state(replica.name, nodes) for replica in self.layout.replicas}
+
+    def _state(self, name: str, nodes: dict[str, dict], record_node: bool = True) -> ReplicaState:
+        service_name = container_name(self.layout.run_id, name)
+        try:
+            self.client.services.get(service_name)
+        except docker.errors.NotFound:  # removed by someone else: gone with its exit code
+            return ReplicaState(-1)
+        task = newest_task(self.client, service_name)
+        state = task_state(task)
+        node = nodes.get(task.get("NodeID")) if task else None
+        if record_node and node and self.nodes.get(name) != task["NodeID"]:
+            self._placed(name, task["NodeID"])
+        if node and node["Status"]["State"] == "down" and state.exit_code is None:
+            # Swarm marks the node down within seconds, but the task stays "running": it is lost.
+            return ReplicaState(-9, note=f"its node {node['Description']['Hostname']} went down")
+        return state
 
     def _placed(self, replica_name: str, node_id: str) -> None:
         """Record which node runs the replica (``nodes.json``: replica -> node hostname)."""
@@ -278,7 +277,8 @@ class SwarmReplicas:
             while True:
                 try:
                     service = self.client.services.get(service_name)
-                    ended = task_state(newest_task(self.client, service_name)).exit_code is not None
+                    nodes = {node.id: node.attrs for node in self.client.nodes.list()}
+                    ended = self._state(name, nodes, record_node=False).exit_code is not None
                     chunks = service.logs(stdout=True, stderr=True, timestamps=True, since=since)
                     raw = b"".join(chunks)
                 except docker.errors.NotFound:
