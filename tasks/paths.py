@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,60 @@ def write_record(path: Path, value: Any) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+class NotRegularFile(ValueError):
+    """A file a replica (or anyone else) could have written is not what the pipeline reads."""
+
+
+# What the pipeline reads of a JSON record a replica writes (training.json, plan.json, probes).
+REPLICA_RECORD_BYTES = 16 << 20
+
+
+def read_regular(path: Path, max_bytes: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``max_bytes``, opened without
+    following a link (a replica may plant one at any name it can write); else NotRegularFile,
+    one line naming the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        if error.errno == 40:  # ELOOP: the name is a symbolic link
+            raise NotRegularFile(f"{path} is a symbolic link: refused (the pipeline reads regular files only)")
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise NotRegularFile(f"{path} is not a regular file: refused")
+        if status.st_size > max_bytes:
+            raise NotRegularFile(f"{path} holds {status.st_size} bytes, more than the {max_bytes} allowed: refused")
+        return handle.read(max_bytes + 1)[:max_bytes]
+
+
+def read_replica_record(path: Path) -> dict:
+    """A JSON object a replica wrote, read as data: a regular file, bounded, an object."""
+    try:
+        value = json.loads(read_regular(path, REPLICA_RECORD_BYTES))
+    except ValueError as error:
+        raise NotRegularFile(f"{path} is not a JSON record: {error}") from None
+    if not isinstance(value, dict):
+        raise NotRegularFile(f"{path} holds a JSON {type(value).__name__}, not an object: refused")
+    return value
+
+
+def not_regular(root: Path) -> list[Path]:
+    """Everything under ``root`` (links not followed) that is neither a regular file nor a
+    directory: what a replica planted (a link, a fifo, a socket, a device node)."""
+    found = []
+    for parent, directories, files in os.walk(root):  # os.walk lists links to directories, never enters them
+        for name in [*directories, *files]:
+            path = Path(parent) / name
+            try:
+                mode = path.lstat().st_mode
+            except FileNotFoundError:
+                continue
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                found.append(path)
+    return found
 
 
 @dataclass(frozen=True)

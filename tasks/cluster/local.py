@@ -36,11 +36,21 @@ from tasks.cluster.processes import (
     RUN_ID_ENV,
     TERM_GRACE_SECONDS,
     is_running,
+    run_processes,
     stop_process_groups,
     teardown_run,
 )
 from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import REPO_ROOT, RunPaths, data_dir, hetflow_home, write_record
+from tasks.paths import (
+    REPO_ROOT,
+    NotRegularFile,
+    RunPaths,
+    data_dir,
+    hetflow_home,
+    not_regular,
+    read_replica_record,
+    write_record,
+)
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -79,7 +89,35 @@ def protected_records(paths: RunPaths) -> list[Path]:
     """What of the run directory only the pipeline writes, shown read-only to its replicas: the spec,
     the dataset and cluster records, the receipts, the keepers' records and the logs they write."""
     records = [paths.owner, paths.spec, paths.dataset, paths.cluster, paths.restarts, paths.replicas, paths.logs]
-    return [*records, paths.root / "attempts"]
+    return [*records, paths.root / "attempts", *pipeline_directories(paths)]
+
+
+def pipeline_directories(paths: RunPaths) -> list[Path]:
+    """The folders later stages write into, made before any replica starts, so that a replica can
+    put no link of its own at their names (it sees them read-only)."""
+    return [paths.plots, paths.compressed, paths.saved_model.parent, paths.root / "serving", paths.root / "tensorboard"]
+
+
+def remove_what_replicas_planted(run_dir: Path) -> list[Path]:
+    """Remove from the run directory what the pipeline would otherwise read or write through: every
+    link, fifo, socket or device node (the pipeline makes none), and a replica's JSON record that is
+    not a bounded JSON object. Each is named in a warning; returns them."""
+    paths = RunPaths(run_dir)
+    removed = not_regular(run_dir)
+    for path in removed:
+        path.unlink()
+    records = [paths.training, paths.plan, *(paths.probes.glob("*.json") if paths.probes.is_dir() else [])]
+    for record in records:
+        if record.exists() and record not in removed:
+            try:
+                read_replica_record(record)
+            except NotRegularFile as refused:
+                log.warning("%s", refused)
+                record.unlink()
+                removed.append(record)
+    for path in removed:
+        log.warning("removed %s, which a replica left (the pipeline reads regular files only)", path)
+    return removed
 
 
 def file_view(spec: RunSpec, run_dir: Path) -> dict:
@@ -140,8 +178,9 @@ class LocalReplicas:
         """Start the run's network holder, then every replica in its namespace; where the run is
         unisolated (see the module), every replica on host ports still free. ``cluster.json`` records
         which (``network_isolation``, ``file_isolation``)."""
-        self.paths.logs.mkdir(parents=True, exist_ok=True)
-        self.paths.replicas.mkdir(parents=True, exist_ok=True)
+        remove_what_replicas_planted(self.run_dir)  # an earlier try's, which no detach cleaned
+        for directory in (self.paths.logs, self.paths.replicas, *pipeline_directories(self.paths)):
+            directory.mkdir(parents=True, exist_ok=True)
         if self.sandboxed:
             network = {"isolated": True, "sandbox": "bubblewrap"}
             files = file_view(self.spec, self.run_dir)
@@ -278,13 +317,16 @@ class LocalReplicas:
         self._lease = take_lease(self.run_dir)
 
     def detach(self) -> None:
-        """Give the lease back: the keepers end their replicas, and the network holder, which
-        only they used, is stopped here."""
+        """Give the lease back, stop what is left of the run (the keepers would end their replicas
+        anyway, and the network holder only they used), and remove what the replicas planted."""
         if self._lease is not None:
             self._lease.close()
             self._lease = None
-            if self.sandboxed:
-                stop_process_groups([self._keeper(_HOLDER)], grace=TERM_GRACE_SECONDS + 2)
+            names = [replica.name for replica in self.layout.replicas] + ([_HOLDER] if self.sandboxed else [])
+            ours = set(run_processes(self.layout.run_id))  # a recorded pid may since be another process's
+            keepers = [self._keeper(name) for name in names if self._pid_path(name).exists()]
+            stop_process_groups([pid for pid in keepers if pid in ours], grace=TERM_GRACE_SECONDS + 2)
+            remove_what_replicas_planted(self.run_dir)  # none is left to plant more
 
     def poll(self) -> dict[str, ReplicaState]:
         return {replica.name: self._state(replica.name) for replica in self.layout.replicas}

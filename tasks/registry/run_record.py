@@ -5,6 +5,9 @@ Safe to repeat: a retried register task logs no second copy of a curve."""
 from __future__ import annotations
 
 import json
+import logging
+import os
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,12 +17,16 @@ from mlflow.utils.time import get_current_time_millis
 
 from mlflow import MlflowClient
 from tasks import serving
-from tasks.paths import RunPaths
+from tasks.paths import NotRegularFile, RunPaths, read_regular
 from tasks.registry import lineage
 from tasks.registry.store import git_commit
 from tasks.spec import RunSpec
 
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
+# A log or record uploaded to the run: far above what a run writes, far below filling the store.
+MAX_UPLOAD_BYTES = 64 << 20
+
+log = logging.getLogger("hetflow.registry")
 
 
 def pipeline_started(paths: RunPaths) -> float | None:
@@ -145,16 +152,50 @@ def log_run_record(
     )
     for start in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
         client.log_batch(run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH])
-    for path in (paths.spec, paths.dataset, paths.training, paths.evaluation, paths.compression, paths.export):
-        client.log_artifact(run_id, str(path), "run")
-    for path in (paths.plan, paths.restarts):
-        if path.exists():
-            client.log_artifact(run_id, str(path), "run")
-    client.log_artifacts(run_id, str(paths.logs), "logs")
-    client.log_artifacts(run_id, str(paths.plots), "plots")
+    records = [paths.spec, paths.dataset, paths.training, paths.evaluation, paths.compression, paths.export]
+    upload_regular_files(client, run_id, [*records, *(p for p in (paths.plan, paths.restarts) if p.exists())], "run")
+    upload_regular_files(client, run_id, [paths.logs], "logs")
+    upload_regular_files(client, run_id, [paths.plots], "plots")
     lineage.log_dataset(client, run_id, dataset)
     events = lineage.write_tensorboard_events(training, paths.root / "tensorboard")
-    client.log_artifacts(run_id, str(events), "tensorboard")
+    upload_regular_files(client, run_id, [events], "tensorboard")
+
+
+def upload_regular_files(client: MlflowClient, run_id: str, sources: list[Path], artifact_path: str) -> list[str]:
+    """Upload files, and the files in folders, under ``artifact_path``: regular files only, read
+    without following a link (MLflow's own copy follows them: a log planted as a link to a secret
+    would be uploaded), each at most ``MAX_UPLOAD_BYTES``; anything else is left out with a warning
+    naming it. Returns what was uploaded, relative to ``artifact_path``."""
+    uploaded = []
+    with tempfile.TemporaryDirectory(prefix="hetflow-upload-") as staging:
+        for source in sources:
+            if source.is_dir() and not source.is_symlink():
+                found = [(path, path.relative_to(source)) for path in _entries(source)]
+            else:
+                found = [(source, Path(source.name))]
+            for path, relative in found:
+                try:
+                    content = read_regular(path, MAX_UPLOAD_BYTES)
+                except (NotRegularFile, OSError) as refused:
+                    log.warning("not uploaded to the MLflow run: %s", refused)
+                    continue
+                target = Path(staging) / relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+                uploaded.append(str(relative))
+        if uploaded:
+            client.log_artifacts(run_id, staging, artifact_path)
+    return uploaded
+
+
+def _entries(folder: Path) -> list[Path]:
+    """Everything under ``folder`` that is not a directory it can enter (links are listed, never
+    followed)."""
+    entries = []
+    for parent, directories, files in os.walk(folder):
+        entries += [Path(parent) / name for name in files]
+        entries += [Path(parent) / name for name in directories if (Path(parent) / name).is_symlink()]
+    return sorted(entries)
 
 
 def log_served_checks(client: MlflowClient, run_id: str, models: list[dict], log_dir: Path) -> None:
@@ -172,4 +213,4 @@ def log_served_checks(client: MlflowClient, run_id: str, models: list[dict], log
                 metrics.append(Metric(f"served_{kind}_{key}", served[key], now, 0))
     client.log_batch(run_id, metrics=metrics, tags=tags)
     if log_dir.exists():
-        client.log_artifacts(run_id, str(log_dir), "serving")
+        upload_regular_files(client, run_id, [log_dir], "serving")
