@@ -114,3 +114,33 @@ def test_a_record_being_rewritten_is_never_read_half_written(tmp_path):
     assert json.loads(record.read_text())["version"] == 149
     assert len(set(versions)) > 5  # the reader did see the record change under it
     assert [p.name for p in tmp_path.iterdir()] == ["training.json"]  # no temporary file left
+
+
+# Creates Airflow's metadata DB as `hetflow run` does first, released at once with another.
+_ENSURE_AIRFLOW_DB = """
+import os, sys, time
+from pathlib import Path
+os.environ["AIRFLOW_HOME"] = sys.argv[1]
+from tasks.cli.dag_run import ensure_airflow_db
+go, ready = Path(sys.argv[2]), Path(sys.argv[3])
+ready.touch()
+while not go.exists():
+    time.sleep(0.01)
+ensure_airflow_db()
+print("ready")
+"""
+
+
+def test_two_first_runs_on_an_empty_home_both_get_a_migrated_airflow_db(tmp_path):
+    """Two `hetflow run` started together on a home with nothing yet: one migration, both succeed
+    (before the lock, one died in `airflow db migrate` with "table team already exists")."""
+    import sqlite3
+
+    home = tmp_path / "airflow"
+    done = _started_together(_ENSURE_AIRFLOW_DB, [[str(home)], [str(home)]], tmp_path)
+    assert [d.returncode for d in done] == [0, 0], [d.stderr[-2000:] for d in done]
+    assert [d.stdout.strip().splitlines()[-1] for d in done] == ["ready", "ready"]
+    assert sum("creating the Airflow metadata DB" in d.stdout for d in done) == 1
+    with sqlite3.connect(home / "airflow.db") as db:
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert {"dag_run", "task_instance", "alembic_version"} <= tables

@@ -5,6 +5,7 @@ terminal."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import subprocess
@@ -29,11 +30,23 @@ def airflow_environment() -> dict[str, str]:
 
 
 def ensure_airflow_db() -> None:
-    """Create Airflow's metadata DB on first use (``airflow db migrate`` is idempotent but slow)."""
-    db = Path(os.environ["AIRFLOW_HOME"]) / "airflow.db"
-    if not db.exists():
-        print(f"creating the Airflow metadata DB in {db.parent} ...", flush=True)
+    """Create Airflow's metadata DB on first use (``airflow db migrate`` is idempotent but slow).
+
+    Under an exclusive lock, and done only once a marker says a migration finished: two ``hetflow
+    run`` started together on an empty home both migrated at once ("table team already exists"),
+    and the DB file exists from a migration's first statement, long before it is usable."""
+    home = Path(os.environ["AIRFLOW_HOME"])
+    migrated = home / ".hetflow-migrated"
+    if migrated.exists():
+        return
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".hetflow-migrate.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the kernel releases it when its holder dies
+        if migrated.exists():  # another process migrated while this one waited
+            return
+        print(f"creating the Airflow metadata DB in {home} ...", flush=True)
         subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
+        migrated.touch()
 
 
 def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
