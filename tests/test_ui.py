@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import psutil
@@ -131,6 +132,8 @@ def test_make_up_is_healthy_prints_the_urls_and_how_to_log_in(stack):
     output = stack["up_output"]
     assert state["airflow_url"] in output and state["mlflow_url"] in output
     assert "log in as admin, password" in output
+    runs = rf"hetflow's runs: {state['mlflow_url']}/#/experiments/\d+/runs\?workflowType=machine_learning"
+    assert re.search(runs, output), output
     ARTIFACTS.mkdir(exist_ok=True)
     measured = {"seconds_to_healthy": state["seconds_to_healthy"], "rss_gib": round(rss_bytes(state) / 2**30, 2)}
     (ARTIFACTS / "stack.json").write_text(json.dumps(measured, indent=2))
@@ -168,6 +171,19 @@ def browser():
         chromium.close()
 
 
+def _signed_in(browser, state: dict, path: str):
+    """A new page on Airflow's ``path``, signed in as admin."""
+    from devstack.stack import password
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(30_000)
+    page.goto(f"{state['airflow_url']}{path}")
+    page.get_by_label("Username").fill("admin")
+    page.get_by_label("Password").fill(password(state))
+    page.get_by_role("button", name="Sign in").click()
+    return page
+
+
 def _assert_on_screen_above(page, message, button) -> None:
     """``message`` is on screen without scrolling, right above ``button``, where the eye is after a click."""
     shown, under = message.bounding_box(), button.bounding_box()
@@ -180,16 +196,9 @@ def _assert_on_screen_above(page, message, button) -> None:
 def form_run(stack, api, browser):
     """Log in, open hetflow_train's trigger form, type an epoch count out of range, then a bad
     cluster shape, read each refusal, fix them, submit, and wait for the run through the REST API."""
-    from devstack.stack import password
-
     state = stack["state"]
     ARTIFACTS.mkdir(exist_ok=True)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(30_000)
-    page.goto(f"{state['airflow_url']}/dags/hetflow_train")
-    page.get_by_label("Username").fill("admin")
-    page.get_by_label("Password").fill(password(state))
-    page.get_by_role("button", name="Sign in").click()
+    page = _signed_in(browser, state, "/dags/hetflow_train")
     page.get_by_role("button", name="Trigger").first.click()
     dialog = page.get_by_role("dialog")
     trigger = dialog.get_by_role("button", name="Trigger")
@@ -208,6 +217,14 @@ def form_run(stack, api, browser):
     assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
     epochs.fill("2")
     dialog.get_by_text("Cluster", exact=True).click()
+    # Fields of other backends are optional (no required mark), and descriptions render as Markdown.
+    label = {
+        title: dialog.locator("label", has_text=re.compile(f"^{re.escape(title)}")).first.inner_text()
+        for title in ("Workers", "Kubernetes namespace", "CPUs per replica")
+    }
+    assert label["Workers"].endswith("*"), label
+    assert not label["Kubernetes namespace"].endswith("*") and not label["CPUs per replica"].endswith("*"), label
+    assert "`" not in dialog.inner_text()
     dialog.get_by_label(_field("Workers")).fill("2")
     dialog.get_by_label(_field("Parameter servers")).fill("1")
     # strategy is still one_device: the REST API answers 400 and the form shows its lines.
@@ -259,6 +276,26 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     assert {"plots/training_curves.png", "plots/worker_throughput.png", "plots/staleness.png"} <= {
         a.path for a in client.list_artifacts(mlflow_run.info.run_id, "plots")
     }
+    # The experiment declares itself a model-training one; runs are named for what they were.
+    experiment = client.get_experiment(mlflow_run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", experiment.tags
+    assert re.fullmatch(r"mlp parameter_server 2 workers \+ 1 ps \d\d-\d\d \d\d:\d\d:\d\d", mlflow_run.info.run_name)
+    # Its start and end are the pipeline's: from validate_spec to register, not register's logging alone.
+    stages = {
+        ti["task_id"]: ti
+        for ti in api.get(f"/dags/hetflow_train/dagRuns/{run['dag_run_id']}/taskInstances")["task_instances"]
+    }
+    at = {
+        (task, edge): datetime.fromisoformat(stages[task][f"{edge}_date"]).timestamp()
+        for task in ("validate_spec", "register")
+        for edge in ("start", "end")
+    }
+    assert at["validate_spec", "start"] <= mlflow_run.info.start_time / 1000 <= at["validate_spec", "end"], at
+    assert at["register", "start"] <= mlflow_run.info.end_time / 1000 <= at["register", "end"], at
+    # The runs page make up prints opens on the runs, not on MLflow's GenAI view.
+    page.goto(re.search(r"hetflow's runs: (\S+)", stack["up_output"])[1])
+    page.get_by_text(mlflow_run.info.run_name).first.wait_for()
+    page.screenshot(path=str(ARTIFACTS / "mlflow_runs.png"))
     info = mlflow_run.info
     plot = "plots/training_curves.png"
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}/artifacts/{plot}")
@@ -273,6 +310,56 @@ def test_train_task_log_shows_per_worker_progress(api, form_run):
     text = json.dumps(log["content"])
     assert "[worker-0] worker-0 serving at 127.0.0.1:" in text and "[ps-0] ps-0 serving" in text
     assert "[chief-0] Epoch 1/2" in text and "[chief-0] Epoch 2/2" in text and "examples/s" in text
+
+
+def _task_logs(api: Api, dag_id: str, run_id: str) -> dict[str, list[dict]]:
+    """Every task's log entries (try 1) of a DAG run, as the UI's log view reads them."""
+    tasks = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+    return {
+        ti["task_id"]: api.get(
+            f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{ti['task_id']}/logs/1", full_content=True
+        )["content"]
+        for ti in tasks
+        if ti["try_number"]
+    }
+
+
+def _errors(entries: list[dict]) -> list[str]:
+    return [str(entry.get("event")) for entry in entries if entry.get("level") in ("error", "critical")]
+
+
+def test_a_successful_runs_task_logs_hold_no_error_line(api, form_run):
+    _, run = form_run
+    logs = _task_logs(api, "hetflow_train", run["dag_run_id"])
+    assert set(logs) >= {"validate_spec", "prepare_data", "train", "evaluate", "compress", "export", "register"}
+    errors = {task: _errors(entries) for task, entries in logs.items() if _errors(entries)}
+    assert not errors, errors
+
+
+def test_a_failed_runs_task_log_ends_with_one_error_line_naming_stage_and_cause(api):
+    # Valid for the form (a folder dataset), refused by validate_spec: the folder does not exist.
+    response = api.post(
+        "/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": {"dataset": "folder:/nonexistent/images"}}
+    )
+    assert response.status_code == 200, response.text
+    run = api.wait_for_run("hetflow_train", response.json()["dag_run_id"])
+    assert run["state"] == "failed", run
+    errors = _errors(_task_logs(api, "hetflow_train", run["dag_run_id"])["validate_spec"])
+    assert errors, "no ERROR line in validate_spec's log"
+    assert errors[-1].startswith("validate_spec failed: SpecError: ") and "/nonexistent/images" in errors[-1], errors
+
+
+def test_the_dag_docs_are_for_users_and_the_retrain_dag_names_both_triggers(stack, api, browser):
+    page = _signed_in(browser, stack["state"], "/dags/hetflow_retrain")
+    page.get_by_role("button", name="Dag Docs").click()
+    docs = page.get_by_role("dialog")
+    docs.get_by_text("0 3 * * 0").first.wait_for()  # the cron, which the page's Schedule does not show
+    assert "hetflow://prepared-data" in docs.inner_text()
+    page.screenshot(path=str(ARTIFACTS / "retrain_docs.png"))
+    page.close()
+    details = api.get("/dags/hetflow_retrain/details")
+    assert "0 3 * * 0" in details["description"] and "prepared data" in details["description"], details
+    assert "Press **Trigger**" in api.get("/dags/hetflow_train/details")["doc_md"]
 
 
 def test_updating_the_data_asset_starts_retraining_on_the_champions_spec(api, form_run):
