@@ -45,9 +45,11 @@ def _commands(airflow_port: int, mlflow_port: int) -> dict[str, list[str]]:
     store = _sqlite_store()
     return {
         "api-server": [*airflow, "api-server", "--host", "127.0.0.1", "--port", str(airflow_port)],
-        "scheduler": [*airflow, "scheduler"],
+        # Their log servers listen on every interface ([::]:8793, :8794, host not configurable); the
+        # api-server reads the task logs from this machine's files instead.
+        "scheduler": [*airflow, "scheduler", "--skip-serve-logs"],
         "dag-processor": [*airflow, "dag-processor"],
-        "triggerer": [*airflow, "triggerer"],
+        "triggerer": [*airflow, "triggerer", "--skip-serve-logs"],
         "mlflow": [
             sys.executable, "-m", "mlflow", "server",
             "--backend-store-uri", f"sqlite:///{store}",

@@ -13,10 +13,11 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO
+from conftest import REPO, wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
@@ -172,3 +173,59 @@ def test_down_stops_what_up_started_and_leaves_a_reused_pid_alone(home):
         for process in (component, reused, orphan, other_stack):
             process.kill()
             process.wait()
+
+
+def _listening(pid: int) -> set[str]:
+    """The addresses that a process and its children listen on."""
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return set()
+    found = set()
+    for process in tree:
+        try:
+            found |= {c.laddr.ip for c in process.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _running_jobs(home) -> set[str]:
+    import sqlite3
+
+    from tasks.cli.dag_run import airflow_environment
+
+    with sqlite3.connect(Path(airflow_environment()["AIRFLOW_HOME"]) / "airflow.db") as db:
+        return {row[0] for row in db.execute("SELECT job_type FROM job WHERE state = 'running'")}
+
+
+@pytest.mark.slow
+def test_the_scheduler_and_triggerer_of_make_up_listen_on_no_interface(home):
+    """Their log servers listened on [::]:8793 and 8794, reachable from other hosts, serving task
+    logs to whoever asked: the stack's processes listen on loopback or nowhere."""
+    from devstack.processes import _commands
+    from tasks.cli.dag_run import airflow_environment, ensure_airflow_db
+
+    env = {**os.environ, **airflow_environment()}
+    os.environ.update(airflow_environment())
+    ensure_airflow_db()
+    commands = _commands(airflow_port=0, mlflow_port=0)
+    started = {
+        name: subprocess.Popen(commands[name], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for name in ("scheduler", "triggerer")
+    }
+    try:
+        # Running once its job is in the DB: a log server (if any) started before the job did.
+        assert wait_for(lambda: _running_jobs(home) >= {"SchedulerJob", "TriggererJob"}, timeout=240)
+        time.sleep(10)  # for the log server to bind, where there is one
+        assert all(process.poll() is None for process in started.values())
+        for name, process in started.items():
+            assert _listening(process.pid) <= {"127.0.0.1", "::1"}, f"{name} listens on {_listening(process.pid)}"
+    finally:
+        for process in started.values():
+            process.terminate()
+        for process in started.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
