@@ -5,12 +5,12 @@ Cheap to import (the DAG file imports it at parse time): MLflow is imported insi
 
 from __future__ import annotations
 
-import json
 import logging
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from tasks.paths import read_replica_record
 from tasks.spec import parse_spec
 
 log = logging.getLogger("hetflow.retrain")
@@ -22,10 +22,48 @@ PREPARED_DATA_URI = "hetflow://prepared-data"
 # hetflow_retrain's default schedule besides the asset: Sundays 03:00 UTC (HETFLOW_RETRAIN_CRON).
 DEFAULT_CRON = "0 3 * * 0"
 
+# What a retrain takes from the champion's recorded spec: its training recipe. Whoever can write to
+# the registry writes that record, so where data is read from (data_dir), where replicas run and
+# with what (backend, image, Kubernetes, limits, restarts, deadline), which model is promoted and
+# the gate's thresholds stay the DAG's defaults and overrides.
+FROM_CHAMPION = frozenset(
+    {
+        "dataset",
+        "image_size",
+        "model",
+        "strategy",
+        "workers",
+        "ps",
+        "devices_per_worker",
+        "worker_devices",
+        "balance_batches",
+        "replica_threads",
+        "pin_cores",
+        "epochs",
+        "steps_per_epoch",
+        "batch_size",
+        "learning_rate",
+        "target_accuracy",
+        "lr_scaling",
+        "lr_reference_batch",
+        "warmup_epochs",
+        "optimizer",
+        "shuffle",
+        "seed",
+        "checkpoint_every",
+        "prune",
+        "target_sparsity",
+        "fine_tuning_share",
+        "quantize",
+        "export_formats",
+    }
+)
+
 
 def retrain_spec(registered_model: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The spec of ``registered_model``'s champion (from its MLflow run's ``run/spec.json``) with
-    ``overrides`` applied, validated; the defaults when there is no champion yet."""
+    """The training recipe of ``registered_model``'s champion (the ``FROM_CHAMPION`` keys of its MLflow
+    run's ``run/spec.json``, read as data), the defaults for every other key, ``overrides`` applied,
+    validated; the defaults when there is no champion yet."""
     from mlflow.exceptions import MlflowException
 
     from mlflow import MlflowClient
@@ -42,8 +80,13 @@ def retrain_spec(registered_model: str, overrides: dict[str, Any]) -> dict[str, 
         base = {"registered_model": registered_model}
     else:
         with tempfile.TemporaryDirectory() as folder:
-            base = json.loads(Path(client.download_artifacts(champion.run_id, "run/spec.json", folder)).read_text())
+            recorded = read_replica_record(Path(client.download_artifacts(champion.run_id, "run/spec.json", folder)))
+        left = sorted(key for key in recorded if key not in FROM_CHAMPION)
+        base = {key: value for key, value in recorded.items() if key in FROM_CHAMPION}
+        base["registered_model"] = registered_model
         log.info("retraining %s champion v%s (MLflow run %s)", registered_model, champion.version, champion.run_id)
+        if left:
+            log.info("not taken from the champion's recorded spec (the DAG's to choose): %s", ", ".join(left))
     if overrides:
         log.info("overrides: %s", overrides)
     return parse_spec({**base, **overrides}).model_dump()
