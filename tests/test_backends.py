@@ -206,6 +206,21 @@ def test_every_backend_and_the_replica_read_a_workers_gpus_from_one_place():
     }
 
 
+def test_a_replica_container_runs_unprivileged_on_a_read_only_root_and_sees_the_records_read_only(monkeypatch):
+    from tasks.cluster import containers
+
+    spec = parse_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2})
+    layout = dk.plan(spec, RUN_ID)
+    record = RUN_DIR / "spec.json"
+    config = dk.container_config(layout, layout.replicas[0], spec, HOME, RUN_DIR, "65534:65534", 0.0, False, [record])
+    assert config["cap_drop"] == ["ALL"] and config["security_opt"] == ["no-new-privileges"]
+    assert config["read_only"] is True and "/tmp" in config["tmpfs"] and config["pids_limit"] == containers.PIDS_LIMIT
+    assert config["volumes"][str(record)] == {"bind": str(record), "mode": "ro"}
+    assert config["volumes"][str(RUN_DIR)] == {"bind": str(RUN_DIR), "mode": "rw"}
+    monkeypatch.setattr(containers.os, "geteuid", lambda: 0)
+    assert containers.container_user() == "65534:65534"  # never root, even where the supervisor is
+
+
 def test_docker_container_state_from_inspect():
     assert dk.replica_state({"State": {"Status": "running", "ExitCode": 0}}) == ReplicaState()
     assert dk.replica_state({"State": {"Status": "exited", "ExitCode": 137}}) == ReplicaState(137)

@@ -56,6 +56,8 @@ def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_
     assert config["labels"]["hetflow.run"] == run_slug(layout.run_id) and config["labels"]["hetflow.role"] == "worker"
     mounts = {m["Target"]: m.get("ReadOnly", False) for m in config["mounts"]}
     assert mounts["/srv/h/runs/r"] is False and mounts["/srv/h/data"] is True
+    assert config["cap_drop"] == ["ALL"] and config["read_only"] is True
+    assert {"Target": "/tmp", "Source": None, "Type": "tmpfs", "ReadOnly": False} in config["mounts"]
     network = sw.network_config(layout.run_id, Path("/srv/h/runs/r"), encrypted=True)
     assert (network["driver"], network["attachable"], network["internal"]) == ("overlay", True, True)
     assert network["options"] == {"encrypted": "true"}
@@ -241,20 +243,24 @@ def test_a_dag_run_across_two_swarm_nodes_reaches_the_local_bar_records_its_node
     assert os.path.exists(Path(summary["run_dir"]) / "logs" / "worker-1.log")
 
 
-def _kill_node_when(docker_client, run_dir_of, log_line: str, victim: str, killed: list) -> None:
-    """`docker kill` the node container running ``victim`` once its log shows ``log_line``."""
+def _kill_node_when(docker_client, run_dir_of, log_line: str, killed: list) -> None:
+    """`docker kill` node-2 (not the manager: with one manager the swarm's API dies with it) once
+    the worker it runs has written ``log_line``; records (node, replica)."""
 
     def ready():
         run_dir = run_dir_of()
         if run_dir is None or not (run_dir / "nodes.json").exists():
             return None
-        log = run_dir / "logs" / f"{victim}.log"
-        return log.exists() and log_line in log.read_text() and json.loads((run_dir / "nodes.json").read_text())
+        on_node_2 = [
+            name for name, node in json.loads((run_dir / "nodes.json").read_text()).items() if node == "node-2"
+        ]
+        log = run_dir / "logs" / f"{on_node_2[0]}.log" if on_node_2 else None
+        return log is not None and log.exists() and log_line in log.read_text() and on_node_2[0]
 
-    nodes = wait_for(ready, timeout=900, interval=0.5)
-    if nodes:
-        docker_client.containers.get(f"{PREFIX}-{nodes[victim]}").kill()
-        killed.append(nodes[victim])
+    victim = wait_for(ready, timeout=900, interval=0.5)
+    if victim:
+        docker_client.containers.get(f"{PREFIX}-node-2").kill()
+        killed.append(("node-2", victim))
 
 
 def _revive(docker_client, swarm, node: str) -> None:
@@ -273,7 +279,7 @@ def test_a_node_killed_mid_run_fails_it_naming_the_node_or_places_its_replicas_a
     docker_client, swarm, policy, tmp_path
 ):
     """Workers placed by label (not by name), so that after the node is gone the swarm can place
-    them on the other one."""
+    them on the other one; node-2 is killed, whichever worker it runs."""
     home = Path(swarm["env"]["HETFLOW_HOME"]) / "runs"
     before = set(home.iterdir()) if home.exists() else set()
 
@@ -282,9 +288,7 @@ def test_a_node_killed_mid_run_fails_it_naming_the_node_or_places_its_replicas_a
         return next(iter(new), None)
 
     killed: list[str] = []
-    killer = threading.Thread(
-        target=_kill_node_when, args=(docker_client, run_dir_of, "Epoch 3/", "worker-1", killed), daemon=True
-    )
+    killer = threading.Thread(target=_kill_node_when, args=(docker_client, run_dir_of, "Epoch 3/", killed), daemon=True)
     killer.start()
     try:
         done, summary = dag_run(
@@ -298,20 +302,27 @@ def test_a_node_killed_mid_run_fails_it_naming_the_node_or_places_its_replicas_a
         )
         killer.join(timeout=10)
         assert killed, "no node was killed"
-        [node] = killed
+        [(node, victim)] = killed
         if policy == "never":
             assert done.returncode != 0 and summary["status"] == "failed"
             assert summary["failed_stage"] == "train"
-            assert f"replica worker-1 killed by SIGKILL (its node {node} went down)" in full_log(done)
+            assert f"replica {victim} killed by SIGKILL (its node {node} went down)" in full_log(done)
         else:
             assert done.returncode == 0, done.stdout[-3000:]
             assert summary["status"] == "success" and summary["metrics"]["test_accuracy"] >= 0.9
             [restart] = summary["restarts"]
-            assert restart["replica"] == "worker-1" and restart["action"] == "restarted every replica"
+            assert restart["replica"] == victim and restart["action"] == "restarted every replica"
             assert restart["cause"].startswith(f"killed by SIGKILL (its node {node} went down)")
-            survivor = "node-1" if node == "node-2" else "node-2"
-            assert set(json.loads((Path(summary["run_dir"]) / "nodes.json").read_text()).values()) == {survivor}
+            assert set(json.loads((Path(summary["run_dir"]) / "nodes.json").read_text()).values()) == {"node-1"}
         assert _run_objects(swarm["client"], summary["run_id"]) == []  # nothing of the run on any node
     finally:
-        for name in killed:
+        for name, _ in killed:
             _revive(docker_client, swarm, name)
+
+
+def test_log_time_stamps_sort_as_times_and_the_engines_own_messages_are_not_output():
+    # Docker drops trailing zeros of the fraction: as text, "...:17.1Z" would sort after "...:17.12Z".
+    keys = [sw._stamp_key(s) for s in ("2026-11-25T14:10:17Z", "2026-11-25T14:10:17.1Z", "2026-11-25T14:10:17.12Z")]
+    assert keys == sorted(keys) and len(set(keys)) == 3
+    assert sw._stamp_key("grabbing") is None  # "grabbing logs: rpc error: ... node disconnected"
+    assert sw._stamp_seconds(keys[2]) == 1795615817

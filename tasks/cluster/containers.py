@@ -4,13 +4,20 @@ replica's log file."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Literal
 
+from tasks import sandbox
 from tasks.cluster.layout import ClusterLayout, Replica
+from tasks.cluster.local import pipeline_directories, protected_records, remove_what_replicas_planted
 from tasks.cluster.processes import RUN_ID_ENV
+from tasks.paths import RunPaths
 from tasks.spec import RunSpec
+
+# Processes a replica may run: TensorFlow's thread pools count, a fork bomb does not get far.
+PIDS_LIMIT = 1024
 
 # Grace between SIGTERM and SIGKILL when stopping a replica: a TF worker waiting for a peer
 # ignores SIGTERM (see the local backend), so the engine's escalation is what ends it.
@@ -51,6 +58,32 @@ def replica_spec(spec: RunSpec, replica: Replica) -> ReplicaSpec:
         node=worker.node if worker else None,
         restart_policy=spec.restart_policy,
     )
+
+
+def container_user() -> str:
+    """``uid:gid`` a container replica runs as: the supervisor's own, so that what it writes is the
+    reader's; where the supervisor is root, the sandbox's unprivileged uid (``tasks.sandbox``)."""
+    if os.geteuid() == 0:
+        return f"{sandbox.SANDBOX_UID}:{sandbox.SANDBOX_GID}"
+    return f"{os.getuid()}:{os.getgid()}"
+
+
+def prepare_run_dir(paths: RunPaths) -> list[Path]:
+    """Before container replicas start: remove what an earlier try's replicas planted, make the
+    folders later stages write into (so no replica puts a link at their names), hand what replicas
+    write to their uid. Returns what of the run directory a container sees read-only over its
+    writable run directory: the pipeline's records that exist."""
+    remove_what_replicas_planted(paths.root)
+    for directory in (paths.logs, paths.replicas, *pipeline_directories(paths)):
+        directory.mkdir(parents=True, exist_ok=True)
+    for directory in (paths.checkpoints, paths.probes):
+        directory.mkdir(parents=True, exist_ok=True)
+        for parent, directories, files in os.walk(directory):
+            for name in [*directories, *files]:
+                sandbox.hand_over(Path(parent) / name)
+        sandbox.hand_over(directory)
+    sandbox.hand_over(paths.root)
+    return [path for path in protected_records(paths) if path.exists()]
 
 
 def replica_environment(layout: ClusterLayout, replica: Replica, home: Path, launched_at: float) -> dict[str, str]:

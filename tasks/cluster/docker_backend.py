@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Sequence
 
 import docker  # the Docker SDK (its docker.errors comes with it)
 
 from tasks.cluster.containers import (
+    PIDS_LIMIT,
     STOP_GRACE_SECONDS,
+    container_user,
     lines_to_file,
+    prepare_run_dir,
     replica_environment,
     replica_spec,
 )
@@ -38,7 +41,7 @@ from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
 from tasks.cluster.local import core_assignment, replica_view
 from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import REPO_ROOT, hetflow_home
+from tasks.paths import REPO_ROOT, RunPaths, hetflow_home
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -87,16 +90,18 @@ def container_config(
     user: str,
     launched_at: float,
     probe: bool = False,
+    protected: Sequence[Path] = (),
 ) -> dict:
-    """Keyword arguments of ``client.containers.run`` for one replica.
+    """Keyword arguments of ``client.containers.run`` for one replica: no capabilities, no
+    privilege to gain, a read-only root file system with a private /tmp, a bounded process count.
 
     :param home: HETFLOW_HOME; the run directory and the data dir (the spec's, or the one under
         ``home``) are mounted at the same paths.
     :param run_dir: the run directory (under ``home``).
-    :param user: ``uid:gid`` the replica runs as: the supervisor's own, so that what the replica
-        writes into the bind mount belongs to the user who reads it next.
+    :param user: ``uid:gid`` the replica runs as (``containers.container_user``).
     :param launched_at: when the supervisor launched the run (for time to first step).
     :param probe: run the worker's speed probe instead of training.
+    :param protected: what of the run directory the replica sees read-only (the pipeline's records).
     """
     view = replica_view(spec, run_dir, home)
     needs = replica_spec(spec, replica)
@@ -124,8 +129,13 @@ def container_config(
         "network": network_name(layout.run_id),
         "volumes": {
             **{str(path): {"bind": str(path), "mode": "rw"} for path in view["read_write"]},
-            **{str(path): {"bind": str(path), "mode": "ro"} for path in view["read_only"]},
+            **{str(path): {"bind": str(path), "mode": "ro"} for path in [*view["read_only"], *protected]},
         },
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "read_only": True,
+        "tmpfs": {"/tmp": "rw,nosuid,nodev,size=512m"},
+        "pids_limit": PIDS_LIMIT,
         # The supervisor restarts replicas (restart_policy), as on every backend.
         "restart_policy": {"Name": "no"},
         "detach": True,
@@ -167,16 +177,23 @@ class DockerReplicas:
 
     def provision(self) -> None:
         """The run's network and every replica's container, started."""
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
         self.client.networks.create(**network_config(self.layout.run_id, self.run_dir))
         self.start(self.layout.replicas)
 
     def start(self, replicas) -> None:
-        user = f"{os.getuid()}:{os.getgid()}"
+        protected = prepare_run_dir(RunPaths(self.run_dir))
         launched_at = time.time()
         for replica in replicas:
             config = container_config(
-                self.layout, replica, self.spec, hetflow_home(), self.run_dir, user, launched_at, self.probe
+                self.layout,
+                replica,
+                self.spec,
+                hetflow_home(),
+                self.run_dir,
+                container_user(),
+                launched_at,
+                self.probe,
+                protected,
             )
             try:  # a restart: the container that exited gives way to a new one of the same name
                 self.client.containers.get(config["name"]).remove(force=True)

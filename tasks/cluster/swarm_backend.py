@@ -23,15 +23,22 @@ built from this checkout.
 from __future__ import annotations
 
 import logging
-import os
+import re
 import secrets
 import time
 from pathlib import Path
+from typing import Sequence
 
 import docker
 from docker.types import EndpointSpec, Mount, Resources, RestartPolicy, ServiceMode
 
-from tasks.cluster.containers import STOP_GRACE_SECONDS, replica_environment, replica_spec
+from tasks.cluster.containers import (
+    STOP_GRACE_SECONDS,
+    container_user,
+    prepare_run_dir,
+    replica_environment,
+    replica_spec,
+)
 from tasks.cluster.docker_backend import (
     LABEL_INDEX,
     LABEL_ROLE,
@@ -48,7 +55,7 @@ from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster
 from tasks.cluster.local import replica_view
 from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import hetflow_home, write_record
+from tasks.paths import RunPaths, hetflow_home, write_record
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -123,9 +130,12 @@ def service_config(
     user: str,
     launched_at: float,
     probe: bool = False,
+    protected: Sequence[Path] = (),
 ) -> dict:
     """Keyword arguments of ``client.services.create`` for one replica (see the docker backend's
-    ``container_config`` for what the parameters mean: the replica is the same)."""
+    ``container_config`` for what the parameters mean: the replica is the same): no capabilities,
+    a read-only root file system with a private /tmp. (Swarm services of Docker 20.10 take no
+    no-new-privileges flag nor a pids limit; a uid without capabilities has nothing to gain.)"""
     view = replica_view(spec, run_dir, home)
     deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
     environment = {**replica_environment(layout, replica, home, launched_at), "HOME": "/tmp"}
@@ -143,7 +153,10 @@ def service_config(
         "labels": {**run_labels(layout.run_id, run_dir), LABEL_ROLE: replica.role, LABEL_INDEX: str(replica.index)},
         "networks": [network_name(layout.run_id)],
         "mounts": [Mount(str(p), str(p), type="bind") for p in view["read_write"]]
-        + [Mount(str(p), str(p), type="bind", read_only=True) for p in view["read_only"]],
+        + [Mount(str(p), str(p), type="bind", read_only=True) for p in [*view["read_only"], *protected]]
+        + [Mount("/tmp", None, type="tmpfs")],
+        "cap_drop": ["ALL"],
+        "read_only": True,
         "endpoint_spec": EndpointSpec(mode="dnsrr"),
         "restart_policy": RestartPolicy(condition="none"),
         "constraints": placement(spec, replica),
@@ -204,11 +217,19 @@ class SwarmReplicas:
         self.start(self.layout.replicas)
 
     def start(self, replicas) -> None:
-        user = f"{os.getuid()}:{os.getgid()}"
+        protected = prepare_run_dir(RunPaths(self.run_dir))
         launched_at = time.time()
         for replica in replicas:
             config = service_config(
-                self.layout, replica, self.spec, hetflow_home(), self.run_dir, user, launched_at, self.probe
+                self.layout,
+                replica,
+                self.spec,
+                hetflow_home(),
+                self.run_dir,
+                container_user(),
+                launched_at,
+                self.probe,
+                protected,
             )
             try:  # a restart: the service whose task ended gives way to a new one of the same name
                 self.client.services.get(config["name"]).remove()
@@ -268,32 +289,54 @@ class SwarmReplicas:
                 pass
 
     def lines(self, name: str, since: float):
-        """The service's output, read every half second until its task has ended (a service's log
-        stream does not end by itself); kept in ``logs/<name>.log``."""
+        """The service's output, read every half second until its task has ended or its node went
+        down (a service's log stream does not end by itself); kept in ``logs/<name>.log``."""
         service_name = container_name(self.layout.run_id, name)
         log_path = self.logs_dir / f"{'probe-' if self.probe else ''}{name}.log"
-        last_stamp = ""
+        last = ""  # the newest line read, by its time stamp
         with open(log_path, "a", encoding="utf-8") as log_file:
             while True:
                 try:
                     service = self.client.services.get(service_name)
                     nodes = {node.id: node.attrs for node in self.client.nodes.list()}
                     ended = self._state(name, nodes, record_node=False).exit_code is not None
-                    chunks = service.logs(stdout=True, stderr=True, timestamps=True, since=since)
-                    raw = b"".join(chunks)
+                    newest = _stamp_seconds(last) if last else since
+                    raw = b"".join(service.logs(stdout=True, stderr=True, timestamps=True, since=newest))
                 except docker.errors.NotFound:
                     return
                 for entry in raw.decode("utf-8", "replace").splitlines():
                     stamp, _, line = entry.partition(" ")
-                    if stamp <= last_stamp:  # already read (RFC 3339 stamps of one length sort as text)
+                    key = _stamp_key(stamp)
+                    if key is None:  # the engine's own message (a node it cannot reach), not output
+                        log.debug("%s: %s", name, entry)
                         continue
-                    last_stamp = stamp
+                    if key <= last:  # read already
+                        continue
+                    last = key
                     log_file.write(line + "\n")
                     log_file.flush()
                     yield line
                 if ended:
                     return
                 time.sleep(0.5)
+
+
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?Z$")
+
+
+def _stamp_key(stamp: str) -> str | None:
+    """Docker's RFC 3339 time stamp, its fraction padded to nanoseconds so that keys sort as times
+    (Docker drops trailing zeros); None for anything else."""
+    match = _STAMP.match(stamp)
+    return f"{match[1]}.{(match[2] or '').ljust(9, '0')}" if match else None
+
+
+def _stamp_seconds(key: str) -> int:
+    """The whole second of a ``_stamp_key``: what ``since`` takes (the lines of that second are read
+    again and skipped by key)."""
+    from datetime import datetime, timezone
+
+    return int(datetime.strptime(key[:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp())
 
 
 def check_nodes(client, spec: RunSpec, run_id: str, nodes: list[dict], home: Path) -> list[str]:
@@ -315,8 +358,9 @@ def check_nodes(client, spec: RunSpec, run_id: str, nodes: list[dict], home: Pat
                 command=["sh", "-c", f'echo "digest=$HETFLOW_SOURCE_DIGEST"; {_ESP_CHECK}; cat {marker}'],
                 name=f"hetflow-check-{token}-{node['ID'][:12]}",
                 labels=labels,
-                user=f"{os.getuid()}:{os.getgid()}",
-                mounts=[Mount(str(home), str(home), type="bind", read_only=True)],
+                user=container_user(),
+                # The marker's folder alone: as the replicas, the check sees only what it is shown.
+                mounts=[Mount(str(marker.parent), str(marker.parent), type="bind", read_only=True)],
                 restart_policy=RestartPolicy(condition="none"),
                 constraints=[f"node.id=={node['ID']}"],
                 mode=ServiceMode("replicated", replicas=1),
