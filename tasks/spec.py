@@ -11,6 +11,7 @@ import copy
 import difflib
 import functools
 import json
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -76,7 +77,7 @@ class RunSpec(BaseModel):
         None,
         "Data",
         "Where TFDS datasets (and prepared image folders) are read and prepared; empty: HETFLOW_HOME/data, "
-        "shared by all runs.",
+        "shared by all runs. Elsewhere only under a root the machine's operator allows (HETFLOW_DATA_ROOTS).",
         pattern=r"^(/[^\x00]*)?$",
         title="Data directory",
     )
@@ -400,6 +401,25 @@ SPEC_KEYS: tuple[str, ...] = tuple(RunSpec.model_fields)
 CONTAINER_ONLY_KEYS = {"replica_cpus": 0.0, "replica_memory_mb": 0, "request_gpus": False}
 
 
+DATA_ROOTS_ENV = "HETFLOW_DATA_ROOTS"
+
+
+def data_roots() -> list[str]:
+    """Where a data_dir may lie: HETFLOW_HOME/data and the folders the machine's operator lists in
+    HETFLOW_DATA_ROOTS (``:``-separated), links resolved. Not a form field: a data_dir is shown to
+    every replica, and one anywhere (the stack's secrets, /run and its Docker socket) would show
+    them what they must not see."""
+    from tasks.paths import data_dir
+
+    listed = [root for root in os.environ.get(DATA_ROOTS_ENV, "").split(":") if root.startswith("/")]
+    return [os.path.realpath(root) for root in [str(data_dir()), *listed]]
+
+
+def _under_a_root(path: str, roots: list[str]) -> bool:
+    resolved = os.path.realpath(path)
+    return any(resolved == root or resolved.startswith(root.rstrip("/") + "/") for root in roots)
+
+
 def cluster_problems(spec: RunSpec) -> list[str]:
     """Checks across keys: the cluster shape must fit the strategy, the batch the replicas."""
     problems = []
@@ -480,6 +500,11 @@ def cluster_problems(spec: RunSpec) -> list[str]:
         problems.append(
             f"image_size={spec.image_size} is invalid with dataset={spec.dataset}: expected empty "
             "(images are resized only for dataset=folder:PATH)"
+        )
+    if spec.data_dir and not _under_a_root(spec.data_dir, data_roots()):
+        problems.append(
+            f"data_dir={spec.data_dir} is invalid: expected empty or a folder under {', '.join(data_roots())} "
+            f"(every replica is shown it; the machine's operator may allow more roots in {DATA_ROOTS_ENV})"
         )
     if spec.backend == "kubernetes" and (spec.data_dir or spec.dataset.startswith("folder:")):
         problems.append(

@@ -47,6 +47,7 @@ def test_a_tfds_dataset_that_cannot_be_had_offline_is_refused_before_the_run_sta
     # Where TFDS would download from: a port nothing listens on, as on a machine without network.
     monkeypatch.setattr(prepare, "_DOWNLOAD_HOST", ("127.0.0.1", _free_port()))
     monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HETFLOW_DATA_ROOTS", str(tmp_path))  # a data_dir outside HETFLOW_HOME, as an operator allows
     data_dir = tmp_path / "tfds"
     with pytest.raises(SpecError) as caught:
         validate_spec({"dataset": "mnist", "data_dir": str(data_dir)}, "offline-run")

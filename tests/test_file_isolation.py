@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from conftest import REPO, wait_for
 
 from tasks import sandbox
@@ -171,3 +172,23 @@ def test_directories_hidden_and_shown_inside_each_other_nest_as_written(tmp_path
     done = _run(box, ["python3", "-c", probe])
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "code", "False", "['mine']", "True"]
+
+
+def test_a_data_dir_outside_the_allowed_roots_is_refused_in_one_line(tmp_path, monkeypatch):
+    """data_dir is shown to every replica: the stack's secrets or /run (the Docker socket) must not
+    be. HETFLOW_HOME/data and the roots the operator lists are allowed; a link out of one is not."""
+    from tasks.spec import SpecError, parse_spec
+
+    monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HETFLOW_DATA_ROOTS", raising=False)
+    (tmp_path / "home" / "data").mkdir(parents=True)
+    (tmp_path / "home" / "data" / "escape").symlink_to("/run")
+    assert parse_spec({"data_dir": str(tmp_path / "home" / "data" / "tfds")}).data_dir.endswith("tfds")
+    for refused in ("/run", str(tmp_path / "home" / "stack"), str(tmp_path / "home" / "data" / "escape"), "/"):
+        with pytest.raises(SpecError) as caught:
+            parse_spec({"data_dir": refused})
+        [problem] = caught.value.problems
+        assert problem.startswith(f"data_dir={refused} is invalid: expected empty or a folder under ")
+        assert "HETFLOW_DATA_ROOTS" in problem and "\n" not in problem
+    monkeypatch.setenv("HETFLOW_DATA_ROOTS", str(tmp_path / "datasets"))
+    assert parse_spec({"data_dir": str(tmp_path / "datasets" / "tfds")}).data_dir.endswith("tfds")

@@ -226,6 +226,7 @@ class LocalReplicas:
             replicas.append(replica)
         if tuple(replicas) != self.layout.replicas:
             self.layout = ClusterLayout(self.layout.run_id, tuple(replicas))
+            write_record(self.paths.cluster, self.layout.to_dict())
 
     def start(self, replicas) -> None:
         for replica in replicas:
