@@ -182,32 +182,72 @@ def test_a_worse_candidate_that_read_the_champion_first_does_not_take_it_from_a_
 def test_the_promotion_lock_is_one_per_registered_model_and_dies_with_its_holder(hetflow_env):
     """A promotion of another registered model does not wait; one of the same model does, until
     the holder releases it, also by dying (a task SIGKILLed by Airflow leaves no stale lock)."""
-    from tasks.registry.champion import promotion_lock
+    from mlflow import MlflowClient
 
-    def acquired_within(name: str, seconds: float) -> bool:
-        got = threading.Event()
-
-        def take():
-            with promotion_lock(name):
-                got.set()
-
-        threading.Thread(target=take, daemon=True).start()
-        return got.wait(seconds)
-
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "from tasks.registry.champion import promotion_lock\nwith promotion_lock('held'):\n"
-         "    print('held', flush=True)\n    input()"],
-        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    _registered(MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"]), "held", "other-model")
+    holder = _lock_holder("held", hetflow_env)
     try:
         assert holder.stdout.readline() == "held\n"
-        assert acquired_within("other-model", 5)
-        assert not acquired_within("held", 2)
+        assert _acquired_within("other-model", 5)
+        assert not _acquired_within("held", 2)
         holder.kill()
         holder.wait(10)
-        assert acquired_within("held", 5)
+        assert _acquired_within("held", 5)
     finally:
         holder.kill()
+
+
+def test_the_promotion_lock_holds_against_a_differently_spelled_tracking_uri(hetflow_env, tmp_path):
+    """The same registry reached by two spellings of its URI (here the SQLite file through a link
+    to its folder; in the compose stack http://mlflow:5000 beside http://127.0.0.1:5000 on the
+    host) is one registry: one promotion at a time."""
+    from mlflow import MlflowClient
+
+    uri = hetflow_env["MLFLOW_TRACKING_URI"]
+    store = Path(uri.removeprefix("sqlite:///"))
+    (tmp_path / "store").symlink_to(store.parent)
+    other_spelling = f"sqlite:///{tmp_path / 'store' / store.name}"
+    assert other_spelling != uri
+    _registered(MlflowClient(uri), "spelled")
+    holder = _lock_holder("spelled", {**hetflow_env, "MLFLOW_TRACKING_URI": other_spelling})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert not _acquired_within("spelled", 2)
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert _acquired_within("spelled", 10)
+    finally:
+        holder.kill()
+
+
+def _registered(client, *names: str) -> None:
+    for name in names:
+        try:
+            client.create_registered_model(name)
+        except Exception:  # noqa: BLE001  (made by an earlier test of the session)
+            client.get_registered_model(name)
+
+
+def _acquired_within(name: str, seconds: float) -> bool:
+    from tasks.registry.champion import promotion_lock
+
+    got = threading.Event()
+
+    def take():
+        with promotion_lock(name):
+            got.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    return got.wait(seconds)
+
+
+def _lock_holder(name: str, env: dict[str, str]) -> subprocess.Popen:
+    """A process that takes ``name``'s promotion lock, says "held" and keeps it until a line comes."""
+    script = f"from tasks.registry.champion import promotion_lock\nwith promotion_lock({name!r}):\n"
+    script += "    print('held', flush=True)\n    input()"
+    return subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def _write_run_records(paths, chosen_tflite: str | None) -> None:

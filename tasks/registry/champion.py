@@ -32,11 +32,17 @@ CANDIDATE, CHAMPION = "candidate", "champion"
 
 
 @contextmanager
-def promotion_lock(name: str):
-    """Hold the one promotion of registered model ``name`` in this MLflow store: an exclusive lock
-    on a file under $HETFLOW_HOME, which every process of a deployment shares (the kernel releases
-    it when its holder dies, so a killed task leaves no stale lock)."""
-    key = hashlib.sha256(f"{tracking_uri()}\n{name}".encode()).hexdigest()[:16]
+def promotion_lock(name: str, client: MlflowClient | None = None):
+    """Hold the one promotion of registered model ``name`` in its registry: an exclusive lock on a
+    file under $HETFLOW_HOME, which every process of a deployment shares (the kernel releases it
+    when its holder dies, so a killed task leaves no stale lock).
+
+    The file is named after the registry's identity, not the tracking URI's spelling: the model's
+    creation time as the registry itself records it, the same whoever asks and however they spell
+    the URI (``http://mlflow:5000`` in the compose stack, ``http://127.0.0.1:5000`` on the host)."""
+    client = client or MlflowClient(tracking_uri())
+    created = client.get_registered_model(name).creation_timestamp
+    key = hashlib.sha256(f"{name}\n{created}".encode()).hexdigest()[:16]
     path = hetflow_home() / "locks" / f"promote-{key}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
@@ -144,7 +150,7 @@ def promote(
         served = json.loads(recorded["served"]) if "served" in recorded else None
     else:
         served = check.result()  # the candidate's own check, independent of the champion: outside the lock
-        with promotion_lock(name):
+        with promotion_lock(name, client):
             # Read again under the lock: another run may have moved `champion` since the read above,
             # and none can move it between this read and our set.
             champion = version_by_alias(client, name, CHAMPION)
