@@ -239,7 +239,8 @@ def form_run(stack, api, browser):
     page.get_by_role("option", name="parameter_server", exact=True).click()
     page.screenshot(path=str(ARTIFACTS / "trigger_form.png"))
     trigger.click()
-    page.get_by_text("Dag Run Triggered").first.wait_for()  # the toast may be rendered twice
+    # The toast may be rendered twice; it waits for the UI's queries to refresh, slow on a busy machine.
+    page.get_by_text("Dag Run Triggered").first.wait_for(timeout=120_000)
     new = wait_for(lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] not in before], 30)
     assert len(new) == 1, new
     run = api.wait_for_run("hetflow_train", new[0]["dag_run_id"])
@@ -280,6 +281,9 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     experiment = client.get_experiment(mlflow_run.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", experiment.tags
     assert re.fullmatch(r"mlp parameter_server 2 workers \+ 1 ps \d\d-\d\d \d\d:\d\d:\d\d", mlflow_run.info.run_name)
+    # The figures a reviewer compares first head the run's page, as its description.
+    accuracy = mlflow_run.data.metrics["test_accuracy"]
+    assert mlflow_run.data.tags["mlflow.note.content"].startswith(f"**test accuracy {accuracy:.4f}** · validation")
     # Its start and end are the pipeline's: from validate_spec to register, not register's logging alone.
     stages = {
         ti["task_id"]: ti
@@ -297,6 +301,9 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     page.get_by_text(mlflow_run.info.run_name).first.wait_for()
     page.screenshot(path=str(ARTIFACTS / "mlflow_runs.png"))
     info = mlflow_run.info
+    page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}")
+    page.get_by_text(f"test accuracy {accuracy:.4f}").first.wait_for()
+    page.screenshot(path=str(ARTIFACTS / "mlflow_run_overview.png"))
     plot = "plots/training_curves.png"
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}/artifacts/{plot}")
     page.get_by_text(plot, exact=True).wait_for()
