@@ -7,6 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from mlflow.exceptions import MlflowException
+
 from mlflow import MlflowClient
 from tasks.paths import REPO_ROOT
 
@@ -41,7 +43,10 @@ def runs_page(server_url: str) -> str:
     """The MLflow UI's page of hetflow's runs, the experiment created if need be. MLflow 3.17's UI
     opens an experiment in the view its workflow switch holds, GenAI unless the user switched,
     whatever the experiment's kind: the page's own ``workflowType`` asks for the training runs."""
-    experiment_id = _experiment_id(MlflowClient(tracking_uri()))
+    try:
+        experiment_id = _experiment_id(MlflowClient(tracking_uri()))
+    except MlflowException:  # a store that does not answer yet: the experiments' list, in the same view
+        return f"{server_url}/#/experiments?workflowType=machine_learning"
     return f"{server_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
 
