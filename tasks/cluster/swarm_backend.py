@@ -4,8 +4,9 @@ hetflow talks to a manager's engine (``DOCKER_HOST``). Every replica's service r
 image's entry point with the same TF_CONFIG as on every backend; peers are addressed by service
 name, which the swarm's DNS resolves to the service's task wherever it runs and after it is placed
 again (``endpoint_mode=dnsrr``: virtual IPs need IPVS, which not every node has). The services sit on
-an attachable, internal overlay network of the run's own, encrypted where the nodes' kernels allow
-it (``network_config``), so no replica is reachable from outside the run.
+an attachable, internal overlay network of the run's own (``network_config``), so no replica is
+reachable from outside the run, encrypted between nodes unless ``encrypt_network=false`` (preflight
+refuses encryption where a node's kernel says it has no IPsec ESP).
 
 Placement is from node labels: a worker with ``device=gpu`` goes to a node labelled
 ``hetflow.device=gpu``; a CPU worker to any node not labelled so; ``worker_devices[i].node`` names its
@@ -55,7 +56,7 @@ from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster
 from tasks.cluster.local import replica_view
 from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import RunPaths, hetflow_home, write_record
+from tasks.paths import RunPaths, hetflow_home, run_paths, write_record
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -209,7 +210,7 @@ class SwarmReplicas:
         self.logs_dir = run_dir / "logs"
         self.probe = probe
         self.client = client or docker.from_env()
-        self.nodes: dict[str, str] = {}  # replica: the hostname of the node its newest task runs on
+        self.nodes: dict[str, str] = {}  # replica: the id of the node its newest task runs on
 
     def provision(self) -> None:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
@@ -348,7 +349,8 @@ def check_nodes(client, spec: RunSpec, run_id: str, nodes: list[dict], home: Pat
     marker = home / ".swarm-check" / token
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(token)
-    labels = {**run_labels(run_id, home), LABEL_CHECK: token}
+    # The run's labels, with the directory the run will have: an interrupted check is swept as its run.
+    labels = {**run_labels(run_id, run_paths(run_id).root), LABEL_CHECK: token}
     services = {}
     try:
         for node in nodes:
