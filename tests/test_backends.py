@@ -29,7 +29,7 @@ from tasks.cluster import kubernetes_manifests as manifests
 from tasks.cluster.containers import lines_to_file
 from tasks.cluster.layout import plan_cluster, run_slug
 from tasks.cluster.supervisor import ReplicaState
-from tasks.spec import SpecError, parse_spec
+from tasks.spec import RunSpec, SpecError, parse_spec
 
 RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"  # an Airflow run id: ':' and '+' included
 HOME = Path("/srv/hetflow")
@@ -537,3 +537,26 @@ def test_a_sync_run_on_kubernetes_trains_and_deleting_the_run_leaves_nothing(het
     assert not networking.list_namespaced_network_policy(
         "default", label_selector=f"hetflow.dev/run={run_slug(run)}"
     ).items
+
+
+def test_every_backend_a_spec_can_name_implements_the_one_interface():
+    """backend_for is the one choice: each value of spec.backend has a module whose BACKEND has
+    every method of the Backend protocol, and no other module asks which backend a spec names."""
+    import inspect
+    import typing
+
+    from tasks.cluster.backends import Backend, backend_for
+
+    names = typing.get_args(RunSpec.model_fields["backend"].annotation)
+    assert set(names) == {"local", "docker", "swarm", "kubernetes"}
+    wanted = {name for name, _ in inspect.getmembers(Backend, inspect.isfunction) if not name.startswith("_")}
+    for name in names:
+        backend = backend_for(RunSpec(backend=name))
+        assert {m for m in wanted if callable(getattr(backend, m, None))} == wanted, name
+        assert backend.loss_report_seconds >= 0
+    chains = [
+        str(path.relative_to(REPO))
+        for path in (REPO / "tasks").rglob("*.py")
+        if path.name != "spec.py" and re.search(r"backend\s*(==|!=|in \()", path.read_text())
+    ]
+    assert chains == []
