@@ -123,6 +123,8 @@ def summarize(
         },
         "replicas": (read["provision_cluster"] or {}).get("replicas"),
         "restarts": read_record(paths.restarts) if paths.restarts.exists() else [],
+        # backend=swarm: the node each replica ran on (train writes it)
+        "nodes": read_record(paths.root / "nodes.json") if (paths.root / "nodes.json").exists() else None,
         "timings": _timings(paths, finished, training, dag_started_at),
         # strategy=auto: what it chose and why, from the probes (plan.json).
         "auto": _auto_decision(paths) if "provision_cluster" in finished else None,

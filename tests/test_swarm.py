@@ -232,8 +232,9 @@ def test_a_dag_run_across_two_swarm_nodes_reaches_the_local_bar_records_its_node
     assert done.returncode == 0, done.stdout[-3000:]
     assert summary["status"] == "success" and summary["restarts"] == []
     assert summary["metrics"]["test_accuracy"] >= 0.9
-    nodes = json.loads((Path(summary["run_dir"]) / "nodes.json").read_text())
+    nodes = summary["nodes"]
     assert {name: nodes[name] for name in expected_nodes} == expected_nodes
+    assert "worker-0 on node-1, worker-1 on node-2" in done.stdout  # the terminal's summary says where
     assert set(nodes.values()) <= {"node-1", "node-2"}
     if "ps=1" in shape:
         assert set(nodes) == {"chief-0", "worker-0", "worker-1", "ps-0"}

@@ -82,7 +82,9 @@ def _cmd_run(args) -> int:
     if summary.get("failed_stage"):
         print(f"  failed at       {summary['failed_stage']}")
     if summary.get("replicas"):
-        replicas = ", ".join(f"{r['role']}-{r['index']}" for r in summary["replicas"])
+        nodes = summary.get("nodes") or {}
+        names = (f"{r['role']}-{r['index']}" for r in summary["replicas"])
+        replicas = ", ".join(f"{name} on {nodes[name]}" if name in nodes else name for name in names)
         print(f"  replicas        {replicas} ({summary['spec']['backend']}, {summary['spec']['strategy']})")
     if log_file is not None:
         print(f"  full log        {log_file}")
