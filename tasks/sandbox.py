@@ -204,8 +204,10 @@ class Sandbox:
             - {"/", "/tmp"},
             key=lambda parent: len(Path(parent).parts),
         )
-        # bwrap makes its new root on /tmp, which it must find there.
-        args = ["bwrap", "--die-with-parent", *_system_view(), "--tmpfs", "/tmp"]
+        # bwrap makes its new root on /tmp, which it must find there. A pid namespace of its own: the
+        # dropped uid is out of reach of a parent-death signal from root's bwrap (sending one takes
+        # CAP_KILL, which bwrap drops), but when its init dies the kernel ends all in it.
+        args = ["bwrap", "--unshare-pid", "--die-with-parent", *_system_view(), "--tmpfs", "/tmp"]
         args += [arg for parent in parents for arg in ("--perms", "0755", "--dir", parent)]
         args += [arg for option, path in shown for arg in (option, path, path)]
         # The unprivileged bwrap inside mounts a fresh /proc, which the kernel allows only where
