@@ -97,11 +97,14 @@ def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     paths = run_paths(run_id)
     record = json.loads(paths.cluster.read_text())["file_isolation"]
     protected = [paths.owner, paths.spec, paths.dataset, paths.cluster, paths.replicas, paths.logs]
+    # Made before the replicas start, so that none can put a link of its own at their names.
+    pipeline_folders = [paths.root / "attempts", paths.plots, paths.compressed, paths.root / "export"]
+    pipeline_folders += [paths.root / "serving", paths.root / "tensorboard"]
     assert record == {
         "confined": True,
         "hidden": sandbox.private_directories(),
         "read_write": [str(paths.root)],
-        "read_only": [str(data_dir(home)), *map(str, protected), str(paths.root / "attempts")],
+        "read_only": [str(data_dir(home)), *map(str, protected), *map(str, pipeline_folders)],
     }
     assert str(home) in record["hidden"] and os.path.expanduser("~") in record["hidden"]
     assert wait_for(lambda: len(run_replicas(run_id)) == 2, timeout=60)
