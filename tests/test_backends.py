@@ -560,3 +560,14 @@ def test_every_backend_a_spec_can_name_implements_the_one_interface():
         if path.name != "spec.py" and re.search(r"backend\s*(==|!=|in \()", path.read_text())
     ]
     assert chains == []
+
+
+def test_a_replica_log_planted_as_a_link_is_not_followed(tmp_path):
+    """A replica that put a link at its log's name (to a file of the pipeline's, say) gets its
+    output refused, and the link's target stays untouched."""
+    target = tmp_path / "secrets.json"
+    target.write_text("{}")
+    (tmp_path / "w.log").symlink_to(target)
+    with pytest.raises(OSError):
+        list(lines_to_file([b"line\n"], tmp_path / "w.log"))
+    assert target.read_text() == "{}"

@@ -119,11 +119,18 @@ def replica_gpus(spec: RunSpec, replica: Replica) -> int:
     return device.count if device.device == "gpu" else 0
 
 
+def open_log(log_path: Path):
+    """The replica's log file, opened to append without following a link at its name (the pipeline
+    writes it; whatever a replica put there is not where its output goes)."""
+    descriptor = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    return os.fdopen(descriptor, "a", encoding="utf-8")
+
+
 def lines_to_file(chunks: Iterable[bytes], log_path: Path) -> Iterator[str]:
     """The replica's output, as the engine streams it in arbitrary chunks, line by line; each line
     is also appended to its log file."""
     pending = b""
-    with open(log_path, "a", encoding="utf-8") as log_file:
+    with open_log(log_path) as log_file:
         for chunk in chunks:
             pending += chunk
             *complete, pending = pending.split(b"\n")

@@ -36,6 +36,7 @@ from docker.types import EndpointSpec, Mount, Resources, RestartPolicy, ServiceM
 from tasks.cluster.containers import (
     STOP_GRACE_SECONDS,
     container_user,
+    open_log,
     prepare_run_dir,
     replica_environment,
     replica_spec,
@@ -295,7 +296,7 @@ class SwarmReplicas:
         service_name = container_name(self.layout.run_id, name)
         log_path = self.logs_dir / f"{'probe-' if self.probe else ''}{name}.log"
         last = ""  # the newest line read, by its time stamp
-        with open(log_path, "a", encoding="utf-8") as log_file:
+        with open_log(log_path) as log_file:
             while True:
                 try:
                     service = self.client.services.get(service_name)
