@@ -29,6 +29,7 @@ BACKEND_ONLY_KEYS = (
     "replica_cpus",
     "replica_memory_mb",
     "request_gpus",
+    "encrypt_network",
     "kubernetes_namespace",
     "kubernetes_volume_claim",
 )
@@ -203,32 +204,33 @@ class RunSpec(BaseModel):
     image: str = _field(
         "hetflow-replica:0.1.0",
         "Cluster",
-        "Replica image for the docker and kubernetes backends (built from docker/Dockerfile).",
+        "Replica image for the docker, swarm and kubernetes backends (built from docker/Dockerfile).",
         pattern=r"^[a-z0-9][a-z0-9._/:@-]{0,254}$",
-        title="Replica image (docker, kubernetes)",
+        title="Replica image (docker, swarm, kubernetes)",
     )
     replica_cpus: float = _field(
         0.0,
         "Cluster",
-        "CPU limit of each replica container or pod (docker, kubernetes); 0 = no limit.",
+        "CPU limit of each replica container, service or pod (docker, swarm, kubernetes); 0 = no limit.",
         ge=0,
         le=256,
-        title="CPUs per replica (docker, kubernetes)",
+        title="CPUs per replica (docker, swarm, kubernetes)",
     )
     replica_memory_mb: int = _field(
         0,
         "Cluster",
-        "Memory limit of each replica container or pod in MiB (docker, kubernetes); 0 = no limit.",
+        "Memory limit of each replica container, service or pod in MiB (docker, swarm, kubernetes); 0 = no limit.",
         ge=0,
         le=4_194_304,
-        title="Memory per replica, MiB (docker, kubernetes)",
+        title="Memory per replica, MiB (docker, swarm, kubernetes)",
     )
     request_gpus: bool = _field(
         False,
         "Cluster",
-        "Request `devices_per_worker` GPUs for each computing replica (docker, kubernetes); ps and a "
-        "parameter_server chief get none.",
-        title="Request GPUs (docker, kubernetes)",
+        "Request GPUs for the workers that compute on them (docker, swarm, kubernetes): each GPU worker of "
+        "`worker_devices` its count, or, with `worker_devices` empty, every worker `devices_per_worker`; CPU "
+        "workers, ps and a parameter_server chief get none.",
+        title="Request GPUs (docker, swarm, kubernetes)",
     )
     encrypt_network: bool = _field(
         True,
