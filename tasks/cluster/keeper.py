@@ -167,7 +167,9 @@ def keep(
     stop_requested = []
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
     signal.signal(signal.SIGINT, lambda *_: stop_requested.append(True))
-    log_file = open(RunPaths(run_dir).logs / f"{log_name}.log", "ab")
+    paths = RunPaths(run_dir)
+    # The holder is no replica: its log sits with the keepers' records, not among the replicas' logs.
+    log_file = open((paths.replicas if network_holder else paths.logs) / f"{log_name}.log", "ab")
     if network_holder:
         replica = netns.hold(run_dir, probe, log_file, replica_environment())
     else:

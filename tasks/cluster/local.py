@@ -172,7 +172,8 @@ class LocalReplicas:
         self.sandboxed = sandbox.required(f"the replicas of {layout.run_id}")
 
     def log_path(self, name: str) -> Path:
-        return self.paths.logs / f"{'probe-' if self.probe else ''}{name}.log"
+        folder = self.paths.replicas if name == _HOLDER else self.paths.logs  # as the keeper writes it
+        return folder / f"{'probe-' if self.probe else ''}{name}.log"
 
     def provision(self) -> None:
         """Start the run's network holder, then every replica in its namespace; where the run is
