@@ -15,7 +15,10 @@ def test_a_retrain_takes_only_the_champions_recipe(hetflow_env, tmp_path, caplog
     from tasks.spec import RunSpec
 
     client = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
-    experiment = client.get_experiment_by_name("retrain") or client.get_experiment(client.create_experiment("retrain"))
+    # Its artifacts under the test's directory, not MLflow's default ./mlruns in the working directory.
+    experiment = client.get_experiment_by_name("retrain") or client.get_experiment(
+        client.create_experiment("retrain", artifact_location=(tmp_path / "artifacts").as_uri())
+    )
     run = client.create_run(experiment.experiment_id)
     # What a registry writer recorded as the champion's spec: a recipe, and keys that are not its.
     recorded = {
