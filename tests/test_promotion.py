@@ -188,11 +188,11 @@ def test_the_promotion_lock_is_one_per_registered_model_and_dies_with_its_holder
     holder = _lock_holder("held", hetflow_env)
     try:
         assert holder.stdout.readline() == "held\n"
-        assert _acquired_within("other-model", 5)
+        assert _acquired_within("other-model", FREE_WITHIN)
         assert not _acquired_within("held", 2)
         holder.kill()
         holder.wait(10)
-        assert _acquired_within("held", 5)
+        assert _acquired_within("held", FREE_WITHIN)
     finally:
         holder.kill()
 
@@ -215,7 +215,7 @@ def test_the_promotion_lock_holds_against_a_differently_spelled_tracking_uri(het
         assert not _acquired_within("spelled", 2)
         holder.stdin.write("\n")
         holder.stdin.flush()
-        assert _acquired_within("spelled", 10)
+        assert _acquired_within("spelled", FREE_WITHIN)
     finally:
         holder.kill()
 
@@ -229,16 +229,30 @@ def _registered(client, *names: str) -> None:
 
 
 def _acquired_within(name: str, seconds: float) -> bool:
+    """Whether this process takes ``name``'s promotion lock within ``seconds``; an error taking it
+    is raised here, not lost in the thread."""
     from tasks.registry.champion import promotion_lock
 
-    got = threading.Event()
+    got, errors = threading.Event(), []
 
     def take():
-        with promotion_lock(name):
+        try:
+            with promotion_lock(name):
+                got.set()
+        except Exception as error:  # noqa: BLE001  (re-raised below, in the test)
+            errors.append(error)
             got.set()
 
     threading.Thread(target=take, daemon=True).start()
-    return got.wait(seconds)
+    acquired = got.wait(seconds)
+    if errors:
+        raise errors[0]
+    return acquired
+
+
+# A lock that is free is taken well within this, also on a loaded machine (the registry is asked
+# for the model first); the waits that must time out are 2 s.
+FREE_WITHIN = 30
 
 
 def _lock_holder(name: str, env: dict[str, str]) -> subprocess.Popen:
