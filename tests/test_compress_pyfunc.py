@@ -15,7 +15,7 @@ np.save(sys.argv[3], np.asarray(model.predict(np.load(sys.argv[2]))))
 """
 
 
-def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_clean_process(tmp_path):
+def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_clean_process(tmp_path, monkeypatch):
     import mlflow
     from tasks.models import build_model
     from tasks.predictors import tflite_predictor
@@ -34,9 +34,13 @@ def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_cl
     assert weight_encoding(path.read_bytes())["encoding"] == "sparse"
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_experiment("sparse-tflite")
-    with mlflow.start_run():
+    # This test's own store, for this test only (the environment is restored after it):
+    # mlflow.set_tracking_uri would leave it set for every later test of the session.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    experiment = mlflow.MlflowClient(uri).create_experiment(
+        "sparse-tflite", artifact_location=(tmp_path / "artifacts").as_uri()
+    )
+    with mlflow.start_run(experiment_id=experiment):
         log_tflite_model(str(path), "sparse-tflite", images, tflite_predictor(path))
     np.save(tmp_path / "images.npy", images)
     # A clean process: not the checkout, none of hetflow's environment (TF_USE_LEGACY_KERAS included).
