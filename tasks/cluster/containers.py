@@ -11,7 +11,12 @@ from typing import Iterable, Iterator, Literal
 
 from tasks import sandbox
 from tasks.cluster.layout import ClusterLayout, Replica
-from tasks.cluster.local import pipeline_directories, protected_records, remove_what_replicas_planted
+from tasks.cluster.local import (
+    hand_over_writable,
+    pipeline_directories,
+    protected_records,
+    remove_what_replicas_planted,
+)
 from tasks.cluster.processes import RUN_ID_ENV
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
@@ -76,13 +81,7 @@ def prepare_run_dir(paths: RunPaths) -> list[Path]:
     remove_what_replicas_planted(paths.root)
     for directory in (paths.logs, paths.replicas, *pipeline_directories(paths)):
         directory.mkdir(parents=True, exist_ok=True)
-    for directory in (paths.checkpoints, paths.probes):
-        directory.mkdir(parents=True, exist_ok=True)
-        for parent, directories, files in os.walk(directory):
-            for name in [*directories, *files]:
-                sandbox.hand_over(Path(parent) / name)
-        sandbox.hand_over(directory)
-    sandbox.hand_over(paths.root)
+    hand_over_writable(paths)
     return [path for path in protected_records(paths) if path.exists()]
 
 

@@ -98,6 +98,19 @@ def pipeline_directories(paths: RunPaths) -> list[Path]:
     return [paths.plots, paths.compressed, paths.saved_model.parent, paths.root / "serving", paths.root / "tensorboard"]
 
 
+def hand_over_writable(paths: RunPaths) -> None:
+    """What replicas write (the run directory's top, where the chief's weights and record go;
+    checkpoints; the probes' records) becomes the sandbox uid's where root provisions, on every
+    backend whose replicas run as that uid."""
+    for directory in (paths.checkpoints, paths.probes):
+        directory.mkdir(parents=True, exist_ok=True)
+        for parent, directories, files in os.walk(directory):
+            for name in [*directories, *files]:
+                sandbox.hand_over(Path(parent) / name)
+        sandbox.hand_over(directory)
+    sandbox.hand_over(paths.root)
+
+
 def remove_what_replicas_planted(run_dir: Path) -> list[Path]:
     """Remove from the run directory what the pipeline would otherwise read or write through: every
     link, fifo, socket or device node (the pipeline makes none), and a replica's JSON record that is
@@ -185,7 +198,7 @@ class LocalReplicas:
         if self.sandboxed:
             network = {"isolated": True, "sandbox": "bubblewrap"}
             files = file_view(self.spec, self.run_dir)
-            self._hand_over_writable()
+            hand_over_writable(self.paths)
         else:
             reason = sandbox.unavailable()
             network = {"isolated": False, "reason": reason}
@@ -202,17 +215,6 @@ class LocalReplicas:
         except BaseException:
             teardown_run(self.layout.run_id)  # nothing half-started stays
             raise
-
-    def _hand_over_writable(self) -> None:
-        """What the replicas write (the run directory's top, where the chief's weights and record
-        go; checkpoints; the probes' records) becomes the sandbox uid's where root provisions."""
-        for directory in (self.paths.checkpoints, self.paths.probes):
-            directory.mkdir(parents=True, exist_ok=True)
-            for parent, directories, files in os.walk(directory):
-                for name in [*directories, *files]:
-                    sandbox.hand_over(Path(parent) / name)
-            sandbox.hand_over(directory)
-        sandbox.hand_over(self.run_dir)
 
     def _move_off_taken_ports(self) -> None:
         """Ports were picked free at planning; whatever took one since, the replica moves to
