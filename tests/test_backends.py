@@ -321,7 +321,7 @@ def test_kubernetes_manifests_pass_strict_schema_validation(tmp_path):
         }
         for kind, r in manifests.tfjob_manifest(layout, spec, RUN_DIR)["spec"]["tfReplicaSpecs"].items()
     ]
-    documents = [manifests.run_configmap(layout, spec, "default"), service, policy, *pods.values(), *templates]
+    documents = [manifests.run_configmap(layout, spec, "default", RUN_DIR), service, policy, *pods.values(), *templates]
     manifest = tmp_path / "run.yaml"
     manifest.write_text(yaml.safe_dump_all(documents))
     result = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest], capture_output=True, text=True)
@@ -336,7 +336,7 @@ def test_kubernetes_manifests_pass_strict_schema_validation(tmp_path):
 def test_kubernetes_run_configmap_holds_the_spec_and_layout():
     spec = ps_spec("kubernetes")
     layout = k8s.plan(spec, RUN_ID)
-    configmap = manifests.run_configmap(layout, spec, "default")
+    configmap = manifests.run_configmap(layout, spec, "default", RUN_DIR)
     assert configmap["metadata"]["name"] == OWNER["name"] == manifests.run_name(RUN_ID)
     assert json.loads(configmap["data"]["cluster.json"]) == layout.to_dict()
     assert json.loads(configmap["data"]["spec.json"]) == spec.model_dump()

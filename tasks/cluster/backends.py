@@ -65,13 +65,18 @@ def backend_for(spec: RunSpec | None) -> Backend:
 def sweep(home: Path, attach_seconds: float | None = None, namespace_grace: float | None = None) -> dict[str, list]:
     """``hetflow sweep``, and every teardown after its own run's: what interrupted runs of ``home`` left
     on every backend that can leave something — empty network namespaces (local), containers and
-    networks (docker), services and overlay networks (swarm) — of runs no supervisor holds. Kubernetes
-    objects are not swept: pods end at their activeDeadlineSeconds and the run's ConfigMap owns the rest.
+    networks (docker), services and overlay networks (swarm), the pods, services, NetworkPolicies and
+    ConfigMaps of Kubernetes runs where a client configuration is found — of runs no supervisor holds.
 
-    :param attach_seconds: containers and services younger than this are left alone (default: the
-        backends' attach timeout); ``namespace_grace`` the same for network namespaces."""
+    :param attach_seconds: containers, services and Kubernetes runs younger than this are left alone
+        (default: the backends' attach timeout); ``namespace_grace`` the same for network namespaces."""
     removed: dict[str, list] = {}
-    for name, grace in (("local", namespace_grace), ("docker", attach_seconds), ("swarm", attach_seconds)):
+    for name, grace in (
+        ("local", namespace_grace),
+        ("docker", attach_seconds),
+        ("swarm", attach_seconds),
+        ("kubernetes", attach_seconds),
+    ):
         for kind, names in importlib.import_module(_MODULES[name]).BACKEND.sweep(home, grace).items():
             removed[kind] = removed.get(kind, []) + names
     return removed

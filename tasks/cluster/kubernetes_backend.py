@@ -10,6 +10,9 @@ inspects and deletes for the one supervisor (``tasks.cluster.supervisor``); the 
 failed container in its pod (restartPolicy), and the supervisor counts those restarts. The
 supervisor must mount the claim that holds HETFLOW_HOME at the same path as the pods do. The run's
 NetworkPolicy takes effect where the cluster's network plugin enforces NetworkPolicies.
+
+``hetflow sweep`` finds runs by their ConfigMap, which names the run directory, and tears down
+those no supervisor holds, by the rule every backend's sweep keeps (``tasks.cluster.sweep``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import kubernetes.client
 import kubernetes.config
+import urllib3
 import yaml
 from kubernetes.client.exceptions import ApiException
 
@@ -27,7 +31,10 @@ from tasks.cluster.containers import (
     STOP_GRACE_SECONDS,
     lines_to_file,
 )
+from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.kubernetes_manifests import (
+    ANNOTATION_RUN_DIR,
+    ANNOTATION_RUN_ID,
     LABEL_INDEX,
     LABEL_ROLE,
     LABEL_RUN,
@@ -48,6 +55,10 @@ log = logging.getLogger("hetflow.cluster")
 
 # Waiting reasons after which a pod will never start by itself.
 _STUCK_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError")
+
+# Every teardown sweeps: an API server that does not answer (a kubeconfig for a cluster that is
+# off) costs it this long, once (seconds to connect, to read the listing).
+SWEEP_LIST_TIMEOUT = (5, 30)
 
 
 def plan(spec: RunSpec, run_id: str) -> ClusterLayout:
@@ -112,7 +123,7 @@ class KubernetesReplicas:
             )
         )
         run = self.core.create_namespaced_config_map(
-            self.namespace, run_configmap(self.layout, self.spec, self.namespace)
+            self.namespace, run_configmap(self.layout, self.spec, self.namespace, self.run_dir)
         )
         self._owner = owner_reference(run.metadata.name, run.metadata.uid)
         # Before any pod, so that no pod is ever reachable from outside the run.
@@ -147,10 +158,12 @@ class KubernetesReplicas:
             return
 
     def attach(self) -> None:
-        """Pods do not depend on their supervisor: teardown and their activeDeadlineSeconds end them."""
+        """Pods do not depend on their supervisor (teardown and their activeDeadlineSeconds end
+        them), but the supervisor holds the run's lease: `hetflow sweep` leaves a supervised run alone."""
+        self._lease = take_lease(self.run_dir)
 
     def detach(self) -> None:
-        pass
+        self._lease.close()
 
     def poll(self) -> dict[str, ReplicaState]:
         pods = self.core.list_namespaced_pod(
@@ -203,6 +216,88 @@ def teardown_run(run_id: str, namespace: str, core=None, networking=None) -> lis
     return deleted
 
 
+def sweep_client():
+    """CoreV1Api and NetworkingV1Api for the sweep, from the kubeconfig or the pod's service
+    account; None where there is neither (no cluster to sweep). A client of its own that does not
+    retry, so that an unreachable cluster delays no teardown for long (the next sweep tries again)."""
+    configuration = kubernetes.client.Configuration()
+    try:
+        kubernetes.config.load_kube_config(client_configuration=configuration)
+    except kubernetes.config.ConfigException:
+        try:
+            kubernetes.config.load_incluster_config(client_configuration=configuration)
+        except kubernetes.config.ConfigException:
+            return None
+    configuration.retries = 0
+    api = kubernetes.client.ApiClient(configuration)
+    return kubernetes.client.CoreV1Api(api), kubernetes.client.NetworkingV1Api(api)
+
+
+def _run_configmaps(core) -> list:
+    """Every run's ConfigMap the identity may list: in every namespace, or where it may not list
+    across namespaces (a Role, not a ClusterRole), in the spec's default namespace."""
+    try:
+        return core.list_config_map_for_all_namespaces(
+            label_selector=LABEL_RUN, _request_timeout=SWEEP_LIST_TIMEOUT
+        ).items
+    except ApiException as error:
+        if error.status != 403:
+            raise
+    namespace = RunSpec.model_fields["kubernetes_namespace"].default
+    log.info("sweep: not allowed to list ConfigMaps across namespaces; looking in namespace %s only", namespace)
+    try:
+        return core.list_namespaced_config_map(
+            namespace, label_selector=LABEL_RUN, _request_timeout=SWEEP_LIST_TIMEOUT
+        ).items
+    except ApiException as error:
+        if error.status != 403:
+            raise
+        log.warning(
+            "sweep: not allowed to list ConfigMaps in namespace %s: its Kubernetes runs were not swept", namespace
+        )
+        return []
+
+
+def sweep_runs(home: Path, attach_seconds: float, core=None, networking=None) -> dict[str, list[str]]:
+    """Tear down the Kubernetes runs of this home that no supervisor holds; returns what was deleted
+    as ``namespace/kind/name``. Nothing to do (and nothing returned) without a client configuration."""
+    from tasks.cluster.sweep import run_is_live
+
+    if core is None:
+        apis = sweep_client()
+        if apis is None:
+            return {}
+        core, networking = apis
+    try:
+        configmaps = _run_configmaps(core)
+    except urllib3.exceptions.HTTPError as error:
+        log.warning(
+            "sweep: the Kubernetes API did not answer (%s): its hetflow runs were not swept",
+            getattr(error, "reason", None) or error,
+        )
+        return {}
+    deleted = []
+    for configmap in configmaps:
+        metadata = configmap.metadata
+        annotations = metadata.annotations or {}
+        if ANNOTATION_RUN_DIR not in annotations:  # made before runs were annotated with their directory
+            continue
+        started_at = metadata.creation_timestamp.timestamp()
+        if run_is_live(annotations[ANNOTATION_RUN_DIR], started_at, home, attach_seconds):
+            continue
+        run_id = annotations[ANNOTATION_RUN_ID]
+        try:
+            names = teardown_run(run_id, metadata.namespace, core, networking)
+        except ApiException as error:  # not allowed to delete there: the other runs still go
+            log.warning(
+                "sweep: could not tear down Kubernetes run %s in %s: %s", run_id, metadata.namespace, error.reason
+            )
+            continue
+        deleted += [f"{metadata.namespace}/{name}" for name in names]
+        log.info("sweep: deleted the pods, service, policy and ConfigMap of interrupted Kubernetes run %s", run_id)
+    return {"kubernetes objects": deleted}
+
+
 class KubernetesBackend:
     """backend=kubernetes as a ``Backend`` (``tasks.cluster.backends``)."""
 
@@ -221,7 +316,7 @@ class KubernetesBackend:
         return teardown_run(run_id, spec.kubernetes_namespace)
 
     def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
-        return {}  # pods end at their deadline; the run's ConfigMap owns the rest (teardown deletes it)
+        return sweep_runs(home, ATTACH_TIMEOUT_SECONDS if grace is None else grace)
 
 
 BACKEND = KubernetesBackend()

@@ -25,6 +25,8 @@ LABEL_RUN = "hetflow.dev/run"  # the run's slug: what teardown selects on
 LABEL_ROLE = "hetflow.dev/role"
 LABEL_INDEX = "hetflow.dev/index"
 ANNOTATION_RUN_ID = "hetflow.dev/run-id"  # the Airflow run id as it is (not a valid label value)
+# On the run's ConfigMap: where its supervisor's lease is, how `hetflow sweep` tells a live run.
+ANNOTATION_RUN_DIR = "hetflow.dev/run-dir"
 # The non-root user (and its group) of docker/Dockerfile: above the ids Debian gives system and
 # login users, so a replica shares no id with a user of the node or of a mounted volume.
 IMAGE_USER = 10001
@@ -63,12 +65,14 @@ def _metadata(name: str, layout: ClusterLayout, namespace: str, labels: dict | N
     }
 
 
-def run_configmap(layout: ClusterLayout, spec: RunSpec, namespace: str) -> dict:
+def run_configmap(layout: ClusterLayout, spec: RunSpec, namespace: str, run_dir: Path) -> dict:
     """The object that stands for the run: everything else is owned by it."""
+    metadata = _metadata(run_name(layout.run_id), layout, namespace)
+    metadata["annotations"][ANNOTATION_RUN_DIR] = str(run_dir)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(run_name(layout.run_id), layout, namespace),
+        "metadata": metadata,
         "data": {"spec.json": spec.model_dump_json(indent=2), "cluster.json": json.dumps(layout.to_dict(), indent=2)},
     }
 

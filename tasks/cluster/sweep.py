@@ -9,8 +9,9 @@ containers and the Docker network of the run. A run is *live* while a supervisor
 waiting for the train task): the sweep leaves those alone, so it is safe beside running runs and is
 what every teardown runs after its own run's.
 
-Kubernetes objects are not swept: pods end at their activeDeadlineSeconds, and the run's service,
-policy and config map are owned by a ConfigMap that teardown deletes.
+Kubernetes runs are found by their ConfigMap, which names the run directory (the supervisor's lease
+is there, on the claim it shares with the pods); a run no supervisor holds loses its pods, service,
+NetworkPolicy and ConfigMap. Without a kubeconfig or a service account there is no cluster to sweep.
 """
 
 from __future__ import annotations
