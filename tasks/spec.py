@@ -157,8 +157,9 @@ class RunSpec(BaseModel):
     balance_batches: bool = _field(
         False,
         "Cluster",
-        "multi_worker_mirrored only: measure each worker's speed first and give it a share of the global batch "
-        "proportional to it; the loss is weighted so each update is still exactly the global-batch gradient.",
+        "multi_worker_mirrored only: measure each worker's speed during the first steps and from then on give it "
+        "a share of the global batch proportional to it; the loss is weighted so each update is still exactly "
+        "the global-batch gradient.",
         title="Balance batches by worker speed",
     )
     replica_threads: int = _field(
@@ -466,11 +467,10 @@ def cluster_problems(spec: RunSpec) -> list[str]:
             "worker_devices slowdown is invalid with backend=kubernetes: expected 1 "
             "(a slower machine is simulated by the local and docker backends only)"
         )
-    if (spec.strategy == "auto" or spec.balance_batches) and spec.backend == "kubernetes":
+    if spec.strategy == "auto" and spec.backend == "kubernetes":
         problems.append(
-            f"backend=kubernetes is invalid with strategy={spec.strategy}, balance_batches="
-            f"{json.dumps(spec.balance_batches)}: expected backend=local or docker "
-            "(worker probes run on the local and docker backends only)"
+            "backend=kubernetes is invalid with strategy=auto: expected backend=local, docker or swarm "
+            "(auto's probe launch runs on those only)"
         )
     if spec.pin_cores and spec.strategy == "parameter_server":
         problems.append(

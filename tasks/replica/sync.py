@@ -15,10 +15,10 @@ Validation is shared the same way: each worker scores its share of the validatio
 the sums are all-reduced once per epoch, so every worker sees the same accuracy (and stops at the
 target together) without the slow worker scoring the whole split.
 
-The shares come from the probe. ``strategy=auto`` probed the workers before launching them (its
+The shares come from a probe. ``strategy=auto`` probed the workers before launching them (its
 choice decides the cluster's layout) and wrote them to plan.json; with ``balance_batches=true``
-every worker probes itself here, right after the strategy connects the workers and before
-training, and the speeds are exchanged in one collective: one launch instead of two.
+alone the workers measure themselves during their first training steps (``tasks.replica.balance``)
+and rebalance there: no launch and no steps spent on measuring only.
 
 A custom loop, not ``model.fit``: fit divides each replica's loss by its own batch size (it would
 weight a small share as much as a large one), all-reduces its metrics every step (two collectives
@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import time
 from typing import Any
 
 import tensorflow as tf
@@ -40,9 +41,9 @@ from tasks.batch_shares import split_batch
 from tasks.data.pipeline import eval_input, train_slices
 from tasks.models import build_model
 from tasks.paths import RunPaths, write_record
+from tasks.replica.balance import InTrainingProbe
 from tasks.replica.checkpoint import EpochCheckpoint
 from tasks.replica.loop import EpochLoop, validation_sums
-from tasks.replica.probe import measure
 from tasks.replica.record import Trained, worker_rate
 from tasks.replica.runtime import local_devices
 from tasks.schedule import make_optimizer, steps_per_epoch
@@ -66,36 +67,14 @@ def is_chief(task: dict[str, Any]) -> bool:
     return task["type"] == "worker" and task["index"] == 0
 
 
-def worker_shares(
-    spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], workers: int, sum_over_workers
-):
-    """Every worker's share of the global batch: equal without ``balance_batches`` (no probe); from
-    plan.json when the workers were probed already (by ``strategy=auto``, or before a restart of this
-    group); otherwise probed here, all workers at once, the chief recording the probes and shares in
-    plan.json."""
+def planned_shares(spec: RunSpec, paths: RunPaths, workers: int) -> list[int] | None:
+    """Every worker's share of the global batch: equal without ``balance_batches``; from plan.json
+    where the workers were probed already (by ``strategy=auto``, or before a restart of this group);
+    None where they are to be measured in training."""
     if not spec.balance_batches:
         return split_batch(spec.batch_size, [1.0] * workers)
     plan = json.loads(paths.plan.read_text()) if paths.plan.exists() else {}
-    if "worker_batches" in plan:
-        return plan["worker_batches"]
-    mine = measure(spec, dataset, paths, task, barrier=lambda: sum_over_workers([0.0]))
-    slots = [0.0] * (2 * workers)  # (examples/s, step seconds) per worker, zeros but this worker's
-    slots[2 * task["index"] : 2 * task["index"] + 2] = mine["examples_per_second"], mine["step_seconds"]
-    measured = sum_over_workers(slots)
-    probes = [
-        {
-            "worker": f"worker-{i}",
-            "batch": mine["batch"],
-            "examples_per_second": measured[2 * i],
-            "step_seconds": measured[2 * i + 1],
-            "model_parameters": mine["model_parameters"],
-        }
-        for i in range(workers)
-    ]
-    shares = split_batch(spec.batch_size, [probe["examples_per_second"] for probe in probes])
-    if is_chief(task):
-        write_record(paths.plan, {"requested": spec.model_dump(), "probes": probes, "worker_batches": shares})
-    return shares
+    return plan.get("worker_batches")
 
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
@@ -115,17 +94,19 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     def sum_over_workers(values: list[float]) -> list[float]:
         return sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
 
-    shares = worker_shares(spec, dataset, paths, task, workers, sum_over_workers)
-    replica_shares = [part for share in shares for part in split_batch(share, [1.0] * local_replicas)]
-    offsets = [0, *itertools.accumulate(replica_shares)]
+    planned = planned_shares(spec, paths, workers)
+    equal = split_batch(spec.batch_size, [1.0] * workers)
+    shares = planned or equal
     loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
         optimizer = make_optimizer(spec, loop.schedule)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
-    def worker_slices(worker: int) -> tf.data.Dataset:
+    def worker_slices(worker: int, shares: list[int]) -> tf.data.Dataset:
         # The worker's replicas take its dataset's batches in turn, so it yields their slices in turn.
+        replica_shares = [part for share in shares for part in split_batch(share, [1.0] * local_replicas)]
+        offsets = [0, *itertools.accumulate(replica_shares)]
         slices = [
             train_slices(
                 dataset,
@@ -149,19 +130,25 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         # worker's one replica. A distributed iterator costs ~0.1 s per step under multi_worker_mirrored
         # for nothing here (measured 2026-11-24, one worker, convnet steps of 64 examples: 0.30 s
         # through it, 0.19 s fed directly; the default strategy showed no such cost).
-        batches = iter(worker_slices(task["index"]))
+        batches = iter(worker_slices(task["index"], shares))
     else:
         batches = iter(
-            strategy.distribute_datasets_from_function(lambda context: worker_slices(context.input_pipeline_id))
+            strategy.distribute_datasets_from_function(lambda context: worker_slices(context.input_pipeline_id, shares))
         )
 
-    def replica_step(images, labels):
+    def replica_gradients(images, labels):
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
             loss = tf.reduce_sum(loss_fn(labels, logits)) / spec.batch_size
-        gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # all-reduce: sum over replicas
         correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
+        return tape.gradient(loss, model.trainable_variables), loss, correct
+
+    def replica_apply(gradients):
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # all-reduce: sum over replicas
+
+    def replica_step(images, labels):
+        gradients, loss, correct = replica_gradients(images, labels)
+        replica_apply(gradients)
         return loss, correct
 
     @tf.function
@@ -171,34 +158,84 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         loss, correct = strategy.run(replica_step, args=next(iterator))
         return tuple(tf.add_n(strategy.experimental_local_results(value)) for value in (loss, correct))
 
+    # While measuring (balance_batches, one replica per worker): the gradients and their all-reduce
+    # in two calls, to time this worker's computation apart from its wait for the slowest one.
+    compute_gradients = tf.function(lambda images, labels: strategy.run(replica_gradients, args=(images, labels)))
+    apply_gradients = tf.function(lambda gradients: strategy.run(replica_apply, args=(gradients,)))
+    probe = None
+    if planned is None:
+        probe = InTrainingProbe(task["index"], workers, equal[task["index"]], model.count_params(), sum_over_workers)
+
+    measured_steps = 0  # steps trained on equal shares while measuring
+
+    def step():
+        nonlocal batches, shares, probe, measured_steps
+        if probe is None:
+            return train_step(batches)
+        images, labels = next(batches)
+        started = time.perf_counter()
+        gradients, loss, correct = compute_gradients(images, labels)
+        computed = time.perf_counter() - started
+        apply_gradients(gradients)
+        probes = probe.timed(computed)
+        if probes:
+            mine = probes[task["index"]]
+            print(
+                f"probe worker-{task['index']}: {mine['examples_per_second']:.0f} examples/s "
+                f"({1000 * mine['step_seconds']:.1f} ms of computation per step of {mine['batch']}, "
+                f"{mine['measured']})",
+                flush=True,
+            )
+            shares = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
+            announce_shares()
+            if is_chief(task):
+                write_record(paths.plan, {"requested": spec.model_dump(), "probes": probes, "worker_batches": shares})
+            # On from the next global batch, with the new shares.
+            batches = iter(worker_slices(task["index"], shares).skip(probe.steps_taken))
+            measured_steps, probe = probe.steps_taken, None
+        return loss, correct
+
+    def announce_shares():
+        kind = "balanced" if spec.balance_batches else "equal"
+        print(f"{kind} batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
+
     predict = tf.function(lambda images: model(images, training=False))
-    validation_size = dataset["splits"]["validation"]
-    worker_offsets = [0, *itertools.accumulate(shares)]
-    first, last = (
-        round(worker_offsets[i] * validation_size / spec.batch_size) for i in (task["index"], task["index"] + 1)
-    )
-    my_validation = eval_input(dataset, "validation", examples=(first, last))
+    validation_inputs: dict[tuple[int, ...], tf.data.Dataset] = {}
+
+    def score_my_validation():
+        # This worker's share of the validation split, in proportion to its share of the batch.
+        if tuple(shares) not in validation_inputs:
+            validation_size = dataset["splits"]["validation"]
+            worker_offsets = [0, *itertools.accumulate(shares)]
+            first, last = (
+                round(worker_offsets[i] * validation_size / spec.batch_size) for i in (task["index"], task["index"] + 1)
+            )
+            validation_inputs[tuple(shares)] = eval_input(dataset, "validation", examples=(first, last))
+        return validation_sums(predict, validation_inputs[tuple(shares)])
 
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
-    kind = "balanced" if spec.balance_batches else "equal"
-    print(f"{kind} batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
+    if probe is None:
+        announce_shares()
+    else:
+        print(f"equal batches {shares} of {spec.batch_size} while measuring each worker's speed", flush=True)
     loop.run(
-        loop.one_step_at_a_time(lambda: train_step(batches)),
-        lambda: validation_sums(predict, my_validation),
+        loop.one_step_at_a_time(step),
+        score_my_validation,
         checkpoint,
         sum_over_workers if workers > 1 else None,
     )
     total_steps = loop.clock.epochs_done * loop.steps
-    per_worker = {
-        f"worker-{i}": {**worker_rate(share, total_steps, loop.train_seconds), "batch": share}
-        for i, share in enumerate(shares)
-    }
+    per_worker = {}
+    for i, share in enumerate(shares):
+        examples = measured_steps * equal[i] + (total_steps - measured_steps) * share
+        rate = worker_rate(examples / total_steps if total_steps else share, total_steps, loop.train_seconds)
+        per_worker[f"worker-{i}"] = {**rate, "batch": share}
     fields = {
         "replicas_in_sync": strategy.num_replicas_in_sync,
         "per_worker": per_worker,
         # Without balance_batches the shares are equal (validation requires it).
-        "per_replica_batch": replica_shares if spec.balance_batches else replica_shares[0],
+        "per_replica_batch": shares if spec.balance_batches else split_batch(shares[0], [1.0] * local_replicas)[0],
         "balanced": spec.balance_batches,
         "worker_batches": shares,
     }
