@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup sandbox test-deps engine image run test test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean
+.PHONY: setup sandbox test-deps engine image compose-cli stack-images run test test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,15 +29,16 @@ RUN_SPEC ?= --set strategy=multi_worker_mirrored --set workers=2
 run: setup sandbox
 	$(BIN)/hetflow run $(RUN_SPEC) $(ARGS)
 
-## what the tests need beyond .venv: the browser the UI tests drive, a compose CLI, a Docker engine and
-## the replica image (where no engine can start, the container tests skip and say why)
+## what the tests need beyond .venv: the browser the UI tests drive, a compose CLI, a Docker engine, the
+## replica image and the compose stack's images (where no engine can start, the container tests skip and say why)
 test-deps: setup sandbox
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 	@# the compose CLI checks docker/compose.yaml's required secrets offline (`config` needs no engine)
-	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || { $(SUDO) apt-get update -qq && \
+	@# and starts the stack (`up --wait`, Compose v2); where v2 cannot be installed, v1 still checks
+	@docker/compose-cli.sh || command -v docker-compose >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; }
-	@if docker/engine.sh; then docker/build-image.sh; fi
+	@if docker/engine.sh; then docker/build-image.sh && docker/stack-images.sh; fi
 
 ## a Docker engine on this machine (Debian's docker.io, dockerd started as root)
 engine:
@@ -90,7 +91,7 @@ lint: setup lint-docker
 
 ## the Dockerfiles (hadolint) and the compose file (compose-spec schema), offline
 lint-docker: setup
-	$(BIN)/hadolint docker/Dockerfile docker/stack.Dockerfile docker/swarm-node.Dockerfile
+	$(BIN)/hadolint docker/Dockerfile docker/stack.Dockerfile docker/postgres.Dockerfile docker/swarm-node.Dockerfile
 	$(BIN)/check-jsonschema --builtin-schema vendor.compose-spec docker/compose.yaml
 
 # make up options: ports, DB=postgres (Debian's PostgreSQL as Airflow's metadata DB, installed when
@@ -113,19 +114,32 @@ down:
 	@if [ -x $(BIN)/python ]; then $(BIN)/python -m devstack.stack down; fi
 
 # The compose file has no default secrets: devstack/compose_env.py writes them (generated once per
-# HETFLOW_HOME, 0600) with the uid and the socket's group into the env file, on every call; LOGIN=off
-# as for make up. The password is in .hetflow/stack/passwords.json, never printed.
-COMPOSE_ENV = HETFLOW_HOME=$(CURDIR)/.hetflow $(BIN)/python -m devstack.compose_env
-COMPOSE = docker compose --env-file $(CURDIR)/.hetflow/stack/compose.env -f docker/compose.yaml
+# HETFLOW_HOME, 0600) with the uid and the socket's group, the ports and the images
+# docker/stack-images.sh chose into the env file, on every call; LOGIN=off and the ports as for
+# make up. The password is in .hetflow/stack/passwords.json, never printed.
+# HETFLOW_HOME is set for compose too: a variable of the caller's environment would outrank the env file's.
+COMPOSE_ENV = HETFLOW_HOME=$(CURDIR)/.hetflow $(BIN)/python -m devstack.compose_env \
+	--airflow-port $(AIRFLOW_PORT) --mlflow-port $(MLFLOW_PORT) $(if $(filter off,$(LOGIN)),--no-login)
+COMPOSE = HETFLOW_HOME=$(CURDIR)/.hetflow docker compose --env-file $(CURDIR)/.hetflow/stack/compose.env -f docker/compose.yaml
 
-## the compose stack (PostgreSQL, Airflow, MLflow) on this host's Docker engine, and the replica image
-up-docker: image
-	$(COMPOSE_ENV) $(if $(filter off,$(LOGIN)),--no-login)
-	$(COMPOSE) up --build --detach --wait
+## `docker compose` (Compose v2: up --wait), installed as the docker CLI's plugin where missing
+compose-cli:
+	docker/compose-cli.sh
 
+## the compose stack's images: PostgreSQL (the official image, else built offline) and Airflow+MLflow
+stack-images: image
+	docker/stack-images.sh
+
+## the compose stack (PostgreSQL, Airflow, MLflow) on this host's Docker engine, healthy, and the replica image
+up-docker: compose-cli stack-images
+	$(COMPOSE_ENV) >/dev/null
+	@started=$$(date +%s) && $(COMPOSE) up --detach --wait && \
+		$(COMPOSE_ENV) --healthy-after $$(( $$(date +%s) - started ))
+
+## stop the compose stack: its containers and network go, the volume with its databases stays
 down-docker: setup
 	$(COMPOSE_ENV) >/dev/null
-	$(COMPOSE) down
+	$(COMPOSE) down --remove-orphans
 
 clean: down
 	rm -rf .hetflow mlflow/mlflow.db mlflow/artifacts

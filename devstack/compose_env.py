@@ -5,7 +5,9 @@ once, into ``$HETFLOW_HOME/stack/``, folder 0700, files 0600), plus a Fernet key
 containers, each with an Airflow home of its own, must share. The env file is rewritten on every
 start from those files, so the values stay the same. The admin's password stays in
 ``stack/passwords.json``, which the api-server reads through the bind-mounted HETFLOW_HOME: the
-env file names that file, and nothing prints the password.
+env file names that file, and nothing prints the password. The images docker/stack-images.sh chose
+(``build/stack-images.env``: PostgreSQL's official image or the one built offline) and the ports
+go in too, so that every compose command of one stack resolves the same file.
 """
 
 from __future__ import annotations
@@ -22,14 +24,41 @@ from devstack.secrets import generated_once, password_file, stack_dir, stack_sec
 from tasks.paths import REPO_ROOT, hetflow_home
 
 DOCKER_SOCKET = Path("/var/run/docker.sock")
+IMAGES_FILE = REPO_ROOT / "build" / "stack-images.env"
+# The unprivileged user of hetflow's images (docker/Dockerfile), which the stack runs as where
+# `make up-docker` is run by root.
+IMAGE_UID = 10001
+PROJECT = "hetflow"  # compose.yaml's name (COMPOSE_PROJECT_NAME overrides it): its volume is <project>_postgres-data
 
 
 def env_file() -> Path:
     return stack_dir() / "compose.env"
 
 
-def write_env_file(socket: Path, login: bool = True) -> Path:
-    """Write ``stack/compose.env`` (0600): every variable compose.yaml requires."""
+def container_uid() -> int:
+    """The uid the stack's containers run as: yours, so that what they write in HETFLOW_HOME is
+    yours; never root, whose tasks could not sandbox what others wrote (bubblewrap as root needs
+    capabilities a container does not get), so root's stack runs as the images' own user and is
+    handed what it writes: HETFLOW_HOME's top, runs/ and stack/ (not their contents), the prepared
+    data, MLflow's artifacts and the admin's password file. Root still reads and writes all of it."""
+    if os.getuid() != 0:
+        return os.getuid()
+    home = hetflow_home()
+    for folder in (home, home / "runs", home / "data", home / "mlflow-artifacts"):
+        folder.mkdir(parents=True, exist_ok=True)
+    for path in (home, home / "runs", stack_dir(), password_file()):
+        os.chown(path, IMAGE_UID, -1, follow_symlinks=False)
+    for tree in (home / "data", home / "mlflow-artifacts"):
+        for parent, folders, files in os.walk(tree):
+            for name in [*folders, *files]:
+                os.chown(Path(parent) / name, IMAGE_UID, -1, follow_symlinks=False)
+        os.chown(tree, IMAGE_UID, -1, follow_symlinks=False)
+    return IMAGE_UID
+
+
+def write_env_file(socket: Path, login: bool = True, airflow_port: int = 8080, mlflow_port: int = 5000) -> Path:
+    """Write ``stack/compose.env`` (0600): every variable compose.yaml requires, the ports, and the
+    images stack-images.sh built or chose (where it has run; compose.yaml's defaults otherwise)."""
     if not socket.exists():
         raise SystemExit(f"no Docker engine socket at {socket}: `make engine` starts an engine")
     keys = stack_secrets()
@@ -37,7 +66,7 @@ def write_env_file(socket: Path, login: bool = True) -> Path:
     fernet = generated_once("fernet.json", lambda: {"fernet_key": base64.urlsafe_b64encode(os.urandom(32)).decode()})
     values = {
         "HETFLOW_HOME": str(hetflow_home()),
-        "HETFLOW_UID": str(os.getuid()),
+        "HETFLOW_UID": str(container_uid()),
         "DOCKER_GID": str(socket.stat().st_gid),  # given to the scheduler only, which starts replicas
         "POSTGRES_PASSWORD": keys["postgres_password"],
         "AIRFLOW_JWT_SECRET": keys["jwt_secret"],
@@ -47,7 +76,11 @@ def write_env_file(socket: Path, login: bool = True) -> Path:
         "AIRFLOW_ALL_ADMINS": "False" if login else "True",
         # One line: an env file holds one variable a line.
         "AIRFLOW_UI_THEME": json.dumps(json.loads((REPO_ROOT / "plugins" / "ui_theme.json").read_text())),
+        "AIRFLOW_PORT": str(airflow_port),
+        "MLFLOW_PORT": str(mlflow_port),
     }
+    if IMAGES_FILE.exists():
+        values.update(line.split("=", 1) for line in IMAGES_FILE.read_text().splitlines() if "=" in line)
     write_private(env_file(), "".join(f"{name}={value}\n" for name, value in values.items()))
     return env_file()
 
@@ -55,13 +88,27 @@ def write_env_file(socket: Path, login: bool = True) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devstack.compose_env", description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-login", action="store_true", help="everyone is admin: local development only")
+    parser.add_argument("--airflow-port", type=int, default=8080)
+    parser.add_argument("--mlflow-port", type=int, default=5000)
+    parser.add_argument("--healthy-after", type=int, metavar="SECONDS", help="the stack is up: say where it is")
     args = parser.parse_args(argv)
-    path = write_env_file(DOCKER_SOCKET, login=not args.no_login)
-    print(f"compose env file: {path} (yours only)")
+    path = write_env_file(DOCKER_SOCKET, not args.no_login, args.airflow_port, args.mlflow_port)
+    values = dict(line.split("=", 1) for line in path.read_text().splitlines())
+    if args.healthy_after is None:
+        print(f"compose env file: {path} (yours only)")
+    else:
+        postgres = values.get("POSTGRES_IMAGE", "compose.yaml's default")
+        print(f"hetflow compose stack healthy in {args.healthy_after} s (PostgreSQL image {postgres})")
+    airflow, mlflow = f"http://127.0.0.1:{args.airflow_port}", f"http://127.0.0.1:{args.mlflow_port}"
     if args.no_login:
-        print("Airflow http://127.0.0.1:8080: login off (LOGIN=off): everyone is admin — local development only")
+        print(f"  Airflow  {airflow}: login off (LOGIN=off): everyone is admin — local development only")
     else:  # the password itself is never printed: terminals and CI jobs keep their output
-        print(f"Airflow http://127.0.0.1:8080: log in as admin, password in {password_file()} (yours only)")
+        print(f"  Airflow  {airflow}: log in as admin, password in {password_file()} (yours only)")
+    if args.healthy_after is not None:
+        artifacts = Path(values["HETFLOW_HOME"]) / "mlflow-artifacts"
+        print(f"  MLflow   {mlflow}: PostgreSQL store, artifacts in {artifacts}")
+        volume = f"{os.environ.get('COMPOSE_PROJECT_NAME', PROJECT)}_postgres-data"
+        print(f"  stop with: make down-docker (the volume {volume} keeps Airflow's and MLflow's databases)")
     return 0
 
 

@@ -5,38 +5,20 @@
 #   BASE_IMAGE=python:3.11-slim            the base, pulled when a registry is reachable
 #
 # Where BASE_IMAGE is neither present nor pullable (no registry reachable), the base is Debian
-# bookworm with python3 built offline by debootstrap from the Debian mirror apt already uses,
-# imported once as hetflow-base:bookworm. The Python packages come from a wheelhouse built here
-# with this machine's pip (its index and configuration) from requirements.lock, so the build
-# itself needs no network. A second build with nothing changed is served from Docker's cache.
+# bookworm with python3 built offline (docker/base-image.sh: hetflow-base:bookworm). The Python
+# packages come from a wheelhouse built here with this machine's pip (its index and configuration)
+# from requirements.lock, so the build itself needs no network. A second build with nothing
+# changed is served from Docker's cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGE=${1:-hetflow-replica:0.1.0}
 BASE_IMAGE=${BASE_IMAGE:-python:3.11-slim}
-OFFLINE_BASE=hetflow-base:bookworm
 PIP=${PIP:-.venv/bin/pip}
 CONTEXT=build/replica-image
 started=$(date +%s%N)
 mkdir -p build
 
-if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1 && ! docker pull -q "$BASE_IMAGE" >/dev/null 2>&1; then
-    if ! docker image inspect "$OFFLINE_BASE" >/dev/null 2>&1; then
-        command -v debootstrap >/dev/null || {
-            apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap
-        }
-        mirror=$(apt-get indextargets --format '$(REPO_URI)' 'Identifier: Packages' 2>/dev/null \
-                 | grep -m1 -v security || true)
-        mirror=${mirror:-http://deb.debian.org/debian/}
-        echo "build-image: $BASE_IMAGE cannot be pulled; building $OFFLINE_BASE with debootstrap from $mirror"
-        rootfs=$(mktemp -d)
-        trap 'rm -rf "$rootfs"' EXIT
-        debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$rootfs" "$mirror" \
-            >build/debootstrap.log 2>&1 || { tail -5 build/debootstrap.log; exit 1; }
-        tar -C "$rootfs" -c . | docker import - "$OFFLINE_BASE" >/dev/null
-    fi
-    echo "build-image: base $OFFLINE_BASE (no registry reachable for $BASE_IMAGE)"
-    BASE_IMAGE=$OFFLINE_BASE
-fi
+BASE_IMAGE=$(docker/base-image.sh "$BASE_IMAGE")
 
 # The context holds only what the Dockerfile copies, with the sources' modification times, so
 # Docker's cache sees nothing changed when nothing did.
@@ -51,6 +33,10 @@ tar -c --exclude=__pycache__ tasks | tar -x -C "$CONTEXT"
 digest=$(.venv/bin/python -c 'from tasks.cluster.docker_backend import source_digest; print(source_digest())')
 docker build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "SOURCE_DIGEST=$digest" --label "hetflow.source-digest=$digest" \
     -f docker/Dockerfile -t "$IMAGE" "$CONTEXT" >/dev/null
+# Its dependencies' stage, which the compose stack's image builds on (docker/stack-images.sh): from
+# the cache just filled, in seconds.
+docker build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" --target runtime \
+    -f docker/Dockerfile -t "${IMAGE%%:*}-runtime:${IMAGE##*:}" "$CONTEXT" >/dev/null
 seconds=$(( ($(date +%s%N) - started) / 1000000 ))e-3
 bytes=$(docker image inspect "$IMAGE" --format '{{.Size}}')
 printf 'build-image: %s built in %.1f s, %d MB (base %s)\n' "$IMAGE" "$seconds" $((bytes / 1000000)) "$BASE_IMAGE"

@@ -1,14 +1,27 @@
-# The compose stack's Airflow and MLflow services (docker/compose.yaml builds it from the repo
-# root; stack.Dockerfile.dockerignore keeps the context to what is copied): the whole lock file,
-# the package and the DAGs. Needs a pip index, as the compose stack needs a registry anyway.
-FROM python:3.11.7-slim-bookworm
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+# The compose stack's Airflow and MLflow services (docker/compose.yaml), built by
+# docker/stack-images.sh on the replica image's dependency stage (docker/Dockerfile's `runtime`:
+# the base, its venv with TensorFlow and the rest a replica imports), so the two images share those
+# layers and this build adds only Airflow, MLflow and what they pull in. The build context holds
+# only what is copied here: requirements.lock, a wheelhouse of the pins the runtime lacks (built
+# on the host), the code and the DAGs. No pip index is used inside the build.
+ARG RUNTIME_IMAGE=hetflow-replica-runtime:0.1.0
+FROM ${RUNTIME_IMAGE}
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONPATH=/opt/hetflow
+# The tasks run what others wrote (register's served check starts a registered model's server)
+# under bubblewrap, as on the host (tasks/sandbox.py).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
+COPY requirements.lock /tmp/
+COPY wheelhouse /tmp/wheelhouse
+RUN pip install --no-index --find-links /tmp/wheelhouse -r /tmp/requirements.lock && rm -rf /tmp/wheelhouse
+# /opt/hetflow is the checkout's layout (tasks.paths.REPO_ROOT): the scheduler's backend=docker
+# preflight digests tasks/ and the pins there to match the replica image's label.
 WORKDIR /opt/hetflow
 COPY requirements.lock ./
-RUN pip install --no-cache-dir -r requirements.lock
-COPY pyproject.toml README.md ./
+COPY replica-requirements.txt ./docker/
 COPY tasks ./tasks
 COPY dags ./dags
 COPY plugins ./plugins
-RUN pip install --no-cache-dir --no-deps . && useradd --create-home --uid 10001 --user-group hetflow
 USER 10001

@@ -91,6 +91,18 @@ def test_only_the_scheduler_gets_the_docker_socket_and_its_group():
     assert REFERENCE.fullmatch(group)["name"] == "DOCKER_GID" and REFERENCE.fullmatch(group)["op"] == ":?"
 
 
+def test_no_service_runs_as_root_or_gains_capabilities():
+    """Every service names a user (the env file's HETFLOW_UID, never 0: devstack/compose_env.py), none
+    is privileged or adds a capability; only the scheduler, which already holds the Docker socket,
+    leaves Docker's seccomp profile and /proc masks, so that bubblewrap can sandbox what it runs."""
+    services = _services()
+    for name, service in services.items():
+        assert service.get("user") in ("postgres", "${HETFLOW_UID:-10001}:0"), name
+        assert not service.get("privileged") and not service.get("cap_add"), name
+    confined_less = {name: s["security_opt"] for name, s in services.items() if s.get("security_opt")}
+    assert confined_less == {"airflow-scheduler": ["seccomp=unconfined", "systempaths=unconfined"]}
+
+
 def test_no_secret_has_a_default_value():
     """Every secret is required (``${NAME:?...}``): a start without the env file stops, naming it,
     instead of running on a password everybody knows."""
@@ -150,6 +162,10 @@ def test_env_file_holds_every_required_variable_owner_only_generated_once_per_ho
     required = {m["name"] for m in REFERENCE.finditer(COMPOSE_FILE.read_text()) if m["op"] == ":?"}
     assert required <= set(first)
     assert first["HETFLOW_HOME"] == str(tmp_path / "a")
+    # Root's stack runs as the images' user, which must read the password file and write the runs.
+    uid = os.getuid() or compose_env.IMAGE_UID
+    assert first["HETFLOW_UID"] == str(uid) != "0"
+    assert {(tmp_path / "a" / name).stat().st_uid for name in ("", "runs", "data", "stack/passwords.json")} == {uid}
     assert first["DOCKER_GID"] == str(socket.stat().st_gid)
     assert first["AIRFLOW_ALL_ADMINS"] == "False"
     passwords = Path(first["AIRFLOW_PASSWORDS_FILE"])
