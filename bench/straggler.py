@@ -9,7 +9,7 @@ Every case trains ``model=convnet`` on ``dataset=synthetic_cifar`` (generated da
 ``hetflow train`` and the same global batch until validation accuracy reaches ``--target``
 (checked every ``--steps-per-epoch`` steps). Reported per case, as medians over ``--repeats``
 runs: training time to target (from the first step, validation included), launch to target (from
-the command's start: process start-up and any probe included), wall time of the whole command,
+the command's start: process start-up and measuring included), wall time of the whole command,
 final validation accuracy and examples/s.
 
 Writes bench/results/straggler-<UTC timestamp>.json and bench/STRAGGLER.md.
@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
+from run import machine_facts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -41,7 +42,7 @@ GLOBAL_BATCH = 2 * PER_WORKER_BATCH
 SYNC = {"strategy": "multi_worker_mirrored", "batch_size": GLOBAL_BATCH}
 # Async: each update is one worker's batch.
 # Naive and balanced sync run one loop, differing in the batch shares only: equal, or
-# proportional to the probed speeds.
+# proportional to the speeds measured over the first steps.
 BALANCED = {**SYNC, "balance_batches": "true"}
 ASYNC = {"strategy": "parameter_server", "ps": 1, "batch_size": PER_WORKER_BATCH}
 AUTO = {"strategy": "auto", "batch_size": GLOBAL_BATCH}
@@ -154,18 +155,20 @@ def markdown(record: dict) -> str:
         "",
         "- **train s**: training time until the target was reached, from the first step (tracing and "
         "validation included); `vs` columns divide by the scenario's baseline (naive or plain sync).",
-        "- **launch s**: from the command's start until the target, process start-up included, and the probe: "
-        "auto's is a separate short launch of every worker, balanced sync's runs in the training replicas.",
+        "- **launch s**: from the command's start until the target, process start-up included, and measuring: "
+        "balanced sync and auto start on equal shares and measure the workers over their first training steps "
+        "(auto relaunches only where it chooses one_device or async).",
         "- **wall s**: the whole command, shutdown included.",
         "- every case runs one epoch loop (validation inside each epoch, a checkpoint after it); naive and "
         "balanced sync share their step too (validation split over the workers), differing in the batch "
-        "shares only (equal, or by probed speed); `balanced_sync` on the even cluster is the control. async's "
+        "shares only (equal, or by measured speed); `balanced_sync` on the even cluster is the control. async's "
         "step is scheduled by its chief, which validates alone.",
         "- **whole-job examples/s**: examples / launch to final weights; **validation share**: of the time in epochs.",
         "",
         f"- date: {record['date']}",
         f"- command: `{record['command']}`",
-        f"- machine: {os.cpu_count()} CPUs",
+        f"- machine: {record['machine']['nproc']} CPUs ({record['machine']['cpu_model']}), "
+        f"code at `{record['machine']['git']}`",
     ]
     for scenario, cases in record["medians"].items():
         baseline = cases[SCENARIOS[scenario]["baseline"]]
@@ -228,6 +231,7 @@ def main() -> None:
         "target": args.target,
         "steps_per_epoch": args.steps_per_epoch,
         "repeats": args.repeats,
+        "machine": machine_facts(),
         "runs": runs,
         "medians": summarize(runs),
     }

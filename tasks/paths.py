@@ -138,12 +138,13 @@ class RunPaths:
         return self.root / "cluster.json"
 
     @property
-    def probes(self) -> Path:
-        return self.root / "probe"
-
-    @property
     def plan(self) -> Path:
         return self.root / "plan.json"
+
+    @property
+    def requested_spec(self) -> Path:
+        """strategy=auto: the spec as requested (spec.json holds the one being trained)."""
+        return self.root / "requested_spec.json"
 
     @property
     def checkpoints(self) -> Path:

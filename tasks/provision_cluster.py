@@ -1,5 +1,5 @@
 """provision_cluster: the cluster laid out and every replica started (processes, containers or
-pods); ``strategy=auto`` is resolved first, from a probe of the workers. ``train`` supervises the
+pods); ``strategy=auto`` starts what it can decide without measuring. ``train`` supervises the
 replicas, ``teardown_cluster`` ends them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from tasks.attempts import attempt, load_spec, reported
-from tasks.paths import RunPaths, run_paths, write_record
+from tasks.paths import run_paths, write_record
 from tasks.spec import RunSpec, parse_spec
 
 log = logging.getLogger("hetflow.stages")
@@ -28,38 +28,33 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
     paths = run_paths(run_id)
     with attempt(paths, "provision_cluster", run_id, try_number) as receipt:
         spec = load_spec(paths)
-        if spec.strategy == "auto":  # balance_batches alone: the workers probe themselves when they start
-            spec = plan_training(spec, run_id, paths)
-            # From here on the run trains with the resolved spec; the request stays in plan.json.
+        if spec.strategy == "auto":
+            write_record(paths.requested_spec, spec.model_dump(mode="json"))
+            spec = start_of_auto(spec)
+            # From here on the run trains with the resolved spec; the request stays in requested_spec.json.
             write_record(paths.spec, spec.model_dump(mode="json"))
-        paths.restarts.unlink(missing_ok=True)  # a re-provisioned run starts its restart count anew
-        backend = backends.backend_for(spec)
-        layout = backend.plan(spec, run_id)
-        write_record(paths.cluster, layout.to_dict())
-        cluster = backend.replicas(spec, layout, paths.root)
         PROVISIONED_HERE.add(run_id)
-        cluster.provision()
+        cluster = backends.start(spec, run_id, paths)
     log.info(
-        "started %s on %s: %s", ", ".join(r.name for r in cluster.layout.replicas), spec.backend, layout.cluster_spec()
+        "started %s on %s: %s",
+        ", ".join(r.name for r in cluster.layout.replicas),
+        spec.backend,
+        cluster.layout.cluster_spec(),
     )
     return {**cluster.layout.to_dict(), "attempt": receipt}
 
 
-def plan_training(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
-    """Probe the workers and resolve ``strategy=auto`` (with the batch shares when it chooses
-    balanced sync). Writes plan.json and returns the spec to train with (the requested one stays
-    in the plan)."""
-    from tasks.auto_strategy import decide
-    from tasks.batch_shares import split_batch
-    from tasks.cluster.probe import probe_workers
-
-    probes = probe_workers(spec, run_id, paths)
-    decision = decide(spec, probes)
-    auto_log.info("%s", decision["reason"])
-    plan: dict[str, Any] = {"requested": spec.model_dump(), "probes": probes, "decision": decision}
-    spec = parse_spec({**spec.model_dump(), **decision["settings"]})
-    if spec.balance_batches:
-        plan["worker_batches"] = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
-        auto_log.info("balanced per-worker batches: %s", plan["worker_batches"])
-    write_record(paths.plan, plan)
-    return spec
+def start_of_auto(spec: RunSpec) -> RunSpec:
+    """What ``strategy=auto`` launches: one worker trains on one device; several start as sync
+    all-reduce and measure themselves over their first steps (``tasks.replica.balance``), then keep
+    equal batches, balance them, or stop so that ``train`` relaunches them as ``one_device`` or
+    ``parameter_server`` (``tasks.auto_strategy`` decides, from what they measured)."""
+    if spec.workers == 1:
+        auto_log.info("auto chose one_device: one worker")
+        return parse_spec({**spec.model_dump(), "strategy": "one_device"})
+    auto_log.info(
+        "auto starts sync all-reduce on %d workers, which measure themselves over their first steps and then "
+        "keep equal batches, balance them, or are relaunched as one_device or parameter_server",
+        spec.workers,
+    )
+    return parse_spec({**spec.model_dump(), "strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": True})

@@ -107,9 +107,9 @@ class RunSpec(BaseModel):
     strategy: Literal[STRATEGIES] = _field(
         "one_device",
         "Cluster",
-        "`auto`: measure every worker first, then choose one_device, balanced sync or async (the decision "
-        "and its numbers are logged). `one_device`: one replica, one device. `mirrored`: one replica, several "
-        "devices, sync all-reduce. "
+        "`auto`: start sync workers that measure themselves over their first steps, then choose equal or "
+        "balanced batches, or relaunch as one_device or async (the decision and its numbers are logged). "
+        "`one_device`: one replica, one device. `mirrored`: one replica, several devices, sync all-reduce. "
         "`multi_worker_mirrored`: several workers, sync all-reduce (worker 0 is chief). `parameter_server`: "
         "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: one "
         "replica, the model's layer groups placed on different devices.",
@@ -466,11 +466,6 @@ def cluster_problems(spec: RunSpec) -> list[str]:
         problems.append(
             "worker_devices slowdown is invalid with backend=kubernetes: expected 1 "
             "(a slower machine is simulated by the local and docker backends only)"
-        )
-    if spec.strategy == "auto" and spec.backend == "kubernetes":
-        problems.append(
-            "backend=kubernetes is invalid with strategy=auto: expected backend=local, docker or swarm "
-            "(auto's probe launch runs on those only)"
         )
     if spec.pin_cores and spec.strategy == "parameter_server":
         problems.append(

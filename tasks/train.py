@@ -6,15 +6,18 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import shutil
 import signal
 import threading
 import time
 from typing import Any
 
 from tasks.attempts import attempt, load_spec, read_record, reported
-from tasks.paths import run_paths
+from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
+from tasks.spec import RunSpec, parse_spec
 
 log = logging.getLogger("hetflow.stages")
+auto_log = logging.getLogger("hetflow.auto")  # shown by `hetflow run`'s live view
 
 # What the stages after training import (TensorFlow, tf_keras, tensorflow-model-optimization, matplotlib,
 # LiteRT, MLflow's TensorFlow flavour: ~7 s here). Where every task runs in one process (`hetflow run`'s
@@ -47,9 +50,41 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         importing = _import_in_background(LATER_STAGE_MODULES) if IMPORT_LATER_STAGES else None
         with _stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
             backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
+            if paths.requested_spec.exists():
+                spec = _carry_out_auto(spec, run_id, paths)
         if importing is not None:
             importing.join()  # no later stage imports a module while that thread still does
     return {**read_record(paths.training), "attempt": receipt}
+
+
+def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
+    """strategy=auto once its first launch ended: spec.json becomes the spec it decided; where that is
+    not the sync all-reduce the workers were launched with (they stopped once they had measured
+    themselves), it is launched and supervised from the start. Returns the decided spec."""
+    from tasks.cluster import backends
+
+    decided = auto_decided(paths)
+    write_record(paths.spec, decided.model_dump(mode="json"))
+    if decided.strategy == spec.strategy:
+        return decided
+    auto_log.info("relaunching the replicas as %s, from the start", decided.strategy)
+    backends.backend_for(spec).teardown(spec, run_id)
+    shutil.rmtree(paths.checkpoints, ignore_errors=True)  # another strategy's checkpoints are not resumed
+    backends.supervise(decided, backends.start(decided, run_id, paths), paths.root, decided.train_timeout_seconds)
+    return decided
+
+
+def auto_decided(paths: RunPaths) -> RunSpec:
+    """The spec ``strategy=auto`` decided from the requested spec and the workers' measurements
+    (plan.json): the pipeline decides again, with the replicas' numbers but its own code."""
+    from tasks.auto_strategy import decide
+
+    plan = read_replica_record(paths.plan) if paths.plan.exists() else {}
+    if "probes" not in plan:
+        return load_spec(paths)  # decided without measuring (one worker), or trained before measuring enough
+    requested = parse_spec(read_record(paths.requested_spec))
+    decision = decide(requested, plan["probes"])
+    return parse_spec({**requested.model_dump(), **decision["settings"]})
 
 
 def _import_in_background(modules: tuple[str, ...]) -> threading.Thread:

@@ -212,7 +212,7 @@ def test_a_replica_container_runs_unprivileged_on_a_read_only_root_and_sees_the_
     spec = parse_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2})
     layout = dk.plan(spec, RUN_ID)
     record = RUN_DIR / "spec.json"
-    config = dk.container_config(layout, layout.replicas[0], spec, HOME, RUN_DIR, "65534:65534", 0.0, False, [record])
+    config = dk.container_config(layout, layout.replicas[0], spec, HOME, RUN_DIR, "65534:65534", 0.0, [record])
     assert config["cap_drop"] == ["ALL"] and config["security_opt"] == ["no-new-privileges"]
     assert config["read_only"] is True and "/tmp" in config["tmpfs"] and config["pids_limit"] == containers.PIDS_LIMIT
     assert config["volumes"][str(record)] == {"bind": str(record), "mode": "ro"}

@@ -92,7 +92,7 @@ def test_replicas_are_reachable_only_inside_their_namespace_which_all_of_them_sh
     ports = [int(r["address"].rsplit(":", 1)[1]) for r in record["replicas"]]
 
     view = file_view(load_spec(paths), paths.root)
-    box = keeper.replica_sandbox(keeper.View(view["read_write"], view["read_only"], view["hidden"]), paths.root, False)
+    box = keeper.replica_sandbox(keeper.View(view["read_write"], view["read_only"], view["hidden"]), paths.root)
     try:
         inside = subprocess.run(
             box.command([sys.executable, "-c", _CONNECT_FROM_INSIDE, *map(str, ports)]),
@@ -110,7 +110,7 @@ def test_replicas_are_reachable_only_inside_their_namespace_which_all_of_them_sh
         for host in ["127.0.0.1", *_host_addresses()]:
             assert not _connects(host, port), f"{host}:{port} accepted a connection from outside the namespace"
 
-    holder = json.loads(netns.record_path(paths.root, probe=False).read_text())
+    holder = json.loads(netns.record_path(paths.root).read_text())
     assert holder["net"] != netns.namespace_of(os.getpid())
     assert wait_for(lambda: len(_replica_processes(run_id)) == 2, timeout=60)
     assert {netns.namespace_of(pid) for pid in _replica_processes(run_id)} == {holder["net"]}

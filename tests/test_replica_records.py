@@ -77,7 +77,7 @@ def test_a_replica_that_plants_links_and_rewrites_records_steers_nothing(provisi
         "summary": str(paths.summary),
     }
     view = file_view(load_spec(paths), paths.root)
-    box = keeper.replica_sandbox(keeper.View(view["read_write"], view["read_only"], view["hidden"]), paths.root, False)
+    box = keeper.replica_sandbox(keeper.View(view["read_write"], view["read_only"], view["hidden"]), paths.root)
     try:
         command = box.command([sys.executable, "-c", _HOSTILE, json.dumps(targets)])
         done = subprocess.run(command, pass_fds=box.fds, capture_output=True, text=True, timeout=60)

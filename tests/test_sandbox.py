@@ -118,7 +118,7 @@ def test_a_hostile_process_in_a_replicas_sandbox_reaches_nothing_but_its_peers(p
     # The sandbox the keeper gives every replica of the run, with a hostile command in it.
     view = file_view(load_spec(paths), paths.root)
     view = keeper.View(view["read_write"], view["read_only"], view["hidden"])
-    box = keeper.replica_sandbox(view, paths.root, probe=False)
+    box = keeper.replica_sandbox(view, paths.root)
     command = box.command([sys.executable, "-c", _PROBE, json.dumps(targets)])
     try:
         done = subprocess.run(
@@ -254,7 +254,7 @@ _UNPRIVILEGED = textwrap.dedent(
     run = Path(sys.argv[2])
     (run / "replicas").mkdir()
     with open(run / "holder.log", "ab") as log:
-        holder = netns.hold(run, False, log, {"PATH": "/usr/bin:/bin"})
+        holder = netns.hold(run, log, {"PATH": "/usr/bin:/bin"})
     probe = (
         "import os; status = open('/proc/self/status').read()\\n"
         "try:\\n open('/proc/sys/kernel/core_pattern', 'w')\\nexcept OSError as error: core = error.errno\\n"

@@ -18,7 +18,7 @@ from typing import TextIO
 
 _TASK_START = re.compile(r"^\[DAG TEST\] starting task_id=(\S+)")
 _TASK_END = re.compile(r"^\[DAG TEST\] end task task_id=(\S+)")
-_REPLICA_LINE = re.compile(r"^\[(?:probe-)?((?:worker|chief|ps)-\d+)\] (.*)$")
+_REPLICA_LINE = re.compile(r"^\[((?:worker|chief|ps)-\d+)\] (.*)$")
 _STARTED = re.compile(r"^started ((?:worker|chief|ps)-\d+) \((.*)$")
 _ENDED = re.compile(r"^(?:(?:worker|chief|ps)-\d+ (?:finished|exited with|killed by)|stopping )")
 _EPOCH = re.compile(r"^Epoch (\d+)/(\d+)")
@@ -86,5 +86,7 @@ class LiveView(logging.Handler):
             bar = "#" * filled + "." * (BAR_WIDTH - filled)
             shown = " - ".join(f"{key} {float(value):.4f}" for key, value in metrics.items())
             self._print(f"  [{name}] Epoch {done}/{total} [{bar}] {shown}")
+        elif line.startswith("auto chose "):  # strategy=auto's decision, from the workers' first steps
+            self._print(f"  auto: {line}")
         elif line.startswith("trained "):
             self._print(f"  [{name}] {line}")

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from tasks.cluster.layout import ClusterLayout
 from tasks.cluster.supervisor import Replicas, Supervisor
+from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec
 
 
@@ -32,9 +33,8 @@ class Backend(Protocol):
     def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
         """What would stop the run's replicas from starting, one line each."""
 
-    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False) -> Replicas:
-        """The run's replicas for the supervisor; ``probe`` runs the workers' speed probe instead
-        of training."""
+    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path) -> Replicas:
+        """The run's replicas for the supervisor."""
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         """End everything of the run, found by its run id; the names of what was ended.
@@ -80,6 +80,17 @@ def sweep(home: Path, attach_seconds: float | None = None, namespace_grace: floa
         for kind, names in importlib.import_module(_MODULES[name]).BACKEND.sweep(home, grace).items():
             removed[kind] = removed.get(kind, []) + names
     return removed
+
+
+def start(spec: RunSpec, run_id: str, paths: RunPaths) -> Replicas:
+    """Lay out the run's cluster, record the layout (cluster.json) and start every replica."""
+    paths.restarts.unlink(missing_ok=True)  # a re-provisioned run starts its restart count anew
+    backend = backend_for(spec)
+    layout = backend.plan(spec, run_id)
+    write_record(paths.cluster, layout.to_dict())
+    cluster = backend.replicas(spec, layout, paths.root)
+    cluster.provision()
+    return cluster
 
 
 def supervise(spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float) -> dict[str, int]:

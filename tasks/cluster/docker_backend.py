@@ -89,7 +89,6 @@ def container_config(
     run_dir: Path,
     user: str,
     launched_at: float,
-    probe: bool = False,
     protected: Sequence[Path] = (),
 ) -> dict:
     """Keyword arguments of ``client.containers.run`` for one replica: no capabilities, no
@@ -100,7 +99,6 @@ def container_config(
     :param run_dir: the run directory (under ``home``).
     :param user: ``uid:gid`` the replica runs as (``containers.container_user``).
     :param launched_at: when the supervisor launched the run (for time to first step).
-    :param probe: run the worker's speed probe instead of training.
     :param protected: what of the run directory the replica sees read-only (the pipeline's records).
     """
     view = replica_view(spec, run_dir, home)
@@ -118,7 +116,7 @@ def container_config(
             "-m",
             "tasks.replica",
         ],
-        "command": ["--run-dir", str(run_dir), *(["--probe"] if probe else [])],
+        "command": ["--run-dir", str(run_dir)],
         "name": replica.host,
         "hostname": replica.host,
         "user": user,
@@ -160,19 +158,15 @@ def replica_state(attrs: dict) -> ReplicaState:
 
 class DockerReplicas:
     """The docker backend's side of the supervision (``supervisor.Replicas``): creates, inspects
-    and stops the containers of one run.
-
-    :param probe: run the workers' speed probe instead of training (logs ``probe-<name>.log``).
-    """
+    and stops the containers of one run."""
 
     restarts_in_place = False
 
-    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, probe: bool = False, client=None):
+    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, client=None):
         self.layout = layout
         self.spec = spec
         self.run_dir = run_dir
         self.logs_dir = run_dir / "logs"
-        self.probe = probe
         self.client = client or docker.from_env()
 
     def provision(self) -> None:
@@ -192,7 +186,6 @@ class DockerReplicas:
                 self.run_dir,
                 container_user(),
                 launched_at,
-                self.probe,
                 protected,
             )
             try:  # a restart: the container that exited gives way to a new one of the same name
@@ -244,7 +237,7 @@ class DockerReplicas:
         try:
             container = self.client.containers.get(container_name(self.layout.run_id, name))
             stream = container.logs(stream=True, follow=True)
-            log_path = self.logs_dir / f"{'probe-' if self.probe else ''}{name}.log"
+            log_path = self.logs_dir / f"{name}.log"
             yield from lines_to_file(stream, log_path)
         except docker.errors.NotFound:  # removed while streaming: its output is in the file
             return
@@ -378,8 +371,8 @@ class DockerBackend:
     def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
         return preflight(spec, run_id)
 
-    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False):
-        return DockerReplicas(layout, spec, run_dir, probe=probe)
+    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
+        return DockerReplicas(layout, spec, run_dir)
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         return teardown_run(run_id)  # containers are killed at once: nothing is left to save

@@ -121,18 +121,18 @@ class View:
     hidden: list[str]
 
 
-def replica_sandbox(view: View, run_dir: Path, probe: bool) -> sandbox.Sandbox:
+def replica_sandbox(view: View, run_dir: Path) -> sandbox.Sandbox:
     """The sandbox every replica of the run gets: ``view``'s files, the run's network namespace."""
-    network = netns.join(run_dir, probe)
+    network = netns.join(run_dir)
     return sandbox.Sandbox(view.read_write, view.read_only, view.hidden, network, working_directory=str(REPO_ROOT))
 
 
-def _launch(command: list[str], view: View | None, run_dir: Path, probe: bool, log_file, core: int | None):
+def _launch(command: list[str], view: View | None, run_dir: Path, log_file, core: int | None):
     """Start ``command`` in a process group of its own, sandboxed in the run's network namespace
     where ``view`` says so."""
     box = None
     if view is not None:
-        box = replica_sandbox(view, run_dir, probe)
+        box = replica_sandbox(view, run_dir)
         command = box.command(command)
     try:
         return subprocess.Popen(
@@ -154,11 +154,9 @@ def _launch(command: list[str], view: View | None, run_dir: Path, probe: bool, l
 def keep(
     run_dir: Path,
     name: str,
-    log_name: str,
     core: int | None,
     slowdown: float,
     deadline: float,
-    probe: bool,
     view: View | None = None,
     network_holder: bool = False,
 ) -> int:
@@ -169,12 +167,12 @@ def keep(
     signal.signal(signal.SIGINT, lambda *_: stop_requested.append(True))
     paths = RunPaths(run_dir)
     # The holder is no replica: its log sits with the keepers' records, not among the replicas' logs.
-    log_file = open((paths.replicas if network_holder else paths.logs) / f"{log_name}.log", "ab")
+    log_file = open((paths.replicas if network_holder else paths.logs) / f"{name}.log", "ab")
     if network_holder:
-        replica = netns.hold(run_dir, probe, log_file, replica_environment())
+        replica = netns.hold(run_dir, log_file, replica_environment())
     else:
-        command = [sys.executable, "-m", "tasks.replica", "--run-dir", str(run_dir), *(["--probe"] if probe else [])]
-        replica = _launch(command, view, run_dir, probe, log_file, core)
+        command = [sys.executable, "-m", "tasks.replica", "--run-dir", str(run_dir)]
+        replica = _launch(command, view, run_dir, log_file, core)
     throttle = Throttle(replica.pid, slowdown) if slowdown > 1 else None
     if throttle:
         throttle.start()
@@ -213,11 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--name", required=True, help="the replica, e.g. worker-0")
-    parser.add_argument("--log-name", help="its log's name (default: the replica's)")
     parser.add_argument("--core", type=int, help="pin the replica to this CPU core")
     parser.add_argument("--slowdown", type=float, default=1.0, help="give it 1/slowdown of the CPU time")
     parser.add_argument("--deadline", type=float, required=True, help="stop it at this time (epoch seconds)")
-    parser.add_argument("--probe", action="store_true", help="run the replica's speed probe")
     parser.add_argument("--network-holder", action="store_true", help="hold the run's network namespace instead")
     parser.add_argument("--unisolated", action="store_true", help="run the replica without a sandbox")
     parser.add_argument("--rw", action="append", default=[], help="a directory the replica may write")
@@ -228,11 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     return keep(
         args.run_dir,
         args.name,
-        args.log_name or args.name,
         args.core,
         args.slowdown,
         args.deadline,
-        args.probe,
         view,
         args.network_holder,
     )

@@ -309,7 +309,7 @@ class KubernetesBackend:
     def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
         return []  # the API server validates what is created; no cluster to ask before that
 
-    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False):
+    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
         return KubernetesReplicas(layout, spec, run_dir)
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:

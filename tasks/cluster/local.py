@@ -86,10 +86,11 @@ def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Pat
 
 
 def protected_records(paths: RunPaths) -> list[Path]:
-    """What of the run directory only the pipeline writes, shown read-only to its replicas: the spec,
-    the dataset and cluster records, the receipts, the keepers' records and the logs they write."""
-    records = [paths.owner, paths.spec, paths.dataset, paths.cluster, paths.restarts, paths.replicas, paths.logs]
-    return [*records, paths.root / "attempts", *pipeline_directories(paths)]
+    """What of the run directory only the pipeline writes, shown read-only to its replicas: the specs
+    (trained and requested), the dataset and cluster records, the receipts, the keepers' records and
+    the logs they write."""
+    records = [paths.owner, paths.spec, paths.requested_spec, paths.dataset, paths.cluster, paths.restarts]
+    return [*records, paths.replicas, paths.logs, paths.root / "attempts", *pipeline_directories(paths)]
 
 
 def pipeline_directories(paths: RunPaths) -> list[Path]:
@@ -99,15 +100,14 @@ def pipeline_directories(paths: RunPaths) -> list[Path]:
 
 
 def hand_over_writable(paths: RunPaths) -> None:
-    """What replicas write (the run directory's top, where the chief's weights and record go;
-    checkpoints; the probes' records) becomes the sandbox uid's where root provisions, on every
-    backend whose replicas run as that uid."""
-    for directory in (paths.checkpoints, paths.probes):
-        directory.mkdir(parents=True, exist_ok=True)
-        for parent, directories, files in os.walk(directory):
-            for name in [*directories, *files]:
-                sandbox.hand_over(Path(parent) / name)
-        sandbox.hand_over(directory)
+    """What replicas write (the run directory's top, where the chief's weights and records go; the
+    checkpoints) becomes the sandbox uid's where root provisions, on every backend whose replicas
+    run as that uid."""
+    paths.checkpoints.mkdir(parents=True, exist_ok=True)
+    for parent, directories, files in os.walk(paths.checkpoints):
+        for name in [*directories, *files]:
+            sandbox.hand_over(Path(parent) / name)
+    sandbox.hand_over(paths.checkpoints)
     sandbox.hand_over(paths.root)
 
 
@@ -119,8 +119,7 @@ def remove_what_replicas_planted(run_dir: Path) -> list[Path]:
     removed = not_regular(run_dir)
     for path in removed:
         path.unlink()
-    records = [paths.training, paths.plan, *(paths.probes.glob("*.json") if paths.probes.is_dir() else [])]
-    for record in records:
+    for record in (paths.training, paths.plan):
         if record.exists() and record not in removed:
             try:
                 read_replica_record(record)
@@ -163,20 +162,15 @@ _HOLDER = "network"  # the name of the keeper of the run's network holder
 
 class LocalReplicas:
     """The local backend's side of the supervision (``supervisor.Replicas``): starts each replica
-    under a keeper (``tasks.cluster.keeper``), reads how it ended, stops it.
-
-    :param probe: run the workers' speed probe (``tasks.replica --probe``) instead of training;
-        their logs are ``logs/probe-<name>.log``.
-    """
+    under a keeper (``tasks.cluster.keeper``), reads how it ended, stops it."""
 
     restarts_in_place = False
 
-    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, probe: bool = False):
+    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path):
         self.layout = layout
         self.spec = spec
         self.run_dir = run_dir
         self.paths = RunPaths(run_dir)
-        self.probe = probe
         self.cores = core_assignment(layout) if spec.pin_cores else {}
         self.gpus = visible_gpus(layout, spec)
         self._offsets: dict[str, int] = {}
@@ -186,7 +180,7 @@ class LocalReplicas:
 
     def log_path(self, name: str) -> Path:
         folder = self.paths.replicas if name == _HOLDER else self.paths.logs  # as the keeper writes it
-        return folder / f"{'probe-' if self.probe else ''}{name}.log"
+        return folder / f"{name}.log"
 
     def provision(self) -> None:
         """Start the run's network holder, then every replica in its namespace; where the run is
@@ -204,10 +198,9 @@ class LocalReplicas:
             network = {"isolated": False, "reason": reason}
             files = {"confined": False, "reason": reason}
             self._move_off_taken_ports()
-        if not self.probe:  # the probe's layout is not the run's
-            write_record(
-                self.paths.cluster, {**self.layout.to_dict(), "network_isolation": network, "file_isolation": files}
-            )
+        write_record(
+            self.paths.cluster, {**self.layout.to_dict(), "network_isolation": network, "file_isolation": files}
+        )
         try:
             if self.sandboxed:
                 self._start_keeper(None)
@@ -245,8 +238,7 @@ class LocalReplicas:
         self._offsets[name] = log_path.stat().st_size if log_path.exists() else 0
         deadline = time.time() + ATTACH_TIMEOUT_SECONDS + self.spec.train_timeout_seconds
         command = [sys.executable, "-m", "tasks.cluster.keeper", "--run-dir", str(self.run_dir)]
-        command += ["--name", name, "--log-name", log_path.stem, "--deadline", repr(deadline)]
-        command += ["--probe"] if self.probe else []
+        command += ["--name", name, "--deadline", repr(deadline)]
         env = {
             **os.environ,
             "HETFLOW_HOME": str(hetflow_home()),  # teardown matches a run's processes by id and home
@@ -256,7 +248,7 @@ class LocalReplicas:
         notes = []
         if replica is None:
             command += ["--network-holder"]
-            netns.record_path(self.run_dir, self.probe).unlink(missing_ok=True)
+            netns.record_path(self.run_dir).unlink(missing_ok=True)
         else:
             slowdown = self.spec.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
             command += ["--slowdown", repr(slowdown)]
@@ -299,7 +291,7 @@ class LocalReplicas:
 
     def _wait_for_network(self, keeper: subprocess.Popen) -> None:
         """Until the holder's record is there: the replicas join what it names."""
-        record = netns.record_path(self.run_dir, self.probe)
+        record = netns.record_path(self.run_dir)
         deadline = time.monotonic() + netns.HOLDER_START_SECONDS
         while not record.exists():
             if keeper.poll() is not None or time.monotonic() > deadline:
@@ -308,7 +300,7 @@ class LocalReplicas:
             time.sleep(0.05)
 
     def _pid_path(self, name: str) -> Path:
-        return self.paths.replicas / f"{'probe-' if self.probe else ''}{name}.pid"
+        return self.paths.replicas / f"{name}.pid"
 
     def _keeper(self, name: str) -> int:
         return int(self._pid_path(name).read_text())

@@ -18,10 +18,10 @@ class LocalBackend:
     def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
         return []  # nothing beyond the spec, which is already checked
 
-    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False):
+    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
         from tasks.cluster.local import LocalReplicas
 
-        return LocalReplicas(layout, spec, run_dir, probe=probe)
+        return LocalReplicas(layout, spec, run_dir)
 
     def teardown(self, spec: RunSpec | None, run_id: str, grace: float | None = None) -> list:
         from tasks.cluster.processes import TERM_GRACE_SECONDS, teardown_run

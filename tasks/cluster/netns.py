@@ -30,16 +30,16 @@ class NetworkGone(RuntimeError):
     """The run's network holder is not running (any more)."""
 
 
-def record_path(run_dir: Path, probe: bool) -> Path:
-    """Where the holder of the run's (or its probe cluster's) namespace is recorded."""
-    return RunPaths(run_dir).replicas / f"{'probe-' if probe else ''}network.json"
+def record_path(run_dir: Path) -> Path:
+    """Where the holder of the run's namespace is recorded."""
+    return RunPaths(run_dir).replicas / "network.json"
 
 
 def _namespace(pid: int, kind: str) -> int:
     return os.stat(f"/proc/{pid}/ns/{kind}").st_ino
 
 
-def hold(run_dir: Path, probe: bool, log_file, env: dict[str, str]) -> subprocess.Popen:
+def hold(run_dir: Path, log_file, env: dict[str, str]) -> subprocess.Popen:
     """Start the holder of the run's network namespace (a process group of its own) and record
     where it is; returns it once the record is written."""
     read, write = os.pipe()
@@ -62,7 +62,7 @@ def hold(run_dir: Path, probe: bool, log_file, env: dict[str, str]) -> subproces
             os.close(write)
     pid = info["child-pid"]
     namespaces = {kind: _namespace(pid, kind) for kind in ("user", "net")}
-    write_record(record_path(run_dir, probe), {"pid": pid, **namespaces})
+    write_record(record_path(run_dir), {"pid": pid, **namespaces})
     return holder
 
 
@@ -87,13 +87,13 @@ def _read_info(fd: int, holder: subprocess.Popen) -> dict:
         raise NetworkGone(f"the network holder said nothing in {HOLDER_START_SECONDS:.0f} s") from None
 
 
-def join(run_dir: Path, probe: bool = False) -> tuple[int, int]:
+def join(run_dir: Path) -> tuple[int, int]:
     """Open descriptors of the holder's user and network namespaces, checked against its record
     (a pid reused by another process gives other namespaces, and is refused)."""
     try:
-        record = json.loads(record_path(run_dir, probe).read_text())
+        record = json.loads(record_path(run_dir).read_text())
     except FileNotFoundError:
-        raise NetworkGone(f"{run_dir.name} has no network holder ({record_path(run_dir, probe).name} is missing)")
+        raise NetworkGone(f"{run_dir.name} has no network holder ({record_path(run_dir).name} is missing)")
     opened = []
     try:
         for kind in ("user", "net"):

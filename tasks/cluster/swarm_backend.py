@@ -131,7 +131,6 @@ def service_config(
     run_dir: Path,
     user: str,
     launched_at: float,
-    probe: bool = False,
     protected: Sequence[Path] = (),
 ) -> dict:
     """Keyword arguments of ``client.services.create`` for one replica (see the docker backend's
@@ -147,7 +146,7 @@ def service_config(
         "image": needs.image,
         "command": ["timeout", f"--kill-after={STOP_GRACE_SECONDS}", f"{deadline:.0f}"]
         + ["python", "-m", "tasks.replica"],
-        "args": ["--run-dir", str(run_dir), *(["--probe"] if probe else [])],
+        "args": ["--run-dir", str(run_dir)],
         "name": container_name(layout.run_id, replica.name),
         "hostname": container_name(layout.run_id, replica.name),
         "user": user,
@@ -204,12 +203,11 @@ class SwarmReplicas:
 
     restarts_in_place = False
 
-    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, probe: bool = False, client=None):
+    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, client=None):
         self.layout = layout
         self.spec = spec
         self.run_dir = run_dir
         self.logs_dir = run_dir / "logs"
-        self.probe = probe
         self.client = client or docker.from_env()
         self.nodes: dict[str, str] = {}  # replica: the id of the node its newest task runs on
 
@@ -230,7 +228,6 @@ class SwarmReplicas:
                 self.run_dir,
                 container_user(),
                 launched_at,
-                self.probe,
                 protected,
             )
             try:  # a restart: the service whose task ended gives way to a new one of the same name
@@ -294,7 +291,7 @@ class SwarmReplicas:
         """The service's output, read every half second until its task has ended or its node went
         down (a service's log stream does not end by itself); kept in ``logs/<name>.log``."""
         service_name = container_name(self.layout.run_id, name)
-        log_path = self.logs_dir / f"{'probe-' if self.probe else ''}{name}.log"
+        log_path = self.logs_dir / f"{name}.log"
         last = ""  # the newest line read, by its time stamp
         with open_log(log_path) as log_file:
             while True:
@@ -530,8 +527,8 @@ class SwarmBackend:
     def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
         return preflight(spec, run_id)
 
-    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path, probe: bool = False):
-        return SwarmReplicas(layout, spec, run_dir, probe=probe)
+    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
+        return SwarmReplicas(layout, spec, run_dir)
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         return teardown_run(run_id)

@@ -4,8 +4,8 @@
 - ``runtime``: the replica's devices and threads.
 - one module per way of training: ``sync`` (one_device, mirrored, multi_worker_mirrored, with
   equal or speed-balanced batches), ``parameter_server`` (async, ``ClusterCoordinator``),
-  ``model_parallel`` (layer groups on different devices), and ``probe`` (a short measured run of
-  one worker, for balance_batches and strategy=auto).
+  ``model_parallel`` (layer groups on different devices); ``balance`` measures the workers over
+  their first sync steps, for balance_batches and strategy=auto.
 - what they share: ``loop`` (the epoch loop), ``checkpoint``, ``clock`` (where the time goes),
   ``weights`` and ``record`` (the final weights and training.json).
 

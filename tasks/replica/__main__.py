@@ -28,7 +28,6 @@ from tasks.spec import RunSpec
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--probe", action="store_true", help="measure this worker's speed alone, then exit")
     args = parser.parse_args(argv)
     paths = RunPaths(args.run_dir)
     spec = RunSpec.model_validate_json(paths.spec.read_text())
@@ -36,22 +35,17 @@ def main(argv: list[str] | None = None) -> None:
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     print(f"replica {task['type']}-{task['index']} pid {os.getpid()} strategy={spec.strategy}", flush=True)
 
-    run_replica(spec, dataset, paths, task, probe=args.probe)
+    run_replica(spec, dataset, paths, task)
 
 
-def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any], probe: bool) -> None:
-    """This replica's part: the probe, serving variables and steps (parameter_server's ps and
-    workers), or training with the spec's strategy and writing its results."""
+def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
+    """This replica's part: serving variables and steps (parameter_server's ps and workers), or
+    training with the spec's strategy and writing its results."""
     from tasks.replica.runtime import configure_runtime
 
     configure_runtime(spec, task)
-    if probe:
-        from tasks.replica.probe import file_barrier, measure
-
-        barrier = file_barrier(paths.probes, f"{task['type']}-{task['index']}", spec.workers)
-        measure(spec, dataset, paths, task, barrier)
-        return
     from tasks.replica import model_parallel, parameter_server, sync
+    from tasks.replica.balance import Relaunch
     from tasks.replica.record import finish
 
     if spec.strategy == "parameter_server" and task["type"] != "chief":
@@ -60,7 +54,12 @@ def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: d
     train = {"parameter_server": parameter_server.train, "model_parallel": model_parallel.train}.get(
         spec.strategy, sync.train
     )
-    finish(spec, dataset, paths, train(spec, dataset, paths, task))
+    try:
+        trained = train(spec, dataset, paths, task)
+    except Relaunch as relaunch:
+        print(f"stopping for a relaunch: {relaunch}", flush=True)
+        return
+    finish(spec, dataset, paths, trained)
 
 
 def run_and_exit() -> None:

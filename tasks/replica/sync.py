@@ -37,17 +37,18 @@ from typing import Any
 
 import tensorflow as tf
 
+from tasks.auto_strategy import decide
 from tasks.batch_shares import split_batch
 from tasks.data.pipeline import eval_input, train_slices
 from tasks.models import build_model
 from tasks.paths import RunPaths, write_record
-from tasks.replica.balance import InTrainingProbe
+from tasks.replica.balance import ROUNDS, MeasuringRound, Relaunch
 from tasks.replica.checkpoint import EpochCheckpoint
 from tasks.replica.loop import EpochLoop, validation_sums
 from tasks.replica.record import Trained, worker_rate
 from tasks.replica.runtime import local_devices
 from tasks.schedule import make_optimizer, steps_per_epoch
-from tasks.spec import RunSpec
+from tasks.spec import RunSpec, parse_spec
 
 
 def make_strategy(spec: RunSpec) -> tf.distribute.Strategy:
@@ -162,22 +163,25 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     # in two calls, to time this worker's computation apart from its wait for the slowest one.
     compute_gradients = tf.function(lambda images, labels: strategy.run(replica_gradients, args=(images, labels)))
     apply_gradients = tf.function(lambda gradients: strategy.run(replica_apply, args=(gradients,)))
-    probe = None
+    measuring = None
     if planned is None:
-        probe = InTrainingProbe(task["index"], workers, equal[task["index"]], model.count_params(), sum_over_workers)
-
-    measured_steps = 0  # steps trained on equal shares while measuring
+        measuring = MeasuringRound(1, task["index"], workers, model.count_params(), sum_over_workers)
+    steps_taken = 0  # global batches taken from the stream, which a change of shares goes on from
+    examples_taken = [0] * workers  # by each worker: its shares change while measuring
+    first_round: list[dict[str, Any]] = []
 
     def step():
-        nonlocal batches, shares, probe, measured_steps
-        if probe is None:
+        nonlocal batches, shares, measuring, steps_taken, first_round
+        steps_taken += 1
+        examples_taken[:] = [taken + share for taken, share in zip(examples_taken, shares)]
+        if measuring is None:
             return train_step(batches)
         images, labels = next(batches)
         started = time.perf_counter()
         gradients, loss, correct = compute_gradients(images, labels)
         computed = time.perf_counter() - started
         apply_gradients(gradients)
-        probes = probe.timed(computed)
+        probes = measuring.timed(shares[task["index"]], computed)
         if probes:
             mine = probes[task["index"]]
             print(
@@ -186,17 +190,43 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
                 f"{mine['measured']})",
                 flush=True,
             )
-            shares = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
-            announce_shares()
-            if is_chief(task):
-                write_record(paths.plan, {"requested": spec.model_dump(), "probes": probes, "worker_batches": shares})
-            # On from the next global batch, with the new shares.
-            batches = iter(worker_slices(task["index"], shares).skip(probe.steps_taken))
-            measured_steps, probe = probe.steps_taken, None
+            if measuring.number < ROUNDS:
+                first_round = probes
+                shares = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
+                measuring = MeasuringRound(
+                    measuring.number + 1, task["index"], workers, model.count_params(), sum_over_workers
+                )
+                print(f"measuring again on batches {shares} of {spec.batch_size}", flush=True)
+            else:
+                shares = shares_measured(first_round, probes)
+                announce_shares()
+                measuring = None
+            batches = iter(worker_slices(task["index"], shares).skip(steps_taken))
         return loss, correct
 
+    requested = json.loads(paths.requested_spec.read_text()) if paths.requested_spec.exists() else None  # auto
+    balanced = spec.balance_batches
+
+    def shares_measured(first_round: list[dict[str, Any]], probes: list[dict[str, Any]]) -> list[int]:
+        """The shares to go on with: balanced, or what strategy=auto decides from the probes."""
+        nonlocal balanced
+        plan = {"requested": requested or spec.model_dump(mode="json"), "first_round": first_round, "probes": probes}
+        if requested is not None:
+            plan["decision"] = decide(parse_spec(requested), probes)
+            print(plan["decision"]["reason"], flush=True)
+            if plan["decision"]["strategy"] != "multi_worker_mirrored":
+                if is_chief(task):
+                    write_record(paths.plan, plan)
+                raise Relaunch(plan["decision"]["reason"])
+            balanced = plan["decision"]["settings"]["balance_batches"]
+        speeds = [p["examples_per_second"] for p in probes] if balanced else [1.0] * workers
+        plan["worker_batches"] = split_batch(spec.batch_size, speeds)
+        if is_chief(task):
+            write_record(paths.plan, plan)
+        return plan["worker_batches"]
+
     def announce_shares():
-        kind = "balanced" if spec.balance_batches else "equal"
+        kind = "balanced" if balanced else "equal"
         print(f"{kind} batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
 
     predict = tf.function(lambda images: model(images, training=False))
@@ -215,7 +245,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
 
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
-    if probe is None:
+    if measuring is None:
         announce_shares()
     else:
         print(f"equal batches {shares} of {spec.batch_size} while measuring each worker's speed", flush=True)
@@ -228,15 +258,14 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     total_steps = loop.clock.epochs_done * loop.steps
     per_worker = {}
     for i, share in enumerate(shares):
-        examples = measured_steps * equal[i] + (total_steps - measured_steps) * share
-        rate = worker_rate(examples / total_steps if total_steps else share, total_steps, loop.train_seconds)
-        per_worker[f"worker-{i}"] = {**rate, "batch": share}
+        mean_batch = examples_taken[i] / steps_taken if steps_taken else share
+        per_worker[f"worker-{i}"] = {**worker_rate(mean_batch, total_steps, loop.train_seconds), "batch": share}
     fields = {
         "replicas_in_sync": strategy.num_replicas_in_sync,
         "per_worker": per_worker,
         # Without balance_batches the shares are equal (validation requires it).
-        "per_replica_batch": shares if spec.balance_batches else split_batch(shares[0], [1.0] * local_replicas)[0],
-        "balanced": spec.balance_batches,
+        "per_replica_batch": shares if balanced else split_batch(shares[0], [1.0] * local_replicas)[0],
+        "balanced": balanced,
         "worker_batches": shares,
     }
     return Trained(loop, model, fields, chief=is_chief(task))
