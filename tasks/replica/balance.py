@@ -16,7 +16,13 @@ than it trains once nobody waits. On balanced shares every worker is busy as it 
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from tasks.auto_strategy import decide
+from tasks.batch_shares import split_batch
+from tasks.paths import RunPaths, write_record
+from tasks.spec import RunSpec, parse_spec
 
 WARMUP_STEPS = 2  # per round: tracing (a new share is a new shape) stays out of the measurement
 MEASURE_SECONDS = 0.5  # of the fastest worker's computation: 25 periods of the throttle's stop-and-continue
@@ -72,3 +78,91 @@ class MeasuringRound:
             }
             for i, (seconds, examples) in enumerate(zip(seconds_per_worker, examples_per_worker))
         ]
+
+
+class WorkerShares:
+    """Every worker's share of the global batch over one replica's training (``now``): fixed where
+    it is known (equal without ``balance_batches``; plan.json's, written by an earlier launch of
+    this group), else measured in rounds as the module says and then kept. With strategy=auto
+    (requested_spec.json) the last round's probes go to its policy: equal or balanced shares, or
+    ``Relaunch``. The chief records what was measured and decided in plan.json."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        paths: RunPaths,
+        task: dict[str, Any],
+        is_chief: bool,
+        model_parameters: int,
+        sum_over_workers,
+    ):
+        self.spec, self.paths, self.worker, self.is_chief = spec, paths, task["index"], is_chief
+        self.workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
+        self.model_parameters, self.sum_over_workers = model_parameters, sum_over_workers
+        self.balanced = spec.balance_batches
+        self.equal = split_batch(spec.batch_size, [1.0] * self.workers)
+        plan = json.loads(paths.plan.read_text()) if spec.balance_batches and paths.plan.exists() else {}
+        self.now: list[int] = plan.get("worker_batches") or self.equal
+        self.round = None
+        if spec.balance_batches and self.workers > 1 and "worker_batches" not in plan:
+            self.round = MeasuringRound(1, self.worker, self.workers, model_parameters, sum_over_workers)
+        self.first_round: list[dict[str, Any]] = []
+
+    @property
+    def measuring(self) -> bool:
+        return self.round is not None
+
+    def measured_step(self, computed_seconds: float) -> bool:
+        """Count a step whose gradient computation took ``computed_seconds`` here; True where the
+        shares changed with it (the input must follow)."""
+        probes = self.round.timed(self.now[self.worker], computed_seconds)
+        if not probes:
+            return False
+        mine = probes[self.worker]
+        print(
+            f"probe worker-{self.worker}: {mine['examples_per_second']:.0f} examples/s "
+            f"({1000 * mine['step_seconds']:.1f} ms of computation per step of {mine['batch']}, {mine['measured']})",
+            flush=True,
+        )
+        if self.round.number < ROUNDS:
+            self.first_round = probes
+            self.now = split_batch(self.spec.batch_size, [p["examples_per_second"] for p in probes])
+            self.round = MeasuringRound(
+                self.round.number + 1, self.worker, self.workers, self.model_parameters, self.sum_over_workers
+            )
+            print(f"measuring again on batches {self.now} of {self.spec.batch_size}", flush=True)
+        else:
+            self.now = self._kept(probes)
+            self.round = None
+            self.announce()
+        return True
+
+    def _kept(self, probes: list[dict[str, Any]]) -> list[int]:
+        requested = json.loads(self.paths.requested_spec.read_text()) if self.paths.requested_spec.exists() else None
+        plan = {"requested": requested or self.spec.model_dump(mode="json"), "first_round": self.first_round}
+        plan["probes"] = probes
+        if requested is not None:
+            plan["decision"] = decide(parse_spec(requested), probes)
+            print(plan["decision"]["reason"], flush=True)
+            if plan["decision"]["strategy"] != "multi_worker_mirrored":
+                self._record(plan)
+                raise Relaunch(plan["decision"]["reason"])
+            self.balanced = plan["decision"]["settings"]["balance_batches"]
+        speeds = [p["examples_per_second"] for p in probes] if self.balanced else [1.0] * self.workers
+        plan["worker_batches"] = split_batch(self.spec.batch_size, speeds)
+        self._record(plan)
+        return plan["worker_batches"]
+
+    def _record(self, plan: dict[str, Any]) -> None:
+        if self.is_chief:
+            write_record(self.paths.plan, plan)
+
+    def announce(self) -> None:
+        if self.measuring:
+            print(f"equal batches {self.now} of {self.spec.batch_size} while measuring each worker's speed", flush=True)
+        else:
+            kind = "balanced" if self.balanced else "equal"
+            print(
+                f"{kind} batches {self.now} of {self.spec.batch_size}; this worker takes {self.now[self.worker]}",
+                flush=True,
+            )

@@ -3,7 +3,7 @@ with equal shares of each global batch or (``balance_batches``) shares proportio
 worker's measured speed.
 
 With equal batches every step waits for the slowest worker. Balanced, worker i takes a share b_i
-of each global batch B (b_i proportional to its probed examples/s, sum b_i = B), so all finish a
+of each global batch B (b_i proportional to its measured examples/s, sum b_i = B), so all finish a
 step at about the same time. Every worker shuffles the examples in the same order (same seed) and
 batches only those at its own positions of each global batch (``train_slices``), so the slices of
 a step are exactly the global batch. Each replica's loss is its examples' summed loss divided by
@@ -15,10 +15,9 @@ Validation is shared the same way: each worker scores its share of the validatio
 the sums are all-reduced once per epoch, so every worker sees the same accuracy (and stops at the
 target together) without the slow worker scoring the whole split.
 
-The shares come from a probe. ``strategy=auto`` probed the workers before launching them (its
-choice decides the cluster's layout) and wrote them to plan.json; with ``balance_batches=true``
-alone the workers measure themselves during their first training steps (``tasks.replica.balance``)
-and rebalance there: no launch and no steps spent on measuring only.
+The shares are ``tasks.replica.balance``'s: equal without ``balance_batches``; with it (and with
+``strategy=auto``, which starts here) measured over the first training steps and then kept; or
+plan.json's, where an earlier launch of this group measured them.
 
 A custom loop, not ``model.fit``: fit divides each replica's loss by its own batch size (it would
 weight a small share as much as a large one), all-reduces its metrics every step (two collectives
@@ -31,24 +30,22 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import time
 from typing import Any
 
 import tensorflow as tf
 
-from tasks.auto_strategy import decide
 from tasks.batch_shares import split_batch
 from tasks.data.pipeline import eval_input, train_slices
 from tasks.models import build_model
-from tasks.paths import RunPaths, write_record
-from tasks.replica.balance import ROUNDS, MeasuringRound, Relaunch
+from tasks.paths import RunPaths
+from tasks.replica.balance import WorkerShares
 from tasks.replica.checkpoint import EpochCheckpoint
 from tasks.replica.loop import EpochLoop, validation_sums
 from tasks.replica.record import Trained, worker_rate
 from tasks.replica.runtime import local_devices
 from tasks.schedule import make_optimizer, steps_per_epoch
-from tasks.spec import RunSpec, parse_spec
+from tasks.spec import RunSpec
 
 
 def make_strategy(spec: RunSpec) -> tf.distribute.Strategy:
@@ -68,16 +65,6 @@ def is_chief(task: dict[str, Any]) -> bool:
     return task["type"] == "worker" and task["index"] == 0
 
 
-def planned_shares(spec: RunSpec, paths: RunPaths, workers: int) -> list[int] | None:
-    """Every worker's share of the global batch: equal without ``balance_batches``; from plan.json
-    where the workers were probed already (by ``strategy=auto``, or before a restart of this group);
-    None where they are to be measured in training."""
-    if not spec.balance_batches:
-        return split_batch(spec.batch_size, [1.0] * workers)
-    plan = json.loads(paths.plan.read_text()) if paths.plan.exists() else {}
-    return plan.get("worker_batches")
-
-
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
     strategy = make_strategy(spec)
     workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
@@ -95,18 +82,16 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     def sum_over_workers(values: list[float]) -> list[float]:
         return sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
 
-    planned = planned_shares(spec, paths, workers)
-    equal = split_batch(spec.batch_size, [1.0] * workers)
-    shares = planned or equal
     loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
         optimizer = make_optimizer(spec, loop.schedule)
+    shares = WorkerShares(spec, paths, task, is_chief(task), model.count_params(), sum_over_workers)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
-    def worker_slices(worker: int, shares: list[int]) -> tf.data.Dataset:
+    def worker_slices(worker: int, worker_shares: list[int]) -> tf.data.Dataset:
         # The worker's replicas take its dataset's batches in turn, so it yields their slices in turn.
-        replica_shares = [part for share in shares for part in split_batch(share, [1.0] * local_replicas)]
+        replica_shares = [part for share in worker_shares for part in split_batch(share, [1.0] * local_replicas)]
         offsets = [0, *itertools.accumulate(replica_shares)]
         slices = [
             train_slices(
@@ -131,10 +116,12 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         # worker's one replica. A distributed iterator costs ~0.1 s per step under multi_worker_mirrored
         # for nothing here (measured 2026-11-24, one worker, convnet steps of 64 examples: 0.30 s
         # through it, 0.19 s fed directly; the default strategy showed no such cost).
-        batches = iter(worker_slices(task["index"], shares))
+        batches = iter(worker_slices(task["index"], shares.now))
     else:
         batches = iter(
-            strategy.distribute_datasets_from_function(lambda context: worker_slices(context.input_pipeline_id, shares))
+            strategy.distribute_datasets_from_function(
+                lambda context: worker_slices(context.input_pipeline_id, shares.now)
+            )
         )
 
     def replica_gradients(images, labels):
@@ -159,113 +146,69 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         loss, correct = strategy.run(replica_step, args=next(iterator))
         return tuple(tf.add_n(strategy.experimental_local_results(value)) for value in (loss, correct))
 
-    # While measuring (balance_batches, one replica per worker): the gradients and their all-reduce
-    # in two calls, to time this worker's computation apart from its wait for the slowest one.
-    compute_gradients = tf.function(lambda images, labels: strategy.run(replica_gradients, args=(images, labels)))
-    apply_gradients = tf.function(lambda gradients: strategy.run(replica_apply, args=(gradients,)))
-    measuring = None
-    if planned is None:
-        measuring = MeasuringRound(1, task["index"], workers, model.count_params(), sum_over_workers)
+    # Several workers of one replica each: the gradients and their all-reduce in two calls, the first
+    # timed while the workers measure themselves (their computation apart from the wait for the
+    # slowest one), so equal and balanced shares run the same step. Any batch size: a change of
+    # shares traces nothing again.
+    split = workers > 1 and local_replicas == 1
+    if split:
+        any_batch = [tf.TensorSpec([None, *part.shape[1:]], part.dtype) for part in batches.element_spec]
+        compute_gradients = tf.function(
+            lambda images, labels: strategy.run(replica_gradients, args=(images, labels)), input_signature=any_batch
+        )
+        apply_gradients = tf.function(lambda gradients: strategy.run(replica_apply, args=(gradients,)))
     steps_taken = 0  # global batches taken from the stream, which a change of shares goes on from
     examples_taken = [0] * workers  # by each worker: its shares change while measuring
-    first_round: list[dict[str, Any]] = []
 
-    def step():
-        nonlocal batches, shares, measuring, steps_taken, first_round
+    def split_step():
+        nonlocal batches, steps_taken
         steps_taken += 1
-        examples_taken[:] = [taken + share for taken, share in zip(examples_taken, shares)]
-        if measuring is None:
-            return train_step(batches)
+        examples_taken[:] = [taken + share for taken, share in zip(examples_taken, shares.now)]
         images, labels = next(batches)
         started = time.perf_counter()
         gradients, loss, correct = compute_gradients(images, labels)
         computed = time.perf_counter() - started
         apply_gradients(gradients)
-        probes = measuring.timed(shares[task["index"]], computed)
-        if probes:
-            mine = probes[task["index"]]
-            print(
-                f"probe worker-{task['index']}: {mine['examples_per_second']:.0f} examples/s "
-                f"({1000 * mine['step_seconds']:.1f} ms of computation per step of {mine['batch']}, "
-                f"{mine['measured']})",
-                flush=True,
-            )
-            if measuring.number < ROUNDS:
-                first_round = probes
-                shares = split_batch(spec.batch_size, [p["examples_per_second"] for p in probes])
-                measuring = MeasuringRound(
-                    measuring.number + 1, task["index"], workers, model.count_params(), sum_over_workers
-                )
-                print(f"measuring again on batches {shares} of {spec.batch_size}", flush=True)
-            else:
-                shares = shares_measured(first_round, probes)
-                announce_shares()
-                measuring = None
-            batches = iter(worker_slices(task["index"], shares).skip(steps_taken))
+        if shares.measuring and shares.measured_step(computed):
+            batches = iter(worker_slices(task["index"], shares.now).skip(steps_taken))
         return loss, correct
 
-    requested = json.loads(paths.requested_spec.read_text()) if paths.requested_spec.exists() else None  # auto
-    balanced = spec.balance_batches
-
-    def shares_measured(first_round: list[dict[str, Any]], probes: list[dict[str, Any]]) -> list[int]:
-        """The shares to go on with: balanced, or what strategy=auto decides from the probes."""
-        nonlocal balanced
-        plan = {"requested": requested or spec.model_dump(mode="json"), "first_round": first_round, "probes": probes}
-        if requested is not None:
-            plan["decision"] = decide(parse_spec(requested), probes)
-            print(plan["decision"]["reason"], flush=True)
-            if plan["decision"]["strategy"] != "multi_worker_mirrored":
-                if is_chief(task):
-                    write_record(paths.plan, plan)
-                raise Relaunch(plan["decision"]["reason"])
-            balanced = plan["decision"]["settings"]["balance_batches"]
-        speeds = [p["examples_per_second"] for p in probes] if balanced else [1.0] * workers
-        plan["worker_batches"] = split_batch(spec.batch_size, speeds)
-        if is_chief(task):
-            write_record(paths.plan, plan)
-        return plan["worker_batches"]
-
-    def announce_shares():
-        kind = "balanced" if balanced else "equal"
-        print(f"{kind} batches {shares} of {spec.batch_size}; this worker takes {shares[task['index']]}", flush=True)
-
-    predict = tf.function(lambda images: model(images, training=False))
+    # Each worker's validation slice ends in a batch of its own size: traced once for any size.
+    predict = tf.function(lambda images: model(images, training=False), reduce_retracing=True)
     validation_inputs: dict[tuple[int, ...], tf.data.Dataset] = {}
 
     def score_my_validation():
         # This worker's share of the validation split, in proportion to its share of the batch.
-        if tuple(shares) not in validation_inputs:
+        key = tuple(shares.now)
+        if key not in validation_inputs:
             validation_size = dataset["splits"]["validation"]
-            worker_offsets = [0, *itertools.accumulate(shares)]
+            worker_offsets = [0, *itertools.accumulate(key)]
             first, last = (
                 round(worker_offsets[i] * validation_size / spec.batch_size) for i in (task["index"], task["index"] + 1)
             )
-            validation_inputs[tuple(shares)] = eval_input(dataset, "validation", examples=(first, last))
-        return validation_sums(predict, validation_inputs[tuple(shares)])
+            validation_inputs[key] = eval_input(dataset, "validation", examples=(first, last))
+        return validation_sums(predict, validation_inputs[key])
 
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
-    if measuring is None:
-        announce_shares()
-    else:
-        print(f"equal batches {shares} of {spec.batch_size} while measuring each worker's speed", flush=True)
+    shares.announce()
     loop.run(
-        loop.one_step_at_a_time(step),
+        loop.one_step_at_a_time(split_step if split else lambda: train_step(batches)),
         score_my_validation,
         checkpoint,
         sum_over_workers if workers > 1 else None,
     )
     total_steps = loop.clock.epochs_done * loop.steps
     per_worker = {}
-    for i, share in enumerate(shares):
+    for i, share in enumerate(shares.now):
         mean_batch = examples_taken[i] / steps_taken if steps_taken else share
         per_worker[f"worker-{i}"] = {**worker_rate(mean_batch, total_steps, loop.train_seconds), "batch": share}
     fields = {
         "replicas_in_sync": strategy.num_replicas_in_sync,
         "per_worker": per_worker,
         # Without balance_batches the shares are equal (validation requires it).
-        "per_replica_batch": shares if balanced else split_batch(shares[0], [1.0] * local_replicas)[0],
-        "balanced": balanced,
-        "worker_batches": shares,
+        "per_replica_batch": shares.now if shares.balanced else split_batch(shares.now[0], [1.0] * local_replicas)[0],
+        "balanced": shares.balanced,
+        "worker_batches": shares.now,
     }
     return Trained(loop, model, fields, chief=is_chief(task))
