@@ -82,7 +82,7 @@ def test_visible_gpus_give_each_gpu_worker_its_own_devices():
 def test_unequal_worker_slices_are_the_global_batch_and_each_worker_batches_only_its_own(tmp_path):
     import tensorflow as tf
 
-    from tasks.data.pipeline import train_input, train_slices
+    from tasks.data.pipeline import train_input, train_slices, training_tensors
     from tasks.data.prepare import prepare_dataset
 
     dataset = prepare_dataset("uci_digits", tmp_path)
@@ -90,7 +90,7 @@ def test_unequal_worker_slices_are_the_global_batch_and_each_worker_batches_only
     whole = train_input(dataset, per_worker_batch=8, shuffle=True, seed=7).take(steps)
     single = [(images.numpy(), labels.numpy()) for images, labels in whole]
     slices = [
-        train_slices(dataset, start=start, end=end, global_batch=8, shuffle=True, seed=7)
+        train_slices(training_tensors(dataset), start=start, end=end, global_batch=8, shuffle=True, seed=7)
         for start, end in zip(offsets, offsets[1:])
     ]
     parts = [[(images.numpy(), labels.numpy()) for images, labels in pipeline.take(steps)] for pipeline in slices]
@@ -100,7 +100,7 @@ def test_unequal_worker_slices_are_the_global_batch_and_each_worker_batches_only
             union = np.concatenate([worker[step][field] for worker in parts])
             np.testing.assert_array_equal(union, single[step][field])
     with pytest.raises(ValueError, match="not a slice"):
-        train_slices(dataset, start=3, end=3, global_batch=8, shuffle=True, seed=7)
+        train_slices(training_tensors(dataset), start=3, end=3, global_batch=8, shuffle=True, seed=7)
     # Each worker reads only its own share: the one batch its pipeline forms is of example indices
     # (the global batch's positions); the examples it gathers are its share. tf.data has no public
     # view of a pipeline's graph.

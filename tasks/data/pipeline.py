@@ -44,9 +44,10 @@ def train_input(
 
 
 def train_slices(
-    dataset: dict[str, Any], *, start: int, end: int, global_batch: int, shuffle: bool, seed: int
+    examples: tuple[tf.Tensor, tf.Tensor], *, start: int, end: int, global_batch: int, shuffle: bool, seed: int
 ) -> tf.data.Dataset:
-    """Endless training batches of the examples ``start:end`` of each global batch.
+    """Endless training batches of the examples ``start:end`` of each global batch, from the
+    training split's ``examples`` (``training_tensors``: loaded once, however often the shares change).
 
     For workers with unequal shares of the global batch (balanced sync). Every worker shuffles the
     example *indices* with the same seed as ``train_input`` shuffles the examples (tf.data's order
@@ -57,10 +58,11 @@ def train_slices(
     """
     if not 0 <= start < end <= global_batch:
         raise ValueError(f"examples {start}:{end} are not a slice of a global batch of {global_batch}")
-    images, labels = (tf.convert_to_tensor(array) for array in split_arrays(dataset, "train"))
-    indices = tf.data.Dataset.range(dataset["splits"]["train"])
+    images, labels = examples
+    count = int(labels.shape[0])
+    indices = tf.data.Dataset.range(count)
     if shuffle:
-        indices = indices.shuffle(dataset["splits"]["train"], seed=seed, reshuffle_each_iteration=True)
+        indices = indices.shuffle(count, seed=seed, reshuffle_each_iteration=True)
     mine = indices.repeat().batch(global_batch, drop_remainder=True).map(lambda batch: batch[start:end])
     return mine.map(lambda positions: (tf.gather(images, positions), tf.gather(labels, positions))).prefetch(
         tf.data.AUTOTUNE
@@ -83,6 +85,12 @@ def eval_input(
         start, end = examples
         ordered = ordered.skip(start).take(end - start)
     return ordered.cache().batch(batch_size).prefetch(tf.data.AUTOTUNE)
+
+
+def training_tensors(dataset: dict[str, Any]) -> tuple[tf.Tensor, tf.Tensor]:
+    """The training split's images and labels as tensors, for ``train_slices``."""
+    images, labels = split_arrays(dataset, "train")
+    return tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
 
 
 def split_arrays(dataset: dict[str, Any], split: str) -> tuple[Any, Any]:

@@ -36,7 +36,7 @@ from typing import Any
 import tensorflow as tf
 
 from tasks.batch_shares import split_batch
-from tasks.data.pipeline import eval_input, train_slices
+from tasks.data.pipeline import eval_input, train_slices, training_tensors
 from tasks.models import build_model
 from tasks.paths import RunPaths
 from tasks.replica.balance import WorkerShares
@@ -89,13 +89,15 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     shares = WorkerShares(spec, paths, task, is_chief(task), model.count_params(), sum_over_workers)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
+    training_examples = training_tensors(dataset)  # once: every change of shares slices them anew
+
     def worker_slices(worker: int, worker_shares: list[int]) -> tf.data.Dataset:
         # The worker's replicas take its dataset's batches in turn, so it yields their slices in turn.
         replica_shares = [part for share in worker_shares for part in split_batch(share, [1.0] * local_replicas)]
         offsets = [0, *itertools.accumulate(replica_shares)]
         slices = [
             train_slices(
-                dataset,
+                training_examples,
                 start=offsets[r],
                 end=offsets[r + 1],
                 global_batch=spec.batch_size,
