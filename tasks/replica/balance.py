@@ -99,7 +99,6 @@ class WorkerShares:
         self.spec, self.paths, self.worker, self.is_chief = spec, paths, task["index"], is_chief
         self.workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
         self.model_parameters, self.sum_over_workers = model_parameters, sum_over_workers
-        self.balanced = spec.balance_batches
         self.equal = split_batch(spec.batch_size, [1.0] * self.workers)
         plan = json.loads(paths.plan.read_text()) if spec.balance_batches and paths.plan.exists() else {}
         self.now: list[int] = plan.get("worker_batches") or self.equal
@@ -111,6 +110,11 @@ class WorkerShares:
     @property
     def measuring(self) -> bool:
         return self.round is not None
+
+    @property
+    def balanced(self) -> bool:
+        """Whether the shares are not all equal (never while measuring, which starts on equal ones)."""
+        return self.now != self.equal
 
     def measured_step(self, computed_seconds: float) -> bool:
         """Count a step whose gradient computation took ``computed_seconds`` here; True where the
@@ -141,14 +145,15 @@ class WorkerShares:
         requested = json.loads(self.paths.requested_spec.read_text()) if self.paths.requested_spec.exists() else None
         plan = {"requested": requested or self.spec.model_dump(mode="json"), "first_round": self.first_round}
         plan["probes"] = probes
+        balance = True
         if requested is not None:
             plan["decision"] = decide(parse_spec(requested), probes)
             print(plan["decision"]["reason"], flush=True)
             if plan["decision"]["strategy"] != "multi_worker_mirrored":
                 self._record(plan)
                 raise Relaunch(plan["decision"]["reason"])
-            self.balanced = plan["decision"]["settings"]["balance_batches"]
-        speeds = [p["examples_per_second"] for p in probes] if self.balanced else [1.0] * self.workers
+            balance = plan["decision"]["settings"]["balance_batches"]
+        speeds = [p["examples_per_second"] for p in probes] if balance else [1.0] * self.workers
         plan["worker_batches"] = split_batch(self.spec.batch_size, speeds)
         self._record(plan)
         return plan["worker_batches"]
