@@ -110,6 +110,31 @@ def test_unequal_worker_slices_are_the_global_batch_and_each_worker_batches_only
         assert [[tf.as_dtype(t) for t in b.attr["output_types"].list.type] for b in batches] == [[tf.int64]]
 
 
+def test_a_measuring_round_exchanges_at_doubling_steps_until_the_fastest_worker_computed_half_a_second():
+    from tasks.replica.balance import MeasuringRound
+
+    # Two workers in one process: worker 0 computes 0.05 s per step of 64, worker 1 0.2 s per step
+    # of 64. Each exchange adds up both workers' (seconds, examples); only worker 0 is driven here,
+    # worker 1's part of every sum is what it would have measured over the same steps.
+    exchanges = []
+
+    def sum_over_workers(slots):
+        exchanges.append(slots)
+        steps = slots[1] / 64
+        return [slots[0], slots[1], 0.2 * steps, 64 * steps]
+
+    measuring = MeasuringRound(1, 0, 2, 1000, sum_over_workers)
+    probes, steps = None, 0
+    while probes is None:
+        probes = measuring.timed(64, 0.05)
+        steps += 1
+    # 2 warm-up steps, then exchanges after 4 and 8 measured steps: 0.2 s and 0.4 s of worker 0's
+    # computation are under 0.5 s, 16 steps (0.8 s) are not.
+    assert steps == 2 + 16 and [slots[1] for slots in exchanges] == [4 * 64, 8 * 64, 16 * 64]
+    assert [round(p["examples_per_second"]) for p in probes] == [1280, 320]
+    assert [p["batch"] for p in probes] == [64, 64] and probes[1]["step_seconds"] == pytest.approx(0.2)
+
+
 def test_throttle_limits_cpu_time_from_outside():
     from tasks.cluster.throttle import Throttle
 

@@ -24,7 +24,7 @@ from tasks.batch_shares import split_batch
 from tasks.paths import RunPaths, write_record
 from tasks.spec import RunSpec, parse_spec
 
-WARMUP_STEPS = 2  # per round: tracing (a new share is a new shape) stays out of the measurement
+WARMUP_STEPS = 2  # per round: tracing, first touches and a new input's first batches stay out of it
 MEASURE_SECONDS = 0.5  # of the fastest worker's computation: 25 periods of the throttle's stop-and-continue
 FIRST_EXCHANGE = 4  # measured steps before a round's first exchange; the next ones come after twice as many
 # A model whose steps take the fastest worker under 8 ms is balanced on what was measured by then
