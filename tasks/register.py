@@ -154,20 +154,60 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     return record
 
 
+# The compression table's headers, two lines each, and which columns hold numbers (right-aligned,
+# so that their digits line up).
+_COMPRESSION_HEADERS = (
+    ("artifact", ""),
+    ("bytes", ""),
+    ("gzipped", "bytes"),
+    ("test", "accuracy"),
+    ("agreement", "w/ float"),
+    ("latency", "ms"),
+    ("sparsity", ""),
+    ("weight", "encoding"),
+    ("verdict", ""),
+)
+_NUMBER_COLUMNS = (False, True, True, True, True, True, True, False, False)
+
+
 def compression_table(exported: dict) -> str:
-    """export.json as a markdown table: what a reviewer compares in the MLflow UI."""
-    rows = [
-        "| artifact | bytes | gzipped | test accuracy | agreement with float | latency ms (batch 1) | sparsity | "
-        "weight encoding | verdict |",
-        "|---|--:|--:|--:|--:|--:|--:|---|---|",
-    ]
+    """export.json as a fixed-width table in a code block, with each rejected artifact's reason in a
+    list below it: what a reviewer compares on the version's page in MLflow.
+
+    Not a Markdown table: MLflow's UI (showdown, then sanitize-html, which drops the cells' alignment)
+    renders one with collapsed borders and no cell padding, so its columns run together. A code block
+    is shown as written, in a monospace font, and scrolls sideways where it is wider than the page's
+    column (95 characters in a 1400 px wide window with MLflow's assistant panel open): the columns
+    are two spaces apart, and the reasons stay out of it, where a long one wraps instead of widening
+    every row."""
+    rows, reasons = [], []
     for name, artifact in exported["artifacts"].items():
-        verdict = "deployed" if name == exported["chosen_tflite"] else "accepted"
         if not artifact["accepted"]:
-            verdict = f"rejected: {artifact['reason']}"
+            verdict = "rejected"
+            reasons.append(f"- `{name}` rejected: {artifact['reason']}")
+        else:
+            verdict = "deployed" if name == exported["chosen_tflite"] else "accepted"
         rows.append(
-            f"| {name} | {artifact['bytes']} | {artifact['gzip_bytes']} | {artifact['test_accuracy']:.4f} | "
-            f"{artifact['agreement_with_float']:.4f} | {artifact['latency_ms']:.4f} | "
-            f"{artifact.get('sparsity', 0.0):.4f} | {artifact.get('encoding', 'dense')} | {verdict} |"
+            [
+                name,
+                str(artifact["bytes"]),
+                str(artifact["gzip_bytes"]),
+                f"{artifact['test_accuracy']:.4f}",
+                f"{artifact['agreement_with_float']:.4f}",
+                f"{artifact['latency_ms']:.4f}",
+                f"{artifact.get('sparsity', 0.0):.4f}",
+                artifact.get("encoding", "dense"),
+                verdict,
+            ]
         )
-    return "\n".join(rows)
+    headers = [[header[line] for header in _COMPRESSION_HEADERS] for line in (0, 1)]
+    widths = [max(map(len, column)) for column in zip(*headers, *rows, strict=True)]
+
+    def line(cells: list[str]) -> str:
+        aligned = (c.rjust(w) if number else c.ljust(w) for c, w, number in zip(cells, widths, _NUMBER_COLUMNS))
+        return "  ".join(aligned).rstrip()
+
+    table = "\n".join(["```", *map(line, headers), *map(line, rows), "```"])
+    return "\n\n".join(
+        [table, "Latency: milliseconds per example at batch 1.", *(["\n".join(reasons)] if reasons else [])]
+    )

@@ -251,9 +251,25 @@ def form_run(stack, api, browser):
     page.close()
 
 
-def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form_run):
+@pytest.fixture(scope="module")
+def mlflow_client(stack):
     from mlflow import MlflowClient
 
+    return MlflowClient(stack["state"]["mlflow_url"])  # through the MLflow server, as the UI reads it
+
+
+@pytest.fixture(scope="module")
+def form_mlflow_run(mlflow_client, form_run):
+    """The MLflow run of the form's DAG run."""
+    _, run = form_run
+    [mlflow_run] = mlflow_client.search_runs(
+        [mlflow_client.get_experiment_by_name("hetflow").experiment_id],
+        filter_string=f"tags.`airflow.run_id` = '{run['dag_run_id']}'",
+    )
+    return mlflow_run
+
+
+def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form_run, mlflow_client, form_mlflow_run):
     page, run = form_run
     assert run["state"] == "success", run
     assert {k: run["conf"][k] for k in ("strategy", "workers", "ps", "epochs")} == {
@@ -262,11 +278,7 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
         "ps": 1,
         "epochs": 2,
     }
-    client = MlflowClient(stack["state"]["mlflow_url"])  # through the MLflow server, as the UI reads it
-    [mlflow_run] = client.search_runs(
-        [client.get_experiment_by_name("hetflow").experiment_id],
-        filter_string=f"tags.`airflow.run_id` = '{run['dag_run_id']}'",
-    )
+    client, mlflow_run = mlflow_client, form_mlflow_run
     params = mlflow_run.data.params
     assert (params["strategy"], params["workers"], params["ps"], params["epochs"]) == (
         "parameter_server",
@@ -309,6 +321,83 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     page.get_by_text(plot, exact=True).wait_for()
     page.get_by_role("button", name="Close", exact=True).click()  # the MLflow Assistant side panel
     page.screenshot(path=str(ARTIFACTS / "mlflow_run.png"))
+
+
+# The on-screen boxes of each row's values, found in order in the text of ``root`` after its first
+# "Compression", whatever elements hold them (a table's cells or a code block's one text).
+_TEXT_BOXES = """(root, rows) => {
+    const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    const starts = [];
+    let text = "";
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        starts.push([text.length, node]);
+        text += node.data;
+    }
+    const at = (index) => {
+        const [start, node] = starts.findLast(([start]) => start <= index);
+        return [node, index - start];
+    };
+    let from = text.indexOf("Compression");
+    if (from < 0) return null;
+    return rows.map((values) => values.map((value) => {
+        const start = text.indexOf(value, from);
+        if (start < 0) return null;
+        const range = document.createRange();
+        range.setStart(...at(start));
+        const [last, offset] = at(start + value.length - 1);
+        range.setEnd(last, offset + 1);
+        const box = range.getBoundingClientRect();
+        from = start + value.length;
+        return {left: box.left, right: box.right, top: box.top};
+    }));
+}"""
+
+
+def _assert_columns_apart(description, rows: dict[str, list[str]]) -> None:
+    """Each row's values (``rows``: the artifact's name, then its cells) on one line, at least 12 px
+    apart, the number columns' right edges lined up, and all of it in view without scrolling."""
+    found = description.evaluate(_TEXT_BOXES, list(rows.values()))
+    assert found and all(all(row) for row in found), (rows, found)
+    shown = description.bounding_box()
+    for values, row in zip(rows.values(), found):
+        assert max(box["top"] for box in row) - min(box["top"] for box in row) < 2, (values, row)  # one line
+        gaps = [right["left"] - left["right"] for left, right in zip(row, row[1:])]
+        assert min(gaps) >= 12, (values, gaps)
+        assert row[-1]["right"] <= shown["x"] + shown["width"], (values, row[-1], shown)
+    for column in range(1, 7):
+        edges = [row[column]["right"] for row in found]
+        assert max(edges) - min(edges) < 1, (rows, column, edges)
+    # Nothing of it hidden behind a sideways scroll (a code block scrolls where it is too wide).
+    assert description.evaluate("root => [...root.querySelectorAll('*')].every(e => e.scrollWidth <= e.clientWidth)")
+
+
+def test_the_versions_compression_table_shows_in_mlflow_with_its_columns_apart(
+    stack, form_run, mlflow_client, form_mlflow_run
+):
+    """On the version's page, every row of the compression table reads on one line, with its values
+    clearly apart (MLflow renders a Markdown table's cells with no padding: its values touched), the
+    numbers of a column right-aligned, and the whole table in view."""
+    page, run = form_run
+    [run_dir] = [
+        found.parent for found in (stack["home"] / "runs").glob("*/run_id") if found.read_text() == run["dag_run_id"]
+    ]
+    exported = json.loads((run_dir / "export.json").read_text())
+    [version] = mlflow_client.search_model_versions(
+        f"name = 'hetflow-digits' and run_id = '{form_mlflow_run.info.run_id}'"
+    )
+    page.goto(f"{stack['state']['mlflow_url']}/#/models/{version.name}/versions/{version.version}")
+    description = page.get_by_test_id("note-editor-preview-content")
+    description.get_by_text("Compression (export.json)").wait_for()
+    fractions = ("test_accuracy", "agreement_with_float", "latency_ms", "sparsity")
+    rows = {  # as export.json holds them: the name, the sizes, four decimals of the rest, the encoding
+        name: [name, str(a["bytes"]), str(a["gzip_bytes"]), *(f"{a.get(key, 0.0):.4f}" for key in fractions)]
+        + [a.get("encoding", "dense")]
+        for name, a in exported["artifacts"].items()
+    }
+    assert len(rows) >= 2, rows  # the SavedModel and at least one TFLite variant
+    _assert_columns_apart(description, rows)
+    description.get_by_text("Compression (export.json)").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "mlflow_version.png"))
 
 
 def test_train_task_log_shows_per_worker_progress(api, form_run):
