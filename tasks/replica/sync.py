@@ -200,6 +200,11 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         checkpoint,
         sum_over_workers if workers > 1 else None,
     )
+    if shares.measuring:
+        print(
+            f"training ended after {steps_taken} steps, before the workers had been measured: it ran on equal shares",
+            flush=True,
+        )
     total_steps = loop.clock.epochs_done * loop.steps
     per_worker = {}
     for i, share in enumerate(shares.now):
