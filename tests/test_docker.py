@@ -211,10 +211,9 @@ def test_a_container_with_half_the_cpu_quota_is_measured_half_as_fast_and_gets_h
     # them (the MLP: 1.44x; the CNN at 32 a step on the faster cores of 2026-11-25: 1.38x and 1.46x;
     # at 128: 2.09x and 2.01x).
     values = {"strategy": "multi_worker_mirrored", "balance_batches": True, "workers": 2, "worker_devices": devices}
-    # 60 steps: a step took ~140 ms here, so the fast worker's computation reaches 0.5 s only after
-    # 16 measured steps and the two rounds of measuring take 2 x (2 + 16) steps (with 30, the run
-    # ended in the second round, its shares never balanced).
-    values |= {"batch_size": 256, "pin_cores": True, "model": "cnn", "epochs": 1, "steps_per_epoch": 60}
+    # 140 steps: room for both rounds of measuring whatever the speed (a round takes at most 2 + 64
+    # steps; with 30 the run ended in the second round, its shares never balanced).
+    values |= {"batch_size": 256, "pin_cores": True, "model": "cnn", "epochs": 1, "steps_per_epoch": 140}
     validate_spec({"backend": "docker", "replica_cpus": 0.5, **values}, run)
     prepare_data(run)
     try:
