@@ -42,7 +42,7 @@ GLOBAL_BATCH = 2 * PER_WORKER_BATCH
 SYNC = {"strategy": "multi_worker_mirrored", "batch_size": GLOBAL_BATCH}
 # Async: each update is one worker's batch.
 # Naive and balanced sync run one loop, differing in the batch shares only: equal, or
-# proportional to the speeds measured over the first steps.
+# proportional to the speeds measured before the first step.
 BALANCED = {**SYNC, "balance_batches": "true"}
 ASYNC = {"strategy": "parameter_server", "ps": 1, "batch_size": PER_WORKER_BATCH}
 AUTO = {"strategy": "auto", "batch_size": GLOBAL_BATCH}
@@ -156,7 +156,7 @@ def markdown(record: dict) -> str:
         "- **train s**: training time until the target was reached, from the first step (tracing and "
         "validation included); `vs` columns divide by the scenario's baseline (naive or plain sync).",
         "- **launch s**: from the command's start until the target, process start-up included, and measuring: "
-        "balanced sync and auto start on equal shares and measure the workers over their first training steps "
+        "balanced sync and auto measure the workers for 2 s before their first step "
         "(auto relaunches only where it chooses one_device or async).",
         "- **wall s**: the whole command, shutdown included.",
         "- every case runs one epoch loop (validation inside each epoch, a checkpoint after it); naive and "

@@ -46,14 +46,14 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
 
 def start_of_auto(spec: RunSpec) -> RunSpec:
     """What ``strategy=auto`` launches: one worker trains on one device; several start as sync
-    all-reduce and measure themselves over their first steps (``tasks.replica.balance``), then keep
+    all-reduce and measure themselves before their first step (``tasks.replica.balance``), then keep
     equal batches, balance them, or stop so that ``train`` relaunches them as ``one_device`` or
     ``parameter_server`` (``tasks.auto_strategy`` decides, from what they measured)."""
     if spec.workers == 1:
         auto_log.info("auto chose one_device: one worker")
         return parse_spec({**spec.model_dump(), "strategy": "one_device"})
     auto_log.info(
-        "auto starts sync all-reduce on %d workers, which measure themselves over their first steps and then "
+        "auto starts sync all-reduce on %d workers, which measure themselves before their first step and then "
         "keep equal batches, balance them, or are relaunched as one_device or parameter_server",
         spec.workers,
     )

@@ -107,7 +107,7 @@ class RunSpec(BaseModel):
     strategy: Literal[STRATEGIES] = _field(
         "one_device",
         "Cluster",
-        "`auto`: start sync workers that measure themselves over their first steps, then choose equal or "
+        "`auto`: start sync workers that measure themselves before their first step, then choose equal or "
         "balanced batches, or relaunch as one_device or async (the decision and its numbers are logged). "
         "`one_device`: one replica, one device. `mirrored`: one replica, several devices, sync all-reduce. "
         "`multi_worker_mirrored`: several workers, sync all-reduce (worker 0 is chief). `parameter_server`: "
@@ -157,7 +157,7 @@ class RunSpec(BaseModel):
     balance_batches: bool = _field(
         False,
         "Cluster",
-        "multi_worker_mirrored only: measure each worker's speed during the first steps and from then on give it "
+        "multi_worker_mirrored only: measure each worker's speed before the first step and give it "
         "a share of the global batch proportional to it; the loss is weighted so each update is still exactly "
         "the global-batch gradient.",
         title="Balance batches by worker speed",

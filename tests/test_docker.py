@@ -211,9 +211,7 @@ def test_a_container_with_half_the_cpu_quota_is_measured_half_as_fast_and_gets_h
     # them (the MLP: 1.44x; the CNN at 32 a step on the faster cores of 2026-11-25: 1.38x and 1.46x;
     # at 128: 2.09x and 2.01x).
     values = {"strategy": "multi_worker_mirrored", "balance_batches": True, "workers": 2, "worker_devices": devices}
-    # 140 steps: room for both rounds of measuring whatever the speed (a round takes at most 2 + 64
-    # steps; with 30 the run ended in the second round, its shares never balanced).
-    values |= {"batch_size": 256, "pin_cores": True, "model": "cnn", "epochs": 1, "steps_per_epoch": 140}
+    values |= {"batch_size": 256, "pin_cores": True, "model": "cnn", "epochs": 1, "steps_per_epoch": 10}
     validate_spec({"backend": "docker", "replica_cpus": 0.5, **values}, run)
     prepare_data(run)
     try:
@@ -223,9 +221,9 @@ def test_a_container_with_half_the_cpu_quota_is_measured_half_as_fast_and_gets_h
         teardown_cluster(run)
     plan = json.loads(run_paths(run).plan.read_text())
     speeds = [probe["examples_per_second"] for probe in plan["probes"]]
-    # Half the CPU quota: about half as fast, measured in the second round, on the shares the first
-    # gave (on equal shares the fast worker waits half the time and then computes on the quota it
-    # saved, so it measures faster than it trains).
+    # Half the CPU quota: about half as fast, measured by the workers before their first step, each
+    # computing without a pause (2.30x here; timing the computation of training steps instead, where
+    # the fast worker waits and then computes on saved quota, gave 2.76x).
     assert 1.6 <= speeds[0] / speeds[1] <= 2.7, plan
     assert trained["worker_batches"] == plan["worker_batches"]
     assert 70 <= plan["worker_batches"][1] <= 100  # about a third of the batch: half of the fast worker's share

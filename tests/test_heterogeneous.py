@@ -110,29 +110,35 @@ def test_unequal_worker_slices_are_the_global_batch_and_each_worker_batches_only
         assert [[tf.as_dtype(t) for t in b.attr["output_types"].list.type] for b in batches] == [[tf.int64]]
 
 
-def test_a_measuring_round_exchanges_at_doubling_steps_until_the_fastest_worker_computed_half_a_second():
-    from tasks.replica.balance import MeasuringRound
+def test_the_workers_are_measured_over_the_same_seconds_each_on_its_own_computation(monkeypatch):
+    import time
 
-    # Two workers in one process: worker 0 computes 0.05 s per step of 64, worker 1 0.2 s per step
-    # of 64. Each exchange adds up both workers' (seconds, examples); only worker 0 is driven here,
-    # worker 1's part of every sum is what it would have measured over the same steps.
-    exchanges = []
+    from tasks.replica import balance
+
+    monkeypatch.setattr(balance, "MEASURE_SECONDS", 0.3)
+    # Two workers in one process: worker 0's steps take 10 ms here; worker 1's part of the sums is
+    # what a worker four times slower would have measured over the same seconds.
+    sums = []
 
     def sum_over_workers(slots):
-        exchanges.append(slots)
-        steps = slots[1] / 64
-        return [slots[0], slots[1], 0.2 * steps, 64 * steps]
+        sums.append(slots)
+        if len(slots) == 1:
+            return slots  # the start barrier
+        return [slots[0], slots[1], slots[0], slots[1] / 4]
 
-    measuring = MeasuringRound(1, 0, 2, 1000, sum_over_workers)
-    probes, steps = None, 0
-    while probes is None:
-        probes = measuring.timed(64, 0.05)
-        steps += 1
-    # 2 warm-up steps, then exchanges after 4 and 8 measured steps: 0.2 s and 0.4 s of worker 0's
-    # computation are under 0.5 s, 16 steps (0.8 s) are not.
-    assert steps == 2 + 16 and [slots[1] for slots in exchanges] == [4 * 64, 8 * 64, 16 * 64]
-    assert [round(p["examples_per_second"]) for p in probes] == [1280, 320]
-    assert [p["batch"] for p in probes] == [64, 64] and probes[1]["step_seconds"] == pytest.approx(0.2)
+    computed = []
+
+    def compute(step):
+        computed.append(step)
+        time.sleep(0.01)
+
+    probes = balance.measure_workers(compute, ((step,) for step in range(10_000)), 64, 0, 2, 1000, sum_over_workers)
+    measured_steps = len(computed) - balance.WARMUP_STEPS
+    assert sums[0] == [0.0] and sums[1][1] == measured_steps  # warm-up steps are not counted
+    assert 0.3 <= sums[1][0] < 0.5 and 15 <= measured_steps <= 30
+    assert 64 / 0.02 <= probes[0]["examples_per_second"] <= 64 / 0.01  # steps of 10 ms and a little more
+    assert probes[0]["examples_per_second"] == pytest.approx(4 * probes[1]["examples_per_second"])
+    assert [p["batch"] for p in probes] == [64, 64] and [p["worker"] for p in probes] == ["worker-0", "worker-1"]
 
 
 def test_throttle_limits_cpu_time_from_outside():
@@ -176,10 +182,7 @@ def test_balanced_update_on_unequal_shards_equals_the_single_replica_update(hetf
     from tasks.models import build_model, read_weights
     from tasks.paths import RunPaths
 
-    # 160 steps: the workers measure themselves on equal shares for 66 of them (tasks.replica.balance's
-    # warm-up and its cap for steps this short), again on the shares that gives for 66 more, then
-    # train on the shares measured last: the update must be the global batch's in all three phases.
-    same = ["optimizer=sgd", "learning_rate=0.1", "shuffle=false", "epochs=2", "steps_per_epoch=80", "batch_size=32"]
+    same = ["optimizer=sgd", "learning_rate=0.1", "shuffle=false", "epochs=1", "steps_per_epoch=8", "batch_size=32"]
     single_record, single = _train(hetflow_env, "strategy=one_device", *same)
     record, balanced = _train(
         hetflow_env,
@@ -189,11 +192,10 @@ def test_balanced_update_on_unequal_shards_equals_the_single_replica_update(hetf
         f"worker_devices={SLOW_WORKER}",
         *same,
     )
-    # The workers measured themselves in two rounds inside the training processes.
+    # The workers measured themselves inside the training processes, before the first step.
     worker_log = (balanced / "logs/worker-1.log").read_text()
-    assert "round 1: 64 steps" in worker_log and "round 2: 64 steps" in worker_log
+    assert worker_log.index("probe worker-1:") < worker_log.index("balanced batches") < worker_log.index("Epoch 1/")
     plan = json.loads((balanced / "plan.json").read_text())
-    assert plan["first_round"][1]["batch"] == 16 and plan["probes"][1]["batch"] < 16
     speeds = [p["examples_per_second"] for p in plan["probes"]]
     assert speeds[0] > 1.5 * speeds[1]  # the throttled worker measured slower
     assert record["worker_batches"] == plan["worker_batches"] and sum(record["worker_batches"]) == 32

@@ -5,7 +5,7 @@
 - one module per way of training: ``sync`` (one_device, mirrored, multi_worker_mirrored, with
   equal or speed-balanced batches), ``parameter_server`` (async, ``ClusterCoordinator``),
   ``model_parallel`` (layer groups on different devices); ``balance`` measures the workers over
-  their first sync steps, for balance_batches and strategy=auto.
+  before their first step, for balance_batches and strategy=auto.
 - what they share: ``loop`` (the epoch loop), ``checkpoint``, ``clock`` (where the time goes),
   ``weights`` and ``record`` (the final weights and training.json).
 

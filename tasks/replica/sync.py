@@ -16,8 +16,8 @@ the sums are all-reduced once per epoch, so every worker sees the same accuracy 
 target together) without the slow worker scoring the whole split.
 
 The shares are ``tasks.replica.balance``'s: equal without ``balance_batches``; with it (and with
-``strategy=auto``, which starts here) measured over the first training steps and then kept; or
-plan.json's, where an earlier launch of this group measured them.
+``strategy=auto``, which starts here) measured in the seconds before the first step; or plan.json's,
+where an earlier launch of this group measured them.
 
 A custom loop, not ``model.fit``: fit divides each replica's loss by its own batch size (it would
 weight a small share as much as a large one), all-reduces its metrics every step (two collectives
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from typing import Any
 
 import tensorflow as tf
@@ -86,10 +85,10 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     with strategy.scope():
         model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
         optimizer = make_optimizer(spec, loop.schedule)
-    shares = WorkerShares(spec, paths, task, is_chief(task), model.count_params(), sum_over_workers)
+    shares = WorkerShares(spec, paths, task["index"], is_chief(task))
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
-    training_examples = training_tensors(dataset)  # once: every change of shares slices them anew
+    training_examples = training_tensors(dataset)  # once: measuring and training slice them
 
     def worker_slices(worker: int, worker_shares: list[int]) -> tf.data.Dataset:
         # The worker's replicas take its dataset's batches in turn, so it yields their slices in turn.
@@ -113,6 +112,30 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
             )
         )
 
+    def replica_gradients(images, labels):
+        with tf.GradientTape() as tape:
+            logits = model(images, training=True)
+            loss = tf.reduce_sum(loss_fn(labels, logits)) / spec.batch_size
+        correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
+        return tape.gradient(loss, model.trainable_variables), loss, correct
+
+    def replica_step(images, labels):
+        gradients, loss, correct = replica_gradients(images, labels)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # all-reduce: sum over replicas
+        return loss, correct
+
+    @tf.function
+    def train_step(iterator):
+        # This worker's part only: summing loss and accuracy over workers every step would add two
+        # collectives per step, each waiting on the slowest worker; the epoch loop sums once per epoch.
+        loss, correct = strategy.run(replica_step, args=next(iterator))
+        return tuple(tf.add_n(strategy.experimental_local_results(value)) for value in (loss, correct))
+
+    if shares.to_measure:  # balance_batches (one replica per worker): on its gradients, none applied
+        compute_gradients = tf.function(lambda images, labels: strategy.run(replica_gradients, args=(images, labels)))
+        measuring_batches = iter(worker_slices(task["index"], shares.now))
+        shares.measure(compute_gradients, measuring_batches, model.count_params(), sum_over_workers)
+
     if local_replicas == 1:
         # A worker with one replica feeds it its own batches: strategy.run hands a plain tensor to the
         # worker's one replica. A distributed iterator costs ~0.1 s per step under multi_worker_mirrored
@@ -126,90 +149,29 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
             )
         )
 
-    def replica_gradients(images, labels):
-        with tf.GradientTape() as tape:
-            logits = model(images, training=True)
-            loss = tf.reduce_sum(loss_fn(labels, logits)) / spec.batch_size
-        correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
-        return tape.gradient(loss, model.trainable_variables), loss, correct
-
-    def replica_apply(gradients):
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))  # all-reduce: sum over replicas
-
-    def replica_step(images, labels):
-        gradients, loss, correct = replica_gradients(images, labels)
-        replica_apply(gradients)
-        return loss, correct
-
-    @tf.function
-    def train_step(iterator):
-        # This worker's part only: summing loss and accuracy over workers every step would add two
-        # collectives per step, each waiting on the slowest worker; the epoch loop sums once per epoch.
-        loss, correct = strategy.run(replica_step, args=next(iterator))
-        return tuple(tf.add_n(strategy.experimental_local_results(value)) for value in (loss, correct))
-
-    # Several workers of one replica each: the gradients and their all-reduce in two calls, the first
-    # timed while the workers measure themselves (their computation apart from the wait for the
-    # slowest one), so equal and balanced shares run the same step. Any batch size: a change of
-    # shares traces nothing again.
-    split = workers > 1 and local_replicas == 1
-    if split:
-        any_batch = [tf.TensorSpec([None, *part.shape[1:]], part.dtype) for part in batches.element_spec]
-        compute_gradients = tf.function(
-            lambda images, labels: strategy.run(replica_gradients, args=(images, labels)), input_signature=any_batch
-        )
-        apply_gradients = tf.function(lambda gradients: strategy.run(replica_apply, args=(gradients,)))
-    steps_taken = 0  # global batches taken from the stream, which a change of shares goes on from
-    examples_taken = [0] * workers  # by each worker: its shares change while measuring
-
-    def split_step():
-        nonlocal batches, steps_taken
-        steps_taken += 1
-        examples_taken[:] = [taken + share for taken, share in zip(examples_taken, shares.now)]
-        images, labels = next(batches)
-        started = time.perf_counter()
-        gradients, loss, correct = compute_gradients(images, labels)
-        computed = time.perf_counter() - started
-        apply_gradients(gradients)
-        if shares.measuring and shares.measured_step(computed):
-            batches = iter(worker_slices(task["index"], shares.now).skip(steps_taken))
-        return loss, correct
-
-    # Each worker's validation slice ends in a batch of its own size: traced once for any size.
-    predict = tf.function(lambda images: model(images, training=False), reduce_retracing=True)
-    validation_inputs: dict[tuple[int, ...], tf.data.Dataset] = {}
-
-    def score_my_validation():
-        # This worker's share of the validation split, in proportion to its share of the batch.
-        key = tuple(shares.now)
-        if key not in validation_inputs:
-            validation_size = dataset["splits"]["validation"]
-            worker_offsets = [0, *itertools.accumulate(key)]
-            first, last = (
-                round(worker_offsets[i] * validation_size / spec.batch_size) for i in (task["index"], task["index"] + 1)
-            )
-            validation_inputs[key] = eval_input(dataset, "validation", examples=(first, last))
-        return validation_sums(predict, validation_inputs[key])
+    predict = tf.function(lambda images: model(images, training=False))
+    # This worker's share of the validation split, in proportion to its share of the batch.
+    validation_size = dataset["splits"]["validation"]
+    worker_offsets = [0, *itertools.accumulate(shares.now)]
+    first, last = (
+        round(worker_offsets[i] * validation_size / spec.batch_size) for i in (task["index"], task["index"] + 1)
+    )
+    my_validation = eval_input(dataset, "validation", examples=(first, last))
 
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
     shares.announce()
     loop.run(
-        loop.one_step_at_a_time(split_step if split else lambda: train_step(batches)),
-        score_my_validation,
+        loop.one_step_at_a_time(lambda: train_step(batches)),
+        lambda: validation_sums(predict, my_validation),
         checkpoint,
         sum_over_workers if workers > 1 else None,
     )
-    if shares.measuring:
-        print(
-            f"training ended after {steps_taken} steps, before the workers had been measured: it ran on equal shares",
-            flush=True,
-        )
     total_steps = loop.clock.epochs_done * loop.steps
-    per_worker = {}
-    for i, share in enumerate(shares.now):
-        mean_batch = examples_taken[i] / steps_taken if steps_taken else share
-        per_worker[f"worker-{i}"] = {**worker_rate(mean_batch, total_steps, loop.train_seconds), "batch": share}
+    per_worker = {
+        f"worker-{i}": {**worker_rate(share, total_steps, loop.train_seconds), "batch": share}
+        for i, share in enumerate(shares.now)
+    }
     fields = {
         "replicas_in_sync": strategy.num_replicas_in_sync,
         "per_worker": per_worker,
