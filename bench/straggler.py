@@ -34,6 +34,8 @@ from pathlib import Path
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 from run import machine_facts
 
+from tasks.replica.balance import MEASURE_SECONDS
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -156,7 +158,7 @@ def markdown(record: dict) -> str:
         "- **train s**: training time until the target was reached, from the first step (tracing and "
         "validation included); `vs` columns divide by the scenario's baseline (naive or plain sync).",
         "- **launch s**: from the command's start until the target, process start-up included, and measuring: "
-        "balanced sync and auto measure the workers for 2 s before their first step "
+        f"balanced sync and auto measure the workers for {MEASURE_SECONDS:.0f} s before their first step "
         "(auto relaunches only where it chooses one_device or async).",
         "- **wall s**: the whole command, shutdown included.",
         "- every case runs one epoch loop (validation inside each epoch, a checkpoint after it); naive and "
