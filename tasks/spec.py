@@ -68,7 +68,8 @@ class RunSpec(BaseModel):
         "uci_digits",
         "Data",
         "A TFDS dataset name, optionally with a version (`mnist:3.0.1`), or `folder:/ABSOLUTE/PATH`: your own images, "
-        "one sub-folder per class (optionally under `train/` and `test/`). `uci_digits` is built offline from "
+        "one sub-folder per class (optionally under `train/` and `test/`), in HETFLOW_HOME/data or under a root "
+        "the machine's operator allows (HETFLOW_DATA_ROOTS). `uci_digits` is built offline from "
         "the UCI optical digits shipped with scikit-learn; other TFDS names are downloaded into data_dir "
         "when not prepared there.",
         pattern=r"^([a-z][a-z0-9_]*(/[a-z0-9_.]+)?(:[0-9]+\.[0-9]+\.[0-9]+)?|folder:/[^\x00]+)$",
@@ -408,10 +409,12 @@ DATA_ROOTS_ENV = "HETFLOW_DATA_ROOTS"
 
 
 def data_roots() -> list[str]:
-    """Where a data_dir may lie: HETFLOW_HOME/data and the folders the machine's operator lists in
-    HETFLOW_DATA_ROOTS (``:``-separated), links resolved. Not a form field: a data_dir is shown to
-    every replica, and one anywhere (the stack's secrets, /run and its Docker socket) would show
-    them what they must not see."""
+    """Where a data_dir or a dataset folder may lie: HETFLOW_HOME/data and the folders the machine's
+    operator lists in HETFLOW_DATA_ROOTS (``:``-separated), links resolved. Not a form field: a
+    data_dir is shown to every replica, and one anywhere (the stack's secrets, /run and its Docker
+    socket) would show them what they must not see; a folder's images become training data that the
+    replicas read and the registered model was fitted to, so a folder anywhere would hand them any
+    file the pipeline can read."""
     from tasks.paths import data_dir
 
     listed = [root for root in os.environ.get(DATA_ROOTS_ENV, "").split(":") if root.startswith("/")]
@@ -502,6 +505,12 @@ def cluster_problems(spec: RunSpec) -> list[str]:
         problems.append(
             f"data_dir={spec.data_dir} is invalid: expected empty or a folder under {', '.join(data_roots())} "
             f"(every replica is shown it; the machine's operator may allow more roots in {DATA_ROOTS_ENV})"
+        )
+    folder = spec.dataset.removeprefix("folder:") if spec.dataset.startswith("folder:") else None
+    if folder and not _under_a_root(folder, data_roots()):
+        problems.append(
+            f"dataset={spec.dataset} is invalid: expected a TFDS name or folder:PATH with PATH under "
+            f"{', '.join(data_roots())} (the machine's operator may allow more roots in {DATA_ROOTS_ENV})"
         )
     if spec.backend == "kubernetes" and (spec.data_dir or spec.dataset.startswith("folder:")):
         problems.append(

@@ -161,6 +161,7 @@ def test_the_validate_spec_task_refuses_a_bad_folder_before_it_makes_a_run_direc
     from tasks.validate_spec import validate_spec
 
     monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HETFLOW_DATA_ROOTS", str(tmp_path))  # a folder outside HETFLOW_HOME, as an operator allows
     root = write_digit_folder(tmp_path / "digits", per_class=3)
     (root / "digit_6" / "notes.png").write_text("not an image")
     with pytest.raises(SpecError) as refused:
@@ -169,6 +170,77 @@ def test_the_validate_spec_task_refuses_a_bad_folder_before_it_makes_a_run_direc
         f"image {root}/digit_6/notes.png cannot be decoded (cannot identify image file '{root}/digit_6/notes.png')"
     ]
     assert not (tmp_path / "home" / "runs").exists()
+
+
+def test_a_folder_outside_the_allowed_roots_is_refused_in_one_line(tmp_path, monkeypatch):
+    """The pipeline reads every image of the folder into data the replicas see: like data_dir, the
+    folder lies under HETFLOW_HOME/data or a root the operator lists; a link out of one is not."""
+    from tasks.spec import SpecError, parse_spec
+
+    monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("HETFLOW_DATA_ROOTS", raising=False)
+    inside = write_digit_folder(tmp_path / "home" / "data" / "digits", per_class=3)
+    outside = write_digit_folder(tmp_path / "outside", per_class=3)
+    (tmp_path / "home" / "data" / "escape").symlink_to(outside)
+    assert parse_spec({"dataset": f"folder:{inside}"}).dataset == f"folder:{inside}"
+    for refused in (outside, tmp_path / "home" / "data" / "escape", tmp_path / "home" / "stack", Path("/etc")):
+        with pytest.raises(SpecError) as caught:
+            parse_spec({"dataset": f"folder:{refused}"})
+        [problem] = caught.value.problems
+        assert problem.startswith(f"dataset=folder:{refused} is invalid: expected a TFDS name or folder:PATH with ")
+        assert f"under {tmp_path / 'home' / 'data'} " in problem and "HETFLOW_DATA_ROOTS" in problem
+        assert "\n" not in problem
+    monkeypatch.setenv("HETFLOW_DATA_ROOTS", str(tmp_path / "outside"))
+    assert parse_spec({"dataset": f"folder:{outside}"}).dataset == f"folder:{outside}"
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        lambda root, outside: (root / "digit_1" / "planted.png").symlink_to(next((outside / "digit_1").iterdir())),
+        lambda root, outside: (root / "digit_1" / "shadow.png").symlink_to("/etc/shadow"),
+        lambda root, outside: (root / "digit_x").symlink_to(outside / "digit_2"),
+    ],
+    ids=["image_out_of_the_folder", "etc_shadow", "class_folder"],
+)
+def test_a_link_in_the_folder_is_refused_not_read(tmp_path, plant):
+    root = write_digit_folder(tmp_path / "digits", per_class=3)
+    outside = write_digit_folder(tmp_path / "outside", per_class=3)
+    plant(root, outside)
+    [link] = [path for path in root.rglob("*") if path.is_symlink()]
+    assert _scan_error(root) == (
+        f"{link} is a symbolic link: refused (images are read from the folder itself, never through a link; "
+        "copy the file in)"
+    )
+
+
+def test_a_split_folder_that_is_a_link_is_refused(tmp_path):
+    root = tmp_path / "f"
+    write_digit_folder(root / "train", per_class=4)
+    write_digit_folder(tmp_path / "elsewhere", per_class=2)
+    (root / "test").symlink_to(tmp_path / "elsewhere")
+    assert _scan_error(root).startswith(f"{root}/test is a symbolic link: refused")
+
+
+def test_an_image_or_class_folder_swapped_for_a_link_after_the_scan_is_not_read(tmp_path):
+    """The folder may change between the scan and the build: reading an image follows no link then
+    either, for the image itself or for a folder on its way."""
+    from tasks.data.image_folder import LinkInFolder, load_pixels, scan
+
+    root = write_digit_folder(tmp_path / "digits", per_class=3)
+    outside = write_digit_folder(tmp_path / "outside", per_class=3)
+    inventory = scan(root)
+    image = next(relative for relative, _ in inventory.splits["train"] if relative.startswith("digit_0/"))
+    (root / image).unlink()
+    (root / image).symlink_to(next((outside / "digit_0").iterdir()))
+    with pytest.raises(LinkInFolder, match=f"^{root / image} is a symbolic link: refused"):
+        load_pixels(inventory, image)
+
+    in_class_1 = next(relative for relative, _ in inventory.splits["train"] if relative.startswith("digit_1/"))
+    (root / "digit_1").rename(tmp_path / "moved")
+    (root / "digit_1").symlink_to(tmp_path / "moved")
+    with pytest.raises(LinkInFolder, match=f"^{root / 'digit_1'} is a symbolic link: refused"):
+        load_pixels(inventory, in_class_1)
 
 
 def test_pixels_read_back_from_the_prepared_dataset_are_the_images(tmp_path):
@@ -199,6 +271,11 @@ class TestTrainingOnAnImageFolder:
         return write_digit_folder(tmp_path_factory.mktemp("images") / "digits")
 
     @pytest.fixture(scope="class")
+    def env(self, hetflow_env, tmp_path_factory):
+        """The test's folders are under pytest's temporary folder: the operator's root for them."""
+        return {**hetflow_env, "HETFLOW_DATA_ROOTS": str(tmp_path_factory.getbasetemp())}
+
+    @pytest.fixture(scope="class")
     def client(self, hetflow_env):
         from mlflow import MlflowClient
 
@@ -217,8 +294,8 @@ class TestTrainingOnAnImageFolder:
         return done, summary
 
     @pytest.fixture(scope="class")
-    def first(self, hetflow_env, folder):
-        return self.run(hetflow_env, folder)
+    def first(self, env, folder):
+        return self.run(env, folder)
 
     def test_the_folder_trains_the_784_128_10_mlp_and_is_registered_served_and_promoted(self, first):
         from tasks.models import build_model, read_weights
@@ -261,8 +338,8 @@ class TestTrainingOnAnImageFolder:
         assert f"fingerprint `{dataset['fingerprint']}`, from `{folder}`" in version.description
         assert "served check: passed" in version.description
 
-    def test_the_same_data_and_spec_again_trains_and_registers_nothing(self, hetflow_env, folder, first, client):
-        done, summary = self.run(hetflow_env, folder)
+    def test_the_same_data_and_spec_again_trains_and_registers_nothing(self, env, folder, first, client):
+        done, summary = self.run(env, folder)
         assert done.returncode == 0, done.stderr[-3000:]
         assert summary["status"] == "skipped" and summary["failed_stage"] is None
         assert f"{self.MODEL} v1 was trained from this spec" in summary["skipped_because"]
@@ -271,7 +348,7 @@ class TestTrainingOnAnImageFolder:
         assert [int(v.version) for v in client.search_model_versions(f"name='{self.MODEL}'")] == [1]
 
     def test_bad_data_is_refused_before_anything_starts_and_the_champion_stays(
-        self, hetflow_env, folder, first, client, tmp_path
+        self, env, folder, first, client, tmp_path
     ):
         import shutil
 
@@ -298,19 +375,19 @@ class TestTrainingOnAnImageFolder:
             mixed: f"image {mixed}/digit_8/odd.png is 32x32 but",
             tmp_path / "nowhere": f"dataset=folder:{tmp_path / 'nowhere'}: no such folder",
         }
-        runs = Path(hetflow_env["HETFLOW_HOME"]) / "runs"
+        runs = Path(env["HETFLOW_HOME"]) / "runs"
         runs_before = sorted(runs.iterdir())
         for bad, message in cases.items():
-            done, _ = self.run(hetflow_env, bad)
+            done, _ = self.run(env, bad)
             assert done.returncode == 2, done.stdout[-2000:]
             assert f"hetflow: invalid spec: {message}" in done.stderr
         assert sorted(runs.iterdir()) == runs_before
         assert int(client.get_model_version_by_alias(self.MODEL, "champion").version) == 1
         assert len(client.search_model_versions(f"name='{self.MODEL}'")) == 1
 
-    def test_new_images_make_a_new_fingerprint_run_and_version(self, hetflow_env, folder, first, client):
+    def test_new_images_make_a_new_fingerprint_run_and_version(self, env, folder, first, client):
         write_digit_folder(folder, per_class=6, first=DIGITS_PER_CLASS)
-        done, summary = self.run(hetflow_env, folder)
+        done, summary = self.run(env, folder)
         assert done.returncode == 0, done.stderr[-3000:]
         assert summary["status"] == "success"
         assert summary["dataset"]["fingerprint"] != first[1]["dataset"]["fingerprint"]
@@ -337,7 +414,7 @@ def test_every_strategy_trains_the_mlp_on_a_28x28_folder(hetflow_env, tmp_path_f
     args = ["train", "--set", f"dataset=folder:{folder}", "--set", "epochs=3", "--set", "steps_per_epoch=10"]
     for assignment in strategy_keys:
         args += ["--set", assignment]
-    done = hetflow(hetflow_env, *args)
+    done = hetflow({**hetflow_env, "HETFLOW_DATA_ROOTS": str(folder.parent)}, *args)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     training_path = Path(done.stdout.strip().splitlines()[-1])
     training = json.loads(training_path.read_text())

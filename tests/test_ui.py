@@ -433,7 +433,7 @@ def test_a_successful_runs_task_logs_hold_no_error_line(api, form_run):
 
 
 def test_a_failed_runs_task_log_ends_with_one_error_line_naming_stage_and_cause(api):
-    # Valid for the form (a folder dataset), refused by validate_spec: the folder does not exist.
+    # Valid for the form (a folder dataset), refused by validate_spec: the folder is outside the allowed roots.
     response = api.post(
         "/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": {"dataset": "folder:/nonexistent/images"}}
     )

@@ -5,9 +5,10 @@ Two layouts are read::
     FOLDER/<class>/<image>                          seeded, stratified 70/10/20 train/validation/test
     FOLDER/train/<class>/<image>, FOLDER/test/...   the test split as given; 1/8 of train validates
 
-``scan`` checks the folder before anything starts (every image is decoded once) and digests its
-content; the builder config is named after that digest, so new images make a new prepared dataset
-(and fingerprint) beside the old one, and unchanged images re-use what was prepared.
+``scan`` checks the folder before anything starts (every image is decoded once; a symbolic link
+where a class folder or an image is read is refused) and digests its content; the builder config
+is named after that digest, so new images make a new prepared dataset (and fingerprint) beside the
+old one, and unchanged images re-use what was prepared.
 
 This is the one place images are shaped: each is converted to grayscale when every image of the
 folder is grayscale, to RGB otherwise, and resized to ``image_size`` when the spec sets one. The
@@ -17,8 +18,12 @@ model receives these raw uint8 pixels and scales them itself (``tasks.models``).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
+import io
+import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -57,12 +62,39 @@ def parse_image_size(image_size: str | None) -> tuple[int, int] | None:
     return int(height), int(width)
 
 
+class LinkInFolder(ValueError):
+    """A symbolic link where scan would read a class folder or an image."""
+
+
+def _link_refused(path: Path) -> LinkInFolder:
+    # Refused, not skipped: a skipped image would change the data (and its fingerprint) of a run that
+    # succeeds without anyone noticing, and a link is what someone who can write the folder plants to
+    # make the pipeline read a file of this machine (HETFLOW_HOME/stack, /etc/shadow) into training
+    # data. Named like an image that does not decode, the user copies the file in or removes the link.
+    return LinkInFolder(
+        f"{path} is a symbolic link: refused (images are read from the folder itself, never through a link; "
+        "copy the file in)"
+    )
+
+
+def _refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise _link_refused(path)
+
+
 def _images_of(class_dir: Path) -> list[Path]:
-    return sorted(p for p in class_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    images = sorted(p for p in class_dir.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    for path in images:
+        _refuse_link(path)
+    return [path for path in images if path.is_file()]
 
 
 def _class_dirs(root: Path, where: str) -> list[Path]:
-    class_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    for path in entries:
+        if path.is_dir():
+            _refuse_link(path)
+    class_dirs = [path for path in entries if path.is_dir()]
     if len(class_dirs) < 2:
         found = ", ".join(p.name for p in class_dirs) or "none"
         raise ValueError(
@@ -116,6 +148,8 @@ def scan(folder: str | Path, image_size: str | None = None) -> FolderInventory:
         raise ValueError(f"dataset=folder:{folder}: no such folder")
     root = root.resolve()
     split_roots = {"train": root / "train", "test": root / "test"}
+    for split_root in split_roots.values():
+        _refuse_link(split_root)
     given_splits = all(p.is_dir() for p in split_roots.values())
     if given_splits:
         per_split = {name: _class_dirs(path, f"{name} folder") for name, path in split_roots.items()}
@@ -138,15 +172,18 @@ def scan(folder: str | Path, image_size: str | None = None) -> FolderInventory:
         for label, class_dir in enumerate(class_dirs):
             for path in _images_of(class_dir):
                 relative = str(path.relative_to(root))
-                content = path.read_bytes()
+                content = read_image(root, relative)
                 digest.update(f"{relative}\0{len(content)}\0".encode())
                 digest.update(content)
                 try:
-                    with Image.open(path) as image:
+                    with Image.open(io.BytesIO(content)) as image:
                         image.load()
                         sizes.setdefault((image.height, image.width), relative)
                         grayscale &= image.mode in _GRAYSCALE_MODES
-                except (UnidentifiedImageError, OSError, SyntaxError) as error:
+                except UnidentifiedImageError:
+                    # PIL names the buffer it was given; the user needs the file.
+                    raise ValueError(f"image {path} cannot be decoded (cannot identify image file '{path}')") from None
+                except (OSError, SyntaxError) as error:
                     raise ValueError(f"image {path} cannot be decoded ({error})") from None
                 labelled[split].append((relative, label))
 
@@ -213,12 +250,44 @@ def _builder_class():
     return ImageFolderDataset
 
 
+def read_image(root: Path, relative: str) -> bytes:
+    """The bytes of the regular file ``root/relative``, each name below ``root`` opened without
+    following a link: the folder may change between the scan and the build, and the build must not
+    then be led out of it. LinkInFolder (one line) otherwise."""
+    *folders, name = Path(relative).parts
+    reached = root
+    directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in folders:
+            reached /= part
+            try:
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+            except OSError as error:
+                if error.errno in (errno.ELOOP, errno.ENOTDIR) and reached.is_symlink():
+                    raise _link_refused(reached) from None
+                raise
+            os.close(directory)
+            directory = inner
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=directory)
+        except OSError as error:
+            if error.errno == errno.ELOOP:
+                raise _link_refused(root / relative) from None
+            raise
+    finally:
+        os.close(directory)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise LinkInFolder(f"image {root / relative} is not a regular file: refused")
+        return handle.read()
+
+
 def load_pixels(inventory: FolderInventory, relative: str) -> np.ndarray:
     """One image as the model receives it: uint8, ``inventory.shape``."""
     from PIL import Image
 
     height, width, channels = inventory.shape
-    with Image.open(inventory.folder / relative) as image:
+    with Image.open(io.BytesIO(read_image(inventory.folder, relative))) as image:
         image = image.convert("L" if channels == 1 else "RGB")
         if image.size != (width, height):
             image = image.resize((width, height), Image.Resampling.BILINEAR)
