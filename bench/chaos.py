@@ -12,8 +12,7 @@ The scenarios (bench/chaos_scenarios.py, one function each):
 - concurrent: two runs at the same moment on a dataset nobody has prepared;
 - clear_rerun: a run re-run after a Clear, its train failing this time.
 
-After every scenario the bench looks for what its runs left (processes, network namespaces,
-containers, networks) and checks their records (every JSON parses, records agree with receipts);
+After every scenario the bench looks for what its runs left (processes, containers, networks) and checks their records (every JSON parses, records agree with receipts);
 at the end it runs ``hetflow sweep``'s ``sweep(home)`` and reports what it still removed.
 
 Writes bench/results/chaos-<UTC timestamp>.json and bench/CHAOS.md, every figure computed from
@@ -44,7 +43,6 @@ from chaos_scenarios import SCENARIOS, Bench, leftovers, replica_count, run_dir
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 
 from tasks.attempts import STAGE_OUTPUTS, STAGES
-from tasks.cluster.netns import delete_namespace, namespace_name
 from tasks.paths import RunPaths
 
 
@@ -111,21 +109,15 @@ def sweep_and_clean(bench: Bench) -> dict:
     from tasks.cluster.backends import sweep
 
     runs = [(home, path.read_text()) for home in sorted(bench.homes) for path in home.glob("runs/*/run_id")]
-    ours = {namespace_name(run_id, home) for home, run_id in runs}
-    swept = {}
-    for home in sorted(bench.homes):
-        found = sweep(home)
-        swept[str(home)] = {**found, "namespaces_of_this_bench": [n for n in found["namespaces"] if n in ours]}
+    swept = {str(home): sweep(home) for home in sorted(bench.homes)}
     after = {}
     for home, run_id in runs:
         found = leftovers(bench, home, run_id)
-        if replica_count(found) or found["namespace"] or found["networks"]:
+        if replica_count(found) or found["networks"]:
             after[run_id] = found
-            for pid in set(found["processes"]) | set(found["namespace_processes"]):
+            for pid in found["processes"]:
                 with contextlib.suppress(ProcessLookupError):  # gone since it was found
                     os.kill(pid, signal.SIGKILL)
-            if found["namespace"]:
-                delete_namespace(found["namespace"])
             if bench.docker is not None:
                 from tasks.cluster.docker_backend import teardown_run
 
@@ -144,9 +136,7 @@ def scenario_figures(result: dict) -> dict:
         "to_complete": len(expected),
         "checkpoints_lost": sum(redone) if redone else None,
         "replicas_left": sum(replica_count(found) for found in left),
-        "other_leftovers": sum(
-            bool(f["namespace"] and not f["namespace_processes"]) + len(f["networks"]) for f in left
-        ),
+        "other_leftovers": sum(len(f["networks"]) for f in left),
         "records_corrupted": sum(len(problems) for problems in result["records"].values()),
         "checks_held": sum(result["checks"].values()),
         "checks": len(result["checks"]),
@@ -176,9 +166,9 @@ What each figure counts (all computed from the results JSON):
   loses an epoch only when the kill lands between an epoch's end and its checkpoint. The same figure is the epochs
   finished before the restart minus the epoch it resumed from (the run's epochs minus training.json's `epochs_done`,
   which counts the final attempt's; in the JSON as `final_attempt_epochs`).
-- **replicas left**: right after the scenario, processes of its runs (keepers and replicas: the run id in their
-  environment, or inside the run's network namespace) and containers labelled with the run. Goal: 0.
-- **other leftovers**: a run's network namespace with no process left in it, its Docker network.
+- **replicas left**: right after the scenario, processes of its runs (keepers, sandboxes and replicas: the run id in
+  their environment) and containers labelled with the run. Goal: 0.
+- **other leftovers**: a run's Docker network.
 - **records corrupted**: under each run directory, every `*.json` that does not parse, plus every disagreement between
   records and the receipts in `attempts/`: a receipt naming another stage or run, a receipt without its record,
   receipts that are not a prefix of the stages (a later stage's outliving an earlier stage's re-run), a
@@ -291,7 +281,7 @@ def _trouble_lines(ran: dict) -> list[str]:
             if r.get("error") and (r["expected"] != "stopped" or "sigterm_after_seconds" not in r):
                 lines.append(f"- {name}, {r['run_id']}: `{r['error'].strip().splitlines()[-1][:300]}`")
         for run_id, found in s["left"].items():
-            if replica_count(found) or found["namespace"] or found["networks"]:
+            if replica_count(found) or found["networks"]:
                 lines.append(f"- {name}, {run_id} left: `{json.dumps(found)}`")
         for run_id, problems in s["records"].items():
             lines += [f"- {name}, {run_id}: {problem}" for problem in problems]
@@ -299,12 +289,9 @@ def _trouble_lines(ran: dict) -> list[str]:
 
 
 def _sweep_lines(record: dict) -> list[str]:
-    lines = ["", "## Final sweep", "", "`tasks.cluster.sweep.sweep(home)` for each HETFLOW_HOME of the bench:", ""]
+    lines = ["", "## Final sweep", "", "`tasks.cluster.backends.sweep(home)` for each HETFLOW_HOME of the bench:", ""]
     for home, found in record["sweep"]["swept"].items():
-        lines.append(
-            f"- `{Path(home).name}`: namespaces of this bench's runs {found['namespaces_of_this_bench']} "
-            f"(of any home: {len(found['namespaces'])}), containers {found['containers']}, networks {found['networks']}"
-        )
+        lines.append(f"- `{Path(home).name}`: containers {found['containers']}, networks {found['networks']}")
     left = record["sweep"]["left_after_sweep"]
     lines += ["", f"Still there after the sweep, removed by the bench: {', '.join(left) if left else 'nothing'}."]
     return lines

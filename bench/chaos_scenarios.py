@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks.attempts import STAGE_OUTPUTS, STAGES
-from tasks.cluster.netns import NETNS_DIR, namespace_name, namespace_processes
 from tasks.cluster.processes import run_processes, run_replicas
 from tasks.paths import RunPaths, run_dir_name
 
@@ -120,7 +119,7 @@ class Bench:
     homes: set[Path] = field(default_factory=set)
 
     def home(self, name: str = "home") -> Path:
-        home = (self.root / name).resolve()  # as the runs' hetflow_home() has it: namespaces are named after it
+        home = (self.root / name).resolve()  # as the runs' hetflow_home() has it: the sweep compares run dirs with it
         home.mkdir(exist_ok=True)
         self.homes.add(home)
         return home
@@ -186,13 +185,10 @@ def epochs_completed(log: Path) -> list[int]:
 
 
 def leftovers(bench: Bench, home: Path, run_id: str) -> dict:
-    """What of the run is still there: processes with its id in their environment (keepers and
-    replicas), its network namespace and the processes in it, its containers and network."""
-    namespace = namespace_name(run_id, home)
+    """What of the run is still there: processes with its id in their environment (keepers, sandboxes
+    and replicas), its containers and network."""
     found = {
         "processes": sorted(run_processes(run_id)),
-        "namespace": namespace if (NETNS_DIR / namespace).exists() else None,
-        "namespace_processes": sorted(namespace_processes(namespace)),
         "containers": [],
         "networks": [],
     }
@@ -206,7 +202,7 @@ def leftovers(bench: Bench, home: Path, run_id: str) -> dict:
 
 def replica_count(found: dict) -> int:
     """Replica processes (keepers too) and containers in ``leftovers``' answer."""
-    return len(set(found["processes"]) | set(found["namespace_processes"])) + len(found["containers"])
+    return len(found["processes"]) + len(found["containers"])
 
 
 def kill_run(bench: Bench, shape: str, name: str, victim: str | None) -> dict:

@@ -92,7 +92,7 @@ def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
 
 def test_sigterm_of_the_train_task_ends_its_replicas_and_namespace_within_airflows_grace(provisioned, hetflow_env):
     """Airflow 3 stops a task with SIGTERM and SIGKILLs it 5 s later: the train stage must have
-    stopped its replicas (TF ignores SIGTERM) and deleted the run's network namespace by then."""
+    stopped its replicas (TF ignores SIGTERM) by then, leaving no process in the run's network namespace."""
     from tasks.cluster.processes import run_processes
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2)

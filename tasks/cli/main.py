@@ -120,8 +120,7 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    """What interrupted runs of this HETFLOW_HOME left: network namespaces, containers, networks, services,
-    Kubernetes objects."""
+    """What interrupted runs of this HETFLOW_HOME left: containers, networks, services, Kubernetes objects."""
     from tasks.cluster.backends import sweep
 
     removed = sweep(hetflow_home())
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         ("validate", _cmd_validate, "check a spec and print it with defaults filled in"),
         ("run", _cmd_run, "run the hetflow_train DAG once through Airflow"),
         ("train", _cmd_train, "run only the training stage"),
-        ("sweep", _cmd_sweep, "remove what interrupted runs left: namespaces, containers, networks, services, pods"),
+        ("sweep", _cmd_sweep, "remove what interrupted runs left: containers, networks, services, pods"),
     ):
         command = commands.add_parser(name, help=text)
         command.add_argument("--config", type=Path, help="JSON file of spec keys")

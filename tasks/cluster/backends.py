@@ -62,22 +62,17 @@ def backend_for(spec: RunSpec | None) -> Backend:
     return importlib.import_module(_MODULES[spec.backend if spec is not None else "local"]).BACKEND
 
 
-def sweep(home: Path, attach_seconds: float | None = None, namespace_grace: float | None = None) -> dict[str, list]:
+def sweep(home: Path, attach_seconds: float | None = None) -> dict[str, list]:
     """``hetflow sweep``, and every teardown after its own run's: what interrupted runs of ``home`` left
-    on every backend that can leave something — empty network namespaces (local), containers and
-    networks (docker), services and overlay networks (swarm), the pods, services, NetworkPolicies and
-    ConfigMaps of Kubernetes runs where a client configuration is found — of runs no supervisor holds.
+    on every backend that can leave something — containers and networks (docker), services and overlay
+    networks (swarm), the pods, services, NetworkPolicies and ConfigMaps of Kubernetes runs where a
+    client configuration is found — of runs no supervisor holds (a local run leaves nothing).
 
     :param attach_seconds: containers, services and Kubernetes runs younger than this are left alone
-        (default: the backends' attach timeout); ``namespace_grace`` the same for network namespaces."""
+        (default: the backends' attach timeout)."""
     removed: dict[str, list] = {}
-    for name, grace in (
-        ("local", namespace_grace),
-        ("docker", attach_seconds),
-        ("swarm", attach_seconds),
-        ("kubernetes", attach_seconds),
-    ):
-        for kind, names in importlib.import_module(_MODULES[name]).BACKEND.sweep(home, grace).items():
+    for module in _MODULES.values():
+        for kind, names in importlib.import_module(module).BACKEND.sweep(home, attach_seconds).items():
             removed[kind] = removed.get(kind, []) + names
     return removed
 

@@ -29,10 +29,9 @@ class LocalBackend:
         return teardown_run(run_id, TERM_GRACE_SECONDS if grace is None else grace)
 
     def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
-        """The network namespaces no process is left in (any home's: they hold nothing)."""
-        from tasks.cluster.sweep import NAMESPACE_GRACE_SECONDS, sweep_namespaces
-
-        return {"namespaces": sweep_namespaces(NAMESPACE_GRACE_SECONDS if grace is None else grace)}
+        """Nothing: a run's replicas and the holder of its network namespace die with their keepers'
+        supervisor lease (tasks.cluster.keeper), and the kernel frees the namespace with them."""
+        return {}
 
 
 BACKEND = LocalBackend()

@@ -2,12 +2,13 @@
 behind from what live runs hold.
 
 A run is interrupted when its tasks were killed before teardown ran (SIGKILL, a lost worker).
-Local replicas die with their keepers' supervisor lease, and containers at their deadline, but
-some things outlive them: a run's network namespace (its name stays in /run/netns), exited
-containers and the Docker network of the run. A run is *live* while a supervisor holds its lease
-(``tasks.cluster.keeper``), or within ``ATTACH_TIMEOUT_SECONDS`` of its replicas' start (provisioned,
-waiting for the train task): the sweep leaves those alone, so it is safe beside running runs and is
-what every teardown runs after its own run's.
+Local replicas and the holder of their network namespace die with their keepers' supervisor lease
+(the kernel frees the namespace with its last process), so a local run leaves nothing to sweep;
+containers die at their deadline, but exited containers and the Docker network of the run outlive
+them. A run is *live* while a supervisor holds its lease (``tasks.cluster.keeper``), or within
+``ATTACH_TIMEOUT_SECONDS`` of its replicas' start (provisioned, waiting for the train task): the
+sweep leaves those alone, so it is safe beside running runs and is what every teardown runs after
+its own run's.
 
 Kubernetes runs are found by their ConfigMap, which names the run directory (the supervisor's lease
 is there, on the claim it shares with the pods); a run no supervisor holds loses its pods, service,
@@ -16,42 +17,10 @@ NetworkPolicy and ConfigMap. Without a kubeconfig or a service account there is 
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
-from tasks.cluster import netns
 from tasks.cluster.keeper import lease_path, supervisor_holds_lease
-
-log = logging.getLogger("hetflow.cluster")
-
-# A namespace younger than this may belong to a run being provisioned (created, keepers not yet in).
-NAMESPACE_GRACE_SECONDS = 60.0
-
-
-def _created_at(path: Path) -> float:
-    return path.lstat().st_mtime
-
-
-def empty_namespaces(grace_seconds: float = NAMESPACE_GRACE_SECONDS) -> list[str]:
-    """hetflow's network namespaces with no process in them, older than ``grace_seconds``."""
-    if not netns.NETNS_DIR.is_dir():
-        return []
-    now = time.time()
-    return sorted(
-        path.name
-        for path in netns.NETNS_DIR.glob("hetflow-*")
-        if now - _created_at(path) > grace_seconds and not netns.namespace_processes(path.name)
-    )
-
-
-def sweep_namespaces(grace_seconds: float = NAMESPACE_GRACE_SECONDS) -> list[str]:
-    """Delete hetflow's network namespaces that no process is left in; returns their names."""
-    namespaces = empty_namespaces(grace_seconds)
-    for name in namespaces:
-        netns.delete_namespace(name)
-        log.info("sweep: deleted network namespace %s, which no process was left in", name)
-    return namespaces
 
 
 def run_is_live(run_dir: str, started_at: float, home: Path, attach_seconds: float) -> bool:
