@@ -188,7 +188,7 @@ def leftovers(bench: Bench, home: Path, run_id: str) -> dict:
     """What of the run is still there: processes with its id in their environment (keepers, sandboxes
     and replicas), its containers and network."""
     found = {
-        "processes": sorted(run_processes(run_id)),
+        "processes": sorted(run_processes(run_id, home)),
         "containers": [],
         "networks": [],
     }
@@ -219,7 +219,7 @@ def kill_run(bench: Bench, shape: str, name: str, victim: str | None) -> dict:
     if victim and wait_for_epoch(supervisor, watched_log, 2):
         time.sleep(bench.rng.uniform(0, 5))
         victim = bench.rng.choice(VICTIMS[shape]) if victim == "random" else victim
-        pid = run_replicas(run_id).get(victim)
+        pid = run_replicas(run_id, home).get(victim)
         if pid is not None:
             os.kill(pid, signal.SIGKILL)
             killed = {"replica": victim, "after_seconds": time.monotonic() - started}

@@ -101,11 +101,11 @@ def run_processes(run_id: str, home: Path | None = None) -> list[int]:
     return list(_run_environments(run_id, home))
 
 
-def run_replicas(run_id: str) -> dict[str, int]:
+def run_replicas(run_id: str, home: Path | None = None) -> dict[str, int]:
     """Pid of each live replica of the run (the replica's own process, inside its sandbox if it has
     one; not its keeper or bwrap), by name (``worker-1``), read from its TF_CONFIG."""
     replicas = {}
-    for pid, environ in _run_environments(run_id, anywhere=True).items():
+    for pid, environ in _run_environments(run_id, home, anywhere=True).items():
         config = next((e for e in environ if e.startswith(b"TF_CONFIG=")), None)
         try:
             replica = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"tasks.replica"]
