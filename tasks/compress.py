@@ -33,7 +33,7 @@ import tensorflow_model_optimization as tfmot
 from tasks.attempts import attempt, load_spec, read_record, reported
 from tasks.data.pipeline import split_arrays, train_input
 from tasks.models import compile_model, trained_model
-from tasks.paths import RunPaths, run_paths, write_record
+from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
 from tasks.predictors import tflite_predictor
 from tasks.schedule import make_optimizer
 from tasks.spec import RunSpec
@@ -207,7 +207,9 @@ def overall_sparsity(model: tf.keras.Model) -> float:
 def compress(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     paths = run_paths(run_id)
     with attempt(paths, "compress", run_id, try_number) as receipt:
-        record = compress_model(load_spec(paths), paths, read_record(paths.dataset), read_record(paths.training))
+        record = compress_model(
+            load_spec(paths), paths, read_record(paths.dataset), read_replica_record(paths.training)
+        )
     log.info("compressed variants: %s; kernel sparsity %s", list(record["variants"]), record.get("kernel_sparsity"))
     return {**record, "attempt": receipt}
 

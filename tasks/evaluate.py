@@ -12,7 +12,7 @@ from tasks import plots
 from tasks.attempts import attempt, load_spec, read_record, reported
 from tasks.data.pipeline import split_arrays
 from tasks.models import trained_model
-from tasks.paths import RunPaths, run_paths, write_record
+from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
 
 log = logging.getLogger("hetflow.stages")
 
@@ -46,7 +46,7 @@ def evaluate_model(paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
     matrix = confusion_counts(np.argmax(logits, axis=1), labels, dataset["num_classes"])
     paths.plots.mkdir(parents=True, exist_ok=True)
     plots.confusion_matrix(matrix, result["test_accuracy"], paths.plots / "confusion_matrix.png")
-    plots.training(read_record(paths.training), paths.plots)
+    plots.training(read_replica_record(paths.training), paths.plots)
     result |= {"test_examples": int(len(labels)), "confusion_matrix": matrix.tolist()}
     write_record(paths.evaluation, result)
     return result

@@ -28,7 +28,7 @@ from tasks import plots
 from tasks.attempts import attempt, load_spec, read_record, reported
 from tasks.data.pipeline import split_arrays
 from tasks.models import trained_model
-from tasks.paths import RunPaths, run_paths, write_record
+from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
 from tasks.predictors import saved_model_predictor, tflite_predictor
 from tasks.spec import RunSpec
 from tasks.tflite import to_tflite, weight_encoding
@@ -150,7 +150,7 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) ->
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
     float_accuracy = float(np.mean(np.argmax(float_logits, axis=1) == labels))
-    compression = read_record(paths.compression)
+    compression = read_replica_record(paths.compression)  # at the run directory's top, where replicas write
     tflite_variants = {}
     if "tflite" in spec.export_formats:
         paths.float_tflite.parent.mkdir(parents=True, exist_ok=True)

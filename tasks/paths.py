@@ -87,8 +87,9 @@ def read_regular(path: Path, max_bytes: int) -> bytes:
 
 def read_replica_record(path: Path) -> dict:
     """A JSON object a replica wrote, read as data: a regular file, bounded, an object."""
+    content = read_regular(path, REPLICA_RECORD_BYTES)  # its NotRegularFile names the file once
     try:
-        value = json.loads(read_regular(path, REPLICA_RECORD_BYTES))
+        value = json.loads(content)
     except ValueError as error:
         raise NotRegularFile(f"{path} is not a JSON record: {error}") from None
     if not isinstance(value, dict):

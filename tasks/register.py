@@ -20,7 +20,7 @@ from tasks.attempts import attempt, load_spec, read_record, reported
 from tasks.data.pipeline import split_arrays
 from tasks.export import save_serving_model
 from tasks.models import trained_model
-from tasks.paths import RunPaths, run_paths, write_record
+from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
 from tasks.predictors import saved_model_predictor, tflite_predictor
 from tasks.registry import champion, run_record, store, versions
 from tasks.registry.training_key import TRAINING_KEY_TAG
@@ -57,10 +57,11 @@ def register(run_id: str, dag_id: str, try_number: int | None = None) -> dict[st
 def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow_run_id: str) -> dict[str, Any]:
     """Record the run in MLflow, register the float model and the chosen TFLite variant, serve each
     (infra validation), move the aliases; writes registry.json."""
-    training = read_record(paths.training)
-    evaluation = read_record(paths.evaluation)
-    exported = read_record(paths.export)
-    compression = read_record(paths.compression)
+    # Where replicas write (the run directory's top): read as data, like the training record itself.
+    training = read_replica_record(paths.training)
+    evaluation = read_replica_record(paths.evaluation)
+    exported = read_replica_record(paths.export)
+    compression = read_replica_record(paths.compression)
     mlflow.set_tracking_uri(store.tracking_uri())
     client = timings.TimedClient(MlflowClient())
     name, chosen = spec.registered_model, exported["chosen_tflite"]

@@ -9,7 +9,7 @@ from typing import Any
 
 from tasks import timings
 from tasks.attempts import STAGE_OUTPUTS, STAGES, read_record, reported
-from tasks.paths import RunPaths, run_paths, write_record
+from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
 from tasks.prepare_data import skip_reason
 
 log = logging.getLogger("hetflow.stages")
@@ -28,7 +28,7 @@ def _done(paths: RunPaths, stage: str, record: str, returned: dict[str, Any] | N
 
 
 def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
-    plan = read_record(paths.plan) if paths.plan.exists() else {}
+    plan = read_replica_record(paths.plan) if paths.plan.exists() else {}
     if "decision" not in plan:
         return None
     return {
@@ -85,8 +85,10 @@ def summarize(
     if failed_stage == "provision_cluster" and read_record(paths.dataset).get("trained_before"):
         unchanged = read_record(paths.dataset)  # prepare_data found this training done before: the rest skipped
         failed_stage = None
+    # Read as data: the records from training on are at the run directory's top, where replicas write.
     read = {
-        stage: read_record(getattr(paths, record)) if stage in finished else None for stage, record in STAGE_OUTPUTS
+        stage: read_replica_record(getattr(paths, record)) if stage in finished else None
+        for stage, record in STAGE_OUTPUTS
     }
     training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
     exported = (read["export"] or {}).get("artifacts", {})
@@ -124,7 +126,7 @@ def summarize(
         "replicas": (read["provision_cluster"] or {}).get("replicas"),
         "restarts": read_record(paths.restarts) if paths.restarts.exists() else [],
         # backend=swarm: the node each replica ran on (train writes it)
-        "nodes": read_record(paths.root / "nodes.json") if (paths.root / "nodes.json").exists() else None,
+        "nodes": read_replica_record(paths.root / "nodes.json") if (paths.root / "nodes.json").exists() else None,
         "timings": _timings(paths, finished, training, dag_started_at),
         # strategy=auto: what it chose and why, from the probes (plan.json).
         "auto": _auto_decision(paths) if "provision_cluster" in finished else None,

@@ -54,7 +54,7 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
                 spec = _carry_out_auto(spec, run_id, paths)
         if importing is not None:
             importing.join()  # no later stage imports a module while that thread still does
-    return {**read_record(paths.training), "attempt": receipt}
+    return {**read_replica_record(paths.training), "attempt": receipt}
 
 
 def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:

@@ -172,6 +172,34 @@ def test_summarize_fails_a_stage_whose_last_try_failed_whatever_files_are_left(p
     assert summary["attempts"]["prepare_data"]["try_number"] == 1
 
 
+def test_later_stages_refuse_a_training_record_linked_out_of_the_run_directory(prepared_run, home, caplog):
+    """Replicas write the run directory's top: a training.json planted as a link to a JSON object
+    elsewhere (here the stack's secrets) is refused by the stages that read it, in one line naming
+    it, and nothing of what it points at is reported."""
+    import logging
+
+    from tasks.compress import compress
+    from tasks.paths import NotRegularFile, run_paths
+    from tasks.summarize import summarize
+
+    paths = run_paths("rerun")
+    secret = home / "stack" / "secrets.json"
+    secret.parent.mkdir()
+    secret.write_text(json.dumps({"password": "secret", "train_seconds": 1.0}))
+    paths.cluster.write_text(json.dumps({"replicas": []}))
+    for stage in ("provision_cluster", "train"):
+        paths.attempt(stage).write_text(json.dumps({"stage": stage, "run_id": "rerun", "id": stage}))
+    paths.training.symlink_to(secret)
+    refused = f"{paths.training} is a symbolic link: refused (the pipeline reads regular files only)"
+    for stage in (summarize, compress):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="hetflow.stages"), pytest.raises(NotRegularFile) as caught:
+            stage("rerun")
+        assert str(caught.value) == refused
+        assert [r.getMessage() for r in caplog.records] == [f"{stage.__name__} failed: NotRegularFile: {refused}"]
+    assert not paths.summary.exists()
+
+
 _DAG_TEST = """
 import json, sys
 from datetime import datetime, timezone

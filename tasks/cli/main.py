@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.cli.dag_run import run_dag
-from tasks.paths import hetflow_home, run_paths
+from tasks.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths
 from tasks.spec import SpecError, parse_assignment, parse_spec
 
 
@@ -58,7 +58,10 @@ def _cmd_run(args) -> int:
             print(f"\ninterrupted: tearing down {run_id}", file=sys.stderr)
             teardown_cluster(run_id)
         return 130
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "failed"}
+    try:
+        summary = read_replica_record(summary_path)
+    except FileNotFoundError:
+        summary = {"status": "failed"}
     metrics = summary.get("metrics") or {}
     registry = summary.get("registry") or {}
     print(f"\nhetflow run {summary['status']} in {time.monotonic() - started:.0f} s")
@@ -151,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"hetflow: invalid spec: {problem}", file=sys.stderr)
         return 2
+    except NotRegularFile as exc:  # a record a replica planted or broke: named, not a traceback
+        print(f"hetflow: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

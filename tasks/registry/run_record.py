@@ -17,7 +17,7 @@ from mlflow.utils.time import get_current_time_millis
 
 from mlflow import MlflowClient
 from tasks import serving
-from tasks.paths import NotRegularFile, RunPaths, read_regular
+from tasks.paths import NotRegularFile, RunPaths, read_regular, read_replica_record
 from tasks.registry import lineage
 from tasks.registry.store import git_commit
 from tasks.spec import RunSpec
@@ -147,7 +147,7 @@ def log_run_record(
             f"{r['replica']} exited {r['exit_code']} ({r['cause']}): {r['action']}" for r in restarts
         )[:5000]
     if paths.plan.exists():  # the workers were probed (strategy=auto, or balance_batches by the workers)
-        plan = json.loads(paths.plan.read_text())
+        plan = read_replica_record(paths.plan)
         params["requested_strategy"] = plan["requested"]["strategy"]
         for probe in plan["probes"]:
             summary[f"probe_{probe['worker'].replace('-', '_')}_examples_per_second"] = probe["examples_per_second"]
