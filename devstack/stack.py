@@ -212,6 +212,7 @@ def _print_up(state: dict, started: bool) -> None:
         print("           login off (LOGIN=off): everyone is admin — local development only")
     print(f"  MLflow   {state['mlflow_url']}   store: {tracking_uri()}")
     print(f"           hetflow's runs: {runs_page(state['mlflow_url'])}")
+    print(f"           their key metrics: {runs_page(state['mlflow_url'], key_metrics=True)}")
     print("  stop with: make down")
 
 

@@ -132,8 +132,10 @@ def test_make_up_is_healthy_prints_the_urls_and_how_to_log_in(stack):
     output = stack["up_output"]
     assert state["airflow_url"] in output and state["mlflow_url"] in output
     assert "log in as admin, password" in output
-    runs = rf"hetflow's runs: {state['mlflow_url']}/#/experiments/\d+/runs\?workflowType=machine_learning"
-    assert re.search(runs, output), output
+    runs = rf"{state['mlflow_url']}/#/experiments/\d+/runs\?workflowType=machine_learning"
+    assert re.search(f"hetflow's runs: {runs}", output), output
+    charts = f"{runs}&compareRunsMode=CHART&viewStateShareKey=hetflow-key-metrics\n"
+    assert re.search(f"their key metrics: {charts}", output), output
     ARTIFACTS.mkdir(exist_ok=True)
     measured = {"seconds_to_healthy": state["seconds_to_healthy"], "rss_gib": round(rss_bytes(state) / 2**30, 2)}
     (ARTIFACTS / "stack.json").write_text(json.dumps(measured, indent=2))
@@ -321,6 +323,39 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     page.get_by_text(plot, exact=True).wait_for()
     page.get_by_role("button", name="Close", exact=True).click()  # the MLflow Assistant side panel
     page.screenshot(path=str(ARTIFACTS / "mlflow_run.png"))
+
+
+# The texts of the leaf elements that read exactly one of ``names``, in the page's order.
+_LEAF_TEXTS = """(names) => {
+    const found = [];
+    const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_ELEMENT);
+    for (let e = walker.nextNode(); e; e = walker.nextNode()) {
+        const text = e.textContent.trim();
+        if (e.children.length === 0 && names.includes(text)) found.push(text);
+    }
+    return found;
+}"""
+
+
+def test_mlflow_charts_show_the_key_metrics_first(stack, form_run, form_mlflow_run):
+    """The chart view make up links to ("their key metrics") opens hetflow's saved view: its first
+    section holds test, validation and training accuracy, then loss, then examples/s; MLflow's own
+    Model metrics section (alphabetical, epoch_seconds and export_* first) keeps every other metric."""
+    page, _ = form_run
+    page.set_viewport_size({"width": 1400, "height": 3200})  # the charts render once in view
+    page.goto(re.search(r"their key metrics: (\S+)", stack["up_output"])[1])
+    page.get_by_text("Key metrics", exact=True).wait_for()
+    page.get_by_role("button", name="Close", exact=True).click()  # the MLflow Assistant side panel
+    key = ["test_accuracy", "val_accuracy", "train_accuracy", "test_loss", "val_loss", "train_loss"]
+    key.append("examples_per_second")
+    metrics = set(form_mlflow_run.data.metrics)
+    assert set(key) <= metrics and {"epoch_seconds", "train_seconds"} <= metrics, sorted(metrics)
+    page.get_by_text("epoch_seconds", exact=True).wait_for()
+    shown = page.evaluate(_LEAF_TEXTS, ["Key metrics", "Model metrics", *sorted(metrics)])
+    assert shown[: len(key) + 2] == ["Key metrics", *key, "Model metrics"], shown
+    assert "epoch_seconds" in shown[len(key) + 2 :], shown  # the other metrics keep their charts
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    page.screenshot(path=str(ARTIFACTS / "mlflow_charts.png"))
 
 
 # The on-screen boxes of each row's values, found in order in the text of ``root`` after its first

@@ -11,6 +11,7 @@ from mlflow.exceptions import MlflowException
 
 from mlflow import MlflowClient
 from tasks.paths import REPO_ROOT
+from tasks.registry import charts_view
 
 EXPERIMENT = "hetflow"
 # MLflow 3's UI opens an experiment of no declared kind in its GenAI view (traces, an assistant
@@ -25,9 +26,11 @@ def tracking_uri() -> str:
 
 def _experiment_id(client: MlflowClient) -> str:
     experiment = client.get_experiment_by_name(EXPERIMENT)
-    if experiment:
-        if experiment.tags.get(EXPERIMENT_KIND_TAG) != MODEL_TRAINING:  # made by an earlier hetflow
+    if experiment:  # made by an earlier hetflow, maybe without these tags
+        if experiment.tags.get(EXPERIMENT_KIND_TAG) != MODEL_TRAINING:
             client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+        if not charts_view.is_current(experiment.tags.get(charts_view.TAG)):
+            client.set_experiment_tag(experiment.experiment_id, charts_view.TAG, charts_view.tag_value())
         return experiment.experiment_id
     uri = tracking_uri()
     # A SQLite store keeps artifacts beside its database; a tracking server decides for itself.
@@ -35,19 +38,24 @@ def _experiment_id(client: MlflowClient) -> str:
     return client.create_experiment(
         EXPERIMENT,
         artifact_location=location.as_uri() if location else None,
-        tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING},
+        tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING, charts_view.TAG: charts_view.tag_value()},
     )
 
 
-def runs_page(server_url: str) -> str:
+def runs_page(server_url: str, key_metrics: bool = False) -> str:
     """The MLflow UI's page of hetflow's runs, the experiment created if need be. MLflow 3.17's UI
     opens an experiment in the view its workflow switch holds, GenAI unless the user switched,
-    whatever the experiment's kind: the page's own ``workflowType`` asks for the training runs."""
+    whatever the experiment's kind: the page's own ``workflowType`` asks for the training runs.
+
+    :param key_metrics: the page's chart view in hetflow's saved view, the key metrics' charts first
+        (``charts_view``); else the page as the user last left it.
+    """
     try:
         experiment_id = _experiment_id(MlflowClient(tracking_uri()))
     except MlflowException:  # a store that does not answer yet: the experiments' list, in the same view
         return f"{server_url}/#/experiments?workflowType=machine_learning"
-    return f"{server_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    page = f"{server_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    return f"{page}&compareRunsMode=CHART&viewStateShareKey={charts_view.VIEW_ID}" if key_metrics else page
 
 
 def git_commit() -> str:

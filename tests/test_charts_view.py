@@ -1,0 +1,68 @@
+"""hetflow's saved chart view of its MLflow experiment, as the store writes it: an experiment tag
+in the form MLflow 3.17's UI reads (tests/test_ui.py opens it in Chromium)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlflow import MlflowClient
+from tasks.registry import store
+
+VIEW_TAG = "mlflow.sharedViewState.hetflow-key-metrics"
+
+
+@pytest.fixture
+def client(tmp_path, monkeypatch) -> MlflowClient:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return MlflowClient(uri)
+
+
+def _view(client: MlflowClient) -> dict:
+    return json.loads(client.get_experiment_by_name("hetflow").tags[VIEW_TAG])
+
+
+def test_the_experiment_holds_the_key_metrics_view_in_the_uis_saved_view_form(client):
+    store._experiment_id(client)
+    view = _view(client)
+    assert view["name"] == "Key metrics first" and view["createdAt"] == view["updatedAt"] > 0
+    state = json.loads(view["state"])
+    first, *others = state["compareRunSections"]
+    assert first["name"] == "Key metrics" and [s["name"] for s in others] == ["Model metrics", "System metrics"]
+    assert state["isAccordionReordered"] is True and first["isReordered"] is True
+    charts = state["compareRunCharts"]
+    assert [c["metricKey"] for c in charts] == [
+        "test_accuracy",
+        "val_accuracy",
+        "train_accuracy",
+        "test_loss",
+        "val_loss",
+        "train_loss",
+        "examples_per_second",
+    ]
+    assert all(c["metricSectionId"] == first["uuid"] for c in charts)
+    per_epoch = {c["metricKey"] for c in charts if c["type"] == "LINE"}
+    assert per_epoch == {"val_accuracy", "train_accuracy", "val_loss", "train_loss"}
+
+
+def test_an_older_experiment_gets_the_view_and_a_current_one_is_left_as_it_is(client):
+    experiment_id = client.create_experiment("hetflow")  # as a hetflow before the view made it
+    assert store._experiment_id(client) == experiment_id
+    written = _view(client)
+    store._experiment_id(client)
+    assert _view(client) == written  # not written again
+    stale = {**written, "state": json.dumps({"compareRunCharts": []})}
+    client.set_experiment_tag(experiment_id, VIEW_TAG, json.dumps(stale))
+    store._experiment_id(client)
+    assert json.loads(_view(client)["state"]) == json.loads(written["state"])
+
+
+def test_runs_page_links_the_view_in_the_chart_view(client):
+    experiment_id = store._experiment_id(client)
+    page = f"http://mlflow/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    assert store.runs_page("http://mlflow") == page
+    assert store.runs_page("http://mlflow", key_metrics=True) == (
+        f"{page}&compareRunsMode=CHART&viewStateShareKey=hetflow-key-metrics"
+    )
