@@ -140,7 +140,9 @@ def test_uploads_to_mlflow_take_regular_files_only(hetflow_env, tmp_path, caplog
     (logs / "planted.log").symlink_to(secret)
     (logs / "planted-dir").symlink_to(tmp_path)
     client = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
-    experiment = client.get_experiment_by_name("uploads") or client.get_experiment(client.create_experiment("uploads"))
+    # An artifact root of the test's own: a sqlite store's default one is ./mlruns in the working directory.
+    experiment_id = client.create_experiment("uploads", artifact_location=(tmp_path / "artifacts").as_uri())
+    experiment = client.get_experiment(experiment_id)
     run = client.create_run(experiment.experiment_id)
     with caplog.at_level(logging.WARNING, logger="hetflow.registry"):
         uploaded = upload_regular_files(client, run.info.run_id, [logs, secret.parent / "missing.json"], "logs")

@@ -16,6 +16,20 @@ def _prepared(prepared_dir: str):
     return tfds.builder_from_directory(prepared_dir)
 
 
+def _without_autotuning_thread(examples: tf.data.Dataset) -> tf.data.Dataset:
+    """``examples`` with tf.data's autotuning model thread off (prefetch still sizes its own buffer).
+
+    Destroying an iterator cancels that thread and waits for it, and the cancellation can be missed:
+    the thread wakes, sees the cancellation not yet marked done and sleeps out its optimization
+    period again, which doubles up to 60 s on a long-lived iterator. A replica pinned to one core
+    lost that race nearly every time: between its last epoch and its final weights it waited 0.4 to
+    40 s (gdb: the main thread in ``~RootDataset::Iterator``, the model thread in
+    ``Model::OptimizeLoop``'s timed wait). The pipelines here have nothing else for it to tune."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return examples.with_options(options)
+
+
 def _load(dataset: dict[str, Any], split: str) -> tf.data.Dataset:
     return _prepared(dataset["prepared_dir"]).as_dataset(split=split, as_supervised=True, shuffle_files=False)
 
@@ -40,7 +54,7 @@ def train_input(
     examples = _training_examples(dataset, shuffle, seed)
     if num_workers > 1:
         examples = examples.shard(num_workers, worker_index)
-    return examples.batch(per_worker_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+    return _without_autotuning_thread(examples.batch(per_worker_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
 
 def train_slices(
@@ -64,9 +78,8 @@ def train_slices(
     if shuffle:
         indices = indices.shuffle(count, seed=seed, reshuffle_each_iteration=True)
     mine = indices.repeat().batch(global_batch, drop_remainder=True).map(lambda batch: batch[start:end])
-    return mine.map(lambda positions: (tf.gather(images, positions), tf.gather(labels, positions))).prefetch(
-        tf.data.AUTOTUNE
-    )
+    batches = mine.map(lambda positions: (tf.gather(images, positions), tf.gather(labels, positions)))
+    return _without_autotuning_thread(batches.prefetch(tf.data.AUTOTUNE))
 
 
 def _training_examples(dataset: dict[str, Any], shuffle: bool, seed: int) -> tf.data.Dataset:
@@ -84,7 +97,7 @@ def eval_input(
     if examples is not None:
         start, end = examples
         ordered = ordered.skip(start).take(end - start)
-    return ordered.cache().batch(batch_size).prefetch(tf.data.AUTOTUNE)
+    return _without_autotuning_thread(ordered.cache().batch(batch_size).prefetch(tf.data.AUTOTUNE))
 
 
 def training_tensors(dataset: dict[str, Any]) -> tuple[tf.Tensor, tf.Tensor]:
