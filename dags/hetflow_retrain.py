@@ -49,7 +49,9 @@ CRON = os.environ.get("HETFLOW_RETRAIN_CRON", DEFAULT_CRON)
             description='hetflow_train fields to change from the champion\'s spec, by key, e.g. {"epochs": 60}.',
         ),
     },
-    # The DAG list shows the asset schedule only: this line names both triggers.
+    # Airflow 3.3's Schedule (the DAG list, the DAG page's header) shows an asset-triggered
+    # timetable's assets only, never its summary "Asset or <cron>": this line names both triggers,
+    # in the DAG page's Details tab and on the DAG list's name.
     description=f"Retrain the champion on the cron {CRON} (UTC) and when the prepared data changes",
     tags=["hetflow"],
     doc_md=__doc__,
