@@ -208,9 +208,11 @@ class Supervisor:
             self.tails[name].append(line)
             log.info("[%s] %s", name, line)
 
-    def wait(self, timeout: float, interval: float = 0.5) -> dict[str, int]:
-        """Act on ``decide`` until the run succeeds (returns the training replicas' exit codes),
-        fails or passes ``timeout`` seconds (ReplicaFailed, after stopping every replica)."""
+    def wait(self, timeout: float, interval: float = 0.2) -> dict[str, int]:
+        """Act on ``decide`` every ``interval`` seconds until the run succeeds (returns the training
+        replicas' exit codes), fails or passes ``timeout`` seconds (ReplicaFailed, after stopping
+        every replica). The interval is part of the wait between the final weights and the command's
+        exit."""
         deadline = time.monotonic() + timeout
         try:
             while True:
