@@ -133,7 +133,15 @@ def test_docker_container_configs_carry_tf_config_labels_limits_and_gpus():
         config = configs[replica.name]
         assert config["name"] == config["hostname"] == replica.host == f"hetflow-{run_slug(RUN_ID)}-{replica.name}"
         assert config["image"] == "hetflow-replica:0.1.0"
-        assert config["command"] == ["--run-dir", str(RUN_DIR)]
+        # It ends itself once its supervisor is gone (tasks.cluster.lease), as a local replica's keeper ends it.
+        assert config["command"] == [
+            "--run-dir",
+            str(RUN_DIR),
+            "--watch-supervisor",
+            "lease",
+            "--watch-supervisor",
+            "heartbeat",
+        ]
         assert config["environment"]["TF_CONFIG"] == layout.tf_config(replica)
         assert config["environment"]["HETFLOW_RUN_ID"] == RUN_ID
         assert config["environment"]["HETFLOW_HOME"] == str(HOME)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -267,3 +268,117 @@ def test_sigterm_of_the_train_task_removes_its_containers(docker_client, hetflow
     finally:
         supervisor.kill()
         teardown_cluster(run)
+
+
+# The image under test: the one `make test` builds, or a developer's tagged build of this checkout
+# (docker/build-image.sh hetflow-replica:dev), which leaves the shared tag alone.
+IMAGE = os.environ.get("HETFLOW_TEST_IMAGE", parse_spec({}).image)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "watched, reason, within",
+    [
+        ("lease", "it no longer holds the run's lease (replicas/supervisor.lock)", 5),
+        ("heartbeat", "its heartbeat (replicas/supervisor.heartbeat) has not changed for 1", 16),
+    ],
+)
+def test_a_container_sees_its_supervisor_go_through_a_read_only_mount_as_an_unprivileged_uid(
+    docker_client, tmp_path, watched, reason, within
+):
+    """The lease a process on this host holds is seen from a container through the bind mount
+    (the same inode: the kernel's one lock), read-only and as the replicas' uid; so is its
+    heartbeat; and both are seen to go when that process is SIGKILLed."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from tasks.cluster.containers import container_user
+    from tasks.cluster.lease import SUPERVISOR_GONE_EXIT_CODE
+
+    run_dir = tmp_path / "run"
+    (run_dir / "replicas").mkdir(parents=True)
+    hold = "import sys, time; from pathlib import Path; from tasks.cluster.lease import take_lease\n"
+    hold += "lease = take_lease(Path(sys.argv[1]), heartbeat=True); print('held', flush=True); time.sleep(600)"
+    watch = "import sys, time; from pathlib import Path; from tasks.cluster.lease import SupervisorWatch\n"
+    watch += "SupervisorWatch(Path(sys.argv[1]), sys.argv[2:]); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    container = None
+    try:
+        assert holder.stdout.readline() == "held\n"
+        container = docker_client.containers.run(
+            IMAGE,
+            entrypoint=["python", "-c", watch, str(run_dir), watched],
+            user=container_user(),
+            volumes={str(run_dir / "replicas"): {"bind": str(run_dir / "replicas"), "mode": "ro"}},
+            cap_drop=["ALL"],
+            read_only=True,
+            network_mode="none",
+            detach=True,
+        )
+        time.sleep(5)  # it has seen the lease held and the heartbeat change
+        container.reload()
+        assert container.status == "running", container.logs().decode()
+        holder.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        result = container.wait(timeout=within + 10)
+        took = time.monotonic() - killed
+        assert result["StatusCode"] == SUPERVISOR_GONE_EXIT_CODE, container.logs().decode()
+        assert f"its supervisor is gone: {reason}" in container.logs().decode()
+        assert took < within
+    finally:
+        holder.kill()
+        if container is not None:
+            container.remove(force=True)
+
+
+@pytest.mark.slow
+def test_containers_end_themselves_within_seconds_of_a_sigkill_of_their_supervisor(
+    docker_client, hetflow_env, tmp_path
+):
+    """A SIGKILLed `hetflow train` tears nothing down: its containers see the run's lease go
+    (tasks.cluster.lease) and end themselves, each saying why, instead of training on until their
+    deadline (attach timeout + train_timeout_seconds)."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from tasks.cluster.docker_backend import teardown_run
+    from tasks.cluster.lease import SUPERVISOR_GONE_EXIT_CODE
+
+    runs = str(Path(hetflow_env["HETFLOW_HOME"]) / "runs") + "/"
+
+    def ours(running_only: bool):
+        containers = docker_client.containers.list(all=not running_only, filters={"label": "hetflow.run-dir"})
+        return [c for c in containers if c.labels["hetflow.run-dir"].startswith(runs)]
+
+    def training():
+        running = ours(running_only=True)
+        return len(running) == 2 and all("Epoch 2/" in c.logs().decode() for c in running)
+
+    sets = ["backend=docker", "strategy=multi_worker_mirrored", "workers=2", "epochs=200", f"image={IMAGE}"]
+    command = [sys.executable, "-m", "tasks.cli.main", "train", *(arg for s in sets for arg in ("--set", s))]
+    with open(tmp_path / "train.log", "w") as output:
+        supervisor = subprocess.Popen(command, cwd=REPO, env=hetflow_env, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(training, timeout=300), (tmp_path / "train.log").read_text()[-3000:]
+        supervisor.send_signal(signal.SIGKILL)  # no handler, no finally: nothing of it tears down
+        supervisor.wait(timeout=10)
+        killed = time.monotonic()
+        ended = wait_for(lambda: not ours(running_only=True), timeout=10, interval=0.2)
+        took = time.monotonic() - killed
+        assert ended, f"containers still running 10 s after their supervisor's SIGKILL: {ours(running_only=True)}"
+        print(f"the containers ended {took:.1f} s after the SIGKILL of their supervisor")
+        ended_how = {c.name: (c.attrs["State"]["ExitCode"], c.logs().decode()) for c in ours(running_only=False)}
+        assert len(ended_how) == 2
+        for name, (code, log) in ended_how.items():
+            assert code == SUPERVISOR_GONE_EXIT_CODE, f"{name} exited {code}: {log[-3000:]}"
+            assert "its supervisor is gone: it no longer holds the run's lease" in log
+    finally:
+        supervisor.kill()
+        for run_id in {c.labels["hetflow.run-id"] for c in ours(running_only=False)}:
+            teardown_run(run_id, docker_client)

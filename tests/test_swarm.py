@@ -46,6 +46,8 @@ def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_
     assert worker.address == f"hetflow-{run_slug(layout.run_id)}-worker-1:2222" == f"{config['name']}:2222"
     assert config["endpoint_spec"]["Mode"] == "dnsrr"  # no virtual IP: the name resolves to the task
     assert config["restart_policy"]["Condition"] == "none"
+    # Its supervisor's heartbeat ends it, not the lease: a flock over the nodes' NFS is not to be trusted.
+    assert config["args"] == ["--run-dir", "/srv/h/runs/r", "--watch-supervisor", "heartbeat"]
     assert config["constraints"] == ["node.hostname==node-2"]
     assert config["mode"] == {"replicated": {"Replicas": 1}}
     resources = config["resources"]

@@ -32,7 +32,7 @@ def _run_container(client, run_id: str, run_dir, name: str):
 def test_containers_of_runs_no_supervisor_holds_go_and_live_runs_stay(docker_client, tmp_path):
     import docker
 
-    from tasks.cluster.keeper import take_lease
+    from tasks.cluster.lease import take_lease
 
     home = tmp_path / "home"
     tag = uuid.uuid4().hex[:8]

@@ -37,8 +37,8 @@ from tasks.cluster.containers import (
     replica_environment,
     replica_spec,
 )
-from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
+from tasks.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.local import core_assignment, replica_view
 from tasks.cluster.supervisor import ReplicaState
 from tasks.paths import REPO_ROOT, RunPaths, hetflow_home
@@ -105,6 +105,8 @@ def container_config(
     needs = replica_spec(spec, replica)
     # A container ends itself at its deadline, as a local replica's keeper ends it, whether or not
     # anything is left to stop it: SIGTERM, then SIGKILL after the grace (TF may ignore SIGTERM).
+    # Before that, once its supervisor is gone: its lease, seen through the bind mount, or its
+    # heartbeat where the engine does not share this kernel (tasks.cluster.lease).
     deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
     config = {
         "image": needs.image,
@@ -116,7 +118,7 @@ def container_config(
             "-m",
             "tasks.replica",
         ],
-        "command": ["--run-dir", str(run_dir)],
+        "command": ["--run-dir", str(run_dir), "--watch-supervisor", "lease", "--watch-supervisor", "heartbeat"],
         "name": replica.host,
         "hostname": replica.host,
         "user": user,
@@ -204,9 +206,9 @@ class DockerReplicas:
             )
 
     def attach(self) -> None:
-        """Containers do not depend on their supervisor (teardown and their deadline end them), but
-        the supervisor holds the run's lease: `hetflow sweep` leaves a supervised run alone."""
-        self._lease = take_lease(self.run_dir)
+        """Hold the run's lease and beat its heartbeat: the containers end themselves once neither
+        is kept (``tasks.cluster.lease``), and `hetflow sweep` leaves a supervised run alone."""
+        self._lease = take_lease(self.run_dir, heartbeat=True)
 
     def detach(self) -> None:
         self._lease.close()

@@ -16,15 +16,15 @@ outlive the process that provisioned them (an Airflow task) and are supervised b
 - ends it at once when the run's supervisor is gone: a supervisor holds the run's lease (an
   exclusive lock on ``replicas/supervisor.lock``, which the kernel drops when its holder dies,
   however it dies); a replica whose supervisor held the lease and no longer does, or that no
-  supervisor took within ``ATTACH_TIMEOUT_SECONDS`` of its start, is killed. So killing the
-  ``train`` task leaves no replica behind, as when replicas were its children.
+  supervisor took within ``ATTACH_TIMEOUT_SECONDS`` of its start, is killed
+  (``tasks.cluster.lease.Supervision``, the rule container replicas apply to themselves). So
+  killing the ``train`` task leaves no replica behind, as when replicas were its children.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import fcntl
 import json
 import os
 import signal
@@ -36,47 +36,16 @@ from pathlib import Path
 
 from tasks import sandbox
 from tasks.cluster import netns
+from tasks.cluster.lease import Supervision, supervisor_holds_lease
 from tasks.cluster.processes import TERM_GRACE_SECONDS, signal_group
 from tasks.cluster.throttle import Throttle
 from tasks.paths import REPO_ROOT, RunPaths
 
-# From provisioning to the train task's start: Airflow schedules the next task within seconds,
-# but a busy scheduler can take minutes.
-ATTACH_TIMEOUT_SECONDS = 600.0
 _PR_SET_PDEATHSIG = 1
-
-
-def lease_path(run_dir: Path) -> Path:
-    return RunPaths(run_dir).replicas / "supervisor.lock"
 
 
 def exit_path(run_dir: Path, name: str) -> Path:
     return RunPaths(run_dir).replicas / f"{name}.exit"
-
-
-def take_lease(run_dir: Path):
-    """Take the run's supervisor lease; returns the open lock file (closing it, or dying, releases
-    it). Raises ReplicaFailed when another process holds it."""
-    from tasks.cluster.supervisor import ReplicaFailed
-
-    lease_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
-    lease = open(lease_path(run_dir), "a+")
-    try:
-        fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lease.close()
-        raise ReplicaFailed(f"another process supervises the replicas of {run_dir} (it holds the lease)") from None
-    return lease
-
-
-def supervisor_holds_lease(run_dir: Path) -> bool:
-    with open(lease_path(run_dir), "a+") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        return False
 
 
 def _replica_preexec(core: int | None):
@@ -176,11 +145,9 @@ def keep(
     throttle = Throttle(replica.pid, slowdown) if slowdown > 1 else None
     if throttle:
         throttle.start()
-    started, supervised = time.monotonic(), False
+    supervision = Supervision(time.monotonic(), ["lease"])
     while replica.poll() is None:
-        held = supervisor_holds_lease(run_dir)
-        supervised = supervised or held
-        lost = (supervised and not held) or (not supervised and time.monotonic() - started > ATTACH_TIMEOUT_SECONDS)
+        lost = supervision.gone(time.monotonic(), lease_held=supervisor_holds_lease(run_dir)) is not None
         if throttle and (lost or stop_requested or time.time() > deadline):
             throttle.stop()  # a stopped process would not see SIGTERM
         if lost:
@@ -188,7 +155,8 @@ def keep(
         elif stop_requested or time.time() > deadline:
             _terminate(replica)
         try:
-            replica.wait(timeout=0.5)
+            # Short: a SIGTERM is acted on only when this returns, and teardown waits for it.
+            replica.wait(timeout=0.1)
         except subprocess.TimeoutExpired:
             pass
     code = replica.returncode

@@ -31,7 +31,6 @@ from tasks.cluster.containers import (
     STOP_GRACE_SECONDS,
     lines_to_file,
 )
-from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.kubernetes_manifests import (
     ANNOTATION_RUN_DIR,
     ANNOTATION_RUN_ID,
@@ -48,6 +47,7 @@ from tasks.cluster.kubernetes_manifests import (
     tfjob_manifest,
 )
 from tasks.cluster.layout import ClusterLayout, plan_named_cluster, run_slug
+from tasks.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.supervisor import ReplicaState
 from tasks.spec import RunSpec
 

@@ -230,7 +230,8 @@ class LocalReplicas:
 
     def _start_keeper(self, replica: Replica | None) -> None:
         """Start the keeper of ``replica``, or of the run's network holder (None)."""
-        from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, exit_path
+        from tasks.cluster.keeper import exit_path
+        from tasks.cluster.lease import ATTACH_TIMEOUT_SECONDS
 
         name = replica.name if replica else _HOLDER
         exit_path(self.run_dir, name).unlink(missing_ok=True)
@@ -308,7 +309,7 @@ class LocalReplicas:
     def attach(self) -> None:
         """Take the run's supervisor lease (see tasks.cluster.keeper): while this process holds
         it the replicas run; when it ends, however it ends, its keepers kill them."""
-        from tasks.cluster.keeper import take_lease
+        from tasks.cluster.lease import take_lease
 
         self._lease = take_lease(self.run_dir)
 

@@ -53,8 +53,8 @@ from tasks.cluster.docker_backend import (
     run_labels,
     source_digest,
 )
-from tasks.cluster.keeper import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster
+from tasks.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
 from tasks.cluster.local import replica_view
 from tasks.cluster.supervisor import ReplicaState
 from tasks.paths import RunPaths, hetflow_home, run_paths, write_record
@@ -139,6 +139,9 @@ def service_config(
     no-new-privileges flag nor a pids limit; a uid without capabilities has nothing to gain.)"""
     view = replica_view(spec, run_dir, home)
     deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
+    # Before its deadline a replica ends once its supervisor's heartbeat stops; not on the lease,
+    # whose flock over the nodes' shared storage (NFS) can read as released while it is held
+    # (tasks.cluster.lease).
     environment = {**replica_environment(layout, replica, home, launched_at), "HOME": "/tmp"}
     needs = replica_spec(spec, replica)
     cpus, memory, gpus = needs.cpus, needs.memory_mb * 2**20, needs.gpus
@@ -146,7 +149,7 @@ def service_config(
         "image": needs.image,
         "command": ["timeout", f"--kill-after={STOP_GRACE_SECONDS}", f"{deadline:.0f}"]
         + ["python", "-m", "tasks.replica"],
-        "args": ["--run-dir", str(run_dir)],
+        "args": ["--run-dir", str(run_dir), "--watch-supervisor", "heartbeat"],
         "name": container_name(layout.run_id, replica.name),
         "hostname": container_name(layout.run_id, replica.name),
         "user": user,
@@ -238,9 +241,9 @@ class SwarmReplicas:
             log.info("created %s (service %s) at %s", replica.name, service.short_id, replica.address)
 
     def attach(self) -> None:
-        """Services do not depend on their supervisor (teardown and their deadline end them), but
-        the supervisor holds the run's lease: `hetflow sweep` leaves a supervised run alone."""
-        self._lease = take_lease(self.run_dir)
+        """Hold the run's lease and beat its heartbeat: the services' replicas end themselves once
+        it stops (``tasks.cluster.lease``), and `hetflow sweep` leaves a supervised run alone."""
+        self._lease = take_lease(self.run_dir, heartbeat=True)
 
     def detach(self) -> None:
         self._lease.close()

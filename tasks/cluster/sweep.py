@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tasks.cluster.keeper import lease_path, supervisor_holds_lease
+from tasks.cluster.lease import lease_path, supervisor_holds_lease
 
 
 def run_is_live(run_dir: str, started_at: float, home: Path, attach_seconds: float) -> bool:

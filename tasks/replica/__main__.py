@@ -1,7 +1,8 @@
 """The entry point of every replica, in every backend: ``python -m tasks.replica --run-dir DIR``.
 
 The replica learns its role from ``TF_CONFIG`` and the run from the run directory (spec.json and
-dataset.json, written by earlier stages).
+dataset.json, written by earlier stages). In a container, which no keeper ends,
+``--watch-supervisor`` makes it end itself once the run's supervisor is gone (``tasks.cluster.lease``).
 
 A replica leaves with ``os._exit`` once its work is done and its output flushed, skipping Python's
 interpreter finalization: there, under multi_worker_mirrored, the garbage collector destroys
@@ -21,14 +22,26 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tasks.cluster.lease import SIGNALS, SupervisorWatch
 from tasks.paths import RunPaths
 from tasks.spec import RunSpec
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", type=Path, required=True)
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--watch-supervisor",
+        action="append",
+        choices=SIGNALS,
+        default=[],
+        help="end this replica once the run's supervisor is gone, as this signal of it shows (container "
+        "backends; a local replica's keeper watches for it)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> None:
     paths = RunPaths(args.run_dir)
     spec = RunSpec.model_validate_json(paths.spec.read_text())
     dataset = json.loads(paths.dataset.read_text())
@@ -64,15 +77,22 @@ def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: d
 
 def run_and_exit() -> None:
     """``main``, then leave at once (see the module's docstring): 0 on success, 1 on an error,
-    after printing its traceback."""
-    code = 0
+    after printing its traceback (``tasks.cluster.lease.SUPERVISOR_GONE_EXIT_CODE`` where its supervisor
+    is gone)."""
+    code, watch = 0, None
     try:
-        main()
+        args = parse_arguments()
+        watch = SupervisorWatch(args.run_dir, args.watch_supervisor) if args.watch_supervisor else None
+        main(args)
     except SystemExit as leaving:  # argparse's usage errors keep their code
         code = leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
     except BaseException:
         traceback.print_exc()
         code = 1
+        if watch is not None:
+            # Where the supervisor is gone, a peer that saw it first has left, and this replica
+            # failed in a step they share before its own watch looked: one look now says why.
+            watch.look()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
