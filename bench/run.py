@@ -24,7 +24,10 @@ Dataset preparation comes before the start and is in no case's time. Each case r
 ``--repeats`` times, the repeats interleaved across cases so a drift of the machine hits every case
 alike; medians are reported. With mwms_2 and ray_2w both run,
 their ratios (whole-job examples/s and time to first step, ours / Ray's) are reported too; with
-mwms_2, two_apart and one_worker, mwms_2's share of the two-core ceiling.
+mwms_2, two_apart and one_worker, mwms_2's share of the two-core ceiling. With mwms_2, once per
+bench run: its collectives' seconds per step (training.json's ``collectives``, timed alone by the
+workers, see tasks/replica/collectives.py) beside a bound measured here after the cases, the same
+bytes all-reduced by two processes over a loopback socket (bench/socket_bound.py), and their ratio.
 
 Writes bench/results/throughput-<UTC timestamp>.json and bench/RESULTS.md.
 
@@ -73,6 +76,9 @@ AIM_FIRST_STEP_RATIO = 0.5  # ours / Ray's time to first step, at most
 # Two synchronous workers against the same two workers with nothing to exchange.
 CEILING_PAIR = ("mwms_2", "two_apart")
 AIM_CEILING_SHARE = 0.9  # of the ceiling's whole-command examples/s, at least
+# The case whose all-reduce is held to the bound of the same bytes summed over a socket.
+BOUND_CASE = "mwms_2"
+AIM_BOUND_RATIO = 3.0  # the case's collective seconds per step / the bound's, at most
 
 
 @dataclass(frozen=True)
@@ -340,6 +346,54 @@ def summarize(
     }
 
 
+def socket_bound(size: int) -> dict[str, Any]:
+    """bench/socket_bound.py's all-reduce of ``size`` bytes between two pinned processes."""
+    command = [str(BIN / "python"), "bench/socket_bound.py", f"--bytes={size}"]
+    try:
+        done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise RunFailed("socket_bound: no result after 120 s") from None
+    if done.returncode != 0:
+        raise RunFailed(f"socket_bound: exit code {done.returncode}; last output:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def step_seconds(runs: list[dict]) -> float | None:
+    """The median time of a step after the first (traced) one, over a case's runs."""
+    if not runs:
+        return None
+    return statistics.median(
+        run["steps_seconds"] / (run["record"]["steps_per_epoch"] * len(run["record"]["epoch_seconds"]) - 1)
+        for run in runs
+    )
+
+
+def collectives_against_bound(samples: dict[str, list[dict]]) -> dict[str, Any] | None:
+    """BOUND_CASE's collective seconds per step (median of its runs) against ``socket_bound`` of
+    the bytes its steps reduce, when it ran and recorded them; beside them, what a step of the case
+    took more than a step of the ceiling's (the same workers without an all-reduce), where that
+    ran: the all-reduce as the steps pay it."""
+    runs = [s["record"]["collectives"] for s in samples.get(BOUND_CASE, []) if "collectives" in s["record"]]
+    if not runs:
+        return None
+    seconds = statistics.median(run["seconds_per_step"] for run in runs)
+    bound = socket_bound(runs[0]["bytes_per_step"])
+    return {
+        "case": BOUND_CASE,
+        "seconds_per_step": seconds,
+        "samples": [run["seconds_per_step"] for run in runs],
+        **{
+            key: runs[0][key]
+            for key in ("bytes_per_step", "collectives_per_step", "dtypes", "implementation", "bytes_per_pack")
+        },
+        "bound": bound,
+        "ratio_to_bound": seconds / bound["seconds"],
+        "aim": f"<= {AIM_BOUND_RATIO}",
+        "step_seconds": step_seconds(samples[BOUND_CASE]),
+        "ceiling_step_seconds": step_seconds(samples.get(CEILING_PAIR[1], [])),
+    }
+
+
 def peer_comparison(cases: dict[str, Any]) -> dict[str, Any] | None:
     """Ours against the peer from the medians, when both ran: whole-job examples/s and time to
     first step, ours / Ray's, with the aims they are held to."""
@@ -471,6 +525,31 @@ def markdown(report: dict[str, Any]) -> str:
             f"over the whole job {ceiling['whole_job_case_vs_ceiling']:.2f}); the aim is at least "
             f"{AIM_CEILING_SHARE}: {'met' if ceiling['case_vs_ceiling'] >= AIM_CEILING_SHARE else '**not met**'}.",
         ]
+    collectives = report.get("collectives")
+    if collectives:
+        bound, ratio = collectives["bound"], collectives["ratio_to_bound"]
+        runs = ", ".join(f"{1000 * seconds:.1f}" for seconds in collectives["samples"])
+        what = (
+            f"{collectives['bytes_per_step']} bytes ({', '.join(collectives['dtypes'])}) in "
+            f"{collectives['collectives_per_step']} collective(s) ({collectives['implementation']}, "
+            f"bytes_per_pack {collectives['bytes_per_pack']})"
+        )
+        lines += [
+            "",
+            f"{collectives['case']}'s all-reduce per step, timed alone by its workers before their first step: "
+            f"**{1000 * collectives['seconds_per_step']:.1f} ms** (median of its runs' {runs}) for {what}; "
+            "the same bytes all-reduced by two processes over a loopback socket, a core each "
+            f"(bench/socket_bound.py, {bound['bytes_sent_per_process']} bytes sent by each): "
+            f"{1000 * bound['seconds']:.1f} ms [{1000 * bound['seconds_min']:.1f}–{1000 * bound['seconds_max']:.1f}]; "
+            f"**{ratio:.1f}× that bound**, the aim is at most {AIM_BOUND_RATIO:.0f}×: "
+            f"{'met' if ratio <= AIM_BOUND_RATIO else '**not met**'}.",
+        ]
+        if collectives["ceiling_step_seconds"]:
+            step, ceiling_step = collectives["step_seconds"], collectives["ceiling_step_seconds"]
+            lines[-1] += (
+                f" In its steps: {1000 * step:.1f} ms per step against {1000 * ceiling_step:.1f} ms for "
+                f"{CEILING_PAIR[1]}'s (no all-reduce), {1000 * (step - ceiling_step):.1f} ms more."
+            )
     lines += [
         "",
         "whole command: from the command's start to its exit (copies side by side: the last one's); "
@@ -487,6 +566,8 @@ def markdown(report: dict[str, Any]) -> str:
     for name, result in report["cases"].items():
         if result["error"]:
             lines += ["", f"{name} failed:", "", "```", result["error"], "```"]
+    if report.get("socket_bound_error"):
+        lines += ["", "socket_bound failed:", "", "```", report["socket_bound_error"], "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -566,6 +647,11 @@ def main() -> int:
     }
     report["peer"] = peer_comparison(report["cases"])
     report["ceiling"] = ceiling_comparison(report["cases"])
+    try:
+        report["collectives"] = collectives_against_bound(samples)
+    except RunFailed as exc:
+        report["socket_bound_error"] = errors["socket_bound"] = str(exc)
+        print(f"[bench] {exc}", file=sys.stderr, flush=True)
     print(save("throughput", report, "RESULTS.md", markdown(report), at=started_at))
     return 1 if errors else 0
 
