@@ -22,6 +22,7 @@ from pathlib import Path
 # make up's own secrets, so both stacks make and keep their secrets one way.
 from devstack.secrets import generated_once, password_file, stack_dir, stack_secrets, write_private
 from tasks.paths import REPO_ROOT, hetflow_home
+from tasks.registry.store import runs_page
 
 DOCKER_SOCKET = Path("/var/run/docker.sock")
 IMAGES_FILE = REPO_ROOT / "build" / "stack-images.env"
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.healthy_after is not None:
         artifacts = Path(values["HETFLOW_HOME"]) / "mlflow-artifacts"
         print(f"  MLflow   {mlflow}: PostgreSQL store, artifacts in {artifacts}")
+        # As make up's: hetflow's experiment on its runs, not MLflow's GenAI view; the store is the server.
+        print(f"           hetflow's runs: {runs_page(mlflow, store=mlflow)}")
+        print(f"           their key metrics: {runs_page(mlflow, key_metrics=True, store=mlflow)}")
         volume = f"{os.environ.get('COMPOSE_PROJECT_NAME', PROJECT)}_postgres-data"
         print(f"  stop with: make down-docker (the volume {volume} keeps Airflow's and MLflow's databases)")
     return 0

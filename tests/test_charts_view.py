@@ -66,3 +66,14 @@ def test_runs_page_links_the_view_in_the_chart_view(client):
     assert store.runs_page("http://mlflow", key_metrics=True) == (
         f"{page}&compareRunsMode=CHART&viewStateShareKey=hetflow-key-metrics"
     )
+
+
+def test_runs_page_makes_the_experiment_in_the_store_it_is_given(client, tmp_path):
+    """make up-docker's store is its MLflow server, not the tracking URI of the shell running it."""
+    (tmp_path / "server").mkdir()
+    server = MlflowClient(f"sqlite:///{tmp_path / 'server' / 'mlflow.db'}")
+    page = store.runs_page("http://mlflow", store=server.tracking_uri)
+    experiment = server.get_experiment_by_name("hetflow")
+    assert page == f"http://mlflow/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+    assert experiment.artifact_location == (tmp_path / "server" / "artifacts").as_uri()
+    assert client.get_experiment_by_name("hetflow") is None

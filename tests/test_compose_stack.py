@@ -3,7 +3,9 @@
 env file devstack/compose_env.py writes, ``docker compose up --wait``. Then a user's path through it:
 log in to Airflow's API with the generated password, trigger one short hetflow_train run whose
 replicas are containers of this host's engine (backend=docker, started by the scheduler container),
-find the run in MLflow, and stop the stack as ``make down-docker`` does.
+find the run in MLflow, and stop the stack as ``make down-docker`` does. What a user sees of it is
+checked in headless Chromium on the way (tests/ui_pages.py, as test_ui.py checks ``make up``'s): the
+trigger form refusing a typed -1 in Epochs, the DAG's docs, and the MLflow links it prints.
 
 The stack gets a compose project, a HETFLOW_HOME and ports of its own, so a developer's
 ``make up-docker`` or ``make up`` beside it is left alone.
@@ -22,6 +24,15 @@ import time
 import pytest
 import requests
 from conftest import REPO, wait_for
+from ui_pages import (
+    assert_key_metrics_first,
+    chromium,
+    dag_docs,
+    open_runs_page,
+    open_trigger_form,
+    refuse_epochs_typed_out_of_range,
+    signed_in,
+)
 
 COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 # The smallest run that still trains on two docker replicas and goes through every stage.
@@ -83,8 +94,13 @@ def compose(docker_client, tmp_path):
         run("down", "--remove-orphans", "--volumes", timeout=300)
 
 
+@pytest.fixture(scope="module")
+def browser():
+    yield from chromium()
+
+
 @pytest.mark.slow
-def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_nothing(docker_client, compose):
+def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_nothing(docker_client, compose, browser):
     run, home, ports = compose["run"], compose["home"], compose["ports"]
     started = time.time()
     up = run("up", "--detach", "--wait")
@@ -114,6 +130,9 @@ def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_no
         in summary.stdout
     )
     assert f"http://127.0.0.1:{ports['mlflow']}" in summary.stdout and password not in summary.stdout
+    runs_link = re.search(r"hetflow's runs: (\S+)", summary.stdout)
+    charts_link = re.search(r"their key metrics: (\S+)", summary.stdout)
+    assert runs_link and charts_link, summary.stdout
 
     airflow, mlflow = f"http://127.0.0.1:{ports['airflow']}", f"http://127.0.0.1:{ports['mlflow']}"
     refused = requests.post(f"{airflow}/auth/token", json={"username": "admin", "password": password + "x"}, timeout=30)
@@ -123,6 +142,19 @@ def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_no
     api = requests.Session()
     api.headers["Authorization"] = f"Bearer {token.json()['access_token']}"
     assert wait_for(lambda: api.get(f"{airflow}/api/v2/dags/hetflow_train", timeout=30).ok, timeout=120, interval=2)
+
+    # In Chromium, signed in through the login page: the form keeps a typed -1 in Epochs as typed and
+    # refuses it, the reason above the Trigger button, and no run starts; the DAG's docs are for users.
+    page = signed_in(browser, airflow, password, "/dags/hetflow_train")
+    refuse_epochs_typed_out_of_range(page, *open_trigger_form(page))
+    assert api.get(f"{airflow}/api/v2/dags/hetflow_train/dagRuns", timeout=30).json()["total_entries"] == 0
+    page.goto(f"{airflow}/dags/hetflow_train")
+    docs = dag_docs(page)
+    docs.get_by_text("Where the results go").wait_for()
+    shown = docs.inner_text()
+    for says in ("Press Trigger to start a run", "a refused value is named", "MLflow, experiment hetflow"):
+        assert says in shown, shown
+    assert "wiring" not in shown.lower() and "**" not in shown and "`" not in shown, shown  # rendered, not code
     triggered = api.post(
         f"{airflow}/api/v2/dags/hetflow_train/dagRuns", json={"logical_date": None, "conf": CONF}, timeout=30
     )
@@ -163,6 +195,14 @@ def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_no
     assert {t["key"]: t["value"] for t in mlflow_run["data"]["tags"]}["airflow.run_id"] == run_id
     metrics = {m["key"]: m["value"] for m in mlflow_run["data"]["metrics"]}
     assert metrics["test_accuracy"] == pytest.approx(run_summary["metrics"]["test_accuracy"])
+    # The links make up-docker printed: hetflow's experiment on its runs, listing this run by what it
+    # was, and the chart view with the key metrics first.
+    run_name = mlflow_run["info"]["run_name"]
+    assert re.fullmatch(r"mlp multi_worker_mirrored 2 workers \d\d-\d\d \d\d:\d\d:\d\d", run_name), run_name
+    assert f"/#/experiments/{mlflow_run['info']['experiment_id']}/runs?" in runs_link[1], runs_link[1]
+    open_runs_page(page, runs_link[1], run_name)
+    assert_key_metrics_first(page, charts_link[1], set(metrics))
+    page.close()
 
     # make down-docker: containers and network go, the databases' volume stays for the next start.
     down = run("down", "--remove-orphans", timeout=300)

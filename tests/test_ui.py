@@ -21,17 +21,22 @@ import psutil
 import pytest
 import requests
 from conftest import REPO, wait_for
+from ui_pages import (
+    assert_key_metrics_first,
+    assert_on_screen_above,
+    chromium,
+    dag_docs,
+    field,
+    open_runs_page,
+    open_trigger_form,
+    refuse_epochs_typed_out_of_range,
+    signed_in,
+)
 
 pytestmark = pytest.mark.slow
 
 ARTIFACTS = REPO / "tests" / "artifacts"
-CHROMIUM = "/usr/bin/chromium"
 RUN_TIMEOUT = 420  # seconds for one tiny hetflow_train run on 2 cores
-
-
-def _field(title: str) -> re.Pattern:
-    """A form field by its title; required fields' labels end in " *"."""
-    return re.compile(rf"^{title}\b")
 
 
 def _free_port() -> int:
@@ -161,60 +166,21 @@ def test_rest_trigger_with_a_bad_conf_gets_400_naming_the_field_and_starts_nothi
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(
-            executable_path=CHROMIUM,
-            headless=True,
-            args=["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"],
-        )
-        yield chromium
-        chromium.close()
-
-
-def _signed_in(browser, state: dict, path: str):
-    """A new page on Airflow's ``path``, signed in as admin."""
-    from devstack.stack import password
-
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.set_default_timeout(30_000)
-    page.goto(f"{state['airflow_url']}{path}")
-    page.get_by_label("Username").fill("admin")
-    page.get_by_label("Password").fill(password(state))
-    page.get_by_role("button", name="Sign in").click()
-    return page
-
-
-def _assert_on_screen_above(page, message, button) -> None:
-    """``message`` is on screen without scrolling, right above ``button``, where the eye is after a click."""
-    shown, under = message.bounding_box(), button.bounding_box()
-    assert shown and under, (shown, under)
-    assert 0 <= shown["y"] and shown["y"] + shown["height"] <= page.viewport_size["height"], shown
-    assert 0 <= under["y"] - (shown["y"] + shown["height"]) <= 80, (shown, under)
+    yield from chromium()
 
 
 @pytest.fixture(scope="module")
 def form_run(stack, api, browser):
     """Log in, open hetflow_train's trigger form, type an epoch count out of range, then a bad
     cluster shape, read each refusal, fix them, submit, and wait for the run through the REST API."""
+    from devstack.stack import password
+
     state = stack["state"]
     ARTIFACTS.mkdir(exist_ok=True)
-    page = _signed_in(browser, state, "/dags/hetflow_train")
-    page.get_by_role("button", name="Trigger").first.click()
-    dialog = page.get_by_role("dialog")
-    trigger = dialog.get_by_role("button", name="Trigger")
+    page = signed_in(browser, state["airflow_url"], password(state), "/dags/hetflow_train")
+    dialog, trigger = open_trigger_form(page)
     before = {run["dag_run_id"] for run in api.runs("hetflow_train")}
-    # The sections are an accordion: opening one closes the others.
-    dialog.get_by_text("Training", exact=True).click()
-    epochs = dialog.get_by_label(_field("Epochs"))
-    epochs.fill("-1")
-    epochs.blur()
-    assert epochs.input_value() == "-1"  # kept as typed: a number input clamps it to 1 on blur
-    trigger.click()
-    refusal = dialog.get_by_text("invalid spec: epochs=-1 is invalid: expected an integer >= 1 and <= 1000")
-    refusal.wait_for()
-    _assert_on_screen_above(page, refusal, trigger)
+    epochs = refuse_epochs_typed_out_of_range(page, dialog, trigger)
     page.screenshot(path=str(ARTIFACTS / "trigger_form_refused.png"))
     assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
     epochs.fill("2")
@@ -227,17 +193,17 @@ def form_run(stack, api, browser):
     assert label["Workers"].endswith("*"), label
     assert not label["Kubernetes namespace"].endswith("*") and not label["CPUs per replica"].endswith("*"), label
     assert "`" not in dialog.inner_text()
-    dialog.get_by_label(_field("Workers")).fill("2")
-    dialog.get_by_label(_field("Parameter servers")).fill("1")
+    dialog.get_by_label(field("Workers")).fill("2")
+    dialog.get_by_label(field("Parameter servers")).fill("1")
     # strategy is still one_device: the REST API answers 400 and the form shows its lines.
     trigger.click()
     message = dialog.get_by_text("invalid spec: workers=2 is invalid with strategy=one_device")
     message.wait_for()
     assert dialog.get_by_text("invalid spec: ps=1 is invalid with strategy=one_device").count() == 1
-    _assert_on_screen_above(page, dialog.get_by_text("invalid spec: ps=1 is invalid"), trigger)
+    assert_on_screen_above(page, dialog.get_by_text("invalid spec: ps=1 is invalid"), trigger)
     page.screenshot(path=str(ARTIFACTS / "trigger_form_error.png"))
     assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
-    dialog.get_by_label(_field("Distribution strategy")).click()
+    dialog.get_by_label(field("Distribution strategy")).click()
     page.get_by_role("option", name="parameter_server", exact=True).click()
     page.screenshot(path=str(ARTIFACTS / "trigger_form.png"))
     trigger.click()
@@ -311,8 +277,7 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     assert at["validate_spec", "start"] <= mlflow_run.info.start_time / 1000 <= at["validate_spec", "end"], at
     assert at["register", "start"] <= mlflow_run.info.end_time / 1000 <= at["register", "end"], at
     # The runs page make up prints opens on the runs, not on MLflow's GenAI view.
-    page.goto(re.search(r"hetflow's runs: (\S+)", stack["up_output"])[1])
-    page.get_by_text(mlflow_run.info.run_name).first.wait_for()
+    open_runs_page(page, re.search(r"hetflow's runs: (\S+)", stack["up_output"])[1], mlflow_run.info.run_name)
     page.screenshot(path=str(ARTIFACTS / "mlflow_runs.png"))
     info = mlflow_run.info
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}")
@@ -325,36 +290,13 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     page.screenshot(path=str(ARTIFACTS / "mlflow_run.png"))
 
 
-# The texts of the leaf elements that read exactly one of ``names``, in the page's order.
-_LEAF_TEXTS = """(names) => {
-    const found = [];
-    const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_ELEMENT);
-    for (let e = walker.nextNode(); e; e = walker.nextNode()) {
-        const text = e.textContent.trim();
-        if (e.children.length === 0 && names.includes(text)) found.push(text);
-    }
-    return found;
-}"""
-
-
 def test_mlflow_charts_show_the_key_metrics_first(stack, form_run, form_mlflow_run):
     """The chart view make up links to ("their key metrics") opens hetflow's saved view: its first
     section holds test, validation and training accuracy, then loss, then examples/s; MLflow's own
     Model metrics section (alphabetical, epoch_seconds and export_* first) keeps every other metric."""
     page, _ = form_run
-    page.set_viewport_size({"width": 1400, "height": 3200})  # the charts render once in view
-    page.goto(re.search(r"their key metrics: (\S+)", stack["up_output"])[1])
-    page.get_by_text("Key metrics", exact=True).wait_for()
-    page.get_by_role("button", name="Close", exact=True).click()  # the MLflow Assistant side panel
-    key = ["test_accuracy", "val_accuracy", "train_accuracy", "test_loss", "val_loss", "train_loss"]
-    key.append("examples_per_second")
-    metrics = set(form_mlflow_run.data.metrics)
-    assert set(key) <= metrics and {"epoch_seconds", "train_seconds"} <= metrics, sorted(metrics)
-    page.get_by_text("epoch_seconds", exact=True).wait_for()
-    shown = page.evaluate(_LEAF_TEXTS, ["Key metrics", "Model metrics", *sorted(metrics)])
-    assert shown[: len(key) + 2] == ["Key metrics", *key, "Model metrics"], shown
-    assert "epoch_seconds" in shown[len(key) + 2 :], shown  # the other metrics keep their charts
-    page.set_viewport_size({"width": 1400, "height": 1000})
+    charts = re.search(r"their key metrics: (\S+)", stack["up_output"])[1]
+    assert_key_metrics_first(page, charts, set(form_mlflow_run.data.metrics))
     page.screenshot(path=str(ARTIFACTS / "mlflow_charts.png"))
 
 
@@ -481,12 +423,13 @@ def test_a_failed_runs_task_log_ends_with_one_error_line_naming_stage_and_cause(
 
 
 def test_the_dag_docs_are_for_users_and_the_retrain_dag_names_both_triggers(stack, api, browser):
-    page = _signed_in(browser, stack["state"], "/dags/hetflow_retrain")
+    from devstack.stack import password
+
+    page = signed_in(browser, stack["state"]["airflow_url"], password(stack["state"]), "/dags/hetflow_retrain")
     # The header's Schedule is the asset alone: Airflow 3.3 shows an asset-triggered timetable's
     # assets there, never its summary ("Asset or 0 3 * * 0"); the cron is in the Details tab and the docs.
     page.get_by_role("link", name="hetflow://prepared-data", exact=True).first.wait_for()
-    page.get_by_role("button", name="Dag Docs").click()
-    docs = page.get_by_role("dialog")
+    docs = dag_docs(page)
     docs.get_by_text("0 3 * * 0").first.wait_for()
     assert "hetflow://prepared-data" in docs.inner_text()
     page.screenshot(path=str(ARTIFACTS / "retrain_docs.png"))

@@ -32,7 +32,7 @@ def _experiment_id(client: MlflowClient) -> str:
         if not charts_view.is_current(experiment.tags.get(charts_view.TAG)):
             client.set_experiment_tag(experiment.experiment_id, charts_view.TAG, charts_view.tag_value())
         return experiment.experiment_id
-    uri = tracking_uri()
+    uri = client.tracking_uri
     # A SQLite store keeps artifacts beside its database; a tracking server decides for itself.
     location = Path(uri.removeprefix("sqlite:///")).parent / "artifacts" if uri.startswith("sqlite:///") else None
     return client.create_experiment(
@@ -42,16 +42,17 @@ def _experiment_id(client: MlflowClient) -> str:
     )
 
 
-def runs_page(server_url: str, key_metrics: bool = False) -> str:
+def runs_page(server_url: str, key_metrics: bool = False, store: str | None = None) -> str:
     """The MLflow UI's page of hetflow's runs, the experiment created if need be. MLflow 3.17's UI
     opens an experiment in the view its workflow switch holds, GenAI unless the user switched,
     whatever the experiment's kind: the page's own ``workflowType`` asks for the training runs.
 
     :param key_metrics: the page's chart view in hetflow's saved view, the key metrics' charts first
         (``charts_view``); else the page as the user last left it.
+    :param store: the tracking URI the experiment is in; None: ``tracking_uri()``.
     """
     try:
-        experiment_id = _experiment_id(MlflowClient(tracking_uri()))
+        experiment_id = _experiment_id(MlflowClient(store or tracking_uri()))
     except MlflowException:  # a store that does not answer yet: the experiments' list, in the same view
         return f"{server_url}/#/experiments?workflowType=machine_learning"
     page = f"{server_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
