@@ -126,11 +126,11 @@ def private_directories(tracking_uri: str | None = None) -> list[str]:
     return sorted({str(path.resolve()) for path in private})
 
 
-def hand_over(path: Path | str) -> None:
-    """Make ``path`` (a directory the sandbox writes into) the sandbox uid's, where root starts it;
-    as any other user the sandbox writes as that user and nothing changes."""
+def hand_over(path: Path | str, owner: tuple[int, int] = (SANDBOX_UID, SANDBOX_GID)) -> None:
+    """Make ``path`` (a directory the sandbox writes into) the sandbox uid's (or ``owner``'s: uid,
+    gid), where root starts it; as any other user the sandbox writes as that user and nothing changes."""
     if os.geteuid() == 0:
-        os.chown(path, SANDBOX_UID, SANDBOX_GID, follow_symlinks=False)
+        os.chown(path, *owner, follow_symlinks=False)
 
 
 @dataclass

@@ -4,19 +4,28 @@ standard's baseline and restricted checks
 (https://kubernetes.io/docs/concepts/security/pod-security-standards/) and runs them on every pod the
 backend renders, its own and the TFJob's templates. Also what the standard leaves out and #17 asks
 for: no service-account token, numeric non-root ids, a deadline, and a NetworkPolicy per run that
-admits only the run's own pods, created and torn down with the run."""
+admits only the run's own pods, created and torn down with the run. And what #28 asks of the claim
+that holds HETFLOW_HOME: no fsGroup (the kubelet would open the whole claim to the pods' group); the
+supervisor hands the pods their run directory instead, or the run is refused before it starts."""
 
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
+import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
+from conftest import REPO
 
+from tasks import sandbox
 from tasks.cluster import kubernetes_backend as k8s
 from tasks.cluster import kubernetes_manifests as manifests
 from tasks.cluster.layout import run_slug
@@ -306,3 +315,128 @@ def test_teardown_deletes_the_runs_network_policy_found_by_label():
     deleted = k8s.teardown_run(RUN_ID, "ml", core=api, networking=api)
     assert "networkpolicy/obj" in deleted
     assert ("delete_namespaced_network_policy", ("obj", "ml")) in [(m, a) for m, a, _ in calls]
+
+
+# --- what the pods may do with the claim that holds HETFLOW_HOME ----------------------------------
+
+
+@pytest.mark.parametrize("strategy", list(_specs()))
+def test_no_pod_asks_the_kubelet_to_change_owners_or_modes_on_the_claim(strategy):
+    """fsGroup makes the kubelet chgrp and open to the group the whole volume, not the mounted
+    sub-paths; fsGroupChangePolicy only decides when; supplementalGroups would give the pods the
+    group of whatever else the claim holds."""
+    for name, pod in _pod_specs(_specs()[strategy]).items():
+        context = pod["securityContext"]
+        assert not {"fsGroup", "fsGroupChangePolicy", "supplementalGroups"} & set(context), (name, context)
+        mounted = {m["subPath"] for c in pod["containers"] for m in c["volumeMounts"]}
+        assert mounted == {str(RUN_DIR.relative_to(RUN_DIR.parents[1])), "data"}, name
+
+
+def _as_the_pods_uid(*argv: str) -> subprocess.CompletedProcess:
+    as_pod = ["setpriv", f"--reuid={manifests.IMAGE_USER}", f"--regid={manifests.IMAGE_USER}", "--clear-groups"]
+    return subprocess.run([*as_pod, *argv], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the supervisor hands the run directory over as root")
+def test_provisioning_gives_the_pods_uid_its_run_directory_and_nothing_else_of_the_home():
+    """Without fsGroup the pods write only because the supervisor made their run directory (its top
+    and checkpoints) theirs; tried as their uid on real directories: writes there and reads the
+    data succeed, the stack's secrets, another run and the logs stay out of reach."""
+    top = Path(tempfile.mkdtemp(prefix="hetflow-pods-"))  # pytest's tmp_path is root's alone
+    os.chmod(top, 0o755)  # a pod reaches its mounts directly; here it goes through the parents
+    try:
+        home = top / "home"
+        run_dir, other_run, stack, data = home / "runs" / "mine", home / "runs" / "other", home / "stack", home / "data"
+        for directory in (run_dir / "checkpoints" / "earlier", other_run, stack, data):
+            directory.mkdir(parents=True)
+        (run_dir / "checkpoints" / "earlier" / "ckpt-1.index").write_text("an earlier try's")
+        (data / "shard").write_text("examples")
+        (stack / "secrets.json").write_text("{}")
+        stack.chmod(0o700)
+        spec = _specs()["multi_worker_mirrored"]
+        api = _FakeApi([])
+        k8s.KubernetesReplicas(k8s.plan(spec, RUN_ID), spec, run_dir, core=api, networking=api).provision()
+
+        pods = (manifests.IMAGE_USER, manifests.IMAGE_USER)
+        for path in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "earlier" / "ckpt-1.index"):
+            assert (path.stat().st_uid, path.stat().st_gid) == pods, path
+        untouched = [home, home / "runs", other_run, stack, stack / "secrets.json", data, data / "shard"]
+        for path in [*untouched, run_dir / "logs"]:
+            assert (path.stat().st_uid, path.stat().st_gid) == (0, 0), path
+        assert stat.S_IMODE(stack.stat().st_mode) == 0o700
+
+        for target in (run_dir / "training.json", run_dir / "checkpoints" / "ckpt-2.index"):
+            done = _as_the_pods_uid("touch", str(target))
+            assert done.returncode == 0, done.stderr
+        assert _as_the_pods_uid("cat", str(data / "shard")).stdout == "examples"
+        for refused in (stack / "secrets.json", other_run / "planted", run_dir / "logs" / "worker-0.log"):
+            assert _as_the_pods_uid("touch", str(refused)).returncode != 0, refused
+    finally:
+        shutil.rmtree(top)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a directory over")
+def test_preflight_passes_where_the_supervisor_can_give_the_pods_their_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
+    spec = _specs()["multi_worker_mirrored"]
+    assert k8s.BACKEND.preflight(spec, RUN_ID) == []
+    assert list((tmp_path / "home" / "runs").iterdir()) == []  # the scratch directory is gone
+
+
+def test_preflight_refuses_a_supervisor_that_cannot_give_the_pods_their_run_directory(tmp_path):
+    """As an unprivileged uid other than the pods' (the sandbox's nobody, where root runs this), the
+    run is refused before anything starts, with one line naming the claim and what to do."""
+    home = tmp_path / "home"
+    (home / "runs").mkdir(parents=True)
+    sandbox.hand_over(home / "runs")
+    probe = textwrap.dedent(
+        """
+        from tasks.cluster import kubernetes_backend as k8s
+        from tasks.spec import parse_spec
+        print(*k8s.BACKEND.preflight(parse_spec({"backend": "kubernetes", "kubernetes_volume_claim": "shared"}), "r"))
+        """
+    )
+    box = sandbox.Sandbox(read_write=[str(home)])
+    environment = {**os.environ, "HETFLOW_HOME": str(home), "PYTHONPATH": str(REPO)}
+    try:
+        done = subprocess.run(
+            box.command([sys.executable, "-c", probe]),
+            pass_fds=box.fds,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        box.close()
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("kubernetes_volume_claim='shared': the pods run as uid 10001"), line
+    assert line.endswith(
+        f"run the Airflow tasks as root (on NFS, from an export without root_squash) or as uid {manifests.IMAGE_USER}"
+    )
+    assert list((home / "runs").iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop CAP_CHOWN")
+def test_preflight_refuses_root_that_may_not_chown_as_on_nfs_with_root_squash(tmp_path):
+    """Root without CAP_CHOWN stands for root on an NFS export with root_squash."""
+    home = tmp_path / "home"
+    probe = textwrap.dedent(
+        """
+        from tasks.cluster import kubernetes_backend as k8s
+        from tasks.spec import parse_spec
+        print(*k8s.BACKEND.preflight(parse_spec({"backend": "kubernetes"}), "r"))
+        """
+    )
+    done = subprocess.run(
+        ["setpriv", "--inh-caps=-chown", "--bounding-set=-chown", sys.executable, "-c", probe],
+        env={**os.environ, "HETFLOW_HOME": str(home), "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = done.stdout.splitlines()
+    assert "this process (uid 0) cannot give them (Operation not permitted: " in line, line
+    assert list((home / "runs").iterdir()) == []

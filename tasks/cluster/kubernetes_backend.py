@@ -18,6 +18,9 @@ those no supervisor holds, by the rule every backend's sweep keeps (``tasks.clus
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +37,7 @@ from tasks.cluster.containers import (
 from tasks.cluster.kubernetes_manifests import (
     ANNOTATION_RUN_DIR,
     ANNOTATION_RUN_ID,
+    IMAGE_USER,
     LABEL_INDEX,
     LABEL_ROLE,
     LABEL_RUN,
@@ -48,7 +52,9 @@ from tasks.cluster.kubernetes_manifests import (
 )
 from tasks.cluster.layout import ClusterLayout, plan_named_cluster, run_slug
 from tasks.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
+from tasks.cluster.local import hand_over_writable
 from tasks.cluster.supervisor import ReplicaState
+from tasks.paths import RunPaths, hetflow_home
 from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -83,6 +89,38 @@ def pod_state(pod) -> ReplicaState:
     return ReplicaState(terminated.exit_code if terminated else None, restarts)
 
 
+def hand_over_to_pods(paths: RunPaths) -> None:
+    """What the pods write (the run directory's top and its checkpoints) becomes IMAGE_USER's where
+    the supervisor is root; a supervisor running as IMAGE_USER already owns it. Only this directory:
+    the pods set no fsGroup, which would have the kubelet hand them the whole claim."""
+    hand_over_writable(paths, (IMAGE_USER, IMAGE_USER))
+
+
+def pod_access_problems(spec: RunSpec) -> list[str]:
+    """Whether this process can make a run directory the pods' uid's, tried on a scratch directory
+    beside the runs (the claim may refuse even root: NFS's root_squash); one line if it cannot."""
+    runs = hetflow_home() / "runs"
+    scratch = None
+    try:
+        runs.mkdir(parents=True, exist_ok=True)
+        scratch = RunPaths(Path(tempfile.mkdtemp(prefix=".pod-access-", dir=runs)))
+        hand_over_to_pods(scratch)
+        owner = scratch.root.stat().st_uid
+        why = f"it stays uid {owner}'s"
+    except PermissionError as error:
+        owner, why = None, f"{error.strerror}: {error.filename}"
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch.root)
+    if owner == IMAGE_USER:
+        return []
+    return [
+        f"kubernetes_volume_claim={spec.kubernetes_volume_claim!r}: the pods run as uid {IMAGE_USER} and must own "
+        f"their run directory under {runs}, which this process (uid {os.geteuid()}) cannot give them ({why}); "
+        f"run the Airflow tasks as root (on NFS, from an export without root_squash) or as uid {IMAGE_USER}"
+    ]
+
+
 def load_client_config() -> None:
     """The kubeconfig of the user (or KUBECONFIG), or else the pod's service account when the
     supervisor itself runs in the cluster."""
@@ -111,8 +149,10 @@ class KubernetesReplicas:
         self._owner = None
 
     def provision(self) -> None:
-        """The run's ConfigMap, its NetworkPolicy, its headless service and every replica's pod."""
+        """The run's directory handed to the pods, then its ConfigMap, its NetworkPolicy, its
+        headless service and every replica's pod."""
         self.logs_dir.mkdir(parents=True, exist_ok=True)
+        hand_over_to_pods(RunPaths(self.run_dir))
         # For clusters with the training operator: the same run, to `kubectl apply` instead.
         (self.run_dir / "tfjob.yaml").write_text(
             yaml.safe_dump_all(
@@ -307,7 +347,8 @@ class KubernetesBackend:
         return plan(spec, run_id)
 
     def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
-        return []  # the API server validates what is created; no cluster to ask before that
+        # Only the claim (mounted here) is tried: the API server validates what is created.
+        return pod_access_problems(spec)
 
     def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
         return KubernetesReplicas(layout, spec, run_dir)

@@ -8,7 +8,9 @@ Pods meet the restricted Pod Security Standard (non-root numeric ids, no privile
 capabilities, seccomp ``RuntimeDefault``) and get no service-account token: a replica runs code of
 whoever filled in the trigger form and has no business with the API. Every pod mounts only the run's
 directory (read-write) and the prepared data (read-only) from the PersistentVolumeClaim
-``kubernetes_volume_claim`` that holds HETFLOW_HOME.
+``kubernetes_volume_claim`` that holds HETFLOW_HOME, and sets no ``fsGroup``, so the kubelet changes
+no owner or mode on the claim: the supervisor has made the run directory the pods' uid's, and the
+prepared data is readable by all.
 """
 
 from __future__ import annotations
@@ -188,11 +190,14 @@ def hetflow_home_of(run_dir: Path) -> Path:
 def _pod_spec(spec: RunSpec, containers: list[dict], restart_policy: str) -> dict:
     return {
         "restartPolicy": restart_policy,
+        # No fsGroup: the kubelet would give the whole volume, not the mounted sub-paths, to that
+        # group, group-writable (every run, the stack's secrets, MLflow's files), and
+        # fsGroupChangePolicy OnRootMismatch only skips that when the claim's root already matches.
+        # The supervisor makes the run directory IMAGE_USER's instead (hand_over_to_pods).
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": IMAGE_USER,
             "runAsGroup": IMAGE_USER,
-            "fsGroup": IMAGE_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "automountServiceAccountToken": False,

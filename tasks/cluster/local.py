@@ -99,16 +99,16 @@ def pipeline_directories(paths: RunPaths) -> list[Path]:
     return [paths.plots, paths.compressed, paths.saved_model.parent, paths.root / "serving", paths.root / "tensorboard"]
 
 
-def hand_over_writable(paths: RunPaths) -> None:
+def hand_over_writable(paths: RunPaths, owner: tuple[int, int] = (sandbox.SANDBOX_UID, sandbox.SANDBOX_GID)) -> None:
     """What replicas write (the run directory's top, where the chief's weights and records go; the
-    checkpoints) becomes the sandbox uid's where root provisions, on every backend whose replicas
-    run as that uid."""
+    checkpoints) becomes the replicas' own (``owner``: their uid and gid, the sandbox's by default)
+    where root provisions."""
     paths.checkpoints.mkdir(parents=True, exist_ok=True)
     for parent, directories, files in os.walk(paths.checkpoints):
         for name in [*directories, *files]:
-            sandbox.hand_over(Path(parent) / name)
-    sandbox.hand_over(paths.checkpoints)
-    sandbox.hand_over(paths.root)
+            sandbox.hand_over(Path(parent) / name, owner)
+    sandbox.hand_over(paths.checkpoints, owner)
+    sandbox.hand_over(paths.root, owner)
 
 
 def remove_what_replicas_planted(run_dir: Path) -> list[Path]:
