@@ -23,7 +23,7 @@ from typing import Any
 from tasks.auto_strategy import decide
 from tasks.batch_shares import split_batch
 from tasks.paths import RunPaths, write_record
-from tasks.spec import RunSpec, parse_spec
+from tasks.spec import RunSpec
 
 WARMUP_STEPS = 2  # tracing and first touches stay out of the measurement
 # 100 periods of the throttle's stop-and-continue, 20 of the kernel's CPU quota
@@ -98,7 +98,9 @@ class WorkerShares:
         plan = {"requested": requested or self.spec.model_dump(mode="json"), "probes": probes}
         balance = True
         if requested is not None:
-            plan["decision"] = decide(parse_spec(requested), probes)
+            # Read as the pipeline validated and wrote it: its checks against the host (a folder
+            # dataset's allowed roots) cannot run in the replica's sandbox, which sees other paths.
+            plan["decision"] = decide(RunSpec.model_validate(requested), probes)
             print(plan["decision"]["reason"], flush=True)
             if plan["decision"]["strategy"] != "multi_worker_mirrored":
                 self._record(plan)
