@@ -409,17 +409,18 @@ def test_a_successful_runs_task_logs_hold_no_error_line(api, form_run):
     assert not errors, errors
 
 
-def test_a_failed_runs_task_log_ends_with_one_error_line_naming_stage_and_cause(api):
-    # Valid for the form (a folder dataset), refused by validate_spec: the folder is outside the allowed roots.
-    response = api.post(
-        "/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": {"dataset": "folder:/nonexistent/images"}}
-    )
+def test_a_failed_runs_task_log_ends_with_one_error_line_naming_stage_and_cause(stack, api):
+    # Valid for the form (a folder dataset under an allowed root), refused by validate_spec: no such folder.
+    missing = stack["home"] / "data" / "nonexistent" / "images"
+    response = api.post("/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": {"dataset": f"folder:{missing}"}})
     assert response.status_code == 200, response.text
     run = api.wait_for_run("hetflow_train", response.json()["dag_run_id"])
     assert run["state"] == "failed", run
     errors = _errors(_task_logs(api, "hetflow_train", run["dag_run_id"])["validate_spec"])
     assert errors, "no ERROR line in validate_spec's log"
-    assert errors[-1].startswith("validate_spec failed: SpecError: ") and "/nonexistent/images" in errors[-1], errors
+    assert errors[-1].startswith("validate_spec failed: SpecError: ") and f"{missing}: no such folder" in errors[-1], (
+        errors
+    )
 
 
 def test_the_dag_docs_are_for_users_and_the_retrain_dag_names_both_triggers(stack, api, browser):
