@@ -12,8 +12,9 @@ The scenarios (bench/chaos_scenarios.py, one function each):
 - concurrent: two runs at the same moment on a dataset nobody has prepared;
 - clear_rerun: a run re-run after a Clear, its train failing this time.
 
-After every scenario the bench looks for what its runs left (processes, containers, networks) and checks their records (every JSON parses, records agree with receipts);
-at the end it runs ``hetflow sweep``'s ``sweep(home)`` and reports what it still removed.
+After every scenario the bench looks for what its runs left (processes, containers, networks) and
+checks their records (every JSON parses, records agree with receipts); at the end it runs
+``hetflow sweep``'s ``sweep(home)`` and reports what it still removed.
 
 Writes bench/results/chaos-<UTC timestamp>.json and bench/CHAOS.md, every figure computed from
 that JSON.
