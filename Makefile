@@ -64,11 +64,12 @@ test: test-deps
 test-fast: setup
 	$(BIN)/pytest -v -m "not slow"
 
-## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md), containers vs processes (bench/CONTAINERS.md) and a default run's fixed overhead (bench/OVERHEAD.md)
+## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md; on a swarm of unequal nodes: bench/STRAGGLER-SWARM.md), containers vs processes on local, docker and swarm (bench/CONTAINERS.md) and a default run's fixed overhead (bench/OVERHEAD.md); the swarm benches bring their own swarm up and down (docker/swarm.sh)
 bench: setup image
 	$(BIN)/python bench/run.py $(ARGS)
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/straggler.py
+	$(BIN)/python bench/straggler.py --backend swarm
 	$(BIN)/python bench/containers.py
 	$(BIN)/python bench/overhead.py $(RUN_SPEC)
 

@@ -1,7 +1,10 @@
 """``make bench``: what running the replicas in containers costs. The same 2-worker sync job
 (multi_worker_mirrored, the benchmark convnet on generated CIFAR-shaped data, one TensorFlow thread
-per worker, each worker on a core of its own) on ``backend=local`` and on ``backend=docker``; the
-two cases differ in the backend only.
+per worker, each worker on a core of its own) on ``backend=local``, ``backend=docker`` and
+``backend=swarm``; the cases differ in the backend only. The swarm is two Docker-in-Docker nodes of
+1.0 CPU each, one worker per node, brought up by docker/swarm.sh (``make swarm``'s) for the bench
+and removed after it: Swarm cannot pin a core, so there a worker's core of its own is its node's
+CPU quota.
 
 Figures per run, from the run's own files:
 - whole-job examples/s: examples trained / seconds from the chief's launch (its keeper or
@@ -9,12 +12,12 @@ Figures per run, from the run's own files:
 - time to first step: from a replica's launch (its keeper or container start) to the end of its
   first training step, as the replica records it;
 - in-epoch examples/s, as training.json records it, beside them.
-Cases alternate run by run; medians over ``--repeats`` runs; the ratios docker / local are
-computed from the medians of this one bench run.
+Cases alternate run by run; medians over ``--repeats`` runs; the ratios docker / local and
+swarm / local are computed from the medians of this one bench run.
 
 Writes bench/results/containers-<UTC timestamp>.json and bench/CONTAINERS.md.
 
-    python bench/containers.py [--repeats 3] [--steps-per-epoch 100]
+    python bench/containers.py [--repeats 3] [--steps-per-epoch 100] [--backends local,docker,swarm]
 """
 
 from __future__ import annotations
@@ -27,14 +30,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 from run import BIN, COMMON, PER_WORKER_BATCH, REPO_ROOT, machine_facts, prepare_dataset, shown
+from swarm_nodes import left_on_engine, node_cpus, swarm
 
-BACKENDS = ("local", "docker")
+BACKENDS = ("local", "docker", "swarm")
+# Equal nodes: the swarm case differs from the others in the backend only.
+SWARM_NODES = "node-1:1.0:cpu node-2:1.0:cpu"
+# One worker per node; this machine's kernel has no IPsec ESP for an encrypted overlay (tests/test_swarm.py).
+SWARM_SETTINGS = {
+    "pin_cores": "false",
+    "worker_devices": '[{"node": "node-1"}, {"node": "node-2"}]',
+    "encrypt_network": "false",
+}
 
 
 def command(backend: str, epochs: int, steps_per_epoch: int) -> list[str]:
@@ -48,6 +61,7 @@ def command(backend: str, epochs: int, steps_per_epoch: int) -> list[str]:
         "epochs": epochs,
         "steps_per_epoch": steps_per_epoch,
         "backend": backend,
+        **(SWARM_SETTINGS if backend == "swarm" else {}),
     }
     args = [str(BIN / "hetflow"), "train"]
     for key, value in settings.items():
@@ -72,9 +86,10 @@ def run_once(backend: str, args: list[str], env: dict[str, str], timeout: float)
 
 def markdown(report: dict[str, Any]) -> str:
     machine, settings, cases = report["machine"], report["settings"], report["cases"]
-    ratios = report["docker_vs_local"]
+    backends = list(cases)
     lines = [
-        "# Containers: the same job on the local and the docker backend",
+        f"# Containers: the same job on the {' and '.join([', '.join(backends[:-1]), backends[-1]] if len(backends) > 1 else backends)} "
+        f"backend{'s' if len(backends) > 1 else ''}",
         "",
         f"`model={COMMON['model']}` on `dataset={COMMON['dataset']}` (generated data), multi_worker_mirrored, "
         f"2 workers × {PER_WORKER_BATCH} examples per step, one thread each, one core each, "
@@ -86,28 +101,42 @@ def markdown(report: dict[str, Any]) -> str:
         f"- machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['memory_gib']} GiB, "
         f"TensorFlow {machine['tensorflow']}, git {machine['git']}; Docker engine {report['docker_engine']}",
         f"- replica image: {report['image']}",
-        "",
-        "| backend | whole-job examples/s | runs | time to first step (s) | runs | in-epoch examples/s |",
-        "|---|---:|---|---:|---|---:|",
     ]
-    for backend in BACKENDS:
+    if "swarm" in cases:
+        quotas = ", ".join(f"{node} {cpus:g} CPU" for node, cpus in report["swarm_nodes"].items())
+        lines += [
+            f"- swarm: {len(report['swarm_nodes'])} Docker-in-Docker nodes on this machine ({quotas}), one worker "
+            "on each, brought up by `docker/swarm.sh up` before the first run and removed after the last "
+            f"(left on the engine afterwards: {', '.join(report['swarm_left']) or 'nothing'}); their engines idle "
+            "beside the local and docker runs",
+            "- what differs between the cases is the backend only, and with it how a worker gets its core: local "
+            "pins its process (taskset), docker its container (cpuset), swarm cannot pin and bounds each worker by "
+            "its node's CPU quota (equal quotas, so the nodes are alike)",
+        ]
+    lines += [
+        "",
+        "| backend | whole-job examples/s | runs | whole job (s) | time to first step (s) | runs "
+        "| in-epoch examples/s |",
+        "|---|---:|---|---:|---:|---|---:|",
+    ]
+    for backend in backends:
         runs = cases[backend]["samples"]
         median = cases[backend]["median"]
         if not median:
-            lines.append(f"| {backend} | – | failed: see below | – | | – |")
+            lines.append(f"| {backend} | – | failed: see below | – | – | | – |")
             continue
         throughputs = ", ".join(f"{r['whole_job_examples_per_second']:.0f}" for r in runs)
         first_steps = ", ".join(f"{r['time_to_first_step_seconds']:.1f}" for r in runs)
         lines.append(
             f"| {backend} | {median['whole_job_examples_per_second']:.0f} | {throughputs} | "
-            f"{median['time_to_first_step_seconds']:.1f} | {first_steps} | "
+            f"{median['whole_job_seconds']:.1f} | {median['time_to_first_step_seconds']:.1f} | {first_steps} | "
             f"{median['in_epoch_examples_per_second']:.0f} |"
         )
-    if ratios:
+    for backend, ratios in report["vs_local"].items():
         lines += [
             "",
-            f"docker / local, whole-job examples/s: **{ratios['whole_job_throughput']:.2f}x** (goal ≥ 0.9x); "
-            f"time to first step: docker {ratios['first_step_extra_seconds']:+.1f} s vs local (goal ≤ +5 s).",
+            f"{backend} / local, whole-job examples/s: **{ratios['whole_job_throughput']:.2f}x** (goal ≥ 0.9x); "
+            f"time to first step: {backend} {ratios['first_step_extra_seconds']:+.1f} s vs local (goal ≤ +5 s).",
         ]
     lines += [
         "",
@@ -115,7 +144,7 @@ def markdown(report: dict[str, Any]) -> str:
         "weights written. Time to first step: from each replica's launch (keeper process or container "
         "start) to the end of its first training step.",
     ]
-    for backend in BACKENDS:
+    for backend in backends:
         if cases[backend]["error"]:
             lines += ["", f"{backend} failed:", "", "```", cases[backend]["error"], "```"]
     return "\n".join(lines) + "\n"
@@ -135,43 +164,52 @@ def main() -> int:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--steps-per-epoch", type=int, default=100)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset")
     args = parser.parse_args()
+    backends = args.backends.split(",")
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        parser.error(f"--backends={','.join(unknown)} is invalid: expected a subset of {','.join(BACKENDS)}")
     engine, image = _engine_and_image()
     started_at = datetime.now(timezone.utc)
-    commands = {b: command(b, args.epochs, args.steps_per_epoch) for b in BACKENDS}
-    samples: dict[str, list] = {b: [] for b in BACKENDS}
+    commands = {b: command(b, args.epochs, args.steps_per_epoch) for b in backends}
+    samples: dict[str, list] = {b: [] for b in backends}
     errors: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="hetflow-bench-") as home:
         env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
+        env.pop("DOCKER_HOST", None)  # local and docker: this machine's engine
         prepare_dataset(env)
-        for repeat in range(1, args.repeats + 1):
-            for backend in BACKENDS:
-                if backend in errors:
-                    continue
-                try:
-                    result = run_once(backend, commands[backend], env, args.timeout)
-                except (RuntimeError, subprocess.TimeoutExpired) as error:
-                    errors[backend] = str(error)
-                    continue
-                samples[backend].append(result)
-                print(
-                    f"[bench] {backend} run {repeat}: {result['whole_job_examples_per_second']:.0f} examples/s "
-                    f"whole job, first step after {result['time_to_first_step_seconds']:.1f} s",
-                    flush=True,
-                )
-                time.sleep(2)  # let the last run's processes and sockets go
+        with swarm(env, SWARM_NODES) if "swarm" in backends else nullcontext(None) as swarm_env:
+            envs = {b: swarm_env if b == "swarm" else env for b in backends}
+            for repeat in range(1, args.repeats + 1):
+                for backend in backends:
+                    if backend in errors:
+                        continue
+                    try:
+                        result = run_once(backend, commands[backend], envs[backend], args.timeout)
+                    except (RuntimeError, subprocess.TimeoutExpired) as error:
+                        errors[backend] = str(error)
+                        continue
+                    samples[backend].append(result)
+                    print(
+                        f"[bench] {backend} run {repeat}: {result['whole_job_examples_per_second']:.0f} examples/s "
+                        f"whole job, first step after {result['time_to_first_step_seconds']:.1f} s",
+                        flush=True,
+                    )
+                    time.sleep(2)  # let the last run's processes and sockets go
     medians = {
         b: {key: statistics.median(s[key] for s in runs) for key in runs[0]} if runs else None
         for b, runs in samples.items()
     }
-    ratios = None
-    if medians["local"] and medians["docker"]:
-        ratios = {
-            "whole_job_throughput": medians["docker"]["whole_job_examples_per_second"]
-            / medians["local"]["whole_job_examples_per_second"],
-            "first_step_extra_seconds": medians["docker"]["time_to_first_step_seconds"]
-            - medians["local"]["time_to_first_step_seconds"],
+    local = medians.get("local")
+    vs_local = {
+        b: {
+            "whole_job_throughput": median["whole_job_examples_per_second"] / local["whole_job_examples_per_second"],
+            "first_step_extra_seconds": median["time_to_first_step_seconds"] - local["time_to_first_step_seconds"],
         }
+        for b, median in medians.items()
+        if b != "local" and local and median
+    }
     report = {
         "date": started_at.isoformat(timespec="seconds"),
         "command": shown([sys.executable, "bench/containers.py", *sys.argv[1:]]),
@@ -181,10 +219,12 @@ def main() -> int:
         "settings": {**COMMON, "epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch, "repeats": args.repeats},
         "cases": {
             b: {"command": shown(commands[b]), "samples": samples[b], "median": medians[b], "error": errors.get(b)}
-            for b in BACKENDS
+            for b in backends
         },
-        "docker_vs_local": ratios,
+        "vs_local": vs_local,
     }
+    if "swarm" in backends:
+        report |= {"swarm_nodes": node_cpus(SWARM_NODES), "swarm_left": left_on_engine()}
     print(save("containers", report, "CONTAINERS.md", markdown(report), at=started_at))
     return 1 if errors else 0
 

@@ -3,7 +3,11 @@
 
 - ``straggler``: 2 workers (1 thread each), worker 1 throttled to half the CPU time
   (``worker_devices`` slowdown 2: a simulated 2x slower machine);
-- ``even``: the same 2 workers, neither slowed.
+- ``even``: the same 2 workers, neither slowed;
+- ``unequal_nodes`` (``--backend swarm``): 2 workers on a real swarm of two Docker-in-Docker nodes,
+  one at 1.0 CPU and one at 0.5 (the CPU quota of the node's container bounds everything on it),
+  one worker per node. The bench brings the swarm up with docker/swarm.sh (``make swarm``'s) and
+  removes it afterwards.
 
 Every case trains ``model=convnet`` on ``dataset=synthetic_cifar`` (generated data) with
 ``hetflow train`` and the same global batch until validation accuracy reaches ``--target``
@@ -12,9 +16,10 @@ runs: training time to target (from the first step, validation included), launch
 the command's start: process start-up and measuring included), wall time of the whole command,
 final validation accuracy and examples/s.
 
-Writes bench/results/straggler-<UTC timestamp>.json and bench/STRAGGLER.md.
+Writes bench/results/straggler-<UTC timestamp>.json and bench/STRAGGLER.md; with ``--backend
+swarm``, bench/results/straggler-swarm-<UTC timestamp>.json and bench/STRAGGLER-SWARM.md.
 
-    .venv/bin/python bench/straggler.py --repeats 3
+    .venv/bin/python bench/straggler.py --repeats 3 [--backend swarm]
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 from run import machine_facts
+from swarm_nodes import left_on_engine, node_cpus, swarm
 
 from tasks.replica.balance import MEASURE_SECONDS
 
@@ -48,18 +55,18 @@ SYNC = {"strategy": "multi_worker_mirrored", "batch_size": GLOBAL_BATCH}
 BALANCED = {**SYNC, "balance_batches": "true"}
 ASYNC = {"strategy": "parameter_server", "ps": 1, "batch_size": PER_WORKER_BATCH}
 AUTO = {"strategy": "auto", "batch_size": GLOBAL_BATCH}
+UNEQUAL_CASES = {"naive_sync": SYNC, "balanced_sync": BALANCED, "async": ASYNC, "auto": AUTO}
+# The swarm tests' nodes (tests/test_swarm.py): the slower one has half the CPU of the other.
+SWARM_NODES = "node-1:1.0:cpu node-2:0.5:cpu"
 SCENARIOS = {
     "straggler": {
+        "backend": "local",
         "workers": '[{"threads": 1}, {"threads": 1, "slowdown": 2}]',
         "baseline": "naive_sync",
-        "cases": {
-            "naive_sync": SYNC,
-            "balanced_sync": BALANCED,
-            "async": ASYNC,
-            "auto": AUTO,
-        },
+        "cases": UNEQUAL_CASES,
     },
     "even": {
+        "backend": "local",
         "workers": '[{"threads": 1}, {"threads": 1}]',
         "baseline": "sync",
         "cases": {
@@ -77,10 +84,19 @@ SCENARIOS = {
             "auto": AUTO,
         },
     },
+    "unequal_nodes": {
+        "backend": "swarm",
+        "workers": '[{"threads": 1, "node": "node-1"}, {"threads": 1, "node": "node-2"}]',
+        # This machine's kernel has no IPsec ESP for an encrypted overlay (tests/test_swarm.py).
+        "settings": {"backend": "swarm", "encrypt_network": "false"},
+        "baseline": "naive_sync",
+        "cases": UNEQUAL_CASES,
+    },
 }
 MEASURES = (
     "seconds_to_target",
     "launch_to_target_seconds",
+    "before_first_step_seconds",
     "wall_seconds",
     "final_val_accuracy",
     "examples_per_second",
@@ -89,7 +105,7 @@ MEASURES = (
 )
 
 
-def run_case(scenario: str, name: str, args: argparse.Namespace, home: str) -> dict:
+def run_case(scenario: str, name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
     settings = {
         "dataset": "synthetic_cifar",
         "model": "convnet",
@@ -98,10 +114,10 @@ def run_case(scenario: str, name: str, args: argparse.Namespace, home: str) -> d
         "epochs": args.max_epochs,
         "steps_per_epoch": args.steps_per_epoch,
         "target_accuracy": args.target,
+        **SCENARIOS[scenario].get("settings", {}),
         **SCENARIOS[scenario]["cases"][name],
     }
     command = [str(BIN / "hetflow"), "train", *(f"--set={k}={v}" for k, v in settings.items())]
-    env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
     launched_at, started = time.time(), time.monotonic()
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     wall = time.monotonic() - started
@@ -112,11 +128,14 @@ def run_case(scenario: str, name: str, args: argparse.Namespace, home: str) -> d
     record = json.loads(record_path.read_text())
     plan_path = record_path.parent / "plan.json"
     plan = json.loads(plan_path.read_text()) if plan_path.exists() else {}
+    nodes_path = record_path.parent / "nodes.json"  # backend=swarm: where each replica ran
     reached_at = record["target_reached_at"]
+    launch_to_target = reached_at - launched_at if reached_at else None
     return run | {
         "wall_seconds": wall,
         "seconds_to_target": record["seconds_to_target"],
-        "launch_to_target_seconds": reached_at - launched_at if reached_at else None,
+        "launch_to_target_seconds": launch_to_target,
+        "before_first_step_seconds": launch_to_target - record["seconds_to_target"] if reached_at else None,
         "reached": reached_at is not None,
         "epochs_done": record["epochs_done"],
         "final_val_accuracy": record["history"]["val_accuracy"][-1],
@@ -127,6 +146,7 @@ def run_case(scenario: str, name: str, args: argparse.Namespace, home: str) -> d
         "worker_batches": record.get("worker_batches"),
         "decision": plan.get("decision", {}).get("reason"),
         "probes": [p["examples_per_second"] for p in plan.get("probes", [])],
+        "nodes": json.loads(nodes_path.read_text()) if nodes_path.exists() else None,
     }
 
 
@@ -145,12 +165,51 @@ def summarize(runs: list[dict]) -> dict[str, dict[str, dict]]:
     return medians
 
 
+INTRO = {
+    "local": "2 workers (1 thread each) on this machine; in `straggler` worker 1 is throttled to half the CPU time "
+    "(a simulated 2x slower machine), in `even` neither is.",
+    "swarm": "2 workers (1 thread each) on a real Docker Swarm of two Docker-in-Docker nodes on this machine, one "
+    "worker per node: {nodes}. A node's CPU quota bounds everything on it (its engine's containers sit in its "
+    "cgroup); the chief and ps of async go where the swarm places them. The swarm is brought up by "
+    "`docker/swarm.sh up` (`make swarm`'s) before the first run and removed after the last (left on the engine "
+    "afterwards: {left}).",
+}
+# Issue 26's aims on unequal workers, from launch: balanced sync against naive sync, auto against the best case.
+BALANCED_AIM = 0.75
+AUTO_AIM = 1.10
+
+
+def balance_bound(cases: dict[str, dict], runs: list[dict]) -> str | None:
+    """What the measured speeds allow balanced sync from launch: with speeds s_i, an equal-share step lasts
+    (B/n)/min(s), a balanced one B/sum(s), the same updates either way; the time before the first step is
+    each case's own."""
+    naive, balanced = cases.get("naive_sync", {}), cases.get("balanced_sync", {})
+    probes = [r["probes"] for r in runs if r["case"] == "balanced_sync" and r.get("reached") and r["probes"]]
+    if naive.get("failed") or balanced.get("failed") or not probes:
+        return None
+    steps = statistics.median(len(p) * min(p) / sum(p) for p in probes)
+    train = naive["seconds_to_target"] * steps
+    bound = (balanced["before_first_step_seconds"] + train) / naive["launch_to_target_seconds"]
+    return (
+        f"bound: the probes' speeds ({'; '.join(', '.join(f'{s:.0f}' for s in p) for p in probes)} examples/s) "
+        f"make a balanced step {steps:.2f}x an equal-share one; naive sync's {naive['seconds_to_target']:.1f} s "
+        f"of training at that rate is {train:.1f} s, after balanced sync's own "
+        f"{balanced['before_first_step_seconds']:.1f} s before its first step (naive: "
+        f"{naive['before_first_step_seconds']:.1f} s): at best {bound:.2f}x naive sync's "
+        f"{naive['launch_to_target_seconds']:.1f} s from launch"
+    )
+
+
 def markdown(record: dict) -> str:
+    backend = record.get("backend", "local")
+    intro = INTRO[backend].format(
+        nodes=", ".join(f"{node} at {cpus:g} CPU" for node, cpus in record.get("swarm_nodes", {}).items()),
+        left=", ".join(record.get("swarm_left", [])) or "nothing",
+    )
     lines = [
-        "# Heterogeneous clusters: time to target",
+        f"# Heterogeneous clusters: time to target{' on a swarm' if backend == 'swarm' else ''}",
         "",
-        f"2 workers (1 thread each); in `straggler` worker 1 is throttled to half the CPU time (a simulated 2x "
-        f"slower machine), in `even` neither is. `model=convnet` on `dataset=synthetic_cifar` (generated), global "
+        f"{intro} `model=convnet` on `dataset=synthetic_cifar` (generated), global "
         f"batch {GLOBAL_BATCH} (async: {PER_WORKER_BATCH} per update), trained until validation accuracy >= "
         f"{record['target']} (checked every {record['steps_per_epoch']} steps); medians of {record['repeats']} "
         "runs per case, cases interleaved.",
@@ -159,7 +218,7 @@ def markdown(record: dict) -> str:
         "validation included); `vs` columns divide by the scenario's baseline (naive or plain sync).",
         "- **launch s**: from the command's start until the target, process start-up included, and measuring: "
         f"balanced sync and auto measure the workers for {MEASURE_SECONDS:.0f} s before their first step "
-        "(auto relaunches only where it chooses one_device or async).",
+        "(auto relaunches only where it chooses one_device or async); **before 1st step s**: launch s less train s.",
         "- **wall s**: the whole command, shutdown included.",
         "- every case runs one epoch loop (validation inside each epoch, a checkpoint after it); naive and "
         "balanced sync share their step too (validation split over the workers), differing in the batch "
@@ -178,19 +237,20 @@ def markdown(record: dict) -> str:
             "",
             f"## {scenario}",
             "",
-            "| case | train s | train vs | launch s | launch vs | wall s | final val acc | examples/s "
-            "| whole-job examples/s | validation share |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| case | train s | train vs | launch s | launch vs | before 1st step s | wall s | final val acc "
+            "| examples/s | whole-job examples/s | validation share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for name, m in cases.items():
             if m.get("failed") or baseline.get("failed"):
-                lines.append(f"| {name} | failed or never reached the target | | | | | | | | |")
+                lines.append(f"| {name} | failed or never reached the target | | | | | | | | | |")
                 continue
             lines.append(
                 f"| {name} | {m['seconds_to_target']:.1f} | "
                 f"{m['seconds_to_target'] / baseline['seconds_to_target']:.2f} | "
                 f"{m['launch_to_target_seconds']:.1f} | "
                 f"{m['launch_to_target_seconds'] / baseline['launch_to_target_seconds']:.2f} | "
+                f"{m['before_first_step_seconds']:.1f} | "
                 f"{m['wall_seconds']:.1f} | {m['final_val_accuracy']:.4f} | {m['examples_per_second']:.0f} | "
                 f"{m['whole_job_examples_per_second']:.0f} | {m['validation_share']:.1%} |"
             )
@@ -201,9 +261,35 @@ def markdown(record: dict) -> str:
                 best = min(others, key=lambda name: others[name][measure])
                 ratio = auto[measure] / others[best][measure]
                 lines += ["", f"auto vs the best other case by {measure}: {best}, {ratio:.2f}x"]
-        decisions = sorted({r["decision"] for r in record["runs"] if r["scenario"] == scenario and r.get("decision")})
+        runs = [r for r in record["runs"] if r["scenario"] == scenario]
+        if SCENARIOS[scenario]["baseline"] == "naive_sync":
+            lines += ["", *aims(cases, runs)]
+        decisions = sorted({r["decision"] for r in runs if r.get("decision")})
         lines += ["", "auto's decisions:", *[f"- {d}" for d in decisions]]
+        placed = sorted({json.dumps(r["nodes"], sort_keys=True) for r in runs if r.get("nodes")})
+        if placed:
+            lines += ["", "where the replicas ran (nodes.json):", *[f"- `{p}`" for p in placed]]
     return "\n".join(lines) + "\n"
+
+
+def aims(cases: dict[str, dict], runs: list[dict]) -> list[str]:
+    """Issue 26's two aims from launch, met or not, and what bounds balanced sync."""
+    lines = []
+    naive, balanced, auto = cases["naive_sync"], cases["balanced_sync"], cases["auto"]
+    if not naive.get("failed") and not balanced.get("failed"):
+        ratio = balanced["launch_to_target_seconds"] / naive["launch_to_target_seconds"]
+        verdict = "met" if ratio <= BALANCED_AIM else "not met"
+        lines.append(f"- balanced sync from launch: **{ratio:.2f}x** naive sync (aim <= {BALANCED_AIM}x: {verdict})")
+    others = {name: m for name, m in cases.items() if name != "auto" and not m.get("failed")}
+    if others and not auto.get("failed"):
+        best = min(others, key=lambda name: others[name]["launch_to_target_seconds"])
+        ratio = auto["launch_to_target_seconds"] / others[best]["launch_to_target_seconds"]
+        verdict = "met" if ratio <= AUTO_AIM else "not met"
+        lines.append(f"- auto from launch: **{ratio:.2f}x** the best case, {best} (aim <= {AUTO_AIM:.2f}x: {verdict})")
+    bound = balance_bound(cases, runs)
+    if bound:
+        lines.append(f"- {bound}")
+    return lines
 
 
 def main() -> None:
@@ -213,23 +299,37 @@ def main() -> None:
     # Long enough that validation (1,000 examples, split over the workers) is under 5% of an epoch.
     parser.add_argument("--steps-per-epoch", type=int, default=50)
     parser.add_argument("--max-epochs", type=int, default=40)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of SCENARIOS")
+    parser.add_argument("--backend", choices=("local", "swarm"), default="local")
+    parser.add_argument("--scenarios", help="comma-separated subset of the backend's SCENARIOS (default: all)")
     args = parser.parse_args()
+    own = [name for name, scenario in SCENARIOS.items() if scenario["backend"] == args.backend]
+    scenarios = args.scenarios.split(",") if args.scenarios else own
+    if not set(scenarios) <= set(own):
+        parser.error(
+            f"--scenarios={args.scenarios} is invalid with --backend={args.backend}: expected of {','.join(own)}"
+        )
     runs = []
     with tempfile.TemporaryDirectory(prefix="hetflow-bench-") as home:
-        for repeat in range(args.repeats):
-            for scenario in args.scenarios.split(","):
-                for name in SCENARIOS[scenario]["cases"]:  # interleaved: drift of the machine hits every case alike
-                    result = run_case(scenario, name, args, home)
-                    runs.append(result)
-                    print(
-                        f"[heterogeneous] {scenario}/{name} run {repeat + 1}/{args.repeats}: "
-                        f"{result.get('seconds_to_target') or result.get('failed', '')}",
-                        flush=True,
-                    )
+        env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
+        with swarm(env, SWARM_NODES) if args.backend == "swarm" else nullcontext(env) as run_env:
+            for repeat in range(args.repeats):
+                for scenario in scenarios:
+                    for name in SCENARIOS[scenario]["cases"]:  # interleaved: drift of the machine hits every case alike
+                        result = run_case(scenario, name, args, run_env)
+                        runs.append(result)
+                        print(
+                            f"[heterogeneous] {scenario}/{name} run {repeat + 1}/{args.repeats}: "
+                            f"{result.get('seconds_to_target') or result.get('failed', '')}",
+                            flush=True,
+                        )
+    swarm_facts = (
+        {"swarm_nodes": node_cpus(SWARM_NODES), "swarm_left": left_on_engine()} if args.backend == "swarm" else {}
+    )
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([".venv/bin/python", "bench/straggler.py", *sys.argv[1:]]),
+        "backend": args.backend,
+        **swarm_facts,
         "target": args.target,
         "steps_per_epoch": args.steps_per_epoch,
         "repeats": args.repeats,
@@ -237,7 +337,10 @@ def main() -> None:
         "runs": runs,
         "medians": summarize(runs),
     }
-    save("straggler", record, "STRAGGLER.md", markdown(record))
+    if args.backend == "swarm":
+        save("straggler-swarm", record, "STRAGGLER-SWARM.md", markdown(record))
+    else:
+        save("straggler", record, "STRAGGLER.md", markdown(record))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,33 @@
+"""bench/straggler.py's verdicts on issue 26's aims from launch (balanced sync <= 0.75x naive sync,
+auto within 10% of the best case) and the bound it states from the probes, on hand-made medians."""
+
+from __future__ import annotations
+
+import sys
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))  # the bench scripts import each other as top-level modules
+import straggler  # noqa: E402
+
+
+def case(launch: float, train: float) -> dict:
+    return {"launch_to_target_seconds": launch, "seconds_to_target": train, "before_first_step_seconds": launch - train}
+
+
+def test_balanced_sync_and_auto_are_judged_from_launch_and_balanced_sync_is_bounded_by_its_probes():
+    cases = {
+        "naive_sync": case(100.0, 60.0),
+        "balanced_sync": case(74.0, 50.0),  # 24 s before its first step
+        "async": case(80.0, 60.0),
+        "auto": case(82.0, 55.0),  # 82 / 74 = 1.108: just outside 10% of balanced sync, the best
+    }
+    # Speeds 600 and 300: an equal-share step lasts 64/300 s, a balanced one 128/900 s, 2/3 of it;
+    # naive sync's 60 s of training become 40 s, after 24 s: 64 s of naive sync's 100 s.
+    runs = [{"case": "balanced_sync", "reached": True, "probes": [600.0, 300.0]}]
+    balanced, auto, bound = straggler.aims(cases, runs)
+    assert balanced == "- balanced sync from launch: **0.74x** naive sync (aim <= 0.75x: met)"
+    assert auto == "- auto from launch: **1.11x** the best case, balanced_sync (aim <= 1.10x: not met)"
+    assert bound.endswith("at best 0.64x naive sync's 100.0 s from launch")
+    cases["balanced_sync"] = case(76.0, 50.0)
+    assert straggler.aims(cases, runs)[0].endswith("**0.76x** naive sync (aim <= 0.75x: not met)")
