@@ -1,10 +1,15 @@
 """Infra validation: a registered model served by MLflow's own model server, queried over HTTP.
 
-As TFX's InfraValidator does before a model is pushed, a candidate is started the way a user
-would start it (``mlflow models serve --env-manager local`` on a loopback port, in its own
-process group, with a clean environment), asked for predictions on raw test examples, timed,
-and stopped. The model runs only in that server process: loading a registered model can run its
-code (MLflow's "models from code"), and the pipeline never does.
+As TFX's InfraValidator does before a model is pushed, a candidate is started the way MLflow
+serves it (MLflow's scoring app under ``uvicorn``, the command ``mlflow models serve --env-manager
+local`` execs and MLflow's model containers run, on a loopback port, in its own process group, with
+a clean environment), asked for predictions on raw test examples, timed, and stopped. The model
+runs only in that server process: loading a registered model can run its code (MLflow's "models
+from code"), and the pipeline never does.
+
+The server is started from MLflow's own command (``scoring_server.get_cmd``) rather than through
+the ``mlflow`` CLI, which would import MLflow's whole command line (~3 s of CPU, measured
+2026-11-26) only to exec that same command.
 
 The server runs sandboxed (``tasks.sandbox``: bubblewrap, an unprivileged uid, no capabilities,
 dying with the process that started it): the pipeline downloads the version's files (a copy,
@@ -31,6 +36,7 @@ import http.client
 import json
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -70,18 +76,24 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def server_environment(tracking_uri: str | None) -> dict[str, str]:
+def server_environment() -> dict[str, str]:
     """What a user's shell gives a model server, and nothing of the pipeline's (no
-    TF_USE_LEGACY_KERAS, PYTHONPATH, Airflow or hetflow variables): PATH with the venv's bin/
-    (``mlflow models serve`` execs ``uvicorn`` by name), HOME, locale, and how to reach the registry
-    (``tracking_uri``; None: a server of a downloaded copy needs none, and gets no credentials)."""
+    TF_USE_LEGACY_KERAS, PYTHONPATH, Airflow or hetflow variables, no registry credentials: it
+    serves a downloaded copy): PATH with the venv's bin/, HOME and locale."""
     env = {"PATH": os.pathsep.join([str(Path(sys.executable).parent), "/usr/bin", "/bin"])}
-    keys = ["HOME", "LANG"]
-    if tracking_uri is not None:
-        keys += ["MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"]
-        env["MLFLOW_TRACKING_URI"] = tracking_uri
-    env.update((key, os.environ[key]) for key in keys if key in os.environ)
+    env.update((key, os.environ[key]) for key in ("HOME", "LANG") if key in os.environ)
     return env
+
+
+def scoring_command(model_path: Path, port: int) -> tuple[list[str], dict[str, str]]:
+    """MLflow's command serving the model folder ``model_path`` on 127.0.0.1:``port`` with one
+    worker, and the variables it adds to the environment (which model, its request timeout)."""
+    from mlflow.pyfunc import scoring_server
+
+    command, env = scoring_server.get_cmd(str(model_path), port=port, host="127.0.0.1", nworkers=1)
+    added = {key: value for key, value in env.items() if os.environ.get(key) != value}
+    program, *arguments = shlex.split(command)
+    return [str(Path(sys.executable).parent / program), *arguments], added
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -103,10 +115,11 @@ def _die_with_starter() -> None:
 
 
 class ModelServer:
-    """``mlflow models serve`` for one model URI; its output goes to ``log_path``.
+    """MLflow's model server for one model URI, serving a copy of its files; its output goes to
+    ``log_path``.
 
     :param model_uri: e.g. ``models:/NAME/VERSION``.
-    :param tracking_uri: the registry the server reads the model from.
+    :param tracking_uri: the registry the model's files are copied from.
     :param log_path: the server's stdout and stderr; its folder is also the server's working
         directory (uvicorn puts that on ``sys.path``, so it must hold no Python modules).
     """
@@ -117,7 +130,7 @@ class ModelServer:
         self.log_path = log_path
         self.port: int | None = None
         self.process: subprocess.Popen | None = None
-        self._copy: Path | None = None  # the downloaded version a sandboxed server serves
+        self._copy: Path | None = None  # the downloaded version the server serves
         self._socket: Path | None = None  # where the pipeline reaches a sandboxed server
         if sandbox.required(f"the model server of {model_uri}"):
             hidden = sandbox.private_directories(tracking_uri)
@@ -128,12 +141,9 @@ class ModelServer:
     def start(self) -> None:
         self.port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        model, tracking = self.model_uri, self.tracking_uri
         confined = self.isolation["confined"]
-        if confined:
-            model, tracking = str(self._download()), None
-        command = [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", model]
-        command += ["--env-manager", "local", "-h", "127.0.0.1", "-p", str(self.port)]
+        model = self._download()
+        command, scoring_env = scoring_command(model, self.port)
         box = None
         if confined:
             sockets = self._copy / "socket"
@@ -142,20 +152,20 @@ class ModelServer:
             self._socket = sockets / "http.sock"
             # Run as a script, not a module: the server's environment must not carry hetflow on its path.
             relay = [sys.executable, serving_relay.__file__, str(self._socket), str(self.port), "--"]
-            box = sandbox.Sandbox(read_write=[str(sockets)], read_only=[model], hidden=self.isolation["hidden"])
+            box = sandbox.Sandbox(read_write=[str(sockets)], read_only=[str(model)], hidden=self.isolation["hidden"])
             command = box.command([*relay, *command])
         try:
             with open(self.log_path, "wb") as output:
                 self.process = subprocess.Popen(
                     command,
                     # A sandboxed server's HOME is its own /tmp: the user's is not there.
-                    env={**server_environment(tracking), **({"HOME": "/tmp"} if confined else {})},
+                    env={**server_environment(), **scoring_env, **({"HOME": "/tmp"} if confined else {})},
                     # uvicorn puts its working directory on sys.path: the log's folder holds no modules.
                     cwd=self.log_path.parent,
                     stdin=subprocess.DEVNULL,
                     stdout=output,
                     stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group: stop() ends bwrap, mlflow and uvicorn
+                    start_new_session=True,  # its own process group: stop() ends bwrap, the relay and uvicorn
                     pass_fds=box.fds if box else (),
                     preexec_fn=None if confined else _die_with_starter,  # bwrap's --die-with-parent does it
                 )
@@ -339,7 +349,7 @@ def describe(check: dict[str, Any]) -> str:
     if not check["passed"]:  # one line: the reason may end with the server's log (kept whole in the run's serving/)
         return f"failed: {' '.join(check['reason'].split())}"
     return (
-        f"passed: `mlflow models serve` up in {check['start_seconds']:.1f} s; agreement {check['agreement']:.4f} "
+        f"passed: MLflow's model server up in {check['start_seconds']:.1f} s; agreement {check['agreement']:.4f} "
         f"with the exported model on {check['examples']} test examples (logits within "
         f"{check['max_logit_difference']:.2g}); latency p50 {check['latency_p50_ms']:.2f} ms, "
         f"p99 {check['latency_p99_ms']:.2f} ms over {check['latency_requests']} requests of one example"

@@ -1,4 +1,4 @@
-"""Infra validation: registered models served by `mlflow models serve`, queried over HTTP, before promotion."""
+"""Infra validation: registered models served by MLflow's model server, queried over HTTP, before promotion."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def test_a_good_run_serves_both_models_with_agreement_1_and_promotes_them(run, c
         run_record = client.get_run(run["mlflow_run_id"]).data
         assert run_record.metrics[f"served_{kind}_agreement"] == 1.0
         assert run_record.metrics[f"served_{kind}_latency_p99_ms"] == served["latency_p99_ms"]
-        assert run_record.tags[f"served.{kind}"].startswith("passed: `mlflow models serve` up in")
+        assert run_record.tags[f"served.{kind}"].startswith("passed: MLflow's model server up in")
 
         description = client.get_model_version(model["model_name"], str(model["version"])).description
         assert f"fingerprint `{run['dataset']['fingerprint']}`" in description
@@ -262,12 +262,17 @@ def test_a_server_whose_starter_is_killed_is_ended_with_everything_it_started(ru
 
 
 def test_the_server_environment_is_a_users_not_the_pipelines(monkeypatch):
-    from tasks.serving import server_environment
+    from tasks.serving import scoring_command, server_environment
 
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
-    env = server_environment("sqlite:///x.db")
-    assert env["MLFLOW_TRACKING_URI"] == "sqlite:///x.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "a-registry-secret")
+    env = server_environment()
     assert env["PATH"].split(":")[0] == str(Path(sys.executable).parent)
-    assert (Path(env["PATH"].split(":")[0]) / "uvicorn").exists()
-    assert not {"TF_USE_LEGACY_KERAS", "PYTHONPATH", "HETFLOW_HOME", "AIRFLOW_HOME"} & set(env)
+    assert not {"TF_USE_LEGACY_KERAS", "PYTHONPATH", "HETFLOW_HOME", "AIRFLOW_HOME", "MLFLOW_TRACKING_TOKEN"} & set(env)
+    # MLflow's own serving command, run from the venv, told which folder to serve and nothing else of ours.
+    command, added = scoring_command(Path("/served/model"), 5001)
+    assert Path(command[0]).parent == Path(sys.executable).parent and Path(command[0]).exists()
+    assert command[-1] == "mlflow.pyfunc.scoring_server.app:app" and "5001" in command
+    assert "/served/model" in " ".join(added.values())
+    assert not {"TF_USE_LEGACY_KERAS", "PYTHONPATH", "MLFLOW_TRACKING_TOKEN"} & set(added)
