@@ -1,8 +1,9 @@
-"""The champion gate under concurrency and in a shared registry (issue #17, items 4 and 1).
+"""The champion gate under concurrency and in a shared registry (issue #17, items 4 and 1; #28, item 7).
 
 Two register tasks of concurrent DAG runs are two processes over one MLflow store: here they are
-two real processes over the session's SQLite store, their steps interleaved with events at the
-point where an unserialised gate goes wrong.
+two real processes over the session's SQLite store, or over a real MLflow server from two homes
+that spell its URI differently (two hosts), their steps interleaved with events at the point where
+an unserialised gate goes wrong.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -23,7 +27,47 @@ from conftest import REPO
 FINGERPRINT = "f" * 16  # every version was scored on the same prepared data: recorded accuracies count
 
 
-def _new_registered_model(name: str, champion_accuracy: float, candidates: list[float]) -> list[str]:
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow server over a SQL store, started as make up starts it; yields its port."""
+    from tasks.serving import free_port
+
+    store = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+               "--default-artifact-root", (store / "artifacts").as_uri(),
+               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
+    with (store / "server.log").open("w") as log:
+        server = subprocess.Popen(
+            command,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, (store / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "the MLflow server did not answer within 180 s"
+                time.sleep(1)
+        yield port
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)
+
+
+def _home(tmp_path: Path, name: str, uri: str) -> dict[str, str]:
+    """The environment of a host of its own: its HETFLOW_HOME, its spelling of the tracking URI."""
+    (tmp_path / name).mkdir()
+    return {**os.environ, "HETFLOW_HOME": str(tmp_path / name), "MLFLOW_TRACKING_URI": uri}
+
+
+def _new_registered_model(name: str, champion_accuracy: float, candidates: list[float], uri=None) -> list[str]:
     """A hetflow registered model whose v1 is champion at ``champion_accuracy``, with one version per
     candidate accuracy not yet gated. Returns the candidates' versions."""
     from mlflow import MlflowClient
@@ -31,7 +75,7 @@ def _new_registered_model(name: str, champion_accuracy: float, candidates: list[
     from tasks.registry.store import EXPERIMENT
     from tasks.registry.versions import own_registered_model
 
-    client = MlflowClient()
+    client = MlflowClient(uri)
     own_registered_model(client, name, name)
     experiment = client.get_experiment_by_name(EXPERIMENT) or client.get_experiment(
         client.create_experiment(EXPERIMENT)
@@ -94,17 +138,22 @@ def _waits_for_a_file_lock(pid: int) -> bool:
     return False
 
 
-def _worse_run(name, version, log_dir, pause_at, paused, better_pid, better_done) -> None:
-    """The 0.93 run. It pauses at ``pause_at`` (``read``: right after its first read of
-    ``champion``; ``set``: right before it sets ``champion``) until the 0.95 run is done or waits
-    for a lock (which this run may hold)."""
+def _worse_run(name, version, log_dir, pause_at, paused, better, env) -> None:
+    """The 0.93 run, on the host ``env`` describes. It pauses at ``pause_at`` (``read``: right after
+    its first read of ``champion``; ``set``: right before it sets ``champion``) until the 0.95 run
+    is done or waits for a lock (which this run may hold)."""
+    os.environ.update(env)
     from mlflow import MlflowClient
     from tasks.registry import champion
 
     def pause():
         paused.set()
         deadline = time.monotonic() + 120
-        while not (better_done.is_set() or (better_pid.value and _waits_for_a_file_lock(better_pid.value))):
+        while not (
+            better["done"].is_set()
+            or better["waits_in_registry"].is_set()
+            or (better["pid"].value and _waits_for_a_file_lock(better["pid"].value))
+        ):
             assert time.monotonic() < deadline, "the 0.95 run neither finished nor waited for a lock"
             time.sleep(0.05)
 
@@ -130,33 +179,57 @@ def _worse_run(name, version, log_dir, pause_at, paused, better_pid, better_done
     _gate(name, version, 0.93, log_dir)
 
 
-def _better_run(name, version, log_dir, worse_paused, pid, done) -> None:
-    """The 0.95 run, gating its version once the 0.93 run has paused."""
+def _better_run(name, version, log_dir, worse_paused, better, env) -> None:
+    """The 0.95 run, on the host ``env`` describes, gating its version once the 0.93 run has paused."""
+    os.environ.update(env)
+    from tasks.registry import registry_lock
+
+    poll_pause = registry_lock._poll_pause
+
+    def say_waiting_then_pause(seconds):
+        better["waits_in_registry"].set()
+        poll_pause(seconds)
+
+    registry_lock._poll_pause = say_waiting_then_pause
 
     def when_worse_paused():
         assert worse_paused.wait(120), "the 0.93 run never reached the point where it pauses"
-        pid.value = os.getpid()
+        better["pid"].value = os.getpid()
 
     _gate(name, version, 0.95, log_dir, ready=when_worse_paused)
-    done.set()
+    better["done"].set()
 
 
-@pytest.mark.parametrize("pause_at", ["read", "set"])
+@pytest.mark.parametrize(
+    "pause_at, hosts",
+    [("read", "one"), ("set", "one"), ("set", "two")],
+)
 def test_a_worse_candidate_that_read_the_champion_first_does_not_take_it_from_a_better_one(
-    hetflow_env, tmp_path, pause_at
+    hetflow_env, tmp_path, request, pause_at, hosts
 ):
     """0.93 has read the 0.90 champion (``read``), or has decided to replace it (``set``), when
-    0.95 is promoted: 0.95 stays champion."""
+    0.95 is promoted: 0.95 stays champion. On ``one`` host the two runs share a home and the
+    session's SQLite store; on ``two`` each has its own home and spells the URI of one MLflow
+    server its own way (127.0.0.1, localhost): only the lock in the registry keeps them apart."""
     from mlflow import MlflowClient
     from tasks.registry.champion import CHAMPION
 
-    name = f"race-{pause_at}"
-    better, worse = _new_registered_model(name, 0.90, [0.95, 0.93])
+    name = f"race-{pause_at}-{hosts}"
+    if hosts == "one":
+        uri, env_worse, env_better = hetflow_env["MLFLOW_TRACKING_URI"], hetflow_env, hetflow_env
+    else:
+        port = request.getfixturevalue("mlflow_server")
+        uri = f"http://127.0.0.1:{port}"
+        env_worse, env_better = _home(tmp_path, "worse", uri), _home(tmp_path, "better", f"http://localhost:{port}")
+    better_version, worse_version = _new_registered_model(name, 0.90, [0.95, 0.93], uri)
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter, as each Airflow task is
-    worse_paused, better_done, better_pid = spawn.Event(), spawn.Event(), spawn.Value("i", 0)
+    worse_paused = spawn.Event()
+    better = {"done": spawn.Event(), "waits_in_registry": spawn.Event(), "pid": spawn.Value("i", 0)}
     runs = [
-        spawn.Process(target=_worse_run, args=(name, worse, tmp_path, pause_at, worse_paused, better_pid, better_done)),
-        spawn.Process(target=_better_run, args=(name, better, tmp_path, worse_paused, better_pid, better_done)),
+        spawn.Process(
+            target=_worse_run, args=(name, worse_version, tmp_path, pause_at, worse_paused, better, env_worse)
+        ),
+        spawn.Process(target=_better_run, args=(name, better_version, tmp_path, worse_paused, better, env_better)),
     ]
     try:
         for run in runs:
@@ -169,14 +242,15 @@ def test_a_worse_candidate_that_read_the_champion_first_does_not_take_it_from_a_
             if run.is_alive():
                 run.kill()
 
-    client = MlflowClient()
-    assert client.get_model_version_by_alias(name, CHAMPION).version == better
-    gates = {version: client.get_model_version(name, version).tags["gate"] for version in (better, worse)}
+    client = MlflowClient(uri)
+    assert client.get_model_version_by_alias(name, CHAMPION).version == better_version
+    gates = {v: client.get_model_version(name, v).tags["gate"] for v in (better_version, worse_version)}
     if pause_at == "read":  # 0.93 decides after 0.95 was promoted, against it
-        assert f"0.9300 does not beat champion v{better} (0.9500)" in gates[worse], gates
+        assert f"0.9300 does not beat champion v{better_version} (0.9500)" in gates[worse_version], gates
     else:  # 0.93 held the lock when 0.95 came: 0.95 waited and compared against the 0.93 it then found
-        assert "0.9300 beats champion v1 (0.9000)" in gates[worse], gates
-        assert f"0.9500 beats champion v{worse} (0.9300)" in gates[better], gates
+        assert "0.9300 beats champion v1 (0.9000)" in gates[worse_version], gates
+        assert f"0.9500 beats champion v{worse_version} (0.9300)" in gates[better_version], gates
+    assert client.search_registered_models(f"name LIKE '{name} (%'") == []  # the lock went with its holder
 
 
 def test_the_promotion_lock_is_one_per_registered_model_and_dies_with_its_holder(hetflow_env):
@@ -220,6 +294,105 @@ def test_the_promotion_lock_holds_against_a_differently_spelled_tracking_uri(het
         holder.kill()
 
 
+def test_the_promotion_lock_excludes_another_host_that_spells_the_server_uri_its_own_way(mlflow_server, tmp_path):
+    """Two hosts (two homes: two flocks that know nothing of each other) reach one MLflow server as
+    http://127.0.0.1:PORT and http://localhost:PORT: the second waits in the registry while the
+    first holds, and takes the lock once it is released. MLflow's Models page says what the lock
+    is and who holds it."""
+    from mlflow import MlflowClient
+    from tasks.registry.registry_lock import HELD_BY_TAG, lock_name
+
+    client = MlflowClient(f"http://127.0.0.1:{mlflow_server}")
+    _registered(client, "two-hosts")
+    first = _lock_holder("two-hosts", _home(tmp_path, "first", f"http://127.0.0.1:{mlflow_server}"))
+    second = None
+    try:
+        assert _Output(first.stdout).says_within("held", FREE_WITHIN)
+        second = _lock_holder("two-hosts", _home(tmp_path, "second", f"http://localhost:{mlflow_server}"))
+        said, logged = _Output(second.stdout), _Output(second.stderr)
+        assert logged.says_within("waiting for two-hosts (promotion lock)", FREE_WITHIN)
+        assert not said.says_within("held", 3)
+        lock = client.get_registered_model(lock_name("two-hosts"))
+        assert f"pid {first.pid}: " in lock.tags[HELD_BY_TAG], lock.tags
+        assert lock.description.startswith("Not a model.") and "'two-hosts'" in lock.description, lock.description
+        _release(first)
+        assert said.says_within("held", FREE_WITHIN)
+        _release(second)
+        assert client.search_registered_models("name LIKE 'two-hosts (%'") == []
+    finally:
+        for holder in (first, second):
+            if holder:
+                holder.kill()
+
+
+def test_a_dead_holders_lock_in_the_registry_is_taken_over_once_its_heartbeat_stops(
+    mlflow_server, tmp_path, monkeypatch
+):
+    """A holder on another host is SIGKILLed while holding: its flock dies with it, its lock in the
+    registry does not. The waiter does not take the lock while the holder lives and beats (two
+    stale periods), takes it once the heartbeat has stood still for the stale period, and leaves a
+    tombstone named after the dead holder's token, which a later holder sweeps once it is old."""
+    from mlflow import MlflowClient
+    from tasks.registry import registry_lock
+
+    name, uri = "dead-holder", f"http://127.0.0.1:{mlflow_server}"
+    client = MlflowClient(uri)
+    _registered(client, name)
+    quick = {"HEARTBEAT_SECONDS": 0.5, "STALE_AFTER_SECONDS": 4, "POLL_SECONDS": 0.2}
+    first = _lock_holder(name, _home(tmp_path, "first", uri), quick)
+    second = None
+    try:
+        assert _Output(first.stdout).says_within("held", FREE_WITHIN)
+        token = client.get_registered_model(registry_lock.lock_name(name)).tags[registry_lock.HOLDER_TAG]
+        second = _lock_holder(name, _home(tmp_path, "second", f"http://localhost:{mlflow_server}"), quick)
+        said, logged = _Output(second.stdout), _Output(second.stderr)
+        assert logged.says_within(f"waiting for {name} (promotion lock)", FREE_WITHIN)
+        assert not said.says_within("held", 8)
+        first.kill()
+        first.wait(10)
+        killed = time.monotonic()
+        assert said.says_within("held", FREE_WITHIN)
+        assert time.monotonic() - killed > 3  # the stale period, less a heartbeat and a poll
+        assert logged.says_within(f"took over {name} (promotion lock) held by ", 1)
+        tombstone = client.get_registered_model(registry_lock.tombstone_name(name, token))
+        assert tombstone.tags[registry_lock.HOLDER_TAG] == token
+        _release(second)
+        assert [found.name for found in client.search_registered_models(f"name LIKE '{name} (%'")] == [tombstone.name]
+    finally:
+        for holder in (first, second):
+            if holder:
+                holder.kill()
+    monkeypatch.setattr(registry_lock, "SWEEP_AFTER_SECONDS", 0)
+    later = registry_lock.RegistryLock(client, name, "a later promotion")
+    later.acquire()
+    later.release()
+    assert client.search_registered_models(f"name LIKE '{name} (%'") == []
+
+
+class _Output:
+    """The lines a process writes to one of its pipes, read as they come."""
+
+    def __init__(self, stream):
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [self.lines.put(line) for line in stream], daemon=True).start()
+
+    def says_within(self, text: str, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                if text in self.lines.get(timeout=left):
+                    return True
+            except queue.Empty:
+                return False
+        return False
+
+
+def _release(holder: subprocess.Popen) -> None:
+    holder.stdin.write("\n")
+    holder.stdin.flush()
+    assert holder.wait(30) == 0
+
+
 def _registered(client, *names: str) -> None:
     for name in names:
         try:
@@ -255,12 +428,21 @@ def _acquired_within(name: str, seconds: float) -> bool:
 FREE_WITHIN = 30
 
 
-def _lock_holder(name: str, env: dict[str, str]) -> subprocess.Popen:
-    """A process that takes ``name``'s promotion lock, says "held" and keeps it until a line comes."""
-    script = f"from tasks.registry.champion import promotion_lock\nwith promotion_lock({name!r}):\n"
+def _lock_holder(name: str, env: dict[str, str], lock_settings: dict[str, float] | None = None) -> subprocess.Popen:
+    """A process that takes ``name``'s promotion lock, says "held" and keeps it until a line comes;
+    it logs at INFO to stderr. ``lock_settings``: values of ``registry_lock``'s timings."""
+    script = "import logging\nlogging.basicConfig(level=logging.INFO)\nfrom tasks.registry import registry_lock\n"
+    script += "".join(f"registry_lock.{setting} = {value!r}\n" for setting, value in (lock_settings or {}).items())
+    script += f"from tasks.registry.champion import promotion_lock\nwith promotion_lock({name!r}):\n"
     script += "    print('held', flush=True)\n    input()"
     return subprocess.Popen(
-        [sys.executable, "-c", script], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 

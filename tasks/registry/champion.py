@@ -23,6 +23,7 @@ from mlflow.exceptions import MlflowException
 from mlflow import MlflowClient
 from tasks import serving
 from tasks.paths import hetflow_home
+from tasks.registry.registry_lock import RegistryLock, local_lock_identity
 from tasks.registry.store import tracking_uri
 from tasks.spec import RunSpec
 
@@ -32,14 +33,16 @@ CANDIDATE, CHAMPION = "candidate", "champion"
 
 
 @contextmanager
-def promotion_lock(name: str, client: MlflowClient | None = None):
-    """Hold the one promotion of registered model ``name`` in its registry: an exclusive lock on a
-    file under $HETFLOW_HOME, which every process of a deployment shares (the kernel releases it
-    when its holder dies, so a killed task leaves no stale lock).
+def promotion_lock(name: str, client: MlflowClient | None = None, purpose: str = "promotion"):
+    """Hold the one promotion of registered model ``name`` in its registry; yields the registry's
+    lock, whose ``confirm()`` says it is still held.
 
-    The file is named after the registry's identity, not the tracking URI's spelling: the model's
-    creation time as the registry itself records it, the same whoever asks and however they spell
-    the URI (``http://mlflow:5000`` in the compose stack, ``http://127.0.0.1:5000`` on the host)."""
+    Two locks, one inside the other. First an exclusive lock on a file under $HETFLOW_HOME, which
+    serializes the processes of one deployment cheaply and is released by the kernel when its holder
+    dies; its file is named after the registry's identity (the model's creation time as the registry
+    records it), not the tracking URI's spelling. Then the lock in the registry itself
+    (``registry_lock``), which also excludes other hosts and other homes; one left by a holder that
+    died holding this same file's flock is taken over at once, others once their heartbeat stops."""
     client = client or MlflowClient(tracking_uri())
     created = client.get_registered_model(name).creation_timestamp
     key = hashlib.sha256(f"{name}\n{created}".encode()).hexdigest()[:16]
@@ -47,7 +50,12 @@ def promotion_lock(name: str, client: MlflowClient | None = None):
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # closing the file releases it
-        yield
+        held = RegistryLock(client, name, purpose, local_lock_identity(handle))
+        held.acquire()
+        try:
+            yield held
+        finally:
+            held.release()
 
 
 def version_by_alias(client: MlflowClient, name: str, alias: str):
@@ -150,7 +158,7 @@ def promote(
         served = json.loads(recorded["served"]) if "served" in recorded else None
     else:
         served = check.result()  # the candidate's own check, independent of the champion: outside the lock
-        with promotion_lock(name, client):
+        with promotion_lock(name, client, f"deciding whether version {version.version} becomes champion") as held:
             # Read again under the lock: another run may have moved `champion` since the read above,
             # and none can move it between this read and our set.
             champion = version_by_alias(client, name, CHAMPION)
@@ -171,6 +179,7 @@ def promote(
             else:
                 decision = gate(spec, accuracy, champion, score)
             if decision["promote"]:
+                held.confirm()  # a holder cut off from the registry long enough was taken over
                 client.set_registered_model_alias(name, CHAMPION, version.version)
             # The decision is recorded under the lock too: a retry of this task must find it.
             client.set_model_version_tag(name, version.version, "served", json.dumps(served))
