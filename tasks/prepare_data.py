@@ -9,7 +9,7 @@ from typing import Any
 from tasks import timings
 from tasks.attempts import attempt, load_spec, reported
 from tasks.paths import run_paths, write_record
-from tasks.spec import RunSpec
+from tasks.spec import RunSpec, SpecError, data_location_problems
 
 log = logging.getLogger("hetflow.stages")
 
@@ -25,6 +25,11 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     paths = run_paths(run_id)
     with attempt(paths, "prepare_data", run_id, try_number) as receipt:
         spec = load_spec(paths)
+        # validate_spec confined them, maybe long ago: a link swapped in since, or roots the operator
+        # has narrowed since, must stop the reading here.
+        problems = data_location_problems(spec)
+        if problems:
+            raise SpecError(problems)
         record = prepare_dataset(spec.dataset, dataset_dir(spec), spec.image_size)
         record["training_key"] = training_key(spec, record["fingerprint"])
         record["trained_before"] = _trained_before(spec, record["training_key"], run_id)

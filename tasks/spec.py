@@ -426,6 +426,24 @@ def _under_a_root(path: str, roots: list[str]) -> bool:
     return any(resolved == root or resolved.startswith(root.rstrip("/") + "/") for root in roots)
 
 
+def data_location_problems(spec: RunSpec) -> list[str]:
+    """data_dir and dataset=folder:PATH outside the allowed roots (``data_roots``), links resolved:
+    checked when the spec is validated, and again by prepare_data right before it reads them."""
+    problems = []
+    if spec.data_dir and not _under_a_root(spec.data_dir, data_roots()):
+        problems.append(
+            f"data_dir={spec.data_dir} is invalid: expected empty or a folder under {', '.join(data_roots())} "
+            f"(every replica is shown it; the machine's operator may allow more roots in {DATA_ROOTS_ENV})"
+        )
+    folder = spec.dataset.removeprefix("folder:") if spec.dataset.startswith("folder:") else None
+    if folder and not _under_a_root(folder, data_roots()):
+        problems.append(
+            f"dataset={spec.dataset} is invalid: expected a TFDS name or folder:PATH with PATH under "
+            f"{', '.join(data_roots())} (the machine's operator may allow more roots in {DATA_ROOTS_ENV})"
+        )
+    return problems
+
+
 def cluster_problems(spec: RunSpec) -> list[str]:
     """Checks across keys: the cluster shape must fit the strategy, the batch the replicas."""
     problems = []
@@ -501,17 +519,7 @@ def cluster_problems(spec: RunSpec) -> list[str]:
             f"image_size={spec.image_size} is invalid with dataset={spec.dataset}: expected empty "
             "(images are resized only for dataset=folder:PATH)"
         )
-    if spec.data_dir and not _under_a_root(spec.data_dir, data_roots()):
-        problems.append(
-            f"data_dir={spec.data_dir} is invalid: expected empty or a folder under {', '.join(data_roots())} "
-            f"(every replica is shown it; the machine's operator may allow more roots in {DATA_ROOTS_ENV})"
-        )
-    folder = spec.dataset.removeprefix("folder:") if spec.dataset.startswith("folder:") else None
-    if folder and not _under_a_root(folder, data_roots()):
-        problems.append(
-            f"dataset={spec.dataset} is invalid: expected a TFDS name or folder:PATH with PATH under "
-            f"{', '.join(data_roots())} (the machine's operator may allow more roots in {DATA_ROOTS_ENV})"
-        )
+    problems += data_location_problems(spec)
     if spec.backend == "kubernetes" and (spec.data_dir or spec.dataset.startswith("folder:")):
         problems.append(
             "data_dir and dataset=folder:PATH are invalid with backend=kubernetes: expected data_dir empty and "

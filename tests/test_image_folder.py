@@ -194,6 +194,49 @@ def test_a_folder_outside_the_allowed_roots_is_refused_in_one_line(tmp_path, mon
     assert parse_spec({"dataset": f"folder:{outside}"}).dataset == f"folder:{outside}"
 
 
+@pytest.mark.parametrize("change", ["folder_link_swapped", "data_dir_link_swapped", "roots_narrowed"])
+def test_prepare_data_checks_the_data_locations_again_before_reading(tmp_path, monkeypatch, change):
+    """validate_spec confined data_dir and the folder to the allowed roots; what changed before
+    prepare_data reads them (a link in the path now pointing out, the operator's roots narrowed) is
+    refused there in one line naming the field, and nothing is read from or written to the outside."""
+    from tasks.paths import run_paths
+    from tasks.prepare_data import prepare_data
+    from tasks.spec import SpecError
+    from tasks.validate_spec import validate_spec
+
+    home, outside = tmp_path / "home", tmp_path / "outside"
+    monkeypatch.setenv("HETFLOW_HOME", str(home))
+    monkeypatch.delenv("HETFLOW_DATA_ROOTS", raising=False)
+    inside = write_digit_folder(home / "data" / "digits", per_class=3)
+    write_digit_folder(outside / "digits", per_class=3)
+    link = home / "data" / "linked"
+    if change == "folder_link_swapped":
+        link.symlink_to(inside)
+        values, field = {"dataset": f"folder:{link}"}, f"dataset=folder:{link} is invalid: "
+    elif change == "data_dir_link_swapped":
+        (home / "data" / "tfds").mkdir()
+        link.symlink_to(home / "data" / "tfds")
+        values, field = {"data_dir": str(link)}, f"data_dir={link} is invalid: "
+    else:
+        monkeypatch.setenv("HETFLOW_DATA_ROOTS", str(outside))
+        values, field = {"data_dir": str(outside / "tfds")}, f"data_dir={outside / 'tfds'} is invalid: "
+    run_id = f"recheck-{change}"
+    validate_spec(values, run_id)
+    if change == "roots_narrowed":
+        monkeypatch.delenv("HETFLOW_DATA_ROOTS")
+    else:
+        link.unlink()
+        link.symlink_to(outside / "digits" if change == "folder_link_swapped" else outside)
+    before = {folder: sorted(folder.rglob("*")) for folder in (outside, home / "data")}  # links not followed
+
+    with pytest.raises(SpecError) as refused:
+        prepare_data(run_id)
+    message = str(refused.value)
+    assert message.startswith(field) and "\n" not in message, message
+    assert {folder: sorted(folder.rglob("*")) for folder in before} == before
+    assert not run_paths(run_id).dataset.exists()
+
+
 @pytest.mark.parametrize(
     "plant",
     [
