@@ -137,13 +137,18 @@ def _specs():
     }
 
 
+# Records of the pipeline in the run directory, mounted read-only over it.
+PROTECTED = [RUN_DIR / "spec.json", RUN_DIR / "cluster.json", RUN_DIR / "replicas"]
+
+
 def _pod_specs(spec) -> dict[str, dict]:
     """Every pod spec the backend renders for the spec: one per replica and the TFJob's templates."""
     layout = k8s.plan(spec, RUN_ID)
     pods = {
-        f"pod {r.name}": manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5)["spec"] for r in layout.replicas
+        f"pod {r.name}": manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5, PROTECTED)["spec"]
+        for r in layout.replicas
     }
-    tfjob = manifests.tfjob_manifest(layout, spec, RUN_DIR)
+    tfjob = manifests.tfjob_manifest(layout, spec, RUN_DIR, PROTECTED)
     for kind, replicas in tfjob["spec"]["tfReplicaSpecs"].items():
         pods[f"tfjob {kind}"] = replicas["template"]["spec"]
     return pods
@@ -329,7 +334,62 @@ def test_no_pod_asks_the_kubelet_to_change_owners_or_modes_on_the_claim(strategy
         context = pod["securityContext"]
         assert not {"fsGroup", "fsGroupChangePolicy", "supplementalGroups"} & set(context), (name, context)
         mounted = {m["subPath"] for c in pod["containers"] for m in c["volumeMounts"]}
-        assert mounted == {str(RUN_DIR.relative_to(RUN_DIR.parents[1])), "data"}, name
+        run = str(RUN_DIR.relative_to(RUN_DIR.parents[1]))
+        assert mounted == {run, f"{run}/spec.json", f"{run}/cluster.json", f"{run}/replicas", "data"}, name
+
+
+def test_the_pipelines_records_are_mounted_read_only_over_the_pods_run_directory(tmp_path):
+    """The pods own their run directory (they write there), so a record the pipeline wrote in it
+    (spec.json, dataset.json, cluster.json, ...) could be replaced by a rename: as the docker
+    backend binds them, each is its own read-only mount over it, from the same claim, at the path it
+    has on the supervisor; the pods of tfjob.yaml too. What a replica planted before is removed.
+    The rendered pods still pass strict schema validation and the restricted standard."""
+    home = tmp_path / "home"
+    run_dir = home / "runs" / "r"
+    (run_dir / "attempts").mkdir(parents=True)
+    for record in ("run_id", "spec.json", "requested_spec.json", "dataset.json", "cluster.json"):
+        (run_dir / record).write_text("{}")
+    (run_dir / "training.json").symlink_to("/etc/shadow")  # planted by an earlier try's replica
+    spec = _specs()["multi_worker_mirrored"]
+    calls = []
+    api = _FakeApi(calls)
+    k8s.KubernetesReplicas(k8s.plan(spec, RUN_ID), spec, run_dir, core=api, networking=api).provision()
+
+    assert not (run_dir / "training.json").is_symlink()
+    pods = [args[1] for method, args, _ in calls if method == "create_namespaced_pod"]
+    tfjob = next(yaml.safe_load_all((run_dir / "tfjob.yaml").read_text()))
+    templates = [replicas["template"] for replicas in tfjob["spec"]["tfReplicaSpecs"].values()]
+    read_only = ["run_id", "spec.json", "requested_spec.json", "dataset.json", "cluster.json", "attempts", "replicas",
+                 "logs", "plots", "compressed", "export", "serving", "tensorboard"]  # fmt: skip
+    for name, pod_spec, extra in [
+        *((pod["metadata"]["name"], pod["spec"], ["tfjob.yaml"]) for pod in pods),
+        *((f"tfjob {t['spec']['containers'][0]['name']}", t["spec"], []) for t in templates),
+    ]:
+        [container] = pod_spec["containers"]
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert {m["name"] for m in mounts.values()} == {"hetflow-home"}, name
+        assert mounts[str(run_dir)] == {"name": "hetflow-home", "mountPath": str(run_dir), "subPath": "runs/r"}, name
+        records = {path: m for path, m in mounts.items() if path.startswith(f"{run_dir}/")}
+        assert sorted(records) == sorted(str(run_dir / record) for record in read_only + extra), name
+        for path, mount in records.items():
+            assert mount == {
+                "name": "hetflow-home",
+                "mountPath": path,
+                "subPath": f"runs/r/{Path(path).name}",
+                "readOnly": True,
+            }, name
+        assert restricted_violations(pod_spec) == [], name
+    assert len(pods) == 2
+
+    # The TFJob's templates, as the pods the operator makes of them.
+    as_pods = [
+        {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "t", **t["metadata"]}, "spec": t["spec"]}
+        for t in templates
+    ]
+    manifest = tmp_path / "pods.yaml"
+    manifest.write_text(yaml.safe_dump_all([*pods, *as_pods]))
+    result = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def _as_the_pods_uid(*argv: str) -> subprocess.CompletedProcess:

@@ -73,15 +73,15 @@ def container_user() -> str:
     return f"{os.getuid()}:{os.getgid()}"
 
 
-def prepare_run_dir(paths: RunPaths) -> list[Path]:
+def prepare_run_dir(paths: RunPaths, owner: tuple[int, int] = (sandbox.SANDBOX_UID, sandbox.SANDBOX_GID)) -> list[Path]:
     """Before container replicas start: remove what an earlier try's replicas planted, make the
     folders later stages write into (so no replica puts a link at their names), hand what replicas
-    write to their uid. Returns what of the run directory a container sees read-only over its
-    writable run directory: the pipeline's records that exist."""
+    write to their uid and gid (``owner``). Returns what of the run directory a container sees
+    read-only over its writable run directory: the pipeline's records that exist."""
     remove_what_replicas_planted(paths.root)
     for directory in (paths.logs, paths.replicas, *pipeline_directories(paths)):
         directory.mkdir(parents=True, exist_ok=True)
-    hand_over_writable(paths)
+    hand_over_writable(paths, owner)
     return [path for path in protected_records(paths) if path.exists()]
 
 

@@ -33,6 +33,7 @@ from kubernetes.client.exceptions import ApiException
 from tasks.cluster.containers import (
     STOP_GRACE_SECONDS,
     lines_to_file,
+    prepare_run_dir,
 )
 from tasks.cluster.kubernetes_manifests import (
     ANNOTATION_RUN_DIR,
@@ -89,11 +90,14 @@ def pod_state(pod) -> ReplicaState:
     return ReplicaState(terminated.exit_code if terminated else None, restarts)
 
 
+POD_OWNER = (IMAGE_USER, IMAGE_USER)
+
+
 def hand_over_to_pods(paths: RunPaths) -> None:
     """What the pods write (the run directory's top and its checkpoints) becomes IMAGE_USER's where
     the supervisor is root; a supervisor running as IMAGE_USER already owns it. Only this directory:
     the pods set no fsGroup, which would have the kubelet hand them the whole claim."""
-    hand_over_writable(paths, (IMAGE_USER, IMAGE_USER))
+    hand_over_writable(paths, POD_OWNER)
 
 
 def pod_access_problems(spec: RunSpec) -> list[str]:
@@ -147,21 +151,25 @@ class KubernetesReplicas:
         self.core = core or kubernetes.client.CoreV1Api()
         self.networking = networking or kubernetes.client.NetworkingV1Api()
         self._owner = None
+        self._protected: list[Path] = []
 
     def provision(self) -> None:
-        """The run's directory handed to the pods, then its ConfigMap, its NetworkPolicy, its
-        headless service and every replica's pod."""
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
-        hand_over_to_pods(RunPaths(self.run_dir))
-        # For clusters with the training operator: the same run, to `kubectl apply` instead.
-        (self.run_dir / "tfjob.yaml").write_text(
+        """The run's directory cleared of what replicas planted and handed to the pods (the
+        pipeline's records in it to be mounted read-only), then its ConfigMap, its NetworkPolicy,
+        its headless service and every replica's pod."""
+        self._protected = prepare_run_dir(RunPaths(self.run_dir), POD_OWNER)
+        # For clusters with the training operator: the same run, to `kubectl apply` instead. A person
+        # applies it: this run's pods see it read-only too.
+        tfjob = self.run_dir / "tfjob.yaml"
+        tfjob.write_text(
             yaml.safe_dump_all(
                 [
-                    tfjob_manifest(self.layout, self.spec, self.run_dir),
+                    tfjob_manifest(self.layout, self.spec, self.run_dir, self._protected),
                     run_network_policy(self.layout, self.namespace, None),
                 ]
             )
         )
+        self._protected.append(tfjob)
         run = self.core.create_namespaced_config_map(
             self.namespace, run_configmap(self.layout, self.spec, self.namespace, self.run_dir)
         )
@@ -176,7 +184,7 @@ class KubernetesReplicas:
     def start(self, replicas) -> None:
         launched_at = time.time()
         for replica in replicas:
-            pod = replica_pod(self.layout, replica, self.spec, self.run_dir, self._owner, launched_at)
+            pod = replica_pod(self.layout, replica, self.spec, self.run_dir, self._owner, launched_at, self._protected)
             self.core.create_namespaced_pod(self.namespace, pod)
             log.info("created %s (pod %s) at %s", replica.name, pod["metadata"]["name"], replica.address)
 

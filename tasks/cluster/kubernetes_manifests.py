@@ -7,16 +7,18 @@ Kubeflow TFJob for clusters that run the training operator.
 Pods meet the restricted Pod Security Standard (non-root numeric ids, no privilege escalation, no
 capabilities, seccomp ``RuntimeDefault``) and get no service-account token: a replica runs code of
 whoever filled in the trigger form and has no business with the API. Every pod mounts only the run's
-directory (read-write) and the prepared data (read-only) from the PersistentVolumeClaim
-``kubernetes_volume_claim`` that holds HETFLOW_HOME, and sets no ``fsGroup``, so the kubelet changes
-no owner or mode on the claim: the supervisor has made the run directory the pods' uid's, and the
-prepared data is readable by all.
+directory (read-write), the pipeline's records in it (read-only over it, as the docker backend binds
+them) and the prepared data (read-only) from the PersistentVolumeClaim ``kubernetes_volume_claim``
+that holds HETFLOW_HOME, and sets no ``fsGroup``, so the kubelet changes no owner or mode on the
+claim: the supervisor has made the run directory the pods' uid's, and the prepared data is readable
+by all.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from tasks.cluster.containers import replica_environment, replica_spec
 from tasks.cluster.layout import SERVICE_PORT, ClusterLayout, Replica, run_slug
@@ -155,14 +157,16 @@ def _resources(spec: RunSpec, replica: Replica) -> dict:
     return {"requests": dict(limits), "limits": limits} if limits else {}
 
 
-def _container(spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, str], name: str) -> dict:
+def _container(
+    spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, str], name: str, protected: Sequence[Path]
+) -> dict:
     container = {
         "name": name,
         "image": replica_spec(spec, replica).image,
         "args": ["--run-dir", str(run_dir)],
         "env": [{"name": key, "value": value} for key, value in env.items()],
         "ports": [{"name": "grpc", "containerPort": SERVICE_PORT}],
-        "volumeMounts": volume_mounts(run_dir),
+        "volumeMounts": volume_mounts(run_dir, protected),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
     resources = _resources(spec, replica)
@@ -171,13 +175,20 @@ def _container(spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, st
     return container
 
 
-def volume_mounts(run_dir: Path) -> list[dict]:
-    """The run's own directory (read-write) and the prepared data (read-only), from the claim that
-    holds HETFLOW_HOME, at the paths they have on the supervisor; nothing else of the claim: a
-    replica cannot touch other runs, the stack's secrets or the dataset cache."""
+def volume_mounts(run_dir: Path, protected: Sequence[Path] = ()) -> list[dict]:
+    """The run's own directory (read-write), the pipeline's records in it (``protected``, read-only
+    over it) and the prepared data (read-only), from the claim that holds HETFLOW_HOME, at the paths
+    they have on the supervisor; nothing else of the claim: a replica cannot touch other runs, the
+    stack's secrets or the dataset cache. The pods own their run directory: without its own mount a
+    record could be replaced by a rename there; a mount point cannot be (EBUSY)."""
     home = hetflow_home_of(run_dir)
+    records = [
+        {"name": "hetflow-home", "mountPath": str(path), "subPath": str(path.relative_to(home)), "readOnly": True}
+        for path in protected
+    ]
     return [
         {"name": "hetflow-home", "mountPath": str(run_dir), "subPath": str(run_dir.relative_to(home))},
+        *records,
         {"name": "hetflow-home", "mountPath": str(data_dir(home)), "subPath": "data", "readOnly": True},
     ]
 
@@ -213,12 +224,20 @@ def restart_policy(spec: RunSpec) -> str:
 
 
 def replica_pod(
-    layout: ClusterLayout, replica: Replica, spec: RunSpec, run_dir: Path, owner: dict, launched_at: float
+    layout: ClusterLayout,
+    replica: Replica,
+    spec: RunSpec,
+    run_dir: Path,
+    owner: dict,
+    launched_at: float,
+    protected: Sequence[Path] = (),
 ) -> dict:
+    """:param protected: the pipeline's records in the run directory, mounted read-only (``volume_mounts``)."""
     run_id = layout.run_id
     labels = {LABEL_ROLE: replica.role, LABEL_INDEX: str(replica.index)}
     env = replica_environment(layout, replica, hetflow_home_of(run_dir), launched_at)
-    pod_spec = _pod_spec(spec, [_container(spec, replica, run_dir, env, "replica")], restart_policy(spec))
+    container = _container(spec, replica, run_dir, env, "replica", protected)
+    pod_spec = _pod_spec(spec, [container], restart_policy(spec))
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -234,10 +253,11 @@ def replica_pod(
     }
 
 
-def tfjob_manifest(layout: ClusterLayout, spec: RunSpec, run_dir: Path) -> dict:
+def tfjob_manifest(layout: ClusterLayout, spec: RunSpec, run_dir: Path, protected: Sequence[Path] = ()) -> dict:
     """The same run as a Kubeflow TFJob (kubeflow.org/v1), for clusters that run the training
     operator: it sets TF_CONFIG itself (same roles, its own service names) and, with
-    ``cleanPodPolicy: Running``, deletes the ps pods still running when the job ends."""
+    ``cleanPodPolicy: Running``, deletes the ps pods still running when the job ends. Its pods
+    mount the records in ``protected`` read-only, as ``replica_pod``'s do."""
     kinds = {"chief": "Chief", "worker": "Worker", "ps": "PS"}
     replica_specs = {}
     for role, kind in kinds.items():
@@ -247,7 +267,7 @@ def tfjob_manifest(layout: ClusterLayout, spec: RunSpec, run_dir: Path) -> dict:
         env = replica_environment(layout, replicas[0], hetflow_home_of(run_dir), launched_at=0)
         del env["TF_CONFIG"], env["HETFLOW_LAUNCH_TIME"]  # the operator sets TF_CONFIG; no launch time is known
         # The operator requires the container to be named "tensorflow".
-        container = _container(spec, replicas[0], run_dir, env, "tensorflow")
+        container = _container(spec, replicas[0], run_dir, env, "tensorflow", protected)
         replica_specs[kind] = {
             "replicas": len(replicas),
             "restartPolicy": restart_policy(spec),
