@@ -158,6 +158,24 @@ def test_teardown_ends_a_replica_that_ignores_sigterm(hetflow_env):
         stubborn.kill()
 
 
+def test_a_child_killed_after_the_grace_is_reaped_not_left_a_zombie():
+    """stop_process_groups SIGKILLs what ignored SIGTERM; a child of the caller (a keeper the task
+    started) is reaped before it returns, not left <defunct> until the task's process exits."""
+    from tasks.cluster.processes import stop_process_groups
+
+    ignores_term = "\n".join(
+        ["import signal, time", "signal.signal(signal.SIGTERM, signal.SIG_IGN)", "print(flush=True)", "time.sleep(60)"]
+    )
+    for _ in range(3):  # a SIGKILLed child is not always dead yet when a non-waiting reap looks
+        child = subprocess.Popen(
+            [sys.executable, "-c", ignores_term], stdout=subprocess.PIPE, text=True, start_new_session=True
+        )
+        child.stdout.readline()
+        stop_process_groups([child.pid], grace=0.3)
+        assert not os.path.exists(f"/proc/{child.pid}"), f"pid {child.pid} left <defunct>"
+        child.stdout.close()
+
+
 def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(provisioned, hetflow_env):
     from tasks.cluster.processes import run_processes
     from tasks.paths import run_paths

@@ -60,13 +60,21 @@ def signal_group(pid: int, sig: int) -> bool:
         return False
 
 
-def _reap(pids: list[int]) -> None:
-    """Collect exit statuses of our own children so they do not linger as zombies."""
-    for pid in pids:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
+def _reap(pids: list[int], within: float = 1.0) -> None:
+    """Collect exit statuses of our own children so they do not linger as zombies until this
+    process exits. A child just SIGKILLed takes a moment to die: it is waited for, up to ``within``
+    seconds; a pid that is not our child is passed at once."""
+    waiting, deadline = list(pids), time.monotonic() + within
+    while waiting:
+        for pid in list(waiting):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    waiting.remove(pid)
+            except ChildProcessError:
+                waiting.remove(pid)
+        if not waiting or time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
 
 
 def environments_with(*entries: str, anywhere: bool = False) -> dict[int, list[bytes]]:
