@@ -1,6 +1,8 @@
-"""A bound for a two-worker all-reduce on this machine: the same bytes summed by the simplest means,
-two Python processes over a loopback TCP socket, each pinned to a core of its own as mwms_2's
-workers are.
+"""A bound for what two training processes exchange per step on this machine: the same bytes moved
+by the simplest means, two Python processes over a loopback TCP socket, each pinned to a core of its
+own as mwms_2's workers are. Two patterns:
+
+``all_reduce`` (mwms_2's step, the default): both sum their buffers.
 
 A ring all-reduce of n workers over a buffer of B bytes sends 2·(n−1)/n·B bytes from each worker
 (reduce-scatter, then all-gather). For n = 2 that is B each way, in two halves: each process sends
@@ -10,9 +12,14 @@ thread sends), as in a ring. The buffer is float32, as the gradients are; the ti
 is the median over ``--repeats`` after a warm-up, both processes starting each one together (the
 exchange itself keeps them in step).
 
-    python bench/socket_bound.py --bytes 4400000
+``round_trip`` (a parameter_server step, the ps and one worker): process 0, the ps, sends its
+buffer; process 1, the worker, receives it all and sends as many bytes back, which process 0 adds
+into its buffer. Each sends the buffer once, one after the other.
 
-Prints one JSON line: bytes, bytes sent by each process per all-reduce, seconds per all-reduce.
+    python bench/socket_bound.py --bytes 4400000 [--pattern round_trip]
+
+Prints one JSON line: bytes, the pattern, bytes sent by each process per exchange, seconds per
+exchange.
 """
 
 from __future__ import annotations
@@ -58,22 +65,38 @@ def all_reduce(connection: socket.socket, rank: int, buffer: np.ndarray, scratch
     return theirs.nbytes + mine.nbytes
 
 
+def round_trip(connection: socket.socket, rank: int, buffer: np.ndarray, scratch: np.ndarray) -> int:
+    """Rank 0's ``buffer`` to rank 1 and an update of its size back, added into it; return the
+    bytes sent."""
+    if rank == 0:
+        connection.sendall(memoryview(buffer).cast("B"))
+        receive_into(connection, memoryview(scratch).cast("B"))
+        buffer += scratch
+    else:
+        receive_into(connection, memoryview(scratch).cast("B"))
+        connection.sendall(memoryview(scratch).cast("B"))
+    return buffer.nbytes
+
+
+PATTERNS = {"all_reduce": all_reduce, "round_trip": round_trip}
+
+
 def pin(rank: int) -> None:
     # The workers' assignment (tasks/cluster/local.py): the allowed cores in order, round robin.
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
 
-def run(connection: socket.socket, rank: int, size: int, repeats: int) -> tuple[list[float], int]:
-    """Seconds of each timed all-reduce of ``size`` bytes, and the bytes each one sent."""
+def run(connection: socket.socket, rank: int, size: int, repeats: int, pattern: str) -> tuple[list[float], int]:
+    """Seconds of each timed exchange of ``size`` bytes in ``pattern``, and the bytes each one sent."""
     connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buffer = np.ones(size // 4, np.float32)
-    scratch = np.empty(buffer.size - buffer.size // 2, np.float32)
+    scratch = np.empty(buffer.size, np.float32)
     seconds = []
     for i in range(WARMUP + repeats):
         exchange(connection, np.zeros(1, np.float32), np.empty(1, np.float32))  # start together
         started = time.perf_counter()
-        sent = all_reduce(connection, rank, buffer, scratch)
+        sent = PATTERNS[pattern](connection, rank, buffer, scratch)
         if i >= WARMUP:
             seconds.append(time.perf_counter() - started)
     return seconds, sent
@@ -82,6 +105,7 @@ def run(connection: socket.socket, rank: int, size: int, repeats: int) -> tuple[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bytes", type=int, required=True, help="bytes all-reduced (a multiple of 4: float32)")
+    parser.add_argument("--pattern", choices=PATTERNS, default="all_reduce")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--peer", type=int, help=argparse.SUPPRESS)  # the second process: rank 0's port
     args = parser.parse_args()
@@ -90,22 +114,22 @@ def main() -> int:
     if args.peer is not None:
         pin(1)
         with socket.create_connection(("127.0.0.1", args.peer)) as connection:
-            run(connection, 1, args.bytes, args.repeats)
+            run(connection, 1, args.bytes, args.repeats, args.pattern)
         return 0
     pin(0)
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.settimeout(60)
-        command = [sys.executable, __file__, f"--bytes={args.bytes}", f"--repeats={args.repeats}"]
-        peer = subprocess.Popen([*command, f"--peer={server.getsockname()[1]}"])
+        peer = subprocess.Popen([sys.executable, __file__, *sys.argv[1:], f"--peer={server.getsockname()[1]}"])
         try:
             connection, _ = server.accept()
             with connection:
-                seconds, sent = run(connection, 0, args.bytes, args.repeats)
+                seconds, sent = run(connection, 0, args.bytes, args.repeats, args.pattern)
         finally:
             if peer.wait(timeout=60) != 0:
                 raise RuntimeError(f"the peer process exited with {peer.returncode}")
     result = {
         "bytes": args.bytes,
+        "pattern": args.pattern,
         "bytes_sent_per_process": sent,
         "repeats": args.repeats,
         "seconds": statistics.median(seconds),

@@ -64,8 +64,19 @@ def test_model_parallel_places_layer_groups_and_their_variables_on_different_dev
     assert record["history"]["val_accuracy"][-1] > record["history"]["val_accuracy"][0]
 
 
-def test_parameter_server_shards_variables_and_measures_staleness_per_worker(hetflow_env):
+def test_parameter_server_shards_variables_measures_staleness_per_worker_and_communication(hetflow_env):
     record, _ = train(hetflow_env, "strategy=parameter_server", "workers=2", "ps=2", "epochs=2", "steps_per_epoch=300")
+    from tasks.models import build_model
+
+    model = build_model("mlp", [8, 8, 1], 10, seed=42)
+    communication = record["communication"]
+    # A step reads every parameter (float32) onto its worker and sends as many bytes of gradient
+    # back; the kernel's two shards are two variables of the exchange.
+    assert communication["bytes_to_worker"] == communication["bytes_to_ps"] == 4 * model.count_params()
+    assert communication["variables"] == len(model.trainable_variables) + 1
+    # Timed alone, an exchange takes less than a step of training, which makes the same one.
+    step_seconds = min(worker["step_seconds"] for worker in record["per_worker"].values())
+    assert 0 < communication["seconds_per_step"] < step_seconds
     shards = record["sharded_variables"]["dense/kernel"]
     assert [s["shape"] for s in shards] == [[32, 128], [32, 128]]  # the 64x128 kernel split over 2 ps
     assert sorted(s["device"].split("/device")[0] for s in shards) == [

@@ -23,6 +23,7 @@ from tasks.models import build_model
 from tasks.paths import RunPaths
 from tasks.replica.checkpoint import EpochCheckpoint
 from tasks.replica.loop import EpochLoop, validation_sums
+from tasks.replica.ps_exchange import communication_record, time_exchange
 from tasks.replica.record import Trained, worker_rate
 from tasks.schedule import make_optimizer, steps_per_epoch
 from tasks.spec import RunSpec
@@ -143,6 +144,15 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     validation = eval_input(dataset, "validation")
     with strategy.scope():
         checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer, updates_applied=updates_applied)
+    variables = model.trainable_variables
+    communication = communication_record(
+        variables, time_exchange(strategy, coordinator, spec.workers, variables, STEPS_PER_CLOSURE), STEPS_PER_CLOSURE
+    )
+    print(
+        f"communication per step, timed alone: {1000 * communication['seconds_per_step']:.1f} ms "
+        f"({communication['bytes_to_worker'] / 1e6:.2f} MB of variables to a worker, as many back to the ps)",
+        flush=True,
+    )
     loop.run(train_epoch, lambda: validation_sums(predict, validation), checkpoint, describe_epoch=describe_staleness)
 
     # The model lists a sharded variable as its parts, named <variable>/part_<i>.
@@ -170,5 +180,11 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         if all_staleness
         else None
     )
-    fields = {"replicas_in_sync": 1, "per_worker": per_worker, "staleness": staleness, "sharded_variables": shards}
+    fields = {
+        "replicas_in_sync": 1,
+        "per_worker": per_worker,
+        "staleness": staleness,
+        "sharded_variables": shards,
+        "communication": communication,
+    }
     return Trained(loop, model, fields)
