@@ -369,6 +369,36 @@ def test_a_dead_holders_lock_in_the_registry_is_taken_over_once_its_heartbeat_st
     assert client.search_registered_models(f"name LIKE '{name} (%'") == []
 
 
+def test_a_waiter_that_read_a_dead_holder_late_cannot_rename_the_next_holders_lock_away(hetflow_env):
+    """Two waiters saw the same dead holder. The first renames its lock to that holder's tombstone
+    and takes the lock; the second, acting on what it read before, tries the same rename: the
+    tombstone's name is taken, so the rename fails and the new holder keeps its lock."""
+    from mlflow import MlflowClient
+    from tasks.registry import registry_lock
+
+    name = "late-breaker"
+    client = MlflowClient()
+    _registered(client, name)
+    dead = registry_lock.RegistryLock(client, name, "a task SIGKILLed while it held the lock")
+    dead.acquire()
+    dead._stop.set()  # its heartbeat dies with it; the lock stays in the registry
+    first = registry_lock.RegistryLock(client, name, "the first waiter")
+    late = registry_lock.RegistryLock(client, name, "the late waiter")
+    assert first._break(dead.token, dead.held_by, "its heartbeat stopped")
+    first.acquire()
+    try:
+        assert not late._break(dead.token, dead.held_by, "its heartbeat stopped (as read before)")
+        first.confirm()  # still its lock
+        lock = client.get_registered_model(registry_lock.lock_name(name))
+        assert lock.tags[registry_lock.HOLDER_TAG] == first.token
+    finally:
+        first.release()
+    assert (
+        client.get_registered_model(registry_lock.tombstone_name(name, dead.token)).tags[registry_lock.HOLDER_TAG]
+        == dead.token
+    )
+
+
 class _Output:
     """The lines a process writes to one of its pipes, read as they come."""
 
