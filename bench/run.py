@@ -6,8 +6,9 @@ tasks/data/synthetic_images.py) with 64 examples per worker per step, for a fixe
   baseline     a plain single-process ``model.fit`` (bench/baseline.py): no hetflow cluster, default threads
   one_worker   ``hetflow train``, one replica, one_device, one TensorFlow thread
   mwms_2       ``hetflow train``, 2 workers, multi_worker_mirrored, one thread each, pinned to a core each
-  ps_2w_1ps    ``hetflow train``, a chief, 2 workers and 1 ps, parameter_server, one thread each, not pinned
-               (the spec refuses pin_cores for parameter_server); each step is one worker's batch
+  ps_2w_1ps    ``hetflow train``, a chief, 2 workers and 1 ps, parameter_server, one thread each, pinned
+               as mwms_2 (the workers a core each; the ps shares worker-0's, the chief worker-1's);
+               each step is one worker's batch
   two_apart    two one_worker jobs at once, each pinned to a core of its own: no communication at
                all, so their summed examples/s is what two single-threaded workers can reach on
                this machine (the ceiling for mwms_2, which adds the all-reduce)
@@ -126,15 +127,16 @@ CASES = (
     ),
     Case(
         "ps_2w_1ps",
-        "hetflow, chief + 2 workers + 1 ps, parameter_server (async), 1 thread each, not pinned",
-        # Under parameter_server each step runs on one worker, so its batch is one worker's. Not
-        # pinned: pinned PS replicas stalled the coordinator here (the spec rejects it).
+        "hetflow, chief + 2 workers + 1 ps, parameter_server (async), 1 thread each, pinned "
+        "(the ps on worker-0's core, the chief on worker-1's)",
+        # Under parameter_server each step runs on one worker, so its batch is one worker's.
         {
             "strategy": "parameter_server",
             "workers": 2,
             "ps": 1,
             "batch_size": PER_WORKER_BATCH,
             "replica_threads": 1,
+            "pin_cores": True,
         },
     ),
     Case(
@@ -556,8 +558,8 @@ def markdown(report: dict[str, Any]) -> str:
         share = ps_ceiling["case_vs_ceiling"]
         lines += [
             "",
-            f"Asynchronous workers against the same ceiling: {ps_ceiling['case']} (a chief, 2 workers and 1 ps, "
-            "not pinned; each step one worker's batch, applied on the ps) reaches "
+            f"Asynchronous workers against the same ceiling: {ps_ceiling['case']} "
+            f"({report['cases'][ps_ceiling['case']]['what']}; each step one worker's batch, applied on the ps) reaches "
             f"{ps_ceiling['case_vs_one_worker']:.2f}× one_worker's whole-command examples/s, **{share:.2f} of "
             f"{ps_ceiling['ceiling']}'s {ps_ceiling['ceiling_vs_one_worker']:.2f}×** (over the whole job "
             f"{ps_ceiling['whole_job_case_vs_ceiling']:.2f}; the sync aim of at least {AIM_CEILING_SHARE} would be "

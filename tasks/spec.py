@@ -488,11 +488,6 @@ def cluster_problems(spec: RunSpec) -> list[str]:
             "worker_devices slowdown is invalid with backend=kubernetes: expected 1 "
             "(a slower machine is simulated by the local and docker backends only)"
         )
-    if spec.pin_cores and spec.strategy == "parameter_server":
-        problems.append(
-            "pin_cores=true is invalid with strategy=parameter_server: expected false (pinned ps, workers and "
-            "chief were seen to stall the coordinator here)"
-        )
     if spec.balance_batches and (spec.strategy != "multi_worker_mirrored" or spec.devices_per_worker != 1):
         problems.append(
             f"balance_batches=true is invalid with strategy={spec.strategy}, devices_per_worker="

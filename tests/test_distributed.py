@@ -124,6 +124,19 @@ def test_a_slowed_async_worker_computes_its_gradients_on_stale_parameters(hetflo
     assert_staleness_bounded_by_the_other_workers_updates(record)
 
 
+def test_parameter_server_replicas_pinned_to_a_core_each_train(hetflow_env):
+    """Pinned, a server's inter-op pool had one thread and the chief never saw its first epoch."""
+    sets = ["strategy=parameter_server", "workers=2", "ps=1", "pin_cores=true", "replica_threads=1"]
+    sets += ["epochs=1", "steps_per_epoch=40"]
+    done = hetflow(hetflow_env, "train", *[token for key in sets for token in ("--set", key)], timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    pinned = [line for line in done.stderr.splitlines() if "pinned to core" in line]
+    for replica in ("chief-0", "worker-0", "worker-1", "ps-0"):
+        assert any(f"started {replica} " in line for line in pinned), replica
+    record = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
+    assert sum(worker["steps"] for worker in record["per_worker"].values()) == 40
+
+
 def test_one_async_worker_is_never_stale(hetflow_env):
     record, _ = train(hetflow_env, "strategy=parameter_server", "workers=1", "ps=1", "epochs=2", "steps_per_epoch=100")
     assert record["staleness"] == {"mean": 0.0, "max": 0, "histogram": {"0": 200}}
