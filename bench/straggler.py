@@ -227,8 +227,9 @@ def markdown(record: dict) -> str:
         "- **wall s**: the whole command, shutdown included.",
         "- every case runs one epoch loop (validation inside each epoch, a checkpoint after it); naive and "
         "balanced sync share their step too (validation split over the workers), differing in the batch "
-        "shares only (equal, or by measured speed); `balanced_sync` on the even cluster is the control. async's "
-        "step is scheduled by its chief, which validates alone.",
+        "shares only (equal, or by measured speed)"
+        + ("; `balanced_sync` on the even cluster is the control" if "even" in record["medians"] else "")
+        + ". async's step is scheduled by its chief, which validates alone.",
         "- **whole-job examples/s**: examples / launch to final weights; **validation share**: of the time in epochs.",
         "",
         f"- date: {record['date']}",
