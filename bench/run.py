@@ -705,12 +705,12 @@ def main() -> int:
     report["ceiling"] = ceiling_comparison(report["cases"], CEILING_PAIR[0])
     report["ps_ceiling"] = ceiling_comparison(report["cases"], PS_CASE)
     bound_errors = []
-    for key, against_bound in (
+    for key, compare in (
         ("collectives", collectives_against_bound),
         ("ps_communication", ps_communication_against_bound),
     ):
         try:
-            report[key] = against_bound(samples)
+            report[key] = compare(samples)
         except RunFailed as exc:
             bound_errors.append(str(exc))
             print(f"[bench] {exc}", file=sys.stderr, flush=True)
