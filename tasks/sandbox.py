@@ -41,6 +41,7 @@ log = logging.getLogger("hetflow.sandbox")
 ALLOW_UNISOLATED_ENV = "HETFLOW_ALLOW_UNISOLATED"
 # What root drops to: nobody owns no file, holds no group and no capability.
 SANDBOX_UID = SANDBOX_GID = 65534
+SANDBOX_OWNER = (SANDBOX_UID, SANDBOX_GID)
 # What root's view needs beyond the sandbox's: dropping to the sandbox uid.
 _SETPRIV_CAPABILITIES = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
 
@@ -126,7 +127,7 @@ def private_directories(tracking_uri: str | None = None) -> list[str]:
     return sorted({str(path.resolve()) for path in private})
 
 
-def hand_over(path: Path | str, owner: tuple[int, int] = (SANDBOX_UID, SANDBOX_GID)) -> None:
+def hand_over(path: Path | str, owner: tuple[int, int] = SANDBOX_OWNER) -> None:
     """Make ``path`` (a directory the sandbox writes into) the sandbox uid's (or ``owner``'s: uid,
     gid), where root starts it; as any other user the sandbox writes as that user and nothing changes."""
     if os.geteuid() == 0:

@@ -73,7 +73,7 @@ def container_user() -> str:
     return f"{os.getuid()}:{os.getgid()}"
 
 
-def prepare_run_dir(paths: RunPaths, owner: tuple[int, int] = (sandbox.SANDBOX_UID, sandbox.SANDBOX_GID)) -> list[Path]:
+def prepare_run_dir(paths: RunPaths, owner: tuple[int, int] = sandbox.SANDBOX_OWNER) -> list[Path]:
     """Before container replicas start: remove what an earlier try's replicas planted, make the
     folders later stages write into (so no replica puts a link at their names), hand what replicas
     write to their uid and gid (``owner``). Returns what of the run directory a container sees

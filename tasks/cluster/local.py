@@ -99,7 +99,7 @@ def pipeline_directories(paths: RunPaths) -> list[Path]:
     return [paths.plots, paths.compressed, paths.saved_model.parent, paths.root / "serving", paths.root / "tensorboard"]
 
 
-def hand_over_writable(paths: RunPaths, owner: tuple[int, int] = (sandbox.SANDBOX_UID, sandbox.SANDBOX_GID)) -> None:
+def hand_over_writable(paths: RunPaths, owner: tuple[int, int] = sandbox.SANDBOX_OWNER) -> None:
     """What replicas write (the run directory's top, where the chief's weights and records go; the
     checkpoints) becomes the replicas' own (``owner``: their uid and gid, the sandbox's by default)
     where root provisions."""
