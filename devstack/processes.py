@@ -50,14 +50,19 @@ def _commands(airflow_port: int, mlflow_port: int) -> dict[str, list[str]]:
         "scheduler": [*airflow, "scheduler", "--skip-serve-logs"],
         "dag-processor": [*airflow, "dag-processor"],
         "triggerer": [*airflow, "triggerer", "--skip-serve-logs"],
-        "mlflow": [
-            sys.executable, "-m", "mlflow", "server",
-            "--backend-store-uri", f"sqlite:///{store}",
-            # Where the registry puts the hetflow experiment's artifacts for a SQLite store.
-            "--default-artifact-root", (store.parent / "artifacts").as_uri(),
-            "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1",
-        ],
+        "mlflow": mlflow_server_command(store, mlflow_port),
     }  # fmt: skip
+
+
+def mlflow_server_command(store: Path, port: int) -> list[str]:
+    """``mlflow server`` over the SQLite store ``store`` on 127.0.0.1:``port``."""
+    return [
+        sys.executable, "-m", "mlflow", "server",
+        "--backend-store-uri", f"sqlite:///{store}",
+        # Where the registry puts the hetflow experiment's artifacts for a SQLite store.
+        "--default-artifact-root", (store.parent / "artifacts").as_uri(),
+        "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+    ]  # fmt: skip
 
 
 def create_time(pid: int) -> str | None:

@@ -30,16 +30,14 @@ FINGERPRINT = "f" * 16  # every version was scored on the same prepared data: re
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real MLflow server over a SQL store, started as make up starts it; yields its port."""
+    from devstack.processes import mlflow_server_command
     from tasks.serving import free_port
 
     store = tmp_path_factory.mktemp("mlflow_server")
     port = free_port()
-    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
-               "--default-artifact-root", (store / "artifacts").as_uri(),
-               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
     with (store / "server.log").open("w") as log:
         server = subprocess.Popen(
-            command,
+            mlflow_server_command(store / "mlflow.db", port),
             env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
             stdout=log,
             stderr=subprocess.STDOUT,
