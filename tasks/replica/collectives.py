@@ -27,6 +27,8 @@ from typing import Any
 
 import tensorflow as tf
 
+from tasks.replica.record import tensor_bytes
+
 # Ring all-reduce over gRPC between the workers named in TF_CONFIG (no NCCL on CPU); all of a
 # step's gradients in one collective (bytes_per_pack=0).
 COMMUNICATION = tf.distribute.experimental.CommunicationOptions(
@@ -69,7 +71,7 @@ def collectives_record(step: tf.types.experimental.ConcreteFunction, seconds_per
     return {
         "seconds_per_step": seconds_per_step,
         "collectives_per_step": len(reduced),
-        "bytes_per_step": sum(tensor.shape.num_elements() * tensor.dtype.size for tensor in reduced),
+        "bytes_per_step": tensor_bytes(reduced),
         "dtypes": sorted({tensor.dtype.name for tensor in reduced}),
         "implementation": COMMUNICATION.implementation.name,
         "bytes_per_pack": COMMUNICATION.bytes_per_pack,

@@ -26,11 +26,9 @@ from typing import Any
 
 import tensorflow as tf
 
+from tasks.replica.record import tensor_bytes
+
 TIMED_CLOSURES = 5
-
-
-def variable_bytes(variables: list[tf.Variable]) -> int:
-    return sum(variable.shape.num_elements() * variable.dtype.size for variable in variables)
 
 
 def time_exchange(
@@ -66,7 +64,7 @@ def communication_record(
     variables: list[tf.Variable], closure_seconds: list[float], steps_per_closure: int
 ) -> dict[str, Any]:
     """training.json's ``communication``: the bytes a step moves and ``time_exchange``'s seconds."""
-    size = variable_bytes(variables)
+    size = tensor_bytes(variables)
     return {
         "seconds_per_step": statistics.median(closure_seconds) / steps_per_closure,
         "bytes_to_worker": size,

@@ -15,6 +15,11 @@ from tasks.schedule import learning_rate_plan
 from tasks.spec import RunSpec
 
 
+def tensor_bytes(tensors) -> int:
+    """What ``tensors`` (or variables) hold, in bytes: what a step moves of them."""
+    return sum(tensor.shape.num_elements() * tensor.dtype.size for tensor in tensors)
+
+
 def worker_rate(batch: int, steps: int, seconds: float) -> dict[str, float]:
     """One worker's part: the steps it ran, its examples/s and its time per step."""
     if not steps:  # a retry that resumed after the last epoch
