@@ -1,0 +1,1 @@
+"""TODO(plan31): what this package holds."""
