@@ -17,7 +17,7 @@ $(INSTALLED): requirements.lock pyproject.toml
 
 setup: $(INSTALLED)
 
-## the sandbox of local replicas and model servers (tasks/sandbox.py): Debian's bubblewrap; setpriv drops root
+## the sandbox of local replicas and model servers (hetflow/sandbox.py): Debian's bubblewrap; setpriv drops root
 sandbox:
 	@command -v bwrap >/dev/null && command -v setpriv >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap util-linux; }
@@ -87,8 +87,8 @@ chaos: setup
 
 ## style and static checks
 lint: setup lint-docker
-	$(BIN)/ruff check tasks devstack tests dags plugins bench
-	$(BIN)/ruff format --check tasks devstack tests dags plugins bench
+	$(BIN)/ruff check hetflow devstack tests dags plugins bench
+	$(BIN)/ruff format --check hetflow devstack tests dags plugins bench
 
 ## the Dockerfiles (hadolint) and the compose file (compose-spec schema), offline
 lint-docker: setup

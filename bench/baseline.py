@@ -17,11 +17,11 @@ from pathlib import Path
 
 # hetflow's modules first: importing ``tasks`` selects tf_keras, which must happen before
 # TensorFlow's own import (so ``tf.keras`` below is the same Keras the replicas use).
-from tasks.data.pipeline import eval_input, train_input
-from tasks.data.prepare import prepare_dataset
-from tasks.models import build_model, compile_model
-from tasks.paths import data_dir
-from tasks.replica.clock import TrainingClock
+from hetflow.data.pipeline import eval_input, train_input
+from hetflow.data.prepare import prepare_dataset
+from hetflow.models.architectures import build_model, compile_model
+from hetflow.paths import data_dir
+from hetflow.replica.clock import TrainingClock
 
 # isort: split
 import tensorflow as tf

@@ -43,8 +43,8 @@ from pathlib import Path
 from chaos_scenarios import SCENARIOS, Bench, leftovers, replica_count, run_dir
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 
-from tasks.attempts import STAGE_OUTPUTS, STAGES
-from tasks.paths import RunPaths
+from hetflow.paths import RunPaths
+from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES
 
 
 def record_problems(home: Path, run_id: str) -> list[str]:
@@ -107,7 +107,7 @@ def run_scenario(bench: Bench, name: str) -> dict:
 def sweep_and_clean(bench: Bench) -> dict:
     """``sweep(home)`` for every home of the bench, then whatever of its runs is still there, removed
     by the bench itself (so that nothing outlives it), each reported."""
-    from tasks.cluster.backends import sweep
+    from hetflow.cluster.backends import sweep
 
     runs = [(home, path.read_text()) for home in sorted(bench.homes) for path in home.glob("runs/*/run_id")]
     swept = {str(home): sweep(home) for home in sorted(bench.homes)}
@@ -120,7 +120,7 @@ def sweep_and_clean(bench: Bench) -> dict:
                 with contextlib.suppress(ProcessLookupError):  # gone since it was found
                     os.kill(pid, signal.SIGKILL)
             if bench.docker is not None:
-                from tasks.cluster.docker_backend import teardown_run
+                from hetflow.cluster.docker_backend import teardown_run
 
                 teardown_run(run_id, bench.docker)
     return {"swept": swept, "left_after_sweep": after}
@@ -246,8 +246,8 @@ def _sigterm_lines(ran: dict) -> list[str]:
         "",
         "## SIGTERM of the train task",
         "",
-        f"A 2-worker multi_worker_mirrored run's supervising process (running `tasks.train.train`) gets SIGTERM after "
-        f"its second epoch, and SIGKILL {grace:g} s later if it is still there, as Airflow 3 does.",
+        "A 2-worker multi_worker_mirrored run's supervising process (running `hetflow.tasks.train.train`) "
+        f"gets SIGTERM after its second epoch, and SIGKILL {grace:g} s later if it is still there, as Airflow 3 does.",
         "",
         "| backend | SIGTERM at s | no replica left after s | train task |",
         "|---|---:|---:|---|",
@@ -290,7 +290,7 @@ def _trouble_lines(ran: dict) -> list[str]:
 
 
 def _sweep_lines(record: dict) -> list[str]:
-    lines = ["", "## Final sweep", "", "`tasks.cluster.backends.sweep(home)` for each HETFLOW_HOME of the bench:", ""]
+    lines = ["", "## Final sweep", "", "`hetflow.cluster.backends.sweep(home)` for each HETFLOW_HOME of the bench:", ""]
     for home, found in record["sweep"]["swept"].items():
         lines.append(f"- `{Path(home).name}`: containers {found['containers']}, networks {found['networks']}")
     left = record["sweep"]["left_after_sweep"]

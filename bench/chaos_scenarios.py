@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.attempts import STAGE_OUTPUTS, STAGES
-from tasks.cluster.processes import run_processes, run_replicas
-from tasks.paths import RunPaths, run_dir_name
+from hetflow.cluster.processes import run_processes, run_replicas
+from hetflow.paths import RunPaths, run_dir_name
+from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Airflow 3 stops a task with SIGTERM and SIGKILLs it this many seconds later (its task supervisor's
@@ -51,13 +51,13 @@ WATCHED = {"sync": "worker-0", "async": "chief-0"}
 SUPERVISOR = """
 import json, sys, time
 from pathlib import Path
-from tasks.attempts import STAGES
-from tasks.prepare_data import prepare_data
-from tasks.provision_cluster import provision_cluster
-from tasks.summarize import summarize
-from tasks.teardown_cluster import teardown_cluster
-from tasks.train import train
-from tasks.validate_spec import validate_spec
+from hetflow.pipeline.attempts import STAGES
+from hetflow.tasks.prepare_data import prepare_data
+from hetflow.tasks.provision_cluster import provision_cluster
+from hetflow.tasks.summarize import summarize
+from hetflow.tasks.teardown_cluster import teardown_cluster
+from hetflow.tasks.train import train
+from hetflow.tasks.validate_spec import validate_spec
 import tensorflow_datasets  # noqa: F401
 run_id, values, teardown, start = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "teardown", sys.argv[4:]
 if start:
@@ -81,14 +81,15 @@ finally:
 # try of theirs starts. Prints what the stages returned and summarize's error.
 CLEAR_PASS = """
 import importlib, json, sys
-from tasks.attempts import STAGES
-from tasks.summarize import summarize
-from tasks.teardown_cluster import teardown_cluster
+from hetflow.pipeline.attempts import STAGES
+from hetflow.tasks.summarize import summarize
+from hetflow.tasks.teardown_cluster import teardown_cluster
 run_id, values, try_number, earlier = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 returned = {}
 def ran(stage, *args):
     try:
-        returned[stage] = getattr(importlib.import_module(f"tasks.{stage}"), stage)(*args, try_number=try_number)
+        stage_function = getattr(importlib.import_module(f"hetflow.tasks.{stage}"), stage)
+        returned[stage] = stage_function(*args, try_number=try_number)
     except Exception:
         returned[stage] = None
     return returned[stage] is not None
@@ -193,7 +194,7 @@ def leftovers(bench: Bench, home: Path, run_id: str) -> dict:
         "networks": [],
     }
     if bench.docker is not None:
-        from tasks.cluster.docker_backend import run_filter
+        from hetflow.cluster.docker_backend import run_filter
 
         found["containers"] = sorted(c.name for c in bench.docker.containers.list(all=True, filters=run_filter(run_id)))
         found["networks"] = sorted(n.name for n in bench.docker.networks.list(filters=run_filter(run_id)))
@@ -299,7 +300,7 @@ def teardown(home: Path, run_id: str) -> None:
     command = [
         sys.executable,
         "-c",
-        "import sys; from tasks.teardown_cluster import teardown_cluster; teardown_cluster(sys.argv[1])",
+        "import sys; from hetflow.tasks.teardown_cluster import teardown_cluster; teardown_cluster(sys.argv[1])",
         run_id,
     ]
     subprocess.run(command, cwd=REPO_ROOT, env=environment(home), capture_output=True)

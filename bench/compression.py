@@ -2,12 +2,12 @@
 TFLite files of the digits models, over seeds, with and without sparsity-aware encoding.
 
 For each model and seed, ``hetflow train`` (the pipeline's training stage, default spec on
-uci_digits: 40 epochs) trains the float model; then ``tasks.compress.prune`` (the compress stage's
+uci_digits: 40 epochs) trains the float model; then ``hetflow.tasks.compress.prune`` (the compress stage's
 own code: schedule, blocks, the kernels it leaves dense, fine-tuning sized from the training run's
-training.json) prunes it to each sparsity, and ``tasks.tflite.to_tflite`` converts each base with
+training.json) prunes it to each sparsity, and ``hetflow.artifacts.tflite.to_tflite`` converts each base with
 each quantization, the pruned ones once with the sparsity encoding (what compress ships) and once
 without (the one difference). Every file is re-loaded in the LiteRT interpreter and scored on the
-whole test split by ``tasks.export.score`` (accuracy; latency = median of 200 batch-1 calls after a
+whole test split by ``hetflow.tasks.export.score`` (accuracy; latency = median of 200 batch-1 calls after a
 warm-up), as export scores what it ships. The markdown shows mean ± sd over the seeds, every figure
 computed from the JSON record.
 
@@ -52,14 +52,14 @@ def train(model: str, seed: int, env: dict[str, str]) -> Path:
 def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     """Every (sparsity, quantization, encoding) variant of one trained model, converted and scored."""
 
-    from tasks.attempts import load_spec
-    from tasks.compress import fine_tuning_steps, kernel_sparsity, overall_sparsity, prune, pruned_layers
-    from tasks.data.pipeline import split_arrays
-    from tasks.export import score
-    from tasks.models import trained_model
-    from tasks.paths import RunPaths
-    from tasks.predictors import tflite_predictor
-    from tasks.tflite import representative_images, to_tflite, weight_encoding
+    from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.artifacts.tflite import representative_images, to_tflite, weight_encoding
+    from hetflow.data.pipeline import split_arrays
+    from hetflow.models.architectures import trained_model
+    from hetflow.paths import RunPaths
+    from hetflow.pipeline.attempts import load_spec
+    from hetflow.tasks.compress import fine_tuning_steps, kernel_sparsity, overall_sparsity, prune, pruned_layers
+    from hetflow.tasks.export import score
 
     paths = RunPaths(run_dir)
     spec, dataset = load_spec(paths), json.loads(paths.dataset.read_text())
@@ -167,7 +167,7 @@ def markdown(record: dict) -> str:
         "# Compression benchmark",
         "",
         f"`hetflow train` on `{record['dataset']}` (default spec: 40 epochs) for each model and seed "
-        f"({', '.join(map(str, record['seeds']))}). Each float model is pruned by `tasks.compress.prune` to "
+        f"({', '.join(map(str, record['seeds']))}). Each float model is pruned by `hetflow.tasks.compress.prune` to "
         f"each sparsity (hidden kernels of at least {record['min_pruned_weights']:,} weights; Dense kernels in "
         f"{record['dense_block'][0]}x{record['dense_block'][1]} blocks; the logits dense), fine-tuned for "
         f"{record['fine_tuning_share']} of the steps the model trained, and converted to TFLite as float and as "
@@ -182,7 +182,7 @@ def markdown(record: dict) -> str:
         f"What ran (kept small: 2 cores shared with other work): models {', '.join(record['models'])}, seeds "
         f"{', '.join(map(str, record['seeds']))}, sparsities {', '.join(f'{x:.0%}' for x in record['sparsities'])}, "
         f"quantizations {', '.join(record['quantizations'])} (dynamic and float16 files are not sparse-encoded, "
-        "see tasks/tflite.py).",
+        "see hetflow/artifacts/tflite.py).",
         "",
         f"- date: {record['date']}",
         f"- command: `{record['command']}`",
@@ -271,9 +271,9 @@ def main() -> None:
         env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
         os.environ.update(env)  # this process reads the runs' data too
         # Before measure() imports TensorFlow: the package sets TF_USE_LEGACY_KERAS.
-        import tasks  # noqa: F401
-        from tasks.compress import DENSE_BLOCK, MIN_PRUNED_WEIGHTS
-        from tasks.spec import RunSpec
+        import hetflow  # noqa: F401
+        from hetflow.spec import RunSpec
+        from hetflow.tasks.compress import DENSE_BLOCK, MIN_PRUNED_WEIGHTS
 
         runs = [measure(train(model, seed, env), sparsities, Path(home)) for model in models for seed in seeds]
     record = {

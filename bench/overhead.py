@@ -6,7 +6,7 @@ first ``make run`` pays once: the dataset prepared, Airflow's metadata DB and th
 created. The run measured is then what every later run that trains costs. Just before each run,
 one TensorFlow import is timed in a fresh interpreter (median of 3): the yardstick of the aim.
 
-Figures, from the run's summary.json (``timings``, see tasks/summarize.py and tasks/timings.py):
+Figures, from the run's summary.json (``timings``, see hetflow/tasks/summarize.py and hetflow/pipeline/timings.py):
 - the headline (issue 27): the command's wall time, launch to exit, less the training, against
   ``AIM_IMPORTS`` times one TensorFlow import measured in the same run;
 - the DAG's wall time, from the DAG run's start to ``summarize``; the training's, the replicas'
@@ -47,17 +47,17 @@ PARTS = ("imports", "mlflow_io", "work")
 # The first use of a home, each in a process of its own so that the measured run starts cold.
 SET_UP = {
     "dataset": (
-        "import json, sys; from pathlib import Path; from tasks.data.prepare import prepare_dataset; "
-        "from tasks.paths import data_dir; spec = json.loads(sys.argv[1]); "
+        "import json, sys; from pathlib import Path; from hetflow.data.prepare import prepare_dataset; "
+        "from hetflow.paths import data_dir; spec = json.loads(sys.argv[1]); "
         "prepare_dataset(spec['dataset'], Path(spec['data_dir']) if spec['data_dir'] else data_dir(), "
         "spec['image_size'])"
     ),
     "airflow_db": (
-        "import os; from tasks.cli.dag_run import ensure_airflow_db, airflow_environment; "
+        "import os; from hetflow.cli.dag_run import ensure_airflow_db, airflow_environment; "
         "os.environ.update(airflow_environment()); ensure_airflow_db()"
     ),
     "mlflow_store": (
-        "from mlflow import MlflowClient; from tasks.registry.store import tracking_uri; "
+        "from mlflow import MlflowClient; from hetflow.registry.store import tracking_uri; "
         "MlflowClient(tracking_uri()).search_experiments()"
     ),
 }

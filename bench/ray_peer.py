@@ -1,7 +1,7 @@
 """The ``ray_2w`` case of ``bench/run.py``: the job of ``mwms_2`` under a peer, Ray Train.
 
 Same dataset, model (seed, optimizer), per-worker batch, steps and validation as hetflow's
-multi_worker_mirrored workers (tasks/replica/sync.py), trained as Ray's guides train Keras:
+multi_worker_mirrored workers (hetflow/replica/sync.py), trained as Ray's guides train Keras:
 ``model.fit`` under ``MultiWorkerMirroredStrategy`` (built from the ``TF_CONFIG`` Ray sets) by Ray
 Train's ``TensorflowTrainer`` on 2 Ray workers (one TensorFlow thread each, not pinned). Per epoch, in place of
 hetflow's per-epoch checkpoint, Ray's own way: every worker writes a checkpoint (model and optimizer)
@@ -24,11 +24,11 @@ from typing import Any
 
 # hetflow's modules first: importing ``tasks`` selects tf_keras before TensorFlow's own import (Ray
 # sets the same TF_USE_LEGACY_KERAS in its workers).
-from tasks.data.pipeline import eval_input, train_input
-from tasks.data.prepare import prepare_dataset
-from tasks.models import build_model, compile_model
-from tasks.paths import data_dir, hetflow_home
-from tasks.replica.clock import TrainingClock
+from hetflow.data.pipeline import eval_input, train_input
+from hetflow.data.prepare import prepare_dataset
+from hetflow.models.architectures import build_model, compile_model
+from hetflow.paths import data_dir, hetflow_home
+from hetflow.replica.clock import TrainingClock
 
 # isort: split
 import ray
@@ -56,7 +56,7 @@ class ReportEachEpoch(tf.keras.callbacks.Callback):
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    """One Ray worker: the job of a hetflow mwms worker (tasks/replica/sync.py), with model.fit."""
+    """One Ray worker: the job of a hetflow mwms worker (hetflow/replica/sync.py), with model.fit."""
     # One thread, as hetflow's replica_threads=1; before TensorFlow runs its first op.
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)

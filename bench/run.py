@@ -1,7 +1,7 @@
 """``make bench``: training throughput (examples/s) of the benchmark convnet on generated CIFAR-shaped data.
 
 Every case trains ``model=convnet`` on ``dataset=synthetic_cifar`` (generated data, see
-tasks/data/synthetic_images.py) with 64 examples per worker per step, for a fixed number of steps:
+hetflow/data/synthetic_images.py) with 64 examples per worker per step, for a fixed number of steps:
 
   baseline     a plain single-process ``model.fit`` (bench/baseline.py): no hetflow cluster, default threads
   one_worker   ``hetflow train``, one replica, one_device, one TensorFlow thread
@@ -28,12 +28,12 @@ alike; medians are reported. With mwms_2 and ray_2w both run,
 their ratios (whole-job examples/s and time to first step, ours / Ray's) are reported too; with
 mwms_2, two_apart and one_worker, mwms_2's share of the two-core ceiling. With mwms_2, once per
 bench run: its collectives' seconds per step (training.json's ``collectives``, timed alone by the
-workers, see tasks/replica/collectives.py) beside a bound measured here after the cases, the same
+workers, see hetflow/replica/collectives.py) beside a bound measured here after the cases, the same
 bytes all-reduced by two processes over a loopback socket (bench/socket_bound.py), and their ratio.
 With ps_2w_1ps: its whole-command examples/s against two_apart's (both as multiples of one_worker's),
 and its communication per step (training.json's ``communication``: every variable read onto a
 worker and an update of its size sent back, timed alone through the coordinator, see
-tasks/replica/ps_exchange.py) beside the same bytes sent there and back between two processes over
+hetflow/replica/ps_exchange.py) beside the same bytes sent there and back between two processes over
 a loopback socket (bench/socket_bound.py's round_trip), and their ratio.
 
 Writes bench/results/throughput-<UTC timestamp>.json and bench/RESULTS.md.
@@ -192,7 +192,7 @@ def prepare_dataset(env: dict[str, str]) -> None:
     """Prepare the dataset in the bench's home before the first case, so no case's time to first
     step includes building it. In a subprocess: the bench process itself stays free of TensorFlow."""
     code = (
-        "from tasks.data.prepare import prepare_dataset; from tasks.paths import data_dir; "
+        "from hetflow.data.prepare import prepare_dataset; from hetflow.paths import data_dir; "
         f"prepare_dataset({COMMON['dataset']!r}, data_dir())"
     )
     done = subprocess.run([str(BIN / "python"), "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
@@ -469,7 +469,7 @@ def markdown(report: dict[str, Any]) -> str:
         "# Benchmark results",
         "",
         f"Training throughput of `model={COMMON['model']}` (≈1.1 M parameters) on `dataset={COMMON['dataset']}` "
-        "(generated 32×32×3 images, 10 classes: synthetic data, see `tasks/data/synthetic_images.py`), "
+        "(generated 32×32×3 images, 10 classes: synthetic data, see `hetflow/data/synthetic_images.py`), "
         f"{PER_WORKER_BATCH} examples per worker per step, {settings['epochs']} epochs × "
         f"{settings['steps_per_epoch']} steps, median of {settings['repeats']} runs per case.",
         "",
@@ -600,7 +600,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"first step: **{1000 * communication['seconds_per_step']:.1f} ms** (median of its runs' {runs}) for "
             f"{communication['bytes_to_worker']} bytes of {communication['variables']} variables read onto a worker "
             f"and {communication['bytes_to_ps']} bytes of update sent back to the ps "
-            "(tasks/replica/ps_exchange.py); the same bytes sent there and back between two processes over a "
+            "(hetflow/replica/ps_exchange.py); the same bytes sent there and back between two processes over a "
             f"loopback socket, a core each (bench/socket_bound.py --pattern {bound['pattern']}): "
             f"{1000 * bound['seconds']:.1f} ms [{1000 * bound['seconds_min']:.1f}–{1000 * bound['seconds_max']:.1f}]; "
             f"**{ratio:.1f}× that bound** (the sync aim of at most {AIM_BOUND_RATIO:.0f}× would be "

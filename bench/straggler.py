@@ -42,7 +42,7 @@ from report import BENCH_DIR, save  # bench/report.py: the scripts run as bench/
 from run import machine_facts, prepare_dataset
 from swarm_nodes import left_on_engine, node_cpus, swarm
 
-from tasks.replica.balance import MEASURE_SECONDS
+from hetflow.replica.balance import MEASURE_SECONDS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

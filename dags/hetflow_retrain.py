@@ -21,8 +21,8 @@ from typing import Any
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
 from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, Param, dag, task
 
-from tasks.retrain import DEFAULT_CRON, PREPARED_DATA_URI
-from tasks.task_log import CALLBACKS as TASK_LOG_CALLBACKS
+from hetflow.pipeline.task_log import CALLBACKS as TASK_LOG_CALLBACKS
+from hetflow.registry.retrain import DEFAULT_CRON, PREPARED_DATA_URI
 
 CRON = os.environ.get("HETFLOW_RETRAIN_CRON", DEFAULT_CRON)
 
@@ -55,13 +55,13 @@ CRON = os.environ.get("HETFLOW_RETRAIN_CRON", DEFAULT_CRON)
     description=f"Retrain the champion on the cron {CRON} (UTC) and when the prepared data changes",
     tags=["hetflow"],
     doc_md=__doc__,
-    # Task logs: library stderr at DEBUG, a failure's headline last (tasks/task_log.py).
+    # Task logs: library stderr at DEBUG, a failure's headline last (hetflow/pipeline/task_log.py).
     default_args={"retries": 0, **TASK_LOG_CALLBACKS},
 )
 def hetflow_retrain():
     @task
     def champion_spec(params: dict[str, Any] | None = None):
-        from tasks.retrain import retrain_spec
+        from hetflow.registry.retrain import retrain_spec
 
         return retrain_spec(params["registered_model"], params["overrides"])
 

@@ -28,9 +28,9 @@ model, compresses and exports it, registers it, and summarizes. Where the result
 """
 
 # For developers: this file is wiring only. Every task calls the function of its own name in the
-# module of its own name, ``tasks.<task_id>.<task_id>``, imported inside the task so that parsing
+# module of its own name, ``hetflow.tasks.<task_id>.<task_id>``, imported inside the task so that parsing
 # this file never imports TensorFlow (the dag-processor re-parses it every few seconds). The
-# trigger form's fields are generated from ``tasks.spec.RunSpec``. Each stage gets its task's try
+# trigger form's fields are generated from ``hetflow.spec.RunSpec``. Each stage gets its task's try
 # number, which its record's receipt names; ``summarize`` checks the receipts against what the
 # stages returned.
 
@@ -40,9 +40,9 @@ from typing import Any
 
 from airflow.sdk import Asset, AssetAlias, dag, task
 
-from tasks.retrain import PREPARED_DATA_URI
-from tasks.spec import airflow_params
-from tasks.task_log import CALLBACKS as TASK_LOG_CALLBACKS
+from hetflow.pipeline.task_log import CALLBACKS as TASK_LOG_CALLBACKS
+from hetflow.registry.retrain import PREPARED_DATA_URI
+from hetflow.spec import airflow_params
 
 # prepare_data adds an event on the prepared-data Asset through this alias only when the data's
 # fingerprint changed: a task's plain outlets would get an event on every run.
@@ -60,18 +60,18 @@ DATA_CHANGES = AssetAlias("hetflow_data_changes")
     tags=["hetflow"],
     doc_md=__doc__,
     # Task logs: what libraries write to stderr goes to DEBUG, not ERROR; a failed task's log ends
-    # with one ERROR line naming the task and the cause (tasks/task_log.py). Each stage logs what it
+    # with one ERROR line naming the task and the cause (hetflow/pipeline/task_log.py). Each stage logs what it
     # did in a few lines; its return value (whole records, on one line) stays out of its log.
     default_args={"retries": 0, **TASK_LOG_CALLBACKS, "show_return_value_in_logs": False},
     # No max_active_runs: concurrent runs (two triggers, a retrain beside a manual run) are a
     # feature, made safe rather than forbidden: `champion` moves under one lock per registered
-    # model (tasks.registry.champion.promotion_lock). How many runs fit at once is a question of capacity
+    # model (hetflow.registry.champion.promotion_lock). How many runs fit at once is a question of capacity
     # (each replica holds ~1 GB), which the operator sets with [core] max_active_runs_per_dag.
 )
 def hetflow_train():
     @task
     def validate_spec(params: dict[str, Any] | None = None, dag_run=None, run_id: str | None = None, ti=None):
-        from tasks import validate_spec as stage
+        from hetflow.tasks import validate_spec as stage
 
         # params hold the form values (conf applied); conf may also carry keys the form does not
         # know, which must be rejected rather than ignored.
@@ -79,7 +79,7 @@ def hetflow_train():
 
     @task(outlets=[DATA_CHANGES])
     def prepare_data(run_id: str | None = None, outlet_events=None, ti=None):
-        from tasks import prepare_data as stage
+        from hetflow.tasks import prepare_data as stage
 
         record = stage.prepare_data(run_id, ti.try_number)
         if record["data_changed"]:
@@ -95,50 +95,50 @@ def hetflow_train():
 
     @task
     def provision_cluster(run_id: str | None = None, ti=None):
-        from tasks import provision_cluster as stage
+        from hetflow.tasks import provision_cluster as stage
 
         return stage.provision_cluster(run_id, ti.try_number)
 
     @task
     def train(run_id: str | None = None, ti=None):
-        from tasks import train as stage
+        from hetflow.tasks import train as stage
 
         return stage.train(run_id, ti.try_number)
 
     @task
     def teardown_cluster(run_id: str | None = None):
-        from tasks import teardown_cluster as stage
+        from hetflow.tasks import teardown_cluster as stage
 
         return stage.teardown_cluster(run_id)
 
     @task
     def evaluate(run_id: str | None = None, ti=None):
-        from tasks import evaluate as stage
+        from hetflow.tasks import evaluate as stage
 
         return stage.evaluate(run_id, ti.try_number)
 
     @task
     def compress(run_id: str | None = None, ti=None):
-        from tasks import compress as stage
+        from hetflow.tasks import compress as stage
 
         return stage.compress(run_id, ti.try_number)
 
     @task
     def export(run_id: str | None = None, ti=None):
-        from tasks import export as stage
+        from hetflow.tasks import export as stage
 
         return stage.export(run_id, ti.try_number)
 
     @task
     def register(run_id: str | None = None, dag=None, ti=None):
-        from tasks import register as stage
+        from hetflow.tasks import register as stage
 
         return stage.register(run_id, dag.dag_id, ti.try_number)
 
     @task(trigger_rule="all_done")
     def summarize(run_id: str | None = None, dag_run=None, ti=None):
-        from tasks import summarize as stage
-        from tasks.attempts import STAGES
+        from hetflow.pipeline.attempts import STAGES
+        from hetflow.tasks import summarize as stage
 
         # None for a stage whose last try failed or never ran: Airflow deletes a task's XComs when a try starts.
         returned = {name: ti.xcom_pull(task_ids=name) for name in STAGES}

@@ -21,8 +21,8 @@ from pathlib import Path
 
 # make up's own secrets, so both stacks make and keep their secrets one way.
 from devstack.secrets import generated_once, password_file, stack_dir, stack_secrets, write_private
-from tasks.paths import REPO_ROOT, hetflow_home
-from tasks.registry.store import runs_page
+from hetflow.paths import REPO_ROOT, hetflow_home
+from hetflow.registry.store import runs_page
 
 DOCKER_SOCKET = Path("/var/run/docker.sock")
 IMAGES_FILE = REPO_ROOT / "build" / "stack-images.env"

@@ -8,7 +8,7 @@ import hashlib
 import os
 import subprocess
 
-from tasks.paths import hetflow_home
+from hetflow.paths import hetflow_home
 
 
 def _admin(*command: str, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -19,9 +19,9 @@ from pathlib import Path
 import psutil
 
 from devstack.secrets import open_private, private_dir, stack_dir
-from tasks.cluster.processes import environments_with
-from tasks.paths import REPO_ROOT
-from tasks.registry.store import tracking_uri
+from hetflow.cluster.processes import environments_with
+from hetflow.paths import REPO_ROOT
+from hetflow.registry.store import tracking_uri
 
 STACK_ID_ENV = "HETFLOW_STACK_ID"  # in every component's environment, so in their descendants'
 STOP_GRACE = 20  # seconds between SIGTERM and SIGKILL

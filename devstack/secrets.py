@@ -13,7 +13,7 @@ import secrets
 from pathlib import Path
 from typing import Callable
 
-from tasks.paths import hetflow_home
+from hetflow.paths import hetflow_home
 
 
 def stack_dir() -> Path:

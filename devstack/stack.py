@@ -27,10 +27,10 @@ import psutil
 from devstack.postgres import start_postgres, stop_postgres
 from devstack.processes import STACK_ID_ENV, running, start, stop
 from devstack.secrets import password_file, stack_dir, stack_secrets, write_private
-from tasks.cli.dag_run import airflow_environment
-from tasks.cluster.processes import teardown_runs_of_home
-from tasks.paths import REPO_ROOT, hetflow_home
-from tasks.registry.store import runs_page, tracking_uri
+from hetflow.cli.dag_run import airflow_environment
+from hetflow.cluster.processes import teardown_runs_of_home
+from hetflow.paths import REPO_ROOT, hetflow_home
+from hetflow.registry.store import runs_page, tracking_uri
 
 HEALTHY_TIMEOUT = 180  # seconds; a cold start here takes ~40 s
 

@@ -63,8 +63,8 @@ mkdir -p "$CONTEXT/wheelhouse"
 "$PIP" wheel --quiet --no-deps --wheel-dir "$CONTEXT/wheelhouse" -r "$CONTEXT/stack-only.txt" \
     2> >(grep -v "is ignored: it is neither" >&2)
 cp -p requirements.lock docker/replica-requirements.txt "$CONTEXT/"
-rm -rf "$CONTEXT/tasks" "$CONTEXT/dags" "$CONTEXT/plugins"
-tar -c --exclude=__pycache__ tasks dags plugins | tar -x -C "$CONTEXT"
+rm -rf "$CONTEXT/hetflow" "$CONTEXT/dags" "$CONTEXT/plugins"
+tar -c --exclude=__pycache__ hetflow dags plugins | tar -x -C "$CONTEXT"
 timed_build "$STACK_IMAGE" --build-arg "RUNTIME_IMAGE=$RUNTIME_IMAGE" -f docker/stack.Dockerfile "$CONTEXT"
 
 printf 'POSTGRES_IMAGE=%s\nSTACK_IMAGE=%s\n' "$POSTGRES_IMAGE" "$STACK_IMAGE" >build/stack-images.env

@@ -8,7 +8,7 @@ ARG RUNTIME_IMAGE=hetflow-replica-runtime:0.1.0
 FROM ${RUNTIME_IMAGE}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONPATH=/opt/hetflow
 # The tasks run what others wrote (register's served check starts a registered model's server)
-# under bubblewrap, as on the host (tasks/sandbox.py).
+# under bubblewrap, as on the host (hetflow/sandbox.py).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap \
@@ -16,12 +16,12 @@ RUN apt-get update \
 COPY requirements.lock /tmp/
 COPY wheelhouse /tmp/wheelhouse
 RUN pip install --no-index --find-links /tmp/wheelhouse -r /tmp/requirements.lock && rm -rf /tmp/wheelhouse
-# /opt/hetflow is the checkout's layout (tasks.paths.REPO_ROOT): the scheduler's backend=docker
-# preflight digests tasks/ and the pins there to match the replica image's label.
+# /opt/hetflow is the checkout's layout (hetflow.paths.REPO_ROOT): the scheduler's backend=docker
+# preflight digests hetflow/ and the pins there to match the replica image's label.
 WORKDIR /opt/hetflow
 COPY requirements.lock ./
 COPY replica-requirements.txt ./docker/
-COPY tasks ./tasks
+COPY hetflow ./hetflow
 COPY dags ./dags
 COPY plugins ./plugins
 USER 10001

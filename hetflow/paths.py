@@ -123,7 +123,7 @@ class RunPaths:
         return self.root / "run_id"
 
     def attempt(self, stage: str) -> Path:
-        """Which attempt of ``stage`` wrote its record (tasks.attempts)."""
+        """Which attempt of ``stage`` wrote its record (hetflow.pipeline.attempts)."""
         return self.root / "attempts" / f"{stage}.json"
 
     @property
@@ -157,7 +157,7 @@ class RunPaths:
 
     @property
     def replicas(self) -> Path:
-        """How each local replica ended, and the supervisor's lease (tasks.cluster.keeper)."""
+        """How each local replica ended, and the supervisor's lease (hetflow.cluster.keeper)."""
         return self.root / "replicas"
 
     @property
@@ -167,7 +167,7 @@ class RunPaths:
     @property
     def model(self) -> Path:
         """The trained weights only: a replica's file is never loaded as a model (code could run);
-        each stage rebuilds the architecture from the spec (``tasks.models.trained_model``)."""
+        each stage rebuilds the architecture from the spec (``hetflow.models.architectures.trained_model``)."""
         return self.root / "model.weights.h5"
 
     @property

@@ -3,7 +3,7 @@
 
 A sandboxed command runs as a non-zero uid with no capabilities, in user, mount, pid, ipc and uts
 namespaces of its own, and in a network namespace that is either its own (only loopback) or the
-one its run's replicas share (``tasks.cluster.netns``). Its file system is built from nothing:
+one its run's replicas share (``hetflow.cluster.netns``). Its file system is built from nothing:
 the system's ``/usr`` and ``/etc`` (less the password hashes), a fresh ``/proc``, ``/dev`` and
 ``/tmp``, and only the directories it is shown (the code, the interpreter, a run directory, the
 data). Nothing else exists there: no ``/run`` (the Docker socket), no home, no other run, no
@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.paths import REPO_ROOT, hetflow_home
+from hetflow.paths import REPO_ROOT, hetflow_home
 
 log = logging.getLogger("hetflow.sandbox")
 

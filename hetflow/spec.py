@@ -415,7 +415,7 @@ def data_roots() -> list[str]:
     socket) would show them what they must not see; a folder's images become training data that the
     replicas read and the registered model was fitted to, so a folder anywhere would hand them any
     file the pipeline can read."""
-    from tasks.paths import data_dir
+    from hetflow.paths import data_dir
 
     listed = [root for root in os.environ.get(DATA_ROOTS_ENV, "").split(":") if root.startswith("/")]
     return [os.path.realpath(root) for root in [str(data_dir()), *listed]]

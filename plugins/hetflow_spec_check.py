@@ -3,7 +3,7 @@
 Airflow checks a triggered run's conf against each Param's JSON schema on its own, but accepts
 unknown keys and cannot check keys against each other (``workers=2`` with ``strategy=one_device``);
 those would fail only later, in the ``validate_spec`` task. This api-server middleware runs
-``tasks.spec.parse_spec`` on the conf of ``POST /api/v2/dags/hetflow_train/dagRuns`` — the request
+``hetflow.spec.parse_spec`` on the conf of ``POST /api/v2/dags/hetflow_train/dagRuns`` — the request
 the UI's trigger form sends too — and answers HTTP 400 with one line per problem, the same lines
 ``hetflow validate`` prints, before any run is created.
 """
@@ -16,7 +16,7 @@ from airflow.configuration import conf
 from airflow.plugins_manager import AirflowPlugin
 from starlette.responses import JSONResponse
 
-from tasks.spec import SpecError, parse_spec
+from hetflow.spec import SpecError, parse_spec
 
 TRIGGER_PATHS = {"/api/v2/dags/hetflow_train/dagRuns"}
 

@@ -44,8 +44,8 @@ def hetflow_env(tmp_path_factory) -> dict[str, str]:
         "HETFLOW_HOME": str(home),
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
     }
-    os.environ.update(env)  # for what the test process itself uses (MlflowClient, tasks.paths, Airflow)
-    from tasks.cli.dag_run import airflow_environment
+    os.environ.update(env)  # for what the test process itself uses (MlflowClient, hetflow.paths, Airflow)
+    from hetflow.cli.dag_run import airflow_environment
 
     os.environ.update(airflow_environment())
     return dict(os.environ)
@@ -54,7 +54,7 @@ def hetflow_env(tmp_path_factory) -> dict[str, str]:
 def hetflow(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run the ``hetflow`` command as a user would, capturing its output."""
     return subprocess.run(
-        [sys.executable, "-m", "tasks.cli.main", *args],
+        [sys.executable, "-m", "hetflow.cli.main", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -119,10 +119,10 @@ def listening(address: str) -> bool:
 def provisioned(hetflow_env, request):
     """Makes runs with a validated spec (long training by default) and prepared data, provisioned;
     tears them all down after the test."""
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.validate_spec import validate_spec
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.validate_spec import validate_spec
 
     made = []
 
@@ -146,7 +146,7 @@ def replica_listening(cluster: dict, address: str) -> bool:
     listening."""
     if cluster.get("network_isolation", {}).get("sandbox") is None:
         return listening(address)
-    from tasks.cluster.processes import run_replicas
+    from hetflow.cluster.processes import run_replicas
 
     table = ""
     for pid in run_replicas(cluster["run_id"]).values():

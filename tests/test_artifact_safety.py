@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-import tasks  # noqa: F401  (sets TF_USE_LEGACY_KERAS before anything here imports TensorFlow)
+import hetflow  # noqa: F401  (sets TF_USE_LEGACY_KERAS before anything here imports TensorFlow)
 
 DIGITS = {"input_shape": [8, 8, 1], "num_classes": 10}
 
@@ -21,7 +21,7 @@ def hostile_model(marker: Path):
     as it is when tf_keras rebuilds the model from a file."""
     import tensorflow as tf
 
-    from tasks.models import build_model
+    from hetflow.models.architectures import build_model
 
     def payload(x, marker=str(marker)):
         import pathlib
@@ -45,9 +45,9 @@ def hostile_hdf5(directory: Path, marker: Path) -> Path:
 
 def trained_weights(directory: Path) -> tuple[Path, list[np.ndarray]]:
     """A weights file as a chief writes it, with weights unlike a fresh model's, and those weights."""
-    from tasks.models import build_model
-    from tasks.replica.weights import save_model
-    from tasks.spec import RunSpec
+    from hetflow.models.architectures import build_model
+    from hetflow.replica.weights import save_model
+    from hetflow.spec import RunSpec
 
     model = build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=3)
     model.set_weights([w * 2 + 0.5 for w in model.get_weights()])
@@ -57,15 +57,15 @@ def trained_weights(directory: Path) -> tuple[Path, list[np.ndarray]]:
 
 
 def fresh_mlp():
-    from tasks.models import build_model
+    from hetflow.models.architectures import build_model
 
     return build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=1)
 
 
 def test_the_chief_writes_weights_that_read_back_into_the_rebuilt_model_and_nothing_more(tmp_path):
-    from tasks.models import read_weights
-    from tasks.replica.weights import save_model
-    from tasks.spec import RunSpec
+    from hetflow.models.architectures import read_weights
+    from hetflow.replica.weights import save_model
+    from hetflow.spec import RunSpec
 
     path, weights = trained_weights(tmp_path)
     with h5py.File(path, "r") as file:
@@ -92,7 +92,7 @@ def _external_array(tmp_path: Path) -> Path:
 
 
 def _other_architecture(tmp_path: Path) -> Path:
-    from tasks.models import build_model
+    from hetflow.models.architectures import build_model
 
     path = tmp_path / "model.weights.h5"
     build_model("cnn", DIGITS["input_shape"], DIGITS["num_classes"], seed=1).save_weights(path)
@@ -138,7 +138,7 @@ def _empty(tmp_path: Path) -> Path:
     ],
 )
 def test_anything_but_this_architectures_weights_is_refused_in_one_line_naming_the_file(tmp_path, make, reason):
-    from tasks.models import WeightsError, read_weights
+    from hetflow.models.architectures import WeightsError, read_weights
 
     path = make(tmp_path)
     with pytest.raises(WeightsError) as refused:
@@ -149,7 +149,7 @@ def test_anything_but_this_architectures_weights_is_refused_in_one_line_naming_t
 
 
 def test_a_hostile_model_file_is_refused_and_its_code_never_runs(tmp_path):
-    from tasks.models import WeightsError, read_weights
+    from hetflow.models.architectures import WeightsError, read_weights
 
     marker = tmp_path / "marker"
     hostile = hostile_hdf5(tmp_path, marker)
@@ -164,14 +164,14 @@ def test_a_hostile_model_file_is_refused_and_its_code_never_runs(tmp_path):
 def pipeline_run(hetflow_env):
     """A run trained by a real replica and taken through evaluate, compress and export; no SavedModel
     is exported, so that register rebuilds the model from the weights too."""
-    from tasks.compress import compress
-    from tasks.evaluate import evaluate
-    from tasks.export import export
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.train import train
-    from tasks.validate_spec import validate_spec
+    from hetflow.tasks.compress import compress
+    from hetflow.tasks.evaluate import evaluate
+    from hetflow.tasks.export import export
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.train import train
+    from hetflow.tasks.validate_spec import validate_spec
 
     run_id = f"artifact_safety_{os.getpid()}"
     values = {"epochs": 3, "prune": False, "export_formats": ["tflite"], "registered_model": "artifact-safety"}
@@ -189,7 +189,7 @@ def pipeline_run(hetflow_env):
 
 @pytest.mark.slow
 def test_the_replica_writes_weights_only_and_the_stages_read_them(pipeline_run):
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     run_id, evaluation = pipeline_run
     paths = run_paths(run_id)
@@ -201,12 +201,12 @@ def test_the_replica_writes_weights_only_and_the_stages_read_them(pipeline_run):
 
 @pytest.mark.slow
 def test_every_stage_refuses_a_hostile_model_file_and_its_code_never_runs(pipeline_run, tmp_path):
-    from tasks.compress import compress
-    from tasks.evaluate import evaluate
-    from tasks.export import export
-    from tasks.models import WeightsError
-    from tasks.paths import run_paths
-    from tasks.register import register
+    from hetflow.models.architectures import WeightsError
+    from hetflow.paths import run_paths
+    from hetflow.tasks.compress import compress
+    from hetflow.tasks.evaluate import evaluate
+    from hetflow.tasks.export import export
+    from hetflow.tasks.register import register
 
     run_id, _ = pipeline_run
     paths = run_paths(run_id)

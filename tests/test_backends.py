@@ -23,13 +23,13 @@ from kubernetes.client import (
     V1PodStatus,
 )
 
-from tasks.cluster import docker_backend as dk
-from tasks.cluster import kubernetes_backend as k8s
-from tasks.cluster import kubernetes_manifests as manifests
-from tasks.cluster.containers import lines_to_file
-from tasks.cluster.layout import plan_cluster, run_slug
-from tasks.cluster.supervisor import ReplicaState
-from tasks.spec import RunSpec, SpecError, parse_spec
+from hetflow.cluster import docker_backend as dk
+from hetflow.cluster import kubernetes_backend as k8s
+from hetflow.cluster import kubernetes_manifests as manifests
+from hetflow.cluster.containers import lines_to_file
+from hetflow.cluster.layout import plan_cluster, run_slug
+from hetflow.cluster.supervisor import ReplicaState
+from hetflow.spec import RunSpec, SpecError, parse_spec
 
 RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"  # an Airflow run id: ':' and '+' included
 HOME = Path("/srv/hetflow")
@@ -133,7 +133,7 @@ def test_docker_container_configs_carry_tf_config_labels_limits_and_gpus():
         config = configs[replica.name]
         assert config["name"] == config["hostname"] == replica.host == f"hetflow-{run_slug(RUN_ID)}-{replica.name}"
         assert config["image"] == "hetflow-replica:0.1.0"
-        # It ends itself once its supervisor is gone (tasks.cluster.lease), as a local replica's keeper ends it.
+        # It ends itself once its supervisor is gone (hetflow.cluster.lease), as a local replica's keeper ends it.
         assert config["command"] == [
             "--run-dir",
             str(RUN_DIR),
@@ -179,7 +179,7 @@ def test_docker_config_without_limits_sets_none_and_never_restarts():
     assert not {"nano_cpus", "mem_limit", "device_requests"} & set(config)
     assert config["restart_policy"] == {"Name": "no"}
     # The container's own deadline: the keeper's attach timeout (600 s) plus train_timeout_seconds (3600 s).
-    assert config["entrypoint"] == ["timeout", "--kill-after=10", "4200", "python", "-m", "tasks.replica"]
+    assert config["entrypoint"] == ["timeout", "--kill-after=10", "4200", "python", "-m", "hetflow.replica"]
     with_gpus = parse_spec({"backend": "docker", "strategy": "mirrored", "devices_per_worker": 2, "request_gpus": True})
     config = dk.container_config(layout, layout.replicas[0], with_gpus, HOME, RUN_DIR, "0:0", 0.0)
     assert config["device_requests"][0]["Count"] == 2
@@ -188,8 +188,8 @@ def test_docker_config_without_limits_sets_none_and_never_restarts():
 def test_every_backend_and_the_replica_read_a_workers_gpus_from_one_place():
     """What a container asks for is what its replica uses (RunSpec.worker_device): with request_gpus
     the workers compute on their GPUs; a CPU worker of a mixed cluster asks for none."""
-    from tasks.cluster.containers import replica_gpus
-    from tasks.replica.runtime import replica_device
+    from hetflow.cluster.containers import replica_gpus
+    from hetflow.replica.runtime import replica_device
 
     spec = parse_spec({"backend": "docker", "strategy": "mirrored", "devices_per_worker": 2, "request_gpus": True})
     [worker] = dk.plan(spec, RUN_ID).replicas
@@ -215,7 +215,7 @@ def test_every_backend_and_the_replica_read_a_workers_gpus_from_one_place():
 
 
 def test_a_replica_container_runs_unprivileged_on_a_read_only_root_and_sees_the_records_read_only(monkeypatch):
-    from tasks.cluster import containers
+    from hetflow.cluster import containers
 
     spec = parse_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2})
     layout = dk.plan(spec, RUN_ID)
@@ -519,12 +519,12 @@ def test_a_sync_run_on_kubernetes_trains_and_deleting_the_run_leaves_nothing(het
     that is this machine's HETFLOW_HOME (e.g. a hostPath volume of a kind cluster on this host)."""
     import kubernetes
 
-    from tasks.paths import run_paths
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.train import train
-    from tasks.validate_spec import validate_spec
+    from hetflow.paths import run_paths
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.train import train
+    from hetflow.tasks.validate_spec import validate_spec
 
     run = "kube-mwms-run"
     validate_spec(
@@ -553,7 +553,7 @@ def test_every_backend_a_spec_can_name_implements_the_one_interface():
     import inspect
     import typing
 
-    from tasks.cluster.backends import Backend, backend_for
+    from hetflow.cluster.backends import Backend, backend_for
 
     names = typing.get_args(RunSpec.model_fields["backend"].annotation)
     assert set(names) == {"local", "docker", "swarm", "kubernetes"}
@@ -564,7 +564,7 @@ def test_every_backend_a_spec_can_name_implements_the_one_interface():
         assert backend.loss_report_seconds >= 0
     chains = [
         str(path.relative_to(REPO))
-        for path in (REPO / "tasks").rglob("*.py")
+        for path in (REPO / "hetflow").rglob("*.py")
         if path.name != "spec.py" and re.search(r"backend\s*(==|!=|in \()", path.read_text())
     ]
     assert chains == []

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from tasks.spec import SpecError, parse_spec
+from hetflow.spec import SpecError, parse_spec
 
 
 @pytest.mark.parametrize(
@@ -30,7 +30,7 @@ def test_restart_keys_are_validated(values, message):
 
 
 def test_a_data_dir_that_is_not_writable_is_named(tmp_path):
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.prepare import prepare_dataset
 
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
@@ -41,8 +41,8 @@ def test_a_data_dir_that_is_not_writable_is_named(tmp_path):
 def test_a_tfds_dataset_that_cannot_be_had_offline_is_refused_before_the_run_starts(tmp_path, monkeypatch):
     """Offline, a TFDS dataset not prepared in data_dir fails validate_spec in one line naming the
     dataset, the data dir and how to prepare it; an unknown name lists the offline datasets."""
-    from tasks.data import prepare
-    from tasks.validate_spec import validate_spec
+    from hetflow.data import prepare
+    from hetflow.tasks.validate_spec import validate_spec
 
     # Where TFDS would download from: a port nothing listens on, as on a machine without network.
     monkeypatch.setattr(prepare, "_DOWNLOAD_HOST", ("127.0.0.1", _free_port()))
@@ -60,7 +60,7 @@ def test_a_tfds_dataset_that_cannot_be_had_offline_is_refused_before_the_run_sta
 
 
 def test_a_truncated_shard_is_named_and_the_rest_kept(tmp_path):
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.prepare import prepare_dataset
 
     prepare_dataset("uci_digits", tmp_path)
     version_dir = tmp_path / "uci_digits" / "1.0.0"
@@ -72,8 +72,8 @@ def test_a_truncated_shard_is_named_and_the_rest_kept(tmp_path):
 
 
 def test_a_taken_port_moves_the_replica_and_every_tf_config_follows(tmp_path):
-    from tasks.cluster.layout import plan_cluster
-    from tasks.cluster.local import LocalReplicas, port_taken
+    from hetflow.cluster.layout import plan_cluster
+    from hetflow.cluster.local import LocalReplicas, port_taken
 
     spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
     with socket.socket() as squatter:
@@ -98,16 +98,16 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_mlflow_unreachable_fails_register_clearly_and_a_retry_registers(hetflow_env, monkeypatch):
-    from tasks.compress import compress
-    from tasks.evaluate import evaluate
-    from tasks.export import export
-    from tasks.paths import run_paths
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.register import TrackingUnavailable, register
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.train import train
-    from tasks.validate_spec import validate_spec
+    from hetflow.paths import run_paths
+    from hetflow.tasks.compress import compress
+    from hetflow.tasks.evaluate import evaluate
+    from hetflow.tasks.export import export
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.register import TrackingUnavailable, register
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.train import train
+    from hetflow.tasks.validate_spec import validate_spec
 
     run_id = f"unreachable_{os.getpid()}"
     validate_spec({"epochs": 2, "registered_model": "unreachable-digits"}, run_id)

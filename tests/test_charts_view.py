@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from hetflow.registry import store
 from mlflow import MlflowClient
-from tasks.registry import store
 
 VIEW_TAG = "mlflow.sharedViewState.hetflow-key-metrics"
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks.models import build_model
-from tasks.paths import RunPaths
-from tasks.spec import parse_spec
+from hetflow.models.architectures import build_model
+from hetflow.paths import RunPaths
+from hetflow.spec import parse_spec
 
 
 def _checkpoint(paths: RunPaths, chief: bool, seed: int):
     import tensorflow as tf
 
-    from tasks.replica.checkpoint import EpochCheckpoint
+    from hetflow.replica.checkpoint import EpochCheckpoint
 
     model = build_model("mlp", [8, 8, 1], 10, seed)
     return model, EpochCheckpoint(parse_spec({}), paths, chief, model, tf.keras.optimizers.SGD(0.1))

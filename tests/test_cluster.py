@@ -13,9 +13,9 @@ import time
 import pytest
 from conftest import REPO, replica_listening, wait_for
 
-from tasks.cluster.layout import ClusterLayout, Replica, plan_cluster
-from tasks.cluster.processes import run_replicas
-from tasks.spec import parse_spec
+from hetflow.cluster.layout import ClusterLayout, Replica, plan_cluster
+from hetflow.cluster.processes import run_replicas
+from hetflow.spec import parse_spec
 
 
 def test_one_device_layout_is_one_worker_on_loopback():
@@ -35,10 +35,10 @@ def run_id(provisioned):
 
 
 def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
-    from tasks.cluster.processes import run_processes
-    from tasks.cluster.supervisor import ReplicaFailed
-    from tasks.paths import run_paths
-    from tasks.train import train
+    from hetflow.cluster.processes import run_processes
+    from hetflow.cluster.supervisor import ReplicaFailed
+    from hetflow.paths import run_paths
+    from hetflow.tasks.train import train
 
     paths = run_paths(run_id)
     dataset = json.loads(paths.dataset.read_text())
@@ -54,7 +54,7 @@ def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
 _SUPERVISOR = textwrap.dedent(
     """
     import sys
-    from tasks.train import train
+    from hetflow.tasks.train import train
     train(sys.argv[1])
     """
 )
@@ -62,7 +62,7 @@ _SUPERVISOR = textwrap.dedent(
 
 def _train_until_worker_1_epoch_2(run_id: str, env: dict) -> subprocess.Popen:
     """The train stage of a 2-worker sync run, in a process of its own, once worker-1 logs epoch 2."""
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     supervisor = subprocess.Popen(
         [sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
@@ -75,8 +75,8 @@ def _train_until_worker_1_epoch_2(run_id: str, env: dict) -> subprocess.Popen:
 
 
 def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
-    from tasks.cluster.processes import run_processes
-    from tasks.paths import run_paths
+    from hetflow.cluster.processes import run_processes
+    from hetflow.paths import run_paths
 
     supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=hetflow_env)
     try:
@@ -93,7 +93,7 @@ def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
 def test_sigterm_of_the_train_task_ends_its_replicas_and_namespace_within_airflows_grace(provisioned, hetflow_env):
     """Airflow 3 stops a task with SIGTERM and SIGKILLs it 5 s later: the train stage must have
     stopped its replicas (TF ignores SIGTERM) by then, leaving no process in the run's network namespace."""
-    from tasks.cluster.processes import run_processes
+    from hetflow.cluster.processes import run_processes
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
     supervisor = _train_until_worker_1_epoch_2(run_id, hetflow_env)
@@ -113,8 +113,8 @@ def test_sigterm_of_the_train_task_ends_its_replicas_and_namespace_within_airflo
 def test_stopping_the_stack_ends_replicas_no_task_supervises_yet(provisioned, hetflow_env, tmp_path):
     """Between provision_cluster and train the keepers have no supervisor: ``make down`` ends them
     (else they would wait out the attach timeout); a run under another HETFLOW_HOME is left alone."""
-    from tasks.cluster.processes import RUN_ID_ENV, run_processes, teardown_runs_of_home
-    from tasks.paths import hetflow_home
+    from hetflow.cluster.processes import RUN_ID_ENV, run_processes, teardown_runs_of_home
+    from hetflow.paths import hetflow_home
 
     run_id = provisioned()
     assert wait_for(lambda: list(run_replicas(run_id)) == ["worker-0"], timeout=30)
@@ -133,7 +133,7 @@ def test_stopping_the_stack_ends_replicas_no_task_supervises_yet(provisioned, he
 
 
 def test_teardown_ends_a_replica_that_ignores_sigterm(hetflow_env):
-    from tasks.cluster.processes import RUN_ID_ENV, run_processes, teardown_run
+    from hetflow.cluster.processes import RUN_ID_ENV, run_processes, teardown_run
 
     stubborn = subprocess.Popen(
         [
@@ -161,7 +161,7 @@ def test_teardown_ends_a_replica_that_ignores_sigterm(hetflow_env):
 def test_a_child_killed_after_the_grace_is_reaped_not_left_a_zombie():
     """stop_process_groups SIGKILLs what ignored SIGTERM; a child of the caller (a keeper the task
     started) is reaped before it returns, not left <defunct> until the task's process exits."""
-    from tasks.cluster.processes import stop_process_groups
+    from hetflow.cluster.processes import stop_process_groups
 
     ignores_term = "\n".join(
         ["import signal, time", "signal.signal(signal.SIGTERM, signal.SIG_IGN)", "print(flush=True)", "time.sleep(60)"]
@@ -177,8 +177,8 @@ def test_a_child_killed_after_the_grace_is_reaped_not_left_a_zombie():
 
 
 def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(provisioned, hetflow_env):
-    from tasks.cluster.processes import run_processes
-    from tasks.paths import run_paths
+    from hetflow.cluster.processes import run_processes
+    from hetflow.paths import run_paths
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
     supervisor = _train_until_worker_1_epoch_2(run_id, hetflow_env)
@@ -195,8 +195,8 @@ def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(prov
 
 
 def test_killing_the_supervisor_ends_servers_and_chief_of_a_parameter_server_run(provisioned, hetflow_env):
-    from tasks.cluster.processes import run_processes
-    from tasks.paths import run_paths
+    from hetflow.cluster.processes import run_processes
+    from hetflow.paths import run_paths
 
     run_id = provisioned(strategy="parameter_server", workers=2, ps=1)
     supervisor = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, run_id], cwd=REPO, env=hetflow_env)
@@ -216,7 +216,7 @@ def test_killing_the_supervisor_ends_servers_and_chief_of_a_parameter_server_run
 
 
 def test_parameter_server_layout_and_core_pinning():
-    from tasks.cluster.local import core_assignment
+    from hetflow.cluster.local import core_assignment
 
     ports = iter(range(42000, 42010))
     spec = parse_spec({"strategy": "parameter_server", "workers": 2, "ps": 1})
@@ -245,9 +245,9 @@ def test_ports_are_distinct_even_when_the_os_repeats_one():
 
 
 def test_a_run_past_its_timeout_is_stopped_and_fails(provisioned):
-    from tasks.cluster.processes import run_processes
-    from tasks.cluster.supervisor import ReplicaFailed
-    from tasks.train import train
+    from hetflow.cluster.processes import run_processes
+    from hetflow.cluster.supervisor import ReplicaFailed
+    from hetflow.tasks.train import train
 
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2, train_timeout_seconds=10)
     started = time.monotonic()

@@ -1,4 +1,4 @@
-"""A synchronous run's all-reduce, recorded apart from its computation (tasks/replica/collectives.py)."""
+"""A synchronous run's all-reduce, recorded apart from its computation (hetflow/replica/collectives.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def test_two_sync_workers_record_one_all_reduce_per_step_of_every_parameter_in_f
     done = hetflow(hetflow_env, "train", *[token for key in sets for token in ("--set", key)])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     record = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
-    from tasks.models import build_model
+    from hetflow.models.architectures import build_model
 
     # The digits MLP the run trained (the default model on the default dataset's 8x8 images).
     parameters = build_model("mlp", [8, 8, 1], 10, seed=42).count_params()

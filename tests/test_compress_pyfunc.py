@@ -17,10 +17,10 @@ np.save(sys.argv[3], np.asarray(model.predict(np.load(sys.argv[2]))))
 
 def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_clean_process(tmp_path, monkeypatch):
     import mlflow
-    from tasks.models import build_model
-    from tasks.predictors import tflite_predictor
-    from tasks.registry.versions import log_tflite_model
-    from tasks.tflite import to_tflite, weight_encoding
+    from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.artifacts.tflite import to_tflite, weight_encoding
+    from hetflow.models.architectures import build_model
+    from hetflow.registry.versions import log_tflite_model
 
     images = np.random.default_rng(0).integers(0, 256, size=(64, 8, 8, 1), dtype=np.uint8)
     model = build_model("mlp", [8, 8, 1], 10, seed=1)

@@ -22,14 +22,14 @@ BUDGET = 0.05
 def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(tmp_path):
     import tensorflow as tf
 
-    from tasks.compress import int8_file, prune, pruned_layers
-    from tasks.data.pipeline import split_arrays, train_input
-    from tasks.data.prepare import prepare_dataset
-    from tasks.export import judge, score
-    from tasks.models import build_model, compile_model
-    from tasks.predictors import tflite_predictor
-    from tasks.spec import RunSpec
-    from tasks.tflite import representative_images, to_tflite, weight_encoding
+    from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.artifacts.tflite import representative_images, to_tflite, weight_encoding
+    from hetflow.data.pipeline import split_arrays, train_input
+    from hetflow.data.prepare import prepare_dataset
+    from hetflow.models.architectures import build_model, compile_model
+    from hetflow.spec import RunSpec
+    from hetflow.tasks.compress import int8_file, prune, pruned_layers
+    from hetflow.tasks.export import judge, score
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
     spec = RunSpec(model="mlp", seed=1, target_sparsity=0.8, max_accuracy_drop=BUDGET)

@@ -8,15 +8,15 @@ import pytest
 
 @pytest.fixture(scope="module")
 def model_and_images():
-    from tasks.models import build_model
+    from hetflow.models.architectures import build_model
 
     images = np.random.default_rng(0).integers(0, 256, size=(64, 8, 8, 1), dtype=np.uint8)
     return build_model("mlp", [8, 8, 1], 10, seed=1), images
 
 
 def test_each_quantization_mode_converts_and_shrinks_the_model(model_and_images, tmp_path):
-    from tasks.predictors import tflite_predictor
-    from tasks.tflite import to_tflite
+    from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.artifacts.tflite import to_tflite
 
     model, images = model_and_images
     sizes, logits = {}, {}
@@ -37,7 +37,7 @@ def test_each_quantization_mode_converts_and_shrinks_the_model(model_and_images,
 def test_int8_variant_takes_raw_uint8_pixels(model_and_images, tmp_path):
     from ai_edge_litert.interpreter import Interpreter
 
-    from tasks.tflite import to_tflite
+    from hetflow.artifacts.tflite import to_tflite
 
     model, images = model_and_images
     path = tmp_path / "int8.tflite"
@@ -47,8 +47,8 @@ def test_int8_variant_takes_raw_uint8_pixels(model_and_images, tmp_path):
 
 
 def test_kernel_sparsity_is_measured_from_the_weights(model_and_images):
-    from tasks.compress import kernel_sparsity
-    from tasks.models import build_model
+    from hetflow.models.architectures import build_model
+    from hetflow.tasks.compress import kernel_sparsity
 
     model = build_model("mlp", [8, 8, 1], 10, seed=1)
     kernel = model.get_layer("logits").kernel
@@ -71,7 +71,7 @@ def _artifact(fmt, accuracy, size, variant=None, difference=0.0):
 
 
 def test_judge_rejects_variants_beyond_the_accuracy_budget_and_picks_the_smallest_accepted():
-    from tasks.export import judge
+    from hetflow.tasks.export import judge
 
     artifacts = {
         "saved_model": _artifact("saved_model", 0.95, 50_000),
@@ -87,7 +87,7 @@ def test_judge_rejects_variants_beyond_the_accuracy_budget_and_picks_the_smalles
 
 
 def test_judge_fails_a_float_artifact_that_does_not_reproduce_the_model():
-    from tasks.export import ParityError, judge
+    from hetflow.tasks.export import ParityError, judge
 
     artifacts = {"tflite_float": _artifact("tflite", 0.95, 40_000, "float", difference=0.5)}
     with pytest.raises(ParityError, match="tflite_float does not reproduce the float model"):
@@ -98,13 +98,13 @@ def _trained_run(tmp_path, **values):
     """A run directory holding a model trained in this process on the digits, as a replica leaves it."""
     import tensorflow as tf
 
-    from tasks.data.pipeline import train_input
-    from tasks.data.prepare import prepare_dataset
-    from tasks.models import build_model, compile_model
-    from tasks.paths import RunPaths
-    from tasks.replica.weights import save_model
-    from tasks.schedule import steps_per_epoch
-    from tasks.spec import RunSpec
+    from hetflow.data.pipeline import train_input
+    from hetflow.data.prepare import prepare_dataset
+    from hetflow.models.architectures import build_model, compile_model
+    from hetflow.models.schedule import steps_per_epoch
+    from hetflow.paths import RunPaths
+    from hetflow.replica.weights import save_model
+    from hetflow.spec import RunSpec
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
     spec = RunSpec(seed=1, target_sparsity=0.8, export_formats=["tflite"], **values)
@@ -120,8 +120,8 @@ def _trained_run(tmp_path, **values):
 
 
 def test_the_pruned_files_are_smaller_in_the_file_itself_and_say_how(tmp_path):
-    from tasks.compress import compress_model
-    from tasks.export import export_artifacts
+    from hetflow.tasks.compress import compress_model
+    from hetflow.tasks.export import export_artifacts
 
     spec, paths, dataset, training = _trained_run(tmp_path, model="mlp", epochs=10)
     compression = compress_model(spec, paths, dataset, training)
@@ -153,12 +153,12 @@ SHORT_FINE_TUNING_STEPS = 20
 
 @pytest.mark.slow
 def test_pruning_the_cnn_to_80_percent_passes_the_gate_only_when_fine_tuned_long_enough(tmp_path):
-    from tasks.compress import compress_model, kernel_sparsity, prune, pruned_layers
-    from tasks.data.pipeline import split_arrays
-    from tasks.export import export_artifacts, judge, score
-    from tasks.models import trained_model
-    from tasks.predictors import tflite_predictor
-    from tasks.tflite import representative_images, to_tflite
+    from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.artifacts.tflite import representative_images, to_tflite
+    from hetflow.data.pipeline import split_arrays
+    from hetflow.models.architectures import trained_model
+    from hetflow.tasks.compress import compress_model, kernel_sparsity, prune, pruned_layers
+    from hetflow.tasks.export import export_artifacts, judge, score
 
     spec, paths, dataset, training = _trained_run(tmp_path, model="cnn")
     compression = compress_model(spec, paths, dataset, training)

@@ -16,7 +16,7 @@ from conftest import REPO, wait_for
 _PREPARE = """
 import json, os, sys, time
 from pathlib import Path
-from tasks.data.prepare import prepare_dataset
+from hetflow.data.prepare import prepare_dataset
 import tensorflow_datasets  # noqa: F401
 data_dir, go, ready = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 ready.touch()
@@ -68,7 +68,7 @@ def test_two_first_preparations_of_one_dataset_both_succeed_with_one_copy(tmp_pa
 _RECORD_FINGERPRINTS = """
 import sys, time
 from pathlib import Path
-from tasks.data.prepare import fingerprint_changed
+from hetflow.data.prepare import fingerprint_changed
 data_dir, writer, go, ready = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
 ready.touch()
 while not go.exists():
@@ -91,7 +91,7 @@ def test_fingerprints_recorded_at_once_are_all_kept(tmp_path):
 _REWRITE = """
 import sys
 from pathlib import Path
-from tasks.paths import write_record
+from hetflow.paths import write_record
 path = Path(sys.argv[1])
 for version in range(150):
     write_record(path, {"version": version, "history": [version] * 60_000})
@@ -99,7 +99,7 @@ for version in range(150):
 
 
 def test_a_record_being_rewritten_is_never_read_half_written(tmp_path):
-    from tasks.paths import write_record
+    from hetflow.paths import write_record
 
     record = tmp_path / "training.json"
     write_record(record, {"version": -1, "history": []})
@@ -121,7 +121,7 @@ _ENSURE_AIRFLOW_DB = """
 import os, sys, time
 from pathlib import Path
 os.environ["AIRFLOW_HOME"] = sys.argv[1]
-from tasks.cli.dag_run import ensure_airflow_db
+from hetflow.cli.dag_run import ensure_airflow_db
 go, ready = Path(sys.argv[2]), Path(sys.argv[3])
 ready.touch()
 while not go.exists():

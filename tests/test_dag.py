@@ -57,22 +57,22 @@ def test_dag_wiring(hetflow_env):
 
 
 def test_every_task_runs_the_function_of_its_name_in_the_module_of_its_name(hetflow_env):
-    """A reader finds each DAG task at ``tasks/<task_id>``: the mapping is read from the DAG itself,
+    """A reader finds each DAG task at ``hetflow/tasks/<task_id>``: the mapping is read from the DAG itself,
     so renaming a task without its module (or the reverse) fails here."""
     import importlib
     import inspect
 
     from airflow.dag_processing.dagbag import DagBag
 
-    from tasks.attempts import STAGES
+    from hetflow.pipeline.attempts import STAGES
 
     dag = DagBag(dag_folder=str(REPO / "dags")).dags["hetflow_train"]
     for task in dag.tasks:
-        module = importlib.import_module(f"tasks.{task.task_id}")
+        module = importlib.import_module(f"hetflow.tasks.{task.task_id}")
         function = getattr(module, task.task_id)
         assert callable(function) and function.__module__ == module.__name__, task.task_id
         body = inspect.getsource(task.python_callable)
-        assert f"from tasks import {task.task_id} as stage\n" in body, task.task_id
+        assert f"from hetflow.tasks import {task.task_id} as stage\n" in body, task.task_id
         assert f"stage.{task.task_id}(" in body, task.task_id
     # The stages whose records summarize checks are the DAG's tasks in order, less the two that write none.
     order = [task.task_id for task in dag.topological_sort()]
@@ -82,7 +82,7 @@ def test_every_task_runs_the_function_of_its_name_in_the_module_of_its_name(hetf
 def test_every_task_keeps_library_stderr_off_error_and_return_values_out_of_its_log(hetflow_env):
     from airflow.dag_processing.dagbag import DagBag
 
-    from tasks.task_log import CALLBACKS
+    from hetflow.pipeline.task_log import CALLBACKS
 
     bag = DagBag(dag_folder=str(REPO / "dags"))
     for dag_id in ("hetflow_train", "hetflow_retrain"):
@@ -100,7 +100,7 @@ import logging, os, socket, sys, types
 logging.basicConfig(stream=sys.stdout, level=logging.DEBUG, format="%(levelname)s %(name)s %(message)s")
 supervisor, child = socket.socketpair()
 os.dup2(child.fileno(), 2)
-from tasks.task_log import CALLBACKS
+from hetflow.pipeline.task_log import CALLBACKS
 
 context = {"ti": types.SimpleNamespace(task_id="evaluate")}
 CALLBACKS["on_execute_callback"](context)

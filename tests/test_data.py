@@ -11,7 +11,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.prepare import prepare_dataset
 
     data_dir = tmp_path_factory.mktemp("data")
     return data_dir, prepare_dataset("uci_digits", data_dir)
@@ -29,7 +29,7 @@ def test_prepare_builds_versioned_sharded_splits(prepared):
 
 
 def test_prepare_is_idempotent_and_the_fingerprint_stable(prepared):
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.prepare import prepare_dataset
 
     data_dir, first = prepared
     shard = next(p for p in (data_dir / "uci_digits" / "1.0.0").iterdir() if ".tfrecord-" in p.name)
@@ -42,7 +42,7 @@ def test_prepare_is_idempotent_and_the_fingerprint_stable(prepared):
 def test_fingerprint_changes_with_the_data(prepared, tmp_path):
     import shutil
 
-    from tasks.data.prepare import _digests
+    from hetflow.data.prepare import _digests
 
     data_dir, record = prepared
     copy = tmp_path / "copy"
@@ -66,7 +66,7 @@ def _flip_a_byte_in_place(path):
 
 
 def test_a_shard_changed_in_place_is_named_not_reused(tmp_path):
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.prepare import prepare_dataset
 
     first = prepare_dataset("uci_digits", tmp_path)
     version_dir = tmp_path / "uci_digits" / "1.0.0"
@@ -89,7 +89,7 @@ def test_a_shard_rewritten_with_valid_records_is_named(tmp_path):
     which only the content hash recorded at preparation tells."""
     import tensorflow as tf
 
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.prepare import prepare_dataset
 
     prepare_dataset("uci_digits", tmp_path)
     version_dir = tmp_path / "uci_digits" / "1.0.0"
@@ -108,7 +108,7 @@ def test_a_shard_rewritten_with_valid_records_is_named(tmp_path):
 def test_tfds_load_by_name_gives_raw_uint8_images(prepared):
     import tensorflow_datasets as tfds
 
-    import tasks.data.uci_digits  # noqa: F401
+    import hetflow.data.uci_digits  # noqa: F401
 
     data_dir, _ = prepared
     images, labels = tfds.as_numpy(
@@ -120,7 +120,7 @@ def test_tfds_load_by_name_gives_raw_uint8_images(prepared):
 
 
 def test_unknown_dataset_names_the_offline_ones(tmp_path):
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.prepare import prepare_dataset
 
     with pytest.raises(ValueError, match="dataset='no_such_set' is not a TFDS dataset; offline datasets: uci_digits"):
         prepare_dataset("no_such_set", tmp_path)
@@ -128,7 +128,7 @@ def test_unknown_dataset_names_the_offline_ones(tmp_path):
 
 def test_worker_shards_partition_the_global_batch(prepared):
     """Union of the workers' k-th batches == the single worker's k-th batch (same seed, shuffled)."""
-    from tasks.data.pipeline import train_input
+    from hetflow.data.pipeline import train_input
 
     _, record = prepared
     steps, global_batch = 3, 8

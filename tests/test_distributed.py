@@ -25,8 +25,8 @@ def train(env, *sets: str) -> tuple[dict, Path]:
 
 def model_weights(run_dir: Path) -> list[np.ndarray]:
     """The trained weights, read as every stage reads them: into the MLP rebuilt here."""
-    from tasks.models import build_model, read_weights
-    from tasks.paths import RunPaths
+    from hetflow.models.architectures import build_model, read_weights
+    from hetflow.paths import RunPaths
 
     return read_weights(build_model("mlp", [8, 8, 1], 10, seed=42), RunPaths(run_dir).model).get_weights()
 
@@ -45,7 +45,7 @@ def test_two_workers_with_half_batches_match_one_worker_with_the_whole_batch(het
     single_weights, pair_weights = model_weights(single), model_weights(pair)
     difference = max(float(np.max(np.abs(a - b))) for a, b in zip(single_weights, pair_weights))
     assert difference <= 1e-5
-    from tasks.models import build_model
+    from hetflow.models.architectures import build_model
 
     initial = build_model("mlp", [8, 8, 1], 10, seed=42).get_weights()
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(single_weights, initial))
@@ -66,7 +66,7 @@ def test_model_parallel_places_layer_groups_and_their_variables_on_different_dev
 
 def test_parameter_server_shards_variables_measures_staleness_per_worker_and_communication(hetflow_env):
     record, _ = train(hetflow_env, "strategy=parameter_server", "workers=2", "ps=2", "epochs=2", "steps_per_epoch=300")
-    from tasks.models import build_model
+    from hetflow.models.architectures import build_model
 
     model = build_model("mlp", [8, 8, 1], 10, seed=42)
     communication = record["communication"]
@@ -174,7 +174,7 @@ def test_the_whole_job_is_timed_from_launch_to_the_weights_written(hetflow_env):
     took time where time must go (start-up imports TensorFlow; every epoch validates)."""
     import time
 
-    from tasks.paths import RunPaths
+    from hetflow.paths import RunPaths
 
     before = time.time()
     record, run_dir = train(hetflow_env, "strategy=multi_worker_mirrored", "workers=2", "epochs=2")

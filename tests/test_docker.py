@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import dag_run, wait_for
 
-from tasks.cluster.layout import run_slug
-from tasks.spec import SpecError, parse_spec
+from hetflow.cluster.layout import run_slug
+from hetflow.spec import SpecError, parse_spec
 
 
 def _docker_names(client, run_id: str, running_only: bool = False) -> list[str]:
@@ -25,11 +25,11 @@ def _docker_names(client, run_id: str, running_only: bool = False) -> list[str]:
 
 @pytest.mark.slow
 def test_provisioning_starts_the_containers_a_clash_is_refused_and_teardown_removes_all(docker_client, hetflow_env):
-    from tasks.paths import run_paths
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.validate_spec import validate_spec
+    from hetflow.paths import run_paths
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.validate_spec import validate_spec
 
     run = "named-run"
     values = {"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2}
@@ -53,8 +53,8 @@ def test_provisioning_starts_the_containers_a_clash_is_refused_and_teardown_remo
 
 
 def test_docker_input_the_engine_cannot_serve_is_refused_before_anything_starts(docker_client, monkeypatch):
-    from tasks.cluster.backends import backend_for
-    from tasks.cluster.docker_backend import source_digest
+    from hetflow.cluster.backends import backend_for
+    from hetflow.cluster.docker_backend import source_digest
 
     def problems(**values):
         spec = parse_spec({"backend": "docker", **values})
@@ -88,12 +88,12 @@ def test_docker_input_the_engine_cannot_serve_is_refused_before_anything_starts(
 
 @pytest.mark.slow
 def test_a_parameter_server_run_in_docker_trains_and_leaves_nothing(docker_client, hetflow_env):
-    from tasks.paths import run_paths
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.train import train
-    from tasks.validate_spec import validate_spec
+    from hetflow.paths import run_paths
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.train import train
+    from hetflow.tasks.validate_spec import validate_spec
 
     run = "docker-ps-run"
     validate_spec(
@@ -196,12 +196,12 @@ def test_a_killed_container_is_restarted_by_the_policy_counted_and_the_run_compl
 def test_a_container_with_half_the_cpu_quota_is_measured_half_as_fast_and_gets_half_the_batch(
     docker_client, hetflow_env
 ):
-    from tasks.paths import run_paths
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.train import train
-    from tasks.validate_spec import validate_spec
+    from hetflow.paths import run_paths
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.train import train
+    from hetflow.tasks.validate_spec import validate_spec
 
     run = f"quota-{int(time.time())}"
     devices = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 2}]
@@ -241,17 +241,17 @@ def test_sigterm_of_the_train_task_removes_its_containers(docker_client, hetflow
 
     from conftest import REPO
 
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.validate_spec import validate_spec
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.validate_spec import validate_spec
 
     run = f"sigterm-{int(time.time())}"
     validate_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2}, run)
     prepare_data(run)
     provision_cluster(run)
     supervisor = subprocess.Popen(
-        [sys.executable, "-c", f"from tasks.train import train; train({run!r})"],
+        [sys.executable, "-c", f"from hetflow.tasks.train import train; train({run!r})"],
         cwd=REPO,
         env=hetflow_env,
         stdout=subprocess.DEVNULL,
@@ -295,14 +295,14 @@ def test_a_container_sees_its_supervisor_go_through_a_read_only_mount_as_an_unpr
 
     from conftest import REPO
 
-    from tasks.cluster.containers import container_user
-    from tasks.cluster.lease import SUPERVISOR_GONE_EXIT_CODE
+    from hetflow.cluster.containers import container_user
+    from hetflow.cluster.lease import SUPERVISOR_GONE_EXIT_CODE
 
     run_dir = tmp_path / "run"
     (run_dir / "replicas").mkdir(parents=True)
-    hold = "import sys, time; from pathlib import Path; from tasks.cluster.lease import take_lease\n"
+    hold = "import sys, time; from pathlib import Path; from hetflow.cluster.lease import take_lease\n"
     hold += "lease = take_lease(Path(sys.argv[1]), heartbeat=True); print('held', flush=True); time.sleep(600)"
-    watch = "import sys, time; from pathlib import Path; from tasks.cluster.lease import SupervisorWatch\n"
+    watch = "import sys, time; from pathlib import Path; from hetflow.cluster.lease import SupervisorWatch\n"
     watch += "SupervisorWatch(Path(sys.argv[1]), sys.argv[2:]); time.sleep(600)"
     holder = subprocess.Popen([sys.executable, "-c", hold, str(run_dir)], cwd=REPO, stdout=subprocess.PIPE, text=True)
     container = None
@@ -339,7 +339,7 @@ def test_containers_end_themselves_within_seconds_of_a_sigkill_of_their_supervis
     docker_client, hetflow_env, tmp_path
 ):
     """A SIGKILLed `hetflow train` tears nothing down: its containers see the run's lease go
-    (tasks.cluster.lease) and end themselves, each saying why, instead of training on until their
+    (hetflow.cluster.lease) and end themselves, each saying why, instead of training on until their
     deadline (attach timeout + train_timeout_seconds)."""
     import signal
     import subprocess
@@ -347,8 +347,8 @@ def test_containers_end_themselves_within_seconds_of_a_sigkill_of_their_supervis
 
     from conftest import REPO
 
-    from tasks.cluster.docker_backend import teardown_run
-    from tasks.cluster.lease import SUPERVISOR_GONE_EXIT_CODE
+    from hetflow.cluster.docker_backend import teardown_run
+    from hetflow.cluster.lease import SUPERVISOR_GONE_EXIT_CODE
 
     runs = str(Path(hetflow_env["HETFLOW_HOME"]) / "runs") + "/"
 
@@ -361,7 +361,7 @@ def test_containers_end_themselves_within_seconds_of_a_sigkill_of_their_supervis
         return len(running) == 2 and all("Epoch 2/" in c.logs().decode() for c in running)
 
     sets = ["backend=docker", "strategy=multi_worker_mirrored", "workers=2", "epochs=200", f"image={IMAGE}"]
-    command = [sys.executable, "-m", "tasks.cli.main", "train", *(arg for s in sets for arg in ("--set", s))]
+    command = [sys.executable, "-m", "hetflow.cli.main", "train", *(arg for s in sets for arg in ("--set", s))]
     with open(tmp_path / "train.log", "w") as output:
         supervisor = subprocess.Popen(command, cwd=REPO, env=hetflow_env, stdout=output, stderr=subprocess.STDOUT)
     try:

@@ -47,7 +47,7 @@ def test_run_succeeds_and_streams_replica_progress(first):
 
 
 def test_no_replica_or_port_outlives_the_run(first):
-    from tasks.cluster.processes import run_processes
+    from hetflow.cluster.processes import run_processes
 
     _, summary = first
     assert run_processes(summary["run_id"]) == []
@@ -77,7 +77,7 @@ def test_mlflow_run_records_tags_params_curves_and_artifacts(first, client):
 
 def test_first_version_is_candidate_and_champion_and_predicts_the_test_split(first, client):
     import mlflow
-    from tasks.data.pipeline import split_arrays
+    from hetflow.data.pipeline import split_arrays
 
     _, summary = first
     assert summary["registry"]["version"] == 1
@@ -95,7 +95,7 @@ def test_first_version_is_candidate_and_champion_and_predicts_the_test_split(fir
 
 
 def test_a_retried_register_task_makes_no_second_run_or_version(first, client):
-    from tasks.register import register
+    from hetflow.tasks.register import register
 
     _, summary = first
     again = register(summary["run_id"], "hetflow_train")
@@ -135,9 +135,9 @@ def test_a_failing_stage_fails_the_run_and_says_where(hetflow_env, second, clien
 _RESCORE = """
 import json, sys
 import numpy as np
-import tasks
-from tasks.data.pipeline import split_arrays
-from tasks.predictors import saved_model_predictor, tflite_predictor
+import hetflow
+from hetflow.data.pipeline import split_arrays
+from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 from pathlib import Path
 exported, dataset = json.loads(Path(sys.argv[1]).read_text()), json.loads(Path(sys.argv[2]).read_text())
 images, labels = split_arrays(dataset, "test")
@@ -192,7 +192,7 @@ def test_pruning_reaches_the_target_sparsity(first):
 
 def test_chosen_tflite_variant_is_registered_and_its_champion_predicts(first, client):
     import mlflow
-    from tasks.data.pipeline import split_arrays
+    from hetflow.data.pipeline import split_arrays
 
     _, summary = first
     exported = json.loads((Path(summary["run_dir"]) / "export.json").read_text())

@@ -12,9 +12,9 @@ import sys
 import pytest
 from conftest import REPO, wait_for
 
-from tasks.cluster.processes import run_replicas
+from hetflow.cluster.processes import run_replicas
 
-_SUPERVISOR = "import sys\nfrom tasks.train import train\ntrain(sys.argv[1])\n"
+_SUPERVISOR = "import sys\nfrom hetflow.tasks.train import train\ntrain(sys.argv[1])\n"
 
 
 def _attempts(log_text: str, name: str) -> list[str]:
@@ -39,7 +39,7 @@ def _start_supervisor(run_id: str, env: dict) -> subprocess.Popen:
 
 
 def _run_and_kill(run_id: str, env: dict, watch: str, when: str, victim: str) -> subprocess.CompletedProcess:
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     supervisor = _start_supervisor(run_id, env)
     log = run_paths(run_id).logs / f"{watch}.log"
@@ -53,9 +53,9 @@ def _run_and_kill(run_id: str, env: dict, watch: str, when: str, victim: str) ->
 
 
 def _provision(env: dict, run_id: str, **values) -> None:
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.validate_spec import validate_spec
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.validate_spec import validate_spec
 
     validate_spec({"restart_policy": "on_failure", "backoff_limit": 2, **values}, run_id)
     prepare_data(run_id)
@@ -64,10 +64,10 @@ def _provision(env: dict, run_id: str, **values) -> None:
 
 @pytest.mark.slow
 def test_sync_worker_killed_mid_epoch_restarts_the_group_and_resumes(hetflow_env):
-    from tasks.cluster.processes import run_processes
-    from tasks.evaluate import evaluate
-    from tasks.paths import run_paths
-    from tasks.train import train
+    from hetflow.cluster.processes import run_processes
+    from hetflow.paths import run_paths
+    from hetflow.tasks.evaluate import evaluate
+    from hetflow.tasks.train import train
 
     shape = {"strategy": "multi_worker_mirrored", "workers": 2, "epochs": 15}
     undisturbed = f"ft_sync_ref_{os.getpid()}"
@@ -95,7 +95,7 @@ def test_sync_worker_killed_mid_epoch_restarts_the_group_and_resumes(hetflow_env
 
 @pytest.mark.slow
 def test_async_worker_killed_is_restarted_alone_while_training_goes_on(hetflow_env):
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     run_id = f"ft_async_{os.getpid()}"
     _provision(hetflow_env, run_id, strategy="parameter_server", workers=2, ps=1, epochs=8, steps_per_epoch=100)
@@ -112,7 +112,7 @@ def test_async_worker_killed_is_restarted_alone_while_training_goes_on(hetflow_e
 
 @pytest.mark.slow
 def test_ps_killed_restarts_ps_and_chief_from_the_checkpoint(hetflow_env):
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     run_id = f"ft_ps_{os.getpid()}"
     _provision(hetflow_env, run_id, strategy="parameter_server", workers=2, ps=1, epochs=8, steps_per_epoch=100)
@@ -131,7 +131,7 @@ def test_ps_killed_restarts_ps_and_chief_from_the_checkpoint(hetflow_env):
 def test_a_hung_sync_worker_is_detected_within_a_minute_and_the_group_restarted(hetflow_env):
     import time
 
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     run_id = f"ft_hang_{os.getpid()}"
     _provision(hetflow_env, run_id, strategy="multi_worker_mirrored", workers=2, epochs=8)
@@ -162,7 +162,7 @@ def test_after_a_restart_every_balanced_worker_resumes_from_the_chiefs_epoch(het
     """Balanced sync (a custom loop) checkpoints on the chief; a restarted group must resume as one:
     a worker starting again from epoch 0 with fresh weights would train a different model than its
     peers (its updates are still all-reduced, but from other parameters)."""
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     run_id = f"ft_balanced_{os.getpid()}"
     _provision(hetflow_env, run_id, strategy="multi_worker_mirrored", workers=2, balance_batches=True, epochs=10)
@@ -179,10 +179,10 @@ def test_after_a_restart_every_balanced_worker_resumes_from_the_chiefs_epoch(het
 
 @pytest.mark.slow
 def test_a_retry_of_a_finished_async_training_succeeds_without_training_again(hetflow_env):
-    from tasks.paths import run_paths
-    from tasks.provision_cluster import provision_cluster
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.train import train
+    from hetflow.paths import run_paths
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.train import train
 
     run_id = f"ft_ps_retry_{os.getpid()}"
     _provision(hetflow_env, run_id, strategy="parameter_server", workers=1, ps=1, epochs=2, steps_per_epoch=50)

@@ -1,4 +1,4 @@
-"""What a sandboxed process sees of the file system (``tasks.sandbox``): local replicas see their run
+"""What a sandboxed process sees of the file system (``hetflow.sandbox``): local replicas see their run
 directory (read-write, less the pipeline's records) and the prepared data (read-only) of
 HETFLOW_HOME, nothing else of it, and change nothing outside their run directory and their own
 /tmp. Real bubblewrap sandboxes (the hostile probes are in test_sandbox.py)."""
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, wait_for
 
-from tasks import sandbox
-from tasks.cluster.processes import run_replicas
-from tasks.paths import data_dir, hetflow_home, run_paths
+from hetflow import sandbox
+from hetflow.cluster.processes import run_replicas
+from hetflow.paths import data_dir, hetflow_home, run_paths
 
 # Tries each write and read, and reports what happened, one line each.
 _PROBE = textwrap.dedent(
@@ -131,7 +131,7 @@ def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
 
 def test_hiding_a_directory_that_holds_the_checkout_keeps_the_code_and_interpreter_visible():
     """A HETFLOW_HOME above the checkout (here: its parent) hides it, but not what the command runs."""
-    probe = "import tasks.sandbox, os; print(os.access(tasks.sandbox.__file__, os.W_OK))"
+    probe = "import hetflow.sandbox, os; print(os.access(hetflow.sandbox.__file__, os.W_OK))"
     box = sandbox.Sandbox(hidden=[str(REPO.parent)], working_directory=str(REPO))
     done = _run(box, [sys.executable, "-c", probe])
     assert done.returncode == 0, done.stderr
@@ -180,7 +180,7 @@ def test_directories_hidden_and_shown_inside_each_other_nest_as_written(tmp_path
 def test_a_data_dir_outside_the_allowed_roots_is_refused_in_one_line(tmp_path, monkeypatch):
     """data_dir is shown to every replica: the stack's secrets or /run (the Docker socket) must not
     be. HETFLOW_HOME/data and the roots the operator lists are allowed; a link out of one is not."""
-    from tasks.spec import SpecError, parse_spec
+    from hetflow.spec import SpecError, parse_spec
 
     monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("HETFLOW_DATA_ROOTS", raising=False)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from conftest import hetflow
 
-from tasks.auto_strategy import ASYNC_SPREAD, decide
-from tasks.batch_shares import split_batch
-from tasks.spec import parse_spec
+from hetflow.replica.auto_strategy import ASYNC_SPREAD, decide
+from hetflow.replica.batch_shares import split_batch
+from hetflow.spec import parse_spec
 
 SLOW_WORKER = '[{"threads": 1}, {"threads": 1, "slowdown": 3}]'
 
@@ -65,8 +65,8 @@ def test_auto_goes_async_beyond_the_async_spread():
 
 
 def test_visible_gpus_give_each_gpu_worker_its_own_devices():
-    from tasks.cluster.layout import plan_cluster
-    from tasks.cluster.local import visible_gpus
+    from hetflow.cluster.layout import plan_cluster
+    from hetflow.cluster.local import visible_gpus
 
     spec = parse_spec(
         {
@@ -82,8 +82,8 @@ def test_visible_gpus_give_each_gpu_worker_its_own_devices():
 def test_unequal_worker_slices_are_the_global_batch_and_each_worker_batches_only_its_own(tmp_path):
     import tensorflow as tf
 
-    from tasks.data.pipeline import train_input, train_slices, training_tensors
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.pipeline import train_input, train_slices, training_tensors
+    from hetflow.data.prepare import prepare_dataset
 
     dataset = prepare_dataset("uci_digits", tmp_path)
     steps, offsets = 4, [0, 5, 7, 8]  # shares 5, 2 and 1 of a global batch of 8
@@ -113,7 +113,7 @@ def test_unequal_worker_slices_are_the_global_batch_and_each_worker_batches_only
 def test_the_workers_are_measured_over_the_same_seconds_each_on_its_own_computation(monkeypatch):
     import time
 
-    from tasks.replica import balance
+    from hetflow.replica import balance
 
     monkeypatch.setattr(balance, "MEASURE_SECONDS", 0.3)
     # Two workers in one process: worker 0's steps take 10 ms here; worker 1's part of the sums is
@@ -142,7 +142,7 @@ def test_the_workers_are_measured_over_the_same_seconds_each_on_its_own_computat
 
 
 def test_throttle_limits_cpu_time_from_outside():
-    from tasks.cluster.throttle import Throttle
+    from hetflow.cluster.throttle import Throttle
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     throttle = Throttle(busy.pid, slowdown=4)
@@ -179,8 +179,8 @@ def _train(env, *sets: str) -> tuple[dict, object]:
 
 @pytest.mark.slow
 def test_balanced_update_on_unequal_shards_equals_the_single_replica_update(hetflow_env):
-    from tasks.models import build_model, read_weights
-    from tasks.paths import RunPaths
+    from hetflow.models.architectures import build_model, read_weights
+    from hetflow.paths import RunPaths
 
     same = ["optimizer=sgd", "learning_rate=0.1", "shuffle=false", "epochs=1", "steps_per_epoch=8", "batch_size=32"]
     single_record, single = _train(hetflow_env, "strategy=one_device", *same)

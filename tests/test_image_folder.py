@@ -32,7 +32,7 @@ def write_digit_folder(root: Path, per_class: int = DIGITS_PER_CLASS, size: int 
 
 
 def _scan_error(folder: Path, image_size: str = "") -> str:
-    from tasks.data.image_folder import scan
+    from hetflow.data.image_folder import scan
 
     with pytest.raises(ValueError) as raised:
         scan(folder, image_size)
@@ -42,7 +42,7 @@ def _scan_error(folder: Path, image_size: str = "") -> str:
 
 
 def test_scan_infers_shape_classes_and_a_stratified_split(tmp_path):
-    from tasks.data.image_folder import scan
+    from hetflow.data.image_folder import scan
 
     inventory = scan(write_digit_folder(tmp_path / "digits"))
     assert inventory.shape == (28, 28, 1)
@@ -64,7 +64,7 @@ def test_scan_infers_shape_classes_and_a_stratified_split(tmp_path):
 def test_colour_images_give_three_channels_and_image_size_resizes(tmp_path):
     from PIL import Image
 
-    from tasks.data.image_folder import load_pixels, scan
+    from hetflow.data.image_folder import load_pixels, scan
 
     for name, colour in (("red", (200, 10, 10)), ("blue", (10, 10, 200))):
         (tmp_path / "c" / name).mkdir(parents=True)
@@ -78,7 +78,7 @@ def test_colour_images_give_three_channels_and_image_size_resizes(tmp_path):
 
 
 def test_a_train_and_test_layout_keeps_the_given_test_split(tmp_path):
-    from tasks.data.image_folder import scan
+    from hetflow.data.image_folder import scan
 
     write_digit_folder(tmp_path / "f" / "train", per_class=16)
     write_digit_folder(tmp_path / "f" / "test", per_class=4, first=16)
@@ -121,13 +121,13 @@ def test_mixed_sizes_are_refused_unless_image_size_says_how_to_resize(tmp_path):
     message = _scan_error(root)
     assert f"image {root}/digit_7/{odd.name} is 32x32" in message and "is 28x28" in message
     assert "set image_size=HEIGHTxWIDTH" in message
-    from tasks.data.image_folder import scan
+    from hetflow.data.image_folder import scan
 
     assert scan(root, image_size="28x28").shape == (28, 28, 1)
 
 
 def test_new_images_make_a_new_prepared_version_beside_the_old(tmp_path):
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.prepare import prepare_dataset
 
     root = write_digit_folder(tmp_path / "digits", per_class=10)
     first = prepare_dataset(f"folder:{root}", tmp_path / "data")
@@ -157,8 +157,8 @@ def test_new_images_make_a_new_prepared_version_beside_the_old(tmp_path):
 
 def test_the_validate_spec_task_refuses_a_bad_folder_before_it_makes_a_run_directory(tmp_path, monkeypatch):
     """What a trigger from the Airflow form meets: the DAG's first task fails with the one line."""
-    from tasks.spec import SpecError
-    from tasks.validate_spec import validate_spec
+    from hetflow.spec import SpecError
+    from hetflow.tasks.validate_spec import validate_spec
 
     monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HETFLOW_DATA_ROOTS", str(tmp_path))  # a folder outside HETFLOW_HOME, as an operator allows
@@ -175,7 +175,7 @@ def test_the_validate_spec_task_refuses_a_bad_folder_before_it_makes_a_run_direc
 def test_a_folder_outside_the_allowed_roots_is_refused_in_one_line(tmp_path, monkeypatch):
     """The pipeline reads every image of the folder into data the replicas see: like data_dir, the
     folder lies under HETFLOW_HOME/data or a root the operator lists; a link out of one is not."""
-    from tasks.spec import SpecError, parse_spec
+    from hetflow.spec import SpecError, parse_spec
 
     monkeypatch.setenv("HETFLOW_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("HETFLOW_DATA_ROOTS", raising=False)
@@ -199,10 +199,10 @@ def test_prepare_data_checks_the_data_locations_again_before_reading(tmp_path, m
     """validate_spec confined data_dir and the folder to the allowed roots; what changed before
     prepare_data reads them (a link in the path now pointing out, the operator's roots narrowed) is
     refused there in one line naming the field, and nothing is read from or written to the outside."""
-    from tasks.paths import run_paths
-    from tasks.prepare_data import prepare_data
-    from tasks.spec import SpecError
-    from tasks.validate_spec import validate_spec
+    from hetflow.paths import run_paths
+    from hetflow.spec import SpecError
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.validate_spec import validate_spec
 
     home, outside = tmp_path / "home", tmp_path / "outside"
     monkeypatch.setenv("HETFLOW_HOME", str(home))
@@ -268,7 +268,7 @@ def test_a_split_folder_that_is_a_link_is_refused(tmp_path):
 def test_an_image_or_class_folder_swapped_for_a_link_after_the_scan_is_not_read(tmp_path):
     """The folder may change between the scan and the build: reading an image follows no link then
     either, for the image itself or for a folder on its way."""
-    from tasks.data.image_folder import LinkInFolder, load_pixels, scan
+    from hetflow.data.image_folder import LinkInFolder, load_pixels, scan
 
     root = write_digit_folder(tmp_path / "digits", per_class=3)
     outside = write_digit_folder(tmp_path / "outside", per_class=3)
@@ -289,8 +289,8 @@ def test_an_image_or_class_folder_swapped_for_a_link_after_the_scan_is_not_read(
 def test_pixels_read_back_from_the_prepared_dataset_are_the_images(tmp_path):
     from PIL import Image
 
-    from tasks.data.pipeline import split_arrays
-    from tasks.data.prepare import prepare_dataset
+    from hetflow.data.pipeline import split_arrays
+    from hetflow.data.prepare import prepare_dataset
 
     root = write_digit_folder(tmp_path / "digits", per_class=5)
     dataset = prepare_dataset(f"folder:{root}", tmp_path / "data")
@@ -341,8 +341,8 @@ class TestTrainingOnAnImageFolder:
         return self.run(env, folder)
 
     def test_the_folder_trains_the_784_128_10_mlp_and_is_registered_served_and_promoted(self, first):
-        from tasks.models import build_model, read_weights
-        from tasks.paths import RunPaths
+        from hetflow.models.architectures import build_model, read_weights
+        from hetflow.paths import RunPaths
 
         done, summary = first
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -6,9 +6,9 @@ from __future__ import annotations
 def test_no_input_pipeline_runs_the_autotuning_thread(tmp_path):
     """Destroying an iterator whose autotuning thread misses its cancellation waits out that
     thread's optimization period (up to 60 s): the tail between a replica's last epoch and its
-    final weights (tasks/data/pipeline.py says how it was found)."""
-    from tasks.data.pipeline import eval_input, train_input, train_slices, training_tensors
-    from tasks.data.prepare import prepare_dataset
+    final weights (hetflow/data/pipeline.py says how it was found)."""
+    from hetflow.data.pipeline import eval_input, train_input, train_slices, training_tensors
+    from hetflow.data.prepare import prepare_dataset
 
     dataset = prepare_dataset("uci_digits", tmp_path)
     pipelines = {

@@ -18,10 +18,10 @@ import kubernetes.config.kube_config
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from tasks.cluster import kubernetes_backend as k8s
-from tasks.cluster.kubernetes_manifests import LABEL_RUN
-from tasks.cluster.layout import run_slug
-from tasks.spec import parse_spec
+from hetflow.cluster import kubernetes_backend as k8s
+from hetflow.cluster.kubernetes_manifests import LABEL_RUN
+from hetflow.cluster.layout import run_slug
+from hetflow.spec import parse_spec
 
 # Object kinds as the backend creates, lists and deletes them: API method suffix and model name.
 KINDS = {
@@ -186,7 +186,7 @@ def no_cluster_configured(tmp_path, monkeypatch):
 def test_without_a_client_configuration_the_sweep_has_nothing_to_do_and_says_nothing(
     tmp_path, caplog, no_cluster_configured
 ):
-    from tasks.cluster.backends import sweep
+    from hetflow.cluster.backends import sweep
 
     with caplog.at_level(logging.DEBUG):
         assert k8s.BACKEND.sweep(tmp_path, 0) == {}
@@ -198,7 +198,7 @@ def test_a_cluster_that_does_not_answer_is_one_warning_not_an_error(tmp_path, ca
     """Through ``hetflow sweep``'s own function: every backend's sweep runs, Kubernetes' among them."""
     import socket
 
-    from tasks.cluster.backends import sweep
+    from hetflow.cluster.backends import sweep
 
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))

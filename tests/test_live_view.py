@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import logging
 
-from tasks.cli.live_view import LiveView
+from hetflow.cli.live_view import LiveView
 
 
 def _shown(*records: tuple[str, int, str]) -> list[str]:

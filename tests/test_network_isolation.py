@@ -1,4 +1,4 @@
-"""Local replicas in a network namespace of their run (``tasks.cluster.netns``): their gRPC servers,
+"""Local replicas in a network namespace of their run (``hetflow.cluster.netns``): their gRPC servers,
 which listen on every interface without authentication, are unreachable from this host's network
 and reachable from inside the run's sandboxes; every replica of the run, restarted ones included,
 shares the one namespace, which goes with the run. Real processes in real bubblewrap sandboxes."""
@@ -18,10 +18,10 @@ import psutil
 import pytest
 from conftest import REPO, hetflow, listening, wait_for
 
-from tasks.cluster import netns
-from tasks.cluster.local import LocalReplicas
-from tasks.cluster.processes import RUN_ID_ENV, environments_with, run_processes, teardown_runs_of_home
-from tasks.paths import hetflow_home, run_paths
+from hetflow.cluster import netns
+from hetflow.cluster.local import LocalReplicas
+from hetflow.cluster.processes import RUN_ID_ENV, environments_with, run_processes, teardown_runs_of_home
+from hetflow.paths import hetflow_home, run_paths
 
 
 def _connects(host: str, port: int) -> bool:
@@ -71,7 +71,7 @@ def _replica_processes(run_id: str) -> list[int]:
     found = []
     for pid in environments_with(f"{RUN_ID_ENV}={run_id}", anywhere=True):
         try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"tasks.replica"]:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"hetflow.replica"]:
                 found.append(pid)
         except OSError:
             continue
@@ -79,10 +79,10 @@ def _replica_processes(run_id: str) -> list[int]:
 
 
 def test_replicas_are_reachable_only_inside_their_namespace_which_all_of_them_share(provisioned):
-    from tasks.attempts import load_spec
-    from tasks.cluster import keeper
-    from tasks.cluster.layout import ClusterLayout
-    from tasks.cluster.local import file_view
+    from hetflow.cluster import keeper
+    from hetflow.cluster.layout import ClusterLayout
+    from hetflow.cluster.local import file_view
+    from hetflow.pipeline.attempts import load_spec
 
     devices = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 4}]
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2, worker_devices=devices)
@@ -116,7 +116,7 @@ def test_replicas_are_reachable_only_inside_their_namespace_which_all_of_them_sh
     assert {netns.namespace_of(pid) for pid in _replica_processes(run_id)} == {holder["net"]}
 
     # Signals still reach them: the keeper throttles worker-1 (slowdown 4) with SIGSTOP/SIGCONT.
-    from tasks.cluster.processes import run_replicas
+    from hetflow.cluster.processes import run_replicas
 
     slowed = run_replicas(run_id)["worker-1"]
     assert wait_for(lambda: psutil.Process(slowed).status() == psutil.STATUS_STOPPED, timeout=5, interval=0.001)
@@ -154,9 +154,9 @@ def test_a_short_training_run_succeeds_inside_its_namespace(hetflow_env):
 _PROVISION = textwrap.dedent(
     """
     import sys
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.validate_spec import validate_spec
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.validate_spec import validate_spec
     validate_spec({"epochs": 1000, "strategy": "multi_worker_mirrored", "workers": 2}, sys.argv[1])
     prepare_data(sys.argv[1])
     provision_cluster(sys.argv[1])
@@ -167,7 +167,7 @@ _PROVISION = textwrap.dedent(
 def test_without_bubblewrap_a_run_the_operator_accepted_unisolated_says_so(hetflow_env):
     """The fallback, only with HETFLOW_ALLOW_UNISOLATED=1: replicas on this host's ports, and the
     run records and warns that they are."""
-    from tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
 
     run_id = f"unisolated_{os.getpid()}"
     try:

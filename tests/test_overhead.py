@@ -19,7 +19,7 @@ PARTS = ("imports", "mlflow_io", "work")
 
 
 def test_a_stage_clock_counts_each_second_once_and_only_its_own_thread(tmp_path, monkeypatch):
-    from tasks import timings
+    from hetflow.pipeline import timings
 
     (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(0.3)\n")
     (tmp_path / "imported_elsewhere.py").write_text("import time\ntime.sleep(0.3)\n")
@@ -136,7 +136,7 @@ def test_the_command_leaves_its_objects_to_the_exit_uncollected(hetflow_env):
     1.5-2 s between the command's work and its exit; frozen objects are skipped."""
     import gc
 
-    from tasks.cli.main import main
+    from hetflow.cli.main import main
 
     gc.unfreeze()
     try:

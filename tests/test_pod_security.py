@@ -25,11 +25,11 @@ import pytest
 import yaml
 from conftest import REPO
 
-from tasks import sandbox
-from tasks.cluster import kubernetes_backend as k8s
-from tasks.cluster import kubernetes_manifests as manifests
-from tasks.cluster.layout import run_slug
-from tasks.spec import parse_spec
+from hetflow import sandbox
+from hetflow.cluster import kubernetes_backend as k8s
+from hetflow.cluster import kubernetes_manifests as manifests
+from hetflow.cluster.layout import run_slug
+from hetflow.spec import parse_spec
 
 RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"
 RUN_DIR = Path("/srv/hetflow/runs/manual__2026-11-22T00_12_03.120579_00_00")
@@ -451,8 +451,8 @@ def test_preflight_refuses_a_supervisor_that_cannot_give_the_pods_their_run_dire
     sandbox.hand_over(home / "runs")
     probe = textwrap.dedent(
         """
-        from tasks.cluster import kubernetes_backend as k8s
-        from tasks.spec import parse_spec
+        from hetflow.cluster import kubernetes_backend as k8s
+        from hetflow.spec import parse_spec
         print(*k8s.BACKEND.preflight(parse_spec({"backend": "kubernetes", "kubernetes_volume_claim": "shared"}), "r"))
         """
     )
@@ -484,8 +484,8 @@ def test_preflight_refuses_root_that_may_not_chown_as_on_nfs_with_root_squash(tm
     home = tmp_path / "home"
     probe = textwrap.dedent(
         """
-        from tasks.cluster import kubernetes_backend as k8s
-        from tasks.spec import parse_spec
+        from hetflow.cluster import kubernetes_backend as k8s
+        from hetflow.spec import parse_spec
         print(*k8s.BACKEND.preflight(parse_spec({"backend": "kubernetes"}), "r"))
         """
     )

@@ -31,7 +31,7 @@ FINGERPRINT = "f" * 16  # every version was scored on the same prepared data: re
 def mlflow_server(tmp_path_factory):
     """A real MLflow server over a SQL store, started as make up starts it; yields its port."""
     from devstack.processes import mlflow_server_command
-    from tasks.serving import free_port
+    from hetflow.serving.server import free_port
 
     store = tmp_path_factory.mktemp("mlflow_server")
     port = free_port()
@@ -68,10 +68,10 @@ def _home(tmp_path: Path, name: str, uri: str) -> dict[str, str]:
 def _new_registered_model(name: str, champion_accuracy: float, candidates: list[float], uri=None) -> list[str]:
     """A hetflow registered model whose v1 is champion at ``champion_accuracy``, with one version per
     candidate accuracy not yet gated. Returns the candidates' versions."""
+    from hetflow.registry.champion import CHAMPION
+    from hetflow.registry.store import EXPERIMENT
+    from hetflow.registry.versions import own_registered_model
     from mlflow import MlflowClient
-    from tasks.registry.champion import CHAMPION
-    from tasks.registry.store import EXPERIMENT
-    from tasks.registry.versions import own_registered_model
 
     client = MlflowClient(uri)
     own_registered_model(client, name, name)
@@ -93,9 +93,9 @@ def _gate(name: str, version: str, accuracy: float, log_dir: Path, ready=None) -
     """What a run's register task does with its version once registered: tag it, gate it, move
     the aliases. Its served check passed: that check serves real models in tests/test_serving.py,
     here the gate is what is under test. ``ready`` is called once the process has started up."""
+    from hetflow.registry import champion
+    from hetflow.spec import RunSpec
     from mlflow import MlflowClient
-    from tasks.registry import champion
-    from tasks.spec import RunSpec
 
     served = {
         "passed": True,
@@ -141,8 +141,8 @@ def _worse_run(name, version, log_dir, pause_at, paused, better, env) -> None:
     its first read of ``champion``; ``set``: right before it sets ``champion``) until the 0.95 run
     is done or waits for a lock (which this run may hold)."""
     os.environ.update(env)
+    from hetflow.registry import champion
     from mlflow import MlflowClient
-    from tasks.registry import champion
 
     def pause():
         paused.set()
@@ -180,7 +180,7 @@ def _worse_run(name, version, log_dir, pause_at, paused, better, env) -> None:
 def _better_run(name, version, log_dir, worse_paused, better, env) -> None:
     """The 0.95 run, on the host ``env`` describes, gating its version once the 0.93 run has paused."""
     os.environ.update(env)
-    from tasks.registry import registry_lock
+    from hetflow.registry import registry_lock
 
     poll_pause = registry_lock._poll_pause
 
@@ -209,8 +209,8 @@ def test_a_worse_candidate_that_read_the_champion_first_does_not_take_it_from_a_
     0.95 is promoted: 0.95 stays champion. On ``one`` host the two runs share a home and the
     session's SQLite store; on ``two`` each has its own home and spells the URI of one MLflow
     server its own way (127.0.0.1, localhost): only the lock in the registry keeps them apart."""
+    from hetflow.registry.champion import CHAMPION
     from mlflow import MlflowClient
-    from tasks.registry.champion import CHAMPION
 
     name = f"race-{pause_at}-{hosts}"
     if hosts == "one":
@@ -297,8 +297,8 @@ def test_the_promotion_lock_excludes_another_host_that_spells_the_server_uri_its
     http://127.0.0.1:PORT and http://localhost:PORT: the second waits in the registry while the
     first holds, and takes the lock once it is released. MLflow's Models page says what the lock
     is and who holds it."""
+    from hetflow.registry.registry_lock import HELD_BY_TAG, lock_name
     from mlflow import MlflowClient
-    from tasks.registry.registry_lock import HELD_BY_TAG, lock_name
 
     client = MlflowClient(f"http://127.0.0.1:{mlflow_server}")
     _registered(client, "two-hosts")
@@ -330,8 +330,8 @@ def test_a_dead_holders_lock_in_the_registry_is_taken_over_once_its_heartbeat_st
     registry does not. The waiter does not take the lock while the holder lives and beats (two
     stale periods), takes it once the heartbeat has stood still for the stale period, and leaves a
     tombstone named after the dead holder's token, which a later holder sweeps once it is old."""
+    from hetflow.registry import registry_lock
     from mlflow import MlflowClient
-    from tasks.registry import registry_lock
 
     name, uri = "dead-holder", f"http://127.0.0.1:{mlflow_server}"
     client = MlflowClient(uri)
@@ -371,8 +371,8 @@ def test_a_waiter_that_read_a_dead_holder_late_cannot_rename_the_next_holders_lo
     """Two waiters saw the same dead holder. The first renames its lock to that holder's tombstone
     and takes the lock; the second, acting on what it read before, tries the same rename: the
     tombstone's name is taken, so the rename fails and the new holder keeps its lock."""
+    from hetflow.registry import registry_lock
     from mlflow import MlflowClient
-    from tasks.registry import registry_lock
 
     name = "late-breaker"
     client = MlflowClient()
@@ -432,7 +432,7 @@ def _registered(client, *names: str) -> None:
 def _acquired_within(name: str, seconds: float) -> bool:
     """Whether this process takes ``name``'s promotion lock within ``seconds``; an error taking it
     is raised here, not lost in the thread."""
-    from tasks.registry.champion import promotion_lock
+    from hetflow.registry.champion import promotion_lock
 
     got, errors = threading.Event(), []
 
@@ -459,9 +459,9 @@ FREE_WITHIN = 30
 def _lock_holder(name: str, env: dict[str, str], lock_settings: dict[str, float] | None = None) -> subprocess.Popen:
     """A process that takes ``name``'s promotion lock, says "held" and keeps it until a line comes;
     it logs at INFO to stderr. ``lock_settings``: values of ``registry_lock``'s timings."""
-    script = "import logging\nlogging.basicConfig(level=logging.INFO)\nfrom tasks.registry import registry_lock\n"
+    script = "import logging\nlogging.basicConfig(level=logging.INFO)\nfrom hetflow.registry import registry_lock\n"
     script += "".join(f"registry_lock.{setting} = {value!r}\n" for setting, value in (lock_settings or {}).items())
-    script += f"from tasks.registry.champion import promotion_lock\nwith promotion_lock({name!r}):\n"
+    script += f"from hetflow.registry.champion import promotion_lock\nwith promotion_lock({name!r}):\n"
     script += "    print('held', flush=True)\n    input()"
     return subprocess.Popen(
         [sys.executable, "-c", script],
@@ -486,12 +486,12 @@ def _write_run_records(paths, chosen_tflite: str | None) -> None:
 def test_register_refuses_a_registered_model_hetflow_did_not_create(hetflow_env, tmp_path, foreign):
     """Someone else's model of that name (the float model's, or its ``-tflite`` twin's) is refused
     with one line naming ``registered_model``, before the run writes anything to MLflow."""
+    from hetflow.paths import RunPaths
+    from hetflow.registry.store import EXPERIMENT
+    from hetflow.registry.versions import ForeignRegisteredModel
+    from hetflow.spec import RunSpec
+    from hetflow.tasks.register import register_model
     from mlflow import MlflowClient
-    from tasks.paths import RunPaths
-    from tasks.register import register_model
-    from tasks.registry.store import EXPERIMENT
-    from tasks.registry.versions import ForeignRegisteredModel
-    from tasks.spec import RunSpec
 
     name = f"shared-{foreign}"
     taken = name if foreign == "float" else f"{name}-tflite"
@@ -512,8 +512,8 @@ def test_register_refuses_a_registered_model_hetflow_did_not_create(hetflow_env,
 
 
 def test_a_registered_model_hetflow_created_is_marked_and_taken_again(hetflow_env):
+    from hetflow.registry.versions import OWNER, OWNER_TAG, own_registered_model
     from mlflow import MlflowClient
-    from tasks.registry.versions import OWNER, OWNER_TAG, own_registered_model
 
     client = MlflowClient()
     own_registered_model(client, "ours", "ours")

@@ -23,7 +23,7 @@ def home(tmp_path, monkeypatch) -> Path:
 
 
 def test_run_ids_that_read_alike_get_directories_of_their_own(home):
-    from tasks.paths import create_run_dir
+    from hetflow.paths import create_run_dir
 
     roots = {run_id: create_run_dir(run_id).root for run_id in ("x:1", "x+1", "x_1")}
     assert len(set(roots.values())) == 3
@@ -37,8 +37,8 @@ def test_run_ids_that_read_alike_get_directories_of_their_own(home):
 
 def test_two_hetflow_trains_started_in_one_second_get_directories_of_their_own(home):
     """`hetflow train` names its run itself; the bench starts two at once (two_apart)."""
-    from tasks.cli.main import train_run_id
-    from tasks.paths import create_run_dir
+    from hetflow.cli.main import train_run_id
+    from hetflow.paths import create_run_dir
 
     first, second = train_run_id(), train_run_id()
     assert re.fullmatch(r"train__\d{8}T\d{6}_[0-9a-f]{8}", first)  # readable: the start time first
@@ -47,10 +47,10 @@ def test_two_hetflow_trains_started_in_one_second_get_directories_of_their_own(h
 
 def test_another_process_finds_the_same_directory(home):
     """A retried task runs in a new process: the name must not depend on the process (no hash())."""
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     found = subprocess.run(
-        [sys.executable, "-c", f"from tasks.paths import run_paths; print(run_paths({AIRFLOW_RUN_ID!r}).root)"],
+        [sys.executable, "-c", f"from hetflow.paths import run_paths; print(run_paths({AIRFLOW_RUN_ID!r}).root)"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -60,9 +60,9 @@ def test_another_process_finds_the_same_directory(home):
 
 
 def test_a_directory_that_belongs_to_another_run_id_is_refused(home):
-    from tasks.paths import RunDirectoryTaken, run_paths
-    from tasks.summarize import summarize
-    from tasks.validate_spec import validate_spec
+    from hetflow.paths import RunDirectoryTaken, run_paths
+    from hetflow.tasks.summarize import summarize
+    from hetflow.tasks.validate_spec import validate_spec
 
     validate_spec({"epochs": 3}, "team-a")
     paths = run_paths("team-a")
@@ -78,8 +78,8 @@ def test_a_directory_that_belongs_to_another_run_id_is_refused(home):
 
 
 def test_a_retry_reuses_its_own_directory(home):
-    from tasks.paths import run_paths
-    from tasks.validate_spec import validate_spec
+    from hetflow.paths import run_paths
+    from hetflow.tasks.validate_spec import validate_spec
 
     validate_spec({"epochs": 3}, "retried", try_number=1)
     validate_spec({"epochs": 4}, "retried", try_number=2)
@@ -89,7 +89,7 @@ def test_a_retry_reuses_its_own_directory(home):
 
 
 def test_an_empty_run_id_is_refused_naming_the_field(home):
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     with pytest.raises(ValueError, match=r"^run_id='' is invalid: expected a non-empty string$"):
         run_paths("")
@@ -98,8 +98,8 @@ def test_an_empty_run_id_is_refused_naming_the_field(home):
 @pytest.fixture
 def prepared_run(home):
     """validate_spec and prepare_data, for real, as try 1 of run ``rerun``; what they returned."""
-    from tasks.prepare_data import prepare_data
-    from tasks.validate_spec import validate_spec
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.validate_spec import validate_spec
 
     returned = {
         "validate_spec": validate_spec({"epochs": 2}, "rerun", try_number=1),
@@ -109,7 +109,7 @@ def prepared_run(home):
 
 
 def test_every_record_names_the_attempt_that_wrote_it(prepared_run):
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     paths = run_paths("rerun")
     for stage, record in (("validate_spec", paths.spec), ("prepare_data", paths.dataset)):
@@ -123,9 +123,9 @@ def test_every_record_names_the_attempt_that_wrote_it(prepared_run):
 
 
 def test_a_stage_that_starts_removes_its_own_and_later_records(prepared_run, home):
-    from tasks.paths import run_paths
-    from tasks.prepare_data import prepare_data
-    from tasks.summarize import summarize
+    from hetflow.paths import run_paths
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.summarize import summarize
 
     paths = run_paths("rerun")
     # An earlier attempt got further: its records of later stages, with their receipts, are there.
@@ -152,8 +152,8 @@ def test_summarize_fails_a_stage_whose_last_try_failed_whatever_files_are_left(p
     """Airflow holds a task's return value only for its last try, and only if that try succeeded:
     a try that failed before it could remove anything (killed while starting) leaves the earlier
     attempt's record and receipt, and the run still fails at that stage."""
-    from tasks.paths import run_paths
-    from tasks.summarize import summarize
+    from hetflow.paths import run_paths
+    from hetflow.tasks.summarize import summarize
 
     paths = run_paths("rerun")
     earlier = prepared_run["prepare_data"]
@@ -178,9 +178,9 @@ def test_later_stages_refuse_a_training_record_linked_out_of_the_run_directory(p
     it, and nothing of what it points at is reported."""
     import logging
 
-    from tasks.compress import compress
-    from tasks.paths import NotRegularFile, run_paths
-    from tasks.summarize import summarize
+    from hetflow.paths import NotRegularFile, run_paths
+    from hetflow.tasks.compress import compress
+    from hetflow.tasks.summarize import summarize
 
     paths = run_paths("rerun")
     secret = home / "stack" / "secrets.json"
@@ -204,8 +204,8 @@ _DAG_TEST = """
 import json, sys
 from datetime import datetime, timezone
 
-from tasks.cli.dag_run import DAG_ID, ensure_airflow_db
-from tasks.paths import REPO_ROOT
+from hetflow.cli.dag_run import DAG_ID, ensure_airflow_db
+from hetflow.paths import REPO_ROOT
 
 ensure_airflow_db()
 from airflow.dag_processing.dagbag import DagBag
@@ -229,7 +229,7 @@ def _dag_test(env, conf: dict) -> dict:
 
 @pytest.mark.slow
 def test_a_rerun_of_the_dag_whose_train_fails_ends_failed(hetflow_env):
-    from tasks.paths import run_paths
+    from hetflow.paths import run_paths
 
     first = _dag_test(hetflow_env, {"epochs": 2, "registered_model": "rerun-digits"})
     assert first["state"] == "success"

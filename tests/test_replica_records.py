@@ -16,7 +16,7 @@ import textwrap
 import pytest
 from conftest import wait_for
 
-from tasks.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths, write_record
+from hetflow.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths, write_record
 
 _HOSTILE = textwrap.dedent(
     """
@@ -49,11 +49,11 @@ _HOSTILE = textwrap.dedent(
 
 
 def test_a_replica_that_plants_links_and_rewrites_records_steers_nothing(provisioned, caplog, tmp_path):
-    from tasks.attempts import load_spec
-    from tasks.cluster import keeper
-    from tasks.cluster.layout import ClusterLayout
-    from tasks.cluster.local import LocalReplicas, file_view
-    from tasks.cluster.processes import run_replicas
+    from hetflow.cluster import keeper
+    from hetflow.cluster.layout import ClusterLayout
+    from hetflow.cluster.local import LocalReplicas, file_view
+    from hetflow.cluster.processes import run_replicas
+    from hetflow.pipeline.attempts import load_spec
 
     secret = hetflow_home() / "stack" / "secrets.json"
     secret.parent.mkdir(exist_ok=True)
@@ -128,8 +128,8 @@ def test_a_replica_record_is_read_as_data(tmp_path):
 
 
 def test_uploads_to_mlflow_take_regular_files_only(hetflow_env, tmp_path, caplog):
+    from hetflow.registry.run_record import upload_regular_files
     from mlflow import MlflowClient
-    from tasks.registry.run_record import upload_regular_files
 
     secret = tmp_path / "secrets.json"
     secret.write_text('{"password": "secret"}')

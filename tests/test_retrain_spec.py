@@ -9,10 +9,10 @@ import logging
 
 
 def test_a_retrain_takes_only_the_champions_recipe(hetflow_env, tmp_path, caplog):
+    from hetflow.registry.champion import CHAMPION
+    from hetflow.registry.retrain import retrain_spec
+    from hetflow.spec import RunSpec
     from mlflow import MlflowClient
-    from tasks.registry.champion import CHAMPION
-    from tasks.retrain import retrain_spec
-    from tasks.spec import RunSpec
 
     client = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
     # Its artifacts under the test's directory, not MLflow's default ./mlruns in the working directory.

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from conftest import wait_for
 
-from tasks import sandbox
-from tasks.cluster.processes import run_replicas
-from tasks.paths import hetflow_home, run_paths
+from hetflow import sandbox
+from hetflow.cluster.processes import run_replicas
+from hetflow.paths import hetflow_home, run_paths
 
 # Tries each thing, and prints one line per attempt: "ok" or the error's class and errno.
 _PROBE = textwrap.dedent(
@@ -78,9 +78,9 @@ def _refused(outcome: str) -> bool:
 
 
 def test_a_hostile_process_in_a_replicas_sandbox_reaches_nothing_but_its_peers(provisioned, monkeypatch, tmp_path):
-    from tasks.attempts import load_spec
-    from tasks.cluster import keeper
-    from tasks.cluster.local import file_view
+    from hetflow.cluster import keeper
+    from hetflow.cluster.local import file_view
+    from hetflow.pipeline.attempts import load_spec
 
     home = hetflow_home()
     other_run = home / "runs" / "someone_else"
@@ -187,7 +187,7 @@ def test_a_hostile_registered_model_reaches_nothing_from_its_server(hetflow_env,
     import numpy as np
 
     import mlflow
-    from tasks.serving import ModelServer
+    from hetflow.serving.server import ModelServer
 
     home, store = hetflow_home(), Path(hetflow_env["MLFLOW_TRACKING_URI"].removeprefix("sqlite:///")).parent
     other_run = home / "runs" / "someone_else"
@@ -225,9 +225,9 @@ def test_a_hostile_registered_model_reaches_nothing_from_its_server(hetflow_env,
 def test_without_a_sandbox_a_run_is_refused_unless_the_operator_accepts_it(hetflow_env, monkeypatch):
     """No bwrap on PATH: provisioning refuses, one line naming the setting; with the setting, the
     replicas run unisolated and the run says so."""
-    from tasks.cluster.layout import plan_cluster
-    from tasks.cluster.local import LocalReplicas
-    from tasks.spec import RunSpec
+    from hetflow.cluster.layout import plan_cluster
+    from hetflow.cluster.local import LocalReplicas
+    from hetflow.spec import RunSpec
 
     monkeypatch.setenv("PATH", "/nonexistent")
     sandbox.unavailable.cache_clear()
@@ -249,8 +249,8 @@ _UNPRIVILEGED = textwrap.dedent(
     import json, os, subprocess, sys
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
-    from tasks import sandbox
-    from tasks.cluster import netns
+    from hetflow import sandbox
+    from hetflow.cluster import netns
     run = Path(sys.argv[2])
     (run / "replicas").mkdir()
     with open(run / "holder.log", "ab") as log:

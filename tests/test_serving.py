@@ -37,13 +37,13 @@ def client(hetflow_env):
 
 @pytest.fixture(scope="module")
 def test_images(run) -> tuple[np.ndarray, np.ndarray]:
-    from tasks.data.pipeline import split_arrays
+    from hetflow.data.pipeline import split_arrays
 
     return split_arrays(json.loads((Path(run["run_dir"]) / "dataset.json").read_text()), "test")
 
 
 def _server_gone(check: dict) -> bool:
-    from tasks.cluster.processes import group_members
+    from hetflow.cluster.processes import group_members
 
     return group_members(check["pgid"]) == [] and not listening(f"127.0.0.1:{check['port']}")
 
@@ -86,7 +86,7 @@ import mlflow
 images = np.load(sys.argv[1])
 logits = {name: np.asarray(mlflow.pyfunc.load_model(f"models:/{name}@champion").predict(images)).tolist()
           for name in sys.argv[2:]}
-assert "TF_USE_LEGACY_KERAS" not in os.environ and "tasks" not in sys.modules
+assert "TF_USE_LEGACY_KERAS" not in os.environ and "hetflow" not in sys.modules
 print(json.dumps(logits))
 """
 
@@ -94,7 +94,7 @@ print(json.dumps(logits))
 def test_the_champions_load_and_predict_in_a_clean_process_that_never_imported_hetflow(
     run, hetflow_env, test_images, tmp_path
 ):
-    from tasks.predictors import saved_model_predictor, tflite_predictor
+    from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 
     images, _ = test_images
     np.save(tmp_path / "images.npy", images)
@@ -121,7 +121,7 @@ def test_the_champions_load_and_predict_in_a_clean_process_that_never_imported_h
 
 
 def test_a_champion_scored_on_other_data_is_served_not_loaded(run, client, tmp_path):
-    from tasks.registry.champion import champion_accuracy
+    from hetflow.registry.champion import champion_accuracy
 
     champion = client.get_model_version_by_alias(MODEL, "champion")
     dataset = {**json.loads((Path(run["run_dir"]) / "dataset.json").read_text()), "fingerprint": "other data"}
@@ -163,10 +163,10 @@ def _log_class_order_reversed(saved_model: Path, name: str, images: np.ndarray, 
 
 
 def test_a_served_model_that_disagrees_is_not_promoted_and_its_server_is_gone(run, client, monkeypatch, tmp_path):
-    from tasks.attempts import load_spec
-    from tasks.paths import RunPaths
-    from tasks.register import register_model
-    from tasks.registry import versions
+    from hetflow.paths import RunPaths
+    from hetflow.pipeline.attempts import load_spec
+    from hetflow.registry import versions
+    from hetflow.tasks.register import register_model
 
     paths = RunPaths(tmp_path / "run")
     shutil.copytree(run["run_dir"], paths.root)
@@ -194,7 +194,7 @@ def test_a_served_model_that_disagrees_is_not_promoted_and_its_server_is_gone(ru
 
 
 def test_a_server_that_cannot_start_is_not_passed_and_leaves_nothing(hetflow_env, tmp_path):
-    from tasks.serving import served_check
+    from hetflow.serving.server import served_check
 
     images = np.zeros((4, 8, 8, 1), np.uint8)
     check = served_check(
@@ -210,7 +210,7 @@ def test_a_server_that_cannot_start_is_not_passed_and_leaves_nothing(hetflow_env
 
 
 def test_a_server_not_healthy_by_its_deadline_is_stopped(run, hetflow_env, tmp_path):
-    from tasks.serving import served_check
+    from hetflow.serving.server import served_check
 
     images = np.zeros((4, 8, 8, 1), np.uint8)
     uri, tracking = f"models:/{MODEL}/1", hetflow_env["MLFLOW_TRACKING_URI"]
@@ -222,7 +222,7 @@ def test_a_server_not_healthy_by_its_deadline_is_stopped(run, hetflow_env, tmp_p
 
 _SERVE_AND_WAIT = """
 import sys, time
-from tasks.serving import ModelServer
+from hetflow.serving.server import ModelServer
 server = ModelServer(sys.argv[1], sys.argv[2], __import__("pathlib").Path(sys.argv[3]))
 server.__enter__()
 print(server.process.pid, server.port, flush=True)
@@ -252,7 +252,7 @@ def test_a_server_whose_starter_is_killed_is_ended_with_everything_it_started(ru
         text=True,
     )
     pgid, port = (int(field) for field in starter.stdout.readline().split())
-    from tasks.cluster.processes import group_members
+    from hetflow.cluster.processes import group_members
 
     # bwrap and the server, which listens in the sandbox's own network: none of this host's ports.
     assert len(group_members(pgid)) >= 2 and not listening(f"127.0.0.1:{port}")
@@ -262,7 +262,7 @@ def test_a_server_whose_starter_is_killed_is_ended_with_everything_it_started(ru
 
 
 def test_the_server_environment_is_a_users_not_the_pipelines(monkeypatch):
-    from tasks.serving import scoring_command, server_environment
+    from hetflow.serving.server import scoring_command, server_environment
 
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
     monkeypatch.setenv("PYTHONPATH", "/somewhere")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import hetflow
 
-from tasks.spec import SPEC_KEYS, RunSpec, SpecError, airflow_params, parse_assignment, parse_spec
+from hetflow.spec import SPEC_KEYS, RunSpec, SpecError, airflow_params, parse_assignment, parse_spec
 
 
 def test_defaults_are_valid():
@@ -158,7 +158,7 @@ def test_cli_rejects_a_bad_spec_with_one_line_per_problem_and_starts_nothing(het
 
 
 def test_fields_of_other_backends_are_optional_in_the_form_and_empty_means_their_default():
-    from tasks.spec import BACKEND_ONLY_KEYS
+    from hetflow.spec import BACKEND_ONLY_KEYS
 
     params = airflow_params()
     for key in BACKEND_ONLY_KEYS:

@@ -193,7 +193,7 @@ def _listening(pid: int) -> set[str]:
 def _running_jobs(home) -> set[str]:
     import sqlite3
 
-    from tasks.cli.dag_run import airflow_environment
+    from hetflow.cli.dag_run import airflow_environment
 
     with sqlite3.connect(Path(airflow_environment()["AIRFLOW_HOME"]) / "airflow.db") as db:
         return {row[0] for row in db.execute("SELECT job_type FROM job WHERE state = 'running'")}
@@ -204,7 +204,7 @@ def test_the_scheduler_and_triggerer_of_make_up_listen_on_no_interface(home):
     """Their log servers listened on [::]:8793 and 8794, reachable from other hosts, serving task
     logs to whoever asked: the stack's processes listen on loopback or nowhere."""
     from devstack.processes import _commands
-    from tasks.cli.dag_run import airflow_environment, ensure_airflow_db
+    from hetflow.cli.dag_run import airflow_environment, ensure_airflow_db
 
     env = {**os.environ, **airflow_environment()}
     os.environ.update(airflow_environment())

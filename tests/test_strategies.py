@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import full_log, hetflow, replica_listening
 
-from tasks.spec import parse_spec
+from hetflow.spec import parse_spec
 
 CASES = {
     "mirrored": ["strategy=mirrored", "devices_per_worker=2"],
@@ -35,7 +35,7 @@ def client(hetflow_env):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(CASES))
 def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
-    from tasks.cluster.processes import run_processes
+    from hetflow.cluster.processes import run_processes
 
     args = ["run", "--set", f"registered_model=strategies-{strategy.replace('_', '-')}", "--set", "epochs=6"]
     for assignment in CASES[strategy]:
@@ -85,8 +85,8 @@ GOYAL = {"learning_rate": 0.1, "lr_scaling": "linear", "lr_reference_batch": 256
 
 
 def test_linear_scaling_multiplies_the_base_rate_by_global_over_reference_batch():
-    from tasks.replica.loop import EpochLoop
-    from tasks.replica.record import training_record
+    from hetflow.replica.loop import EpochLoop
+    from hetflow.replica.record import training_record
 
     spec = parse_spec({**GOYAL, "strategy": "multi_worker_mirrored", "workers": 2, "warmup_epochs": 2})
     loop = EpochLoop(spec, steps=10)
@@ -108,7 +108,7 @@ def test_linear_scaling_multiplies_the_base_rate_by_global_over_reference_batch(
 
 @pytest.mark.parametrize(("global_batch", "peak"), [(128, 0.05), (256, 0.1), (512, 0.2), (1024, 0.4)])
 def test_the_rate_is_proportional_to_the_global_batch(global_batch, peak):
-    from tasks.schedule import learning_rate
+    from hetflow.models.schedule import learning_rate
 
     spec = parse_spec({**GOYAL, "strategy": "multi_worker_mirrored", "workers": 2, "batch_size": global_batch})
     assert learning_rate(spec, 10)[1] == pytest.approx([peak] * 4)
@@ -124,7 +124,7 @@ def test_the_rate_is_proportional_to_the_global_batch(global_batch, peak):
     ],
 )
 def test_replicas_sharing_the_same_global_batch_get_the_same_rate(cluster):
-    from tasks.schedule import learning_rate
+    from hetflow.models.schedule import learning_rate
 
     spec = parse_spec({**GOYAL, **cluster})
     schedule, per_epoch = learning_rate(spec, 10)
@@ -132,7 +132,7 @@ def test_replicas_sharing_the_same_global_batch_get_the_same_rate(cluster):
 
 
 def test_without_scaling_the_rate_is_the_base_rate_whatever_the_batch():
-    from tasks.schedule import learning_rate, learning_rate_plan
+    from hetflow.models.schedule import learning_rate, learning_rate_plan
 
     spec = parse_spec({**GOYAL, "lr_scaling": "none", "warmup_epochs": 1})
     assert learning_rate(spec, 10)[1] == pytest.approx([0.1] * 4)

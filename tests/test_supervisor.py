@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from tasks.cluster import docker_backend as dk
-from tasks.cluster.layout import plan_cluster
-from tasks.cluster.supervisor import (
+from hetflow.cluster import docker_backend as dk
+from hetflow.cluster.layout import plan_cluster
+from hetflow.cluster.supervisor import (
     ReplicaFailed,
     ReplicaState,
     Supervisor,
@@ -18,7 +18,7 @@ from tasks.cluster.supervisor import (
     last_error_line,
     restartable,
 )
-from tasks.spec import parse_spec
+from hetflow.spec import parse_spec
 
 PS = parse_spec({"strategy": "parameter_server", "workers": 2, "ps": 1})
 SYNC = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})

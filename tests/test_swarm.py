@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, dag_run, full_log, wait_for
 
-from tasks.cluster import swarm_backend as sw
-from tasks.cluster.layout import run_slug
-from tasks.spec import SpecError, parse_spec
+from hetflow.cluster import swarm_backend as sw
+from hetflow.cluster.layout import run_slug
+from hetflow.spec import SpecError, parse_spec
 
 PREFIX = "hetflow-swarm-test"
 NODES = "node-1:1.0:cpu node-2:0.5:cpu"

@@ -9,12 +9,12 @@ import uuid
 import pytest
 from conftest import hetflow
 
-from tasks.cluster.backends import sweep
+from hetflow.cluster.backends import sweep
 
 
 def _run_container(client, run_id: str, run_dir, name: str):
     """A container and network labelled as hetflow's docker backend labels a run's."""
-    from tasks.cluster.docker_backend import network_config, run_labels
+    from hetflow.cluster.docker_backend import network_config, run_labels
 
     network = client.networks.create(**{**network_config(run_id, run_dir), "name": f"{name}-net"})
     container = client.containers.run(
@@ -32,7 +32,7 @@ def _run_container(client, run_id: str, run_dir, name: str):
 def test_containers_of_runs_no_supervisor_holds_go_and_live_runs_stay(docker_client, tmp_path):
     import docker
 
-    from tasks.cluster.lease import take_lease
+    from hetflow.cluster.lease import take_lease
 
     home = tmp_path / "home"
     tag = uuid.uuid4().hex[:8]
@@ -76,10 +76,10 @@ def test_the_sweep_command_reports_what_it_removed(hetflow_env):
 def test_every_teardown_sweeps_what_earlier_runs_left(docker_client, hetflow_env, monkeypatch):
     import docker
 
-    from tasks.cluster import docker_backend
-    from tasks.paths import run_paths
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.validate_spec import validate_spec
+    from hetflow.cluster import docker_backend
+    from hetflow.paths import run_paths
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.validate_spec import validate_spec
 
     monkeypatch.setattr(docker_backend, "ATTACH_TIMEOUT_SECONDS", 0)
     tag = uuid.uuid4().hex[:8]

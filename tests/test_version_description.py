@@ -58,7 +58,7 @@ EXPORTED = {
 
 
 def test_the_compression_table_is_a_code_block_of_aligned_columns_with_every_value():
-    from tasks.register import compression_table
+    from hetflow.tasks.register import compression_table
 
     assert compression_table(EXPORTED) == (
         "```\n"
@@ -77,7 +77,7 @@ def test_the_compression_table_is_a_code_block_of_aligned_columns_with_every_val
 
 
 def test_a_long_rejection_reason_goes_below_the_table_and_does_not_widen_it():
-    from tasks.register import compression_table
+    from hetflow.tasks.register import compression_table
 
     reason = "served predictions disagree with the float model's on 31 of 256 test images " * 5
     exported = {**EXPORTED, "artifacts": {**EXPORTED["artifacts"]}}

@@ -8,7 +8,7 @@ import re
 CHROMIUM = "/usr/bin/chromium"
 # What the form answers to -1 in Epochs, which a number input would silently clamp to 1.
 EPOCHS_REFUSAL = "invalid spec: epochs=-1 is invalid: expected an integer >= 1 and <= 1000"
-# The saved chart view's first section in its order (tasks/registry/charts_view.py), typed here: a
+# The saved chart view's first section in its order (hetflow/registry/charts_view.py), typed here: a
 # check against that module's own constant would pass whatever order it held.
 KEY_METRICS = ["test_accuracy", "val_accuracy", "train_accuracy", "test_loss", "val_loss", "train_loss"]
 KEY_METRICS.append("examples_per_second")

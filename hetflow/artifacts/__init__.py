@@ -1,1 +1,2 @@
-"""TODO(plan31): what this package holds."""
+"""What export, compress and register load and convert: TFLite conversion and inference
+(``tflite``) and one predict function per format (``predictors``)."""

@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 from ai_edge_litert import schema_py_generated as schema
 
-from tasks.data.pipeline import split_arrays
+from hetflow.data.pipeline import split_arrays
 
 REPRESENTATIVE_EXAMPLES = 200
 SPARSE_ENCODABLE = ("none", "int8")

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tasks.paths import REPO_ROOT, hetflow_home, run_paths
+from hetflow.paths import REPO_ROOT, hetflow_home, run_paths
 
 DAG_ID = "hetflow_train"
 
@@ -53,9 +53,9 @@ def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
     """Run hetflow_train once with ``conf`` through Airflow's ``dag.test``; return summary.json's path.
 
     :param log_file: where everything the run prints goes, the terminal showing only the live view
-        (``tasks.cli.live_view``); None prints it all as it comes.
+        (``hetflow.cli.live_view``); None prints it all as it comes.
     """
-    from tasks import train
+    from hetflow.tasks import train
 
     for key, value in airflow_environment().items():
         os.environ.setdefault(key, value)
@@ -100,7 +100,7 @@ def _output_to(log_file: Path):
 
 @contextlib.contextmanager
 def _live_view(terminal):
-    from tasks.cli.live_view import LiveView
+    from hetflow.cli.live_view import LiveView
 
     view = LiveView(terminal)
     logging.getLogger().addHandler(view)

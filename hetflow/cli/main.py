@@ -12,9 +12,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tasks.cli.dag_run import run_dag
-from tasks.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths
-from tasks.spec import SpecError, parse_assignment, parse_spec
+from hetflow.cli.dag_run import run_dag
+from hetflow.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths
+from hetflow.spec import SpecError, parse_assignment, parse_spec
 
 
 def spec_values(config: Path | None, assignments: list[str]) -> dict[str, Any]:
@@ -40,7 +40,7 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from tasks.validate_spec import data_problems
+    from hetflow.tasks.validate_spec import data_problems
 
     values = spec_values(args.config, args.set)
     # Fail here, before Airflow or any replica starts.
@@ -52,8 +52,8 @@ def _cmd_run(args) -> int:
     try:
         summary_path = run_dag(values, log_file)
     except KeyboardInterrupt:
-        from tasks.provision_cluster import PROVISIONED_HERE
-        from tasks.teardown_cluster import teardown_cluster
+        from hetflow.tasks.provision_cluster import PROVISIONED_HERE
+        from hetflow.tasks.teardown_cluster import teardown_cluster
 
         for run_id in sorted(PROVISIONED_HERE):
             print(f"\ninterrupted: tearing down {run_id}", file=sys.stderr)
@@ -104,11 +104,11 @@ def train_run_id() -> str:
 
 def _cmd_train(args) -> int:
     """Only the training stage (validate, prepare, provision, train, teardown): for development."""
-    from tasks.prepare_data import prepare_data
-    from tasks.provision_cluster import provision_cluster
-    from tasks.teardown_cluster import teardown_cluster
-    from tasks.train import train
-    from tasks.validate_spec import validate_spec
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.train import train
+    from hetflow.tasks.validate_spec import validate_spec
 
     run_id = train_run_id()
     validate_spec(spec_values(args.config, args.set), run_id)
@@ -125,7 +125,7 @@ def _cmd_train(args) -> int:
 
 def _cmd_sweep(args) -> int:
     """What interrupted runs of this HETFLOW_HOME left: containers, networks, services, Kubernetes objects."""
-    from tasks.cluster.backends import sweep
+    from hetflow.cluster.backends import sweep
 
     removed = sweep(hetflow_home())
     for kind, names in removed.items():

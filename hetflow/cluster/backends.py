@@ -5,7 +5,7 @@ A backend plans the run's layout (every replica's address), checks before anythi
 would stop its replicas from starting (``preflight``), gives the supervisor the run's replicas
 (``replicas``: provision, start, poll, stop, their output), ends everything of one run
 (``teardown``) and removes what interrupted runs left (``sweep``). What to restart and when a run
-has failed is decided by the one supervisor (``tasks.cluster.supervisor``), never by a backend.
+has failed is decided by the one supervisor (``hetflow.cluster.supervisor``), never by a backend.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import importlib
 from pathlib import Path
 from typing import Protocol
 
-from tasks.cluster.layout import ClusterLayout
-from tasks.cluster.supervisor import Replicas, Supervisor
-from tasks.paths import RunPaths, write_record
-from tasks.spec import RunSpec
+from hetflow.cluster.layout import ClusterLayout
+from hetflow.cluster.supervisor import Replicas, Supervisor
+from hetflow.paths import RunPaths, write_record
+from hetflow.spec import RunSpec
 
 
 class Backend(Protocol):
@@ -50,10 +50,10 @@ class Backend(Protocol):
 
 # Imported only when chosen: the Docker SDK and the Kubernetes client cost time at import.
 _MODULES = {
-    "local": "tasks.cluster.local_backend",
-    "docker": "tasks.cluster.docker_backend",
-    "swarm": "tasks.cluster.swarm_backend",
-    "kubernetes": "tasks.cluster.kubernetes_backend",
+    "local": "hetflow.cluster.local_backend",
+    "docker": "hetflow.cluster.docker_backend",
+    "swarm": "hetflow.cluster.swarm_backend",
+    "kubernetes": "hetflow.cluster.kubernetes_backend",
 }
 
 

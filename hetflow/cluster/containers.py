@@ -9,17 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Literal
 
-from tasks import sandbox
-from tasks.cluster.layout import ClusterLayout, Replica
-from tasks.cluster.local import (
+from hetflow import sandbox
+from hetflow.cluster.layout import ClusterLayout, Replica
+from hetflow.cluster.local import (
     hand_over_writable,
     pipeline_directories,
     protected_records,
     remove_what_replicas_planted,
 )
-from tasks.cluster.processes import RUN_ID_ENV
-from tasks.paths import RunPaths
-from tasks.spec import RunSpec
+from hetflow.cluster.processes import RUN_ID_ENV
+from hetflow.paths import RunPaths
+from hetflow.spec import RunSpec
 
 # Processes a replica may run: TensorFlow's thread pools count, a fork bomb does not get far.
 PIDS_LIMIT = 1024
@@ -67,7 +67,7 @@ def replica_spec(spec: RunSpec, replica: Replica) -> ReplicaSpec:
 
 def container_user() -> str:
     """``uid:gid`` a container replica runs as: the supervisor's own, so that what it writes is the
-    reader's; where the supervisor is root, the sandbox's unprivileged uid (``tasks.sandbox``)."""
+    reader's; where the supervisor is root, the sandbox's unprivileged uid (``hetflow.sandbox``)."""
     if os.geteuid() == 0:
         return f"{sandbox.SANDBOX_UID}:{sandbox.SANDBOX_GID}"
     return f"{os.getuid()}:{os.getgid()}"

@@ -1,7 +1,7 @@
 """Docker backend: one container per replica, on a network of the run's own.
 
 Each replica is a container of the replica image running the same entry point as a local replica
-(``python -m tasks.replica --run-dir DIR``) with the same TF_CONFIG; its peers are addressed by
+(``python -m hetflow.replica --run-dir DIR``) with the same TF_CONFIG; its peers are addressed by
 container name (Docker's embedded DNS resolves names on a user-defined network). The network is
 ``internal``: TensorFlow's gRPC servers listen on every interface, and an internal network with no
 published ports keeps them unreachable from outside the run. Every container and the network carry
@@ -9,7 +9,7 @@ the run's labels, so teardown finds them by run id whatever started them.
 
 The configs are built by pure functions (``network_config``, ``container_config``) and passed to
 the Docker SDK as they are; ``DockerReplicas`` only starts, inspects and stops containers for the
-one supervisor (``tasks.cluster.supervisor``). A worker's slowdown is a CPU quota on its container.
+one supervisor (``hetflow.cluster.supervisor``). A worker's slowdown is a CPU quota on its container.
 
 A replica mounts its run directory (read-write) and the prepared data (read-only) at the same paths
 as on the supervisor, so the supervisor and the Docker engine must share a filesystem (the engine
@@ -28,7 +28,7 @@ from typing import Sequence
 
 import docker  # the Docker SDK (its docker.errors comes with it)
 
-from tasks.cluster.containers import (
+from hetflow.cluster.containers import (
     PIDS_LIMIT,
     STOP_GRACE_SECONDS,
     container_user,
@@ -37,12 +37,12 @@ from tasks.cluster.containers import (
     replica_environment,
     replica_spec,
 )
-from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
-from tasks.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
-from tasks.cluster.local import core_assignment, replica_view
-from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import REPO_ROOT, RunPaths, hetflow_home
-from tasks.spec import RunSpec
+from hetflow.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
+from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
+from hetflow.cluster.local import core_assignment, replica_view
+from hetflow.cluster.supervisor import ReplicaState
+from hetflow.paths import REPO_ROOT, RunPaths, hetflow_home
+from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
 
@@ -106,7 +106,7 @@ def container_config(
     # A container ends itself at its deadline, as a local replica's keeper ends it, whether or not
     # anything is left to stop it: SIGTERM, then SIGKILL after the grace (TF may ignore SIGTERM).
     # Before that, once its supervisor is gone: its lease, seen through the bind mount, or its
-    # heartbeat where the engine does not share this kernel (tasks.cluster.lease).
+    # heartbeat where the engine does not share this kernel (hetflow.cluster.lease).
     deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
     config = {
         "image": needs.image,
@@ -116,7 +116,7 @@ def container_config(
             f"{deadline:.0f}",
             "python",
             "-m",
-            "tasks.replica",
+            "hetflow.replica",
         ],
         "command": ["--run-dir", str(run_dir), "--watch-supervisor", "lease", "--watch-supervisor", "heartbeat"],
         "name": replica.host,
@@ -207,7 +207,7 @@ class DockerReplicas:
 
     def attach(self) -> None:
         """Hold the run's lease and beat its heartbeat: the containers end themselves once neither
-        is kept (``tasks.cluster.lease``), and `hetflow sweep` leaves a supervised run alone."""
+        is kept (``hetflow.cluster.lease``), and `hetflow sweep` leaves a supervised run alone."""
         self._lease = take_lease(self.run_dir, heartbeat=True)
 
     def detach(self) -> None:
@@ -246,11 +246,11 @@ class DockerReplicas:
 
 
 def source_digest(root: Path = REPO_ROOT) -> str:
-    """SHA-256 of what the replica image is built from: ``tasks/`` (names and bytes) and the pins.
+    """SHA-256 of what the replica image is built from: ``hetflow/`` (names and bytes) and the pins.
     ``make image`` labels the image with it; preflight compares, so an image built from other code
     than this checkout's is refused rather than run."""
     digest = hashlib.sha256()
-    sources = sorted(p for p in (root / "tasks").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    sources = sorted(p for p in (root / "hetflow").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
     for path in [*sources, root / "requirements.lock", root / "docker" / "replica-requirements.txt"]:
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
@@ -329,8 +329,8 @@ def teardown_run(run_id: str, client=None) -> list[str]:
 def sweep_containers(home: Path, attach_seconds: float) -> dict[str, list[str]]:
     """Remove the containers and networks of this home's runs that no supervisor holds; returns
     their names. Needs a Docker engine; none answering, there is nothing to sweep. Swarm's task
-    containers and overlay networks are the swarm backend's (``tasks.cluster.swarm_backend``)."""
-    from tasks.cluster.sweep import docker_time, run_is_live
+    containers and overlay networks are the swarm backend's (``hetflow.cluster.swarm_backend``)."""
+    from hetflow.cluster.sweep import docker_time, run_is_live
 
     try:
         client = docker.from_env()
@@ -363,7 +363,7 @@ def sweep_containers(home: Path, attach_seconds: float) -> dict[str, list[str]]:
 
 
 class DockerBackend:
-    """backend=docker as a ``Backend`` (``tasks.cluster.backends``)."""
+    """backend=docker as a ``Backend`` (``hetflow.cluster.backends``)."""
 
     loss_report_seconds = 0.0
 

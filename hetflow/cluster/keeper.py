@@ -1,12 +1,12 @@
-"""Keeper of one local replica: ``python -m tasks.cluster.keeper --run-dir DIR --name worker-0``.
+"""Keeper of one local replica: ``python -m hetflow.cluster.keeper --run-dir DIR --name worker-0``.
 
 Provisioning starts one keeper per replica, each in a session of its own, so that the replicas
 outlive the process that provisioned them (an Airflow task) and are supervised by the next one
 (``train``). What a container engine does for a container, the keeper does for a process:
 
-- runs the replica (``python -m tasks.replica``) in a process group of its own, sandboxed
-  (``tasks.sandbox``: bubblewrap, joined to the run's network namespace, which the run's network
-  holder keeps, see ``tasks.cluster.netns``) and tied to the keeper (``--die-with-parent``), with an
+- runs the replica (``python -m hetflow.replica``) in a process group of its own, sandboxed
+  (``hetflow.sandbox``: bubblewrap, joined to the run's network namespace, which the run's network
+  holder keeps, see ``hetflow.cluster.netns``) and tied to the keeper (``--die-with-parent``), with an
   allow-listed environment, its output appended to ``logs/<name>.log``;
 - pins it to a core and throttles it (a simulated slower machine) as told;
 - records how it ended in ``replicas/<name>.exit`` (the exit code; negative: killed by that
@@ -17,7 +17,7 @@ outlive the process that provisioned them (an Airflow task) and are supervised b
   exclusive lock on ``replicas/supervisor.lock``, which the kernel drops when its holder dies,
   however it dies); a replica whose supervisor held the lease and no longer does, or that no
   supervisor took within ``ATTACH_TIMEOUT_SECONDS`` of its start, is killed
-  (``tasks.cluster.lease.Supervision``, the rule container replicas apply to themselves). So
+  (``hetflow.cluster.lease.Supervision``, the rule container replicas apply to themselves). So
   killing the ``train`` task leaves no replica behind, as when replicas were its children.
 """
 
@@ -34,12 +34,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks import sandbox
-from tasks.cluster import netns
-from tasks.cluster.lease import Supervision, supervisor_holds_lease
-from tasks.cluster.processes import TERM_GRACE_SECONDS, signal_group
-from tasks.cluster.throttle import Throttle
-from tasks.paths import REPO_ROOT, RunPaths
+from hetflow import sandbox
+from hetflow.cluster import netns
+from hetflow.cluster.lease import Supervision, supervisor_holds_lease
+from hetflow.cluster.processes import TERM_GRACE_SECONDS, signal_group
+from hetflow.cluster.throttle import Throttle
+from hetflow.paths import REPO_ROOT, RunPaths
 
 _PR_SET_PDEATHSIG = 1
 
@@ -83,7 +83,7 @@ def replica_environment() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class View:
-    """What the replica sees (``tasks.sandbox.Sandbox``); None: it runs unisolated."""
+    """What the replica sees (``hetflow.sandbox.Sandbox``); None: it runs unisolated."""
 
     read_write: list[str]
     read_only: list[str]
@@ -140,7 +140,7 @@ def keep(
     if network_holder:
         replica = netns.hold(run_dir, log_file, replica_environment())
     else:
-        command = [sys.executable, "-m", "tasks.replica", "--run-dir", str(run_dir)]
+        command = [sys.executable, "-m", "hetflow.replica", "--run-dir", str(run_dir)]
         replica = _launch(command, view, run_dir, log_file, core)
     throttle = Throttle(replica.pid, slowdown) if slowdown > 1 else None
     if throttle:

@@ -5,14 +5,14 @@ gives it the DNS name ``hetflow-<run>-worker-0.hetflow-<run>`` that its TF_CONFI
 publishes addresses of pods that are not ready yet, since TensorFlow resolves its peers while they
 all start.
 
-The manifests are ``tasks.cluster.kubernetes_manifests``'; ``KubernetesReplicas`` only creates,
-inspects and deletes for the one supervisor (``tasks.cluster.supervisor``); the kubelet restarts a
+The manifests are ``hetflow.cluster.kubernetes_manifests``'; ``KubernetesReplicas`` only creates,
+inspects and deletes for the one supervisor (``hetflow.cluster.supervisor``); the kubelet restarts a
 failed container in its pod (restartPolicy), and the supervisor counts those restarts. The
 supervisor must mount the claim that holds HETFLOW_HOME at the same path as the pods do. The run's
 NetworkPolicy takes effect where the cluster's network plugin enforces NetworkPolicies.
 
 ``hetflow sweep`` finds runs by their ConfigMap, which names the run directory, and tears down
-those no supervisor holds, by the rule every backend's sweep keeps (``tasks.cluster.sweep``).
+those no supervisor holds, by the rule every backend's sweep keeps (``hetflow.cluster.sweep``).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import urllib3
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from tasks.cluster.containers import (
+from hetflow.cluster.containers import (
     STOP_GRACE_SECONDS,
     lines_to_file,
     prepare_run_dir,
 )
-from tasks.cluster.kubernetes_manifests import (
+from hetflow.cluster.kubernetes_manifests import (
     ANNOTATION_RUN_DIR,
     ANNOTATION_RUN_ID,
     IMAGE_USER,
@@ -51,12 +51,12 @@ from tasks.cluster.kubernetes_manifests import (
     run_network_policy,
     tfjob_manifest,
 )
-from tasks.cluster.layout import ClusterLayout, plan_named_cluster, run_slug
-from tasks.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
-from tasks.cluster.local import hand_over_writable
-from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import RunPaths, hetflow_home
-from tasks.spec import RunSpec
+from hetflow.cluster.layout import ClusterLayout, plan_named_cluster, run_slug
+from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
+from hetflow.cluster.local import hand_over_writable
+from hetflow.cluster.supervisor import ReplicaState
+from hetflow.paths import RunPaths, hetflow_home
+from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
 
@@ -309,7 +309,7 @@ def _run_configmaps(core) -> list:
 def sweep_runs(home: Path, attach_seconds: float, core=None, networking=None) -> dict[str, list[str]]:
     """Tear down the Kubernetes runs of this home that no supervisor holds; returns what was deleted
     as ``namespace/kind/name``. Nothing to do (and nothing returned) without a client configuration."""
-    from tasks.cluster.sweep import run_is_live
+    from hetflow.cluster.sweep import run_is_live
 
     if core is None:
         apis = sweep_client()
@@ -347,7 +347,7 @@ def sweep_runs(home: Path, attach_seconds: float, core=None, networking=None) ->
 
 
 class KubernetesBackend:
-    """backend=kubernetes as a ``Backend`` (``tasks.cluster.backends``)."""
+    """backend=kubernetes as a ``Backend`` (``hetflow.cluster.backends``)."""
 
     loss_report_seconds = 0.0
 

@@ -20,10 +20,10 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from tasks.cluster.containers import replica_environment, replica_spec
-from tasks.cluster.layout import SERVICE_PORT, ClusterLayout, Replica, run_slug
-from tasks.paths import data_dir
-from tasks.spec import RunSpec
+from hetflow.cluster.containers import replica_environment, replica_spec
+from hetflow.cluster.layout import SERVICE_PORT, ClusterLayout, Replica, run_slug
+from hetflow.paths import data_dir
+from hetflow.spec import RunSpec
 
 LABEL_RUN = "hetflow.dev/run"  # the run's slug: what teardown selects on
 LABEL_ROLE = "hetflow.dev/role"

@@ -15,7 +15,7 @@ import socket
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from tasks.spec import RunSpec
+from hetflow.spec import RunSpec
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The run's supervisor lease, and how a replica tells that its supervisor is gone.
 
-The supervisor of a run (the ``train`` task, ``tasks.cluster.supervisor``) holds the run's lease for
+The supervisor of a run (the ``train`` task, ``hetflow.cluster.supervisor``) holds the run's lease for
 as long as it supervises: an exclusive ``flock`` of ``replicas/supervisor.lock``, which the kernel
 drops when its holder dies, however it dies. On docker and swarm it also beats a heartbeat:
 it rewrites ``replicas/supervisor.heartbeat`` every ``HEARTBEAT_SECONDS``.
@@ -8,8 +8,8 @@ it rewrites ``replicas/supervisor.heartbeat`` every ``HEARTBEAT_SECONDS``.
 One rule (``Supervision``) decides from what is seen of those over time that the supervisor is gone:
 it was seen (the lease held, or else the heartbeat changing) and no longer is, or none was seen
 within ``ATTACH_TIMEOUT_SECONDS`` of the replica's start. A local replica's keeper applies it to the lease
-(``tasks.cluster.keeper``); a container replica applies it to itself (``SupervisorWatch``, started
-by ``python -m tasks.replica --watch-supervisor ...``) and exits, so that a SIGKILLed ``train`` leaves
+(``hetflow.cluster.keeper``); a container replica applies it to itself (``SupervisorWatch``, started
+by ``python -m hetflow.replica --watch-supervisor ...``) and exits, so that a SIGKILLed ``train`` leaves
 no container running until its deadline (the replica's ``timeout``, up to 7 days).
 
 Which signals a replica watches is its backend's choice:
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-from tasks.paths import RunPaths
+from hetflow.paths import RunPaths
 
 log = logging.getLogger("hetflow.cluster")
 
@@ -96,7 +96,7 @@ def take_lease(run_dir: Path, heartbeat: bool = False) -> Lease:
     """Take the run's supervisor lease, beating its heartbeat while it is held where ``heartbeat``
     (the backends whose replicas watch it: docker, swarm). Raises ReplicaFailed when another process
     holds it."""
-    from tasks.cluster.supervisor import ReplicaFailed
+    from hetflow.cluster.supervisor import ReplicaFailed
 
     lease_path(run_dir).parent.mkdir(parents=True, exist_ok=True)
     lock_file = open(lease_path(run_dir), "a+")

@@ -1,15 +1,15 @@
 """Local backend: every replica is a process on 127.0.0.1.
 
-Each replica runs ``python -m tasks.replica`` with its own ``TF_CONFIG`` and ``HETFLOW_RUN_ID``,
-in its own process group, under a keeper (``tasks.cluster.keeper``) that provisioning starts in a
+Each replica runs ``python -m hetflow.replica`` with its own ``TF_CONFIG`` and ``HETFLOW_RUN_ID``,
+in its own process group, under a keeper (``hetflow.cluster.keeper``) that provisioning starts in a
 session of its own: the replicas outlive the provisioning task and die when the supervising task
 does. Their output goes to ``logs/<role>-<index>.log`` in the run directory; teardown finds every
 process of a run by the run id in its environment.
 
-Every keeper starts its replica sandboxed (``tasks.sandbox``: bubblewrap, an unprivileged uid, no
+Every keeper starts its replica sandboxed (``hetflow.sandbox``: bubblewrap, an unprivileged uid, no
 capabilities): it sees its run directory (read-write, less the pipeline's own records, which it
 sees read-only), the prepared data (read-only), the code and the interpreter, and nothing else of
-this host; it listens in the run's network namespace (``tasks.cluster.netns``), with only loopback
+this host; it listens in the run's network namespace (``hetflow.cluster.netns``), with only loopback
 up, which the run's replicas share and nothing outside reaches (TensorFlow's gRPC servers listen
 on every interface, unauthenticated). Where no sandbox can be had, provisioning refuses the run
 unless the operator set ``HETFLOW_ALLOW_UNISOLATED=1``; then replicas listen on this host's ports,
@@ -29,10 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from tasks import sandbox
-from tasks.cluster import netns
-from tasks.cluster.layout import ClusterLayout, Replica, free_local_port
-from tasks.cluster.processes import (
+from hetflow import sandbox
+from hetflow.cluster import netns
+from hetflow.cluster.layout import ClusterLayout, Replica, free_local_port
+from hetflow.cluster.processes import (
     RUN_ID_ENV,
     TERM_GRACE_SECONDS,
     is_running,
@@ -40,8 +40,8 @@ from tasks.cluster.processes import (
     stop_process_groups,
     teardown_run,
 )
-from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import (
+from hetflow.cluster.supervisor import ReplicaState
+from hetflow.paths import (
     REPO_ROOT,
     NotRegularFile,
     RunPaths,
@@ -51,7 +51,7 @@ from tasks.paths import (
     read_replica_record,
     write_record,
 )
-from tasks.spec import RunSpec
+from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
 
@@ -134,7 +134,7 @@ def remove_what_replicas_planted(run_dir: Path) -> list[Path]:
 
 def file_view(spec: RunSpec, run_dir: Path) -> dict:
     """What a sandboxed replica sees of this host's files: ``{"confined": true, "hidden": [...],
-    "read_write": [...], "read_only": [...]}`` (see ``tasks.sandbox.Sandbox``)."""
+    "read_write": [...], "read_only": [...]}`` (see ``hetflow.sandbox.Sandbox``)."""
     view = replica_view(spec, run_dir, hetflow_home())
     protected = [path for path in protected_records(RunPaths(run_dir)) if path.exists()]
     return {
@@ -162,7 +162,7 @@ _HOLDER = "network"  # the name of the keeper of the run's network holder
 
 class LocalReplicas:
     """The local backend's side of the supervision (``supervisor.Replicas``): starts each replica
-    under a keeper (``tasks.cluster.keeper``), reads how it ended, stops it."""
+    under a keeper (``hetflow.cluster.keeper``), reads how it ended, stops it."""
 
     restarts_in_place = False
 
@@ -230,15 +230,15 @@ class LocalReplicas:
 
     def _start_keeper(self, replica: Replica | None) -> None:
         """Start the keeper of ``replica``, or of the run's network holder (None)."""
-        from tasks.cluster.keeper import exit_path
-        from tasks.cluster.lease import ATTACH_TIMEOUT_SECONDS
+        from hetflow.cluster.keeper import exit_path
+        from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
 
         name = replica.name if replica else _HOLDER
         exit_path(self.run_dir, name).unlink(missing_ok=True)
         log_path = self.log_path(name)
         self._offsets[name] = log_path.stat().st_size if log_path.exists() else 0
         deadline = time.time() + ATTACH_TIMEOUT_SECONDS + self.spec.train_timeout_seconds
-        command = [sys.executable, "-m", "tasks.cluster.keeper", "--run-dir", str(self.run_dir)]
+        command = [sys.executable, "-m", "hetflow.cluster.keeper", "--run-dir", str(self.run_dir)]
         command += ["--name", name, "--deadline", repr(deadline)]
         env = {
             **os.environ,
@@ -307,9 +307,9 @@ class LocalReplicas:
         return int(self._pid_path(name).read_text())
 
     def attach(self) -> None:
-        """Take the run's supervisor lease (see tasks.cluster.keeper): while this process holds
+        """Take the run's supervisor lease (see hetflow.cluster.keeper): while this process holds
         it the replicas run; when it ends, however it ends, its keepers kill them."""
-        from tasks.cluster.lease import take_lease
+        from hetflow.cluster.lease import take_lease
 
         self._lease = take_lease(self.run_dir)
 
@@ -329,7 +329,7 @@ class LocalReplicas:
         return {replica.name: self._state(replica.name) for replica in self.layout.replicas}
 
     def _state(self, name: str) -> ReplicaState:
-        from tasks.cluster.keeper import exit_path
+        from hetflow.cluster.keeper import exit_path
 
         record = exit_path(self.run_dir, name)
         if record.exists():

@@ -1,12 +1,12 @@
-"""backend=local as a ``Backend`` (``tasks.cluster.backends``): replicas are processes on this
-machine (``tasks.cluster.local``), found by run id (``tasks.cluster.processes``)."""
+"""backend=local as a ``Backend`` (``hetflow.cluster.backends``): replicas are processes on this
+machine (``hetflow.cluster.local``), found by run id (``hetflow.cluster.processes``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.cluster.layout import ClusterLayout, plan_cluster
-from tasks.spec import RunSpec
+from hetflow.cluster.layout import ClusterLayout, plan_cluster
+from hetflow.spec import RunSpec
 
 
 class LocalBackend:
@@ -19,18 +19,18 @@ class LocalBackend:
         return []  # nothing beyond the spec, which is already checked
 
     def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
-        from tasks.cluster.local import LocalReplicas
+        from hetflow.cluster.local import LocalReplicas
 
         return LocalReplicas(layout, spec, run_dir)
 
     def teardown(self, spec: RunSpec | None, run_id: str, grace: float | None = None) -> list:
-        from tasks.cluster.processes import TERM_GRACE_SECONDS, teardown_run
+        from hetflow.cluster.processes import TERM_GRACE_SECONDS, teardown_run
 
         return teardown_run(run_id, TERM_GRACE_SECONDS if grace is None else grace)
 
     def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
         """Nothing: a run's replicas and the holder of its network namespace die with their keepers'
-        supervisor lease (tasks.cluster.keeper), and the kernel frees the namespace with them."""
+        supervisor lease (hetflow.cluster.keeper), and the kernel frees the namespace with them."""
         return {}
 
 

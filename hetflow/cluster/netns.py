@@ -3,8 +3,8 @@ they reach each other on its 127.0.0.1 and nothing outside reaches them (TensorF
 listen on every interface, unauthenticated, and run graph ops for whoever connects).
 
 bubblewrap makes a namespace per sandbox and cannot join one, so the run's namespace is kept by a
-holder: a sandbox that only sleeps (``tasks.sandbox.holder_command``), run by a keeper like a
-replica (``tasks.cluster.keeper --network-holder``), which records in ``replicas/network.json``
+holder: a sandbox that only sleeps (``hetflow.sandbox.holder_command``), run by a keeper like a
+replica (``hetflow.cluster.keeper --network-holder``), which records in ``replicas/network.json``
 (where replicas cannot write) the holder's pid and the identity of its user and network
 namespaces. Each replica's sandbox enters that user and network namespace first (``join``): the
 uid that made them may, and no other can. No root needed, nothing named on the host: the kernel
@@ -20,8 +20,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from tasks import sandbox
-from tasks.paths import RunPaths, write_record
+from hetflow import sandbox
+from hetflow.paths import RunPaths, write_record
 
 HOLDER_START_SECONDS = 30.0
 

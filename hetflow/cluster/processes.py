@@ -2,7 +2,7 @@
 (a keeper, a probe, a task of an earlier try), and ended: process group by process group, SIGTERM
 then SIGKILL.
 
-Only processes of this user namespace count: a sandboxed process (``tasks.sandbox``) can write any
+Only processes of this user namespace count: a sandboxed process (``hetflow.sandbox``) can write any
 environment it likes, and need not be found, as it dies with its sandbox's bwrap, which is here."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import signal
 import time
 from pathlib import Path
 
-from tasks.paths import hetflow_home
+from hetflow.paths import hetflow_home
 
 RUN_ID_ENV = "HETFLOW_RUN_ID"
 TERM_GRACE_SECONDS = 10.0
@@ -116,7 +116,7 @@ def run_replicas(run_id: str, home: Path | None = None) -> dict[str, int]:
     for pid, environ in _run_environments(run_id, home, anywhere=True).items():
         config = next((e for e in environ if e.startswith(b"TF_CONFIG=")), None)
         try:
-            replica = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"tasks.replica"]
+            replica = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:3] == [b"-m", b"hetflow.replica"]
         except OSError:
             continue
         if config is not None and replica:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Literal, Protocol, Sequence
 
-from tasks.cluster.layout import ClusterLayout, Replica
-from tasks.paths import write_record
+from hetflow.cluster.layout import ClusterLayout, Replica
+from hetflow.paths import write_record
 
 log = logging.getLogger("hetflow.cluster")
 

@@ -12,7 +12,7 @@ Placement is from node labels: a worker with ``device=gpu`` goes to a node label
 ``hetflow.device=gpu``; a CPU worker to any node not labelled so; ``worker_devices[i].node`` names its
 node. Resources are Swarm limits and reservations; GPUs are generic resources (``NVIDIA-GPU``).
 Swarm never restarts a replica by itself (restart condition ``none``): the one supervisor
-(``tasks.cluster.supervisor``) decides, as on every backend. Every service and network carries the
+(``hetflow.cluster.supervisor``) decides, as on every backend. Every service and network carries the
 run's labels, so teardown and ``hetflow sweep`` find them.
 
 The run directory and the prepared data are bind-mounted at the same paths as on the supervisor,
@@ -33,7 +33,7 @@ from typing import Sequence
 import docker
 from docker.types import EndpointSpec, Mount, Resources, RestartPolicy, ServiceMode
 
-from tasks.cluster.containers import (
+from hetflow.cluster.containers import (
     STOP_GRACE_SECONDS,
     container_user,
     open_log,
@@ -41,7 +41,7 @@ from tasks.cluster.containers import (
     replica_environment,
     replica_spec,
 )
-from tasks.cluster.docker_backend import (
+from hetflow.cluster.docker_backend import (
     LABEL_INDEX,
     LABEL_ROLE,
     LABEL_RUN,
@@ -53,12 +53,12 @@ from tasks.cluster.docker_backend import (
     run_labels,
     source_digest,
 )
-from tasks.cluster.layout import ClusterLayout, Replica, plan_named_cluster
-from tasks.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
-from tasks.cluster.local import replica_view
-from tasks.cluster.supervisor import ReplicaState
-from tasks.paths import RunPaths, hetflow_home, run_paths, write_record
-from tasks.spec import RunSpec
+from hetflow.cluster.layout import ClusterLayout, Replica, plan_named_cluster
+from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
+from hetflow.cluster.local import replica_view
+from hetflow.cluster.supervisor import ReplicaState
+from hetflow.paths import RunPaths, hetflow_home, run_paths, write_record
+from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
 
@@ -141,14 +141,14 @@ def service_config(
     deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
     # Before its deadline a replica ends once its supervisor's heartbeat stops; not on the lease,
     # whose flock over the nodes' shared storage (NFS) can read as released while it is held
-    # (tasks.cluster.lease).
+    # (hetflow.cluster.lease).
     environment = {**replica_environment(layout, replica, home, launched_at), "HOME": "/tmp"}
     needs = replica_spec(spec, replica)
     cpus, memory, gpus = needs.cpus, needs.memory_mb * 2**20, needs.gpus
     return {
         "image": needs.image,
         "command": ["timeout", f"--kill-after={STOP_GRACE_SECONDS}", f"{deadline:.0f}"]
-        + ["python", "-m", "tasks.replica"],
+        + ["python", "-m", "hetflow.replica"],
         "args": ["--run-dir", str(run_dir), "--watch-supervisor", "heartbeat"],
         "name": container_name(layout.run_id, replica.name),
         "hostname": container_name(layout.run_id, replica.name),
@@ -242,7 +242,7 @@ class SwarmReplicas:
 
     def attach(self) -> None:
         """Hold the run's lease and beat its heartbeat: the services' replicas end themselves once
-        it stops (``tasks.cluster.lease``), and `hetflow sweep` leaves a supervised run alone."""
+        it stops (``hetflow.cluster.lease``), and `hetflow sweep` leaves a supervised run alone."""
         self._lease = take_lease(self.run_dir, heartbeat=True)
 
     def detach(self) -> None:
@@ -498,7 +498,7 @@ def _remove_networks(client, networks) -> None:
 def sweep_services(home: Path, attach_seconds: float) -> dict[str, list[str]]:
     """Remove the services and overlay networks of this home's runs that no supervisor holds.
     Nothing to do where the engine is not a swarm manager."""
-    from tasks.cluster.sweep import docker_time, run_is_live
+    from hetflow.cluster.sweep import docker_time, run_is_live
 
     try:
         client = docker.from_env()
@@ -519,7 +519,7 @@ def sweep_services(home: Path, attach_seconds: float) -> dict[str, list[str]]:
 
 
 class SwarmBackend:
-    """backend=swarm as a ``Backend`` (``tasks.cluster.backends``)."""
+    """backend=swarm as a ``Backend`` (``hetflow.cluster.backends``)."""
 
     # A node is marked down after missing its heartbeats (5 s apart by default): seen here within 5 s.
     loss_report_seconds = 15.0

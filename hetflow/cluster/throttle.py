@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 
-from tasks.cluster.processes import signal_group
+from hetflow.cluster.processes import signal_group
 
 
 class Throttle(threading.Thread):

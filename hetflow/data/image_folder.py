@@ -12,7 +12,7 @@ old one, and unchanged images re-use what was prepared.
 
 This is the one place images are shaped: each is converted to grayscale when every image of the
 folder is grayscale, to RGB otherwise, and resized to ``image_size`` when the spec sets one. The
-model receives these raw uint8 pixels and scales them itself (``tasks.models``).
+model receives these raw uint8 pixels and scales them itself (``hetflow.models.architectures``).
 """
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tasks.paths import data_dir as shared_data_dir
-from tasks.paths import write_record
+from hetflow.paths import data_dir as shared_data_dir
+from hetflow.paths import write_record
 
 # Builders that need no network. Importing their module registers them with TFDS. Image folders
-# (``folder:PATH``, tasks.data.image_folder) need none either.
+# (``folder:PATH``, hetflow.data.image_folder) need none either.
 OFFLINE_DATASETS = ("uci_digits", "synthetic_cifar")
 
 # Beside the shards: the fingerprint and each shard's SHA-256, recorded when they were prepared.
@@ -55,8 +55,8 @@ def _locked(path: Path):
 def _builder(name: str, data_dir: Path):
     import tensorflow_datasets as tfds
 
-    import tasks.data.synthetic_images  # noqa: F401  (registers the offline builder)
-    import tasks.data.uci_digits  # noqa: F401  (registers the offline builder)
+    import hetflow.data.synthetic_images  # noqa: F401  (registers the offline builder)
+    import hetflow.data.uci_digits  # noqa: F401  (registers the offline builder)
 
     try:
         return tfds.builder(name, data_dir=str(data_dir))
@@ -163,7 +163,7 @@ def check_available(name: str, data_dir: Path, image_size: str | None = None) ->
     an image folder with bad data (see ``image_folder.scan``), a name TFDS does not know, or a dataset
     that is not prepared in ``data_dir`` while the network it would be downloaded from is unreachable."""
     if name.startswith(FOLDER_PREFIX):
-        from tasks.data.image_folder import scan
+        from hetflow.data.image_folder import scan
 
         scan(name[len(FOLDER_PREFIX) :], image_size)
         return
@@ -187,7 +187,7 @@ def prepare_dataset(name: str, data_dir: Path, image_size: str | None = None) ->
     import tensorflow_datasets as tfds
 
     if name.startswith(FOLDER_PREFIX):
-        from tasks.data import image_folder
+        from hetflow.data import image_folder
 
         inventory = image_folder.scan(name[len(FOLDER_PREFIX) :], image_size)
         identity, source = f"{FOLDER_PREFIX}{inventory.folder}", str(inventory.folder)

@@ -1,1 +1,2 @@
-"""TODO(plan31): what this package holds."""
+"""The Keras models (``architectures``) and the learning-rate and batch schedule both training
+and fine-tuning use (``schedule``)."""

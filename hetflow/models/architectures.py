@@ -15,7 +15,7 @@ import h5py
 import tensorflow as tf
 
 if TYPE_CHECKING:
-    from tasks.spec import RunSpec
+    from hetflow.spec import RunSpec
 
 MODELS = ("mlp", "cnn", "convnet")
 # tf_keras reads and writes a file so named as plain arrays keyed by layer class and order.

@@ -8,7 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.spec import RunSpec
+from hetflow.spec import RunSpec
 
 
 def steps_per_epoch(spec: RunSpec, dataset: dict[str, Any]) -> int:

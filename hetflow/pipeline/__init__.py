@@ -1,1 +1,2 @@
-"""TODO(plan31): what this package holds."""
+"""What every stage shares: its receipt and retries (``attempts``), its task log (``task_log``)
+and where its time went (``timings``)."""

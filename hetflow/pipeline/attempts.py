@@ -19,10 +19,10 @@ import time
 import uuid
 from typing import Any, Callable
 
-from tasks import timings
-from tasks.paths import RunPaths, write_record
-from tasks.spec import RunSpec
-from tasks.task_log import failure_headline
+from hetflow.paths import RunPaths, write_record
+from hetflow.pipeline import timings
+from hetflow.pipeline.task_log import failure_headline
+from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
 
@@ -41,7 +41,7 @@ STAGES = tuple(stage for stage, _ in STAGE_OUTPUTS)
 
 
 def reported(stage: Callable) -> Callable:
-    """Time a DAG task (``tasks.timings``: its receipt records where its time went) and log its
+    """Time a DAG task (``hetflow.pipeline.timings``: its receipt records where its time went) and log its
     failure, with its reason, on the stages' logger: Airflow reports it in its own structured log,
     which `hetflow run`'s live view does not read."""
 
@@ -70,7 +70,7 @@ def attempt(paths: RunPaths, stage: str, run_id: str, try_number: int | None):
     """One attempt of ``stage``: on entry it removes the records of this stage and of every later one,
     and the summary, so that no earlier attempt's files outlive a failing one; on success it writes
     the receipt naming this attempt (the dict it yields, which the stage also returns to Airflow) and
-    saying where the stage's time went (``timing``: its start, unix time, and ``tasks.timings``'
+    saying where the stage's time went (``timing``: its start, unix time, and ``hetflow.pipeline.timings``'
     parts in seconds, up to the receipt).
 
     :param try_number: Airflow's try number of the task (None outside Airflow), for the reader.

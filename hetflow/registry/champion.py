@@ -20,12 +20,12 @@ from typing import Any, Callable
 import numpy as np
 from mlflow.exceptions import MlflowException
 
+from hetflow.paths import hetflow_home
+from hetflow.registry.registry_lock import RegistryLock, local_lock_identity
+from hetflow.registry.store import tracking_uri
+from hetflow.serving import server as serving
+from hetflow.spec import RunSpec
 from mlflow import MlflowClient
-from tasks import serving
-from tasks.paths import hetflow_home
-from tasks.registry.registry_lock import RegistryLock, local_lock_identity
-from tasks.registry.store import tracking_uri
-from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.registry")
 
@@ -75,7 +75,7 @@ def champion_accuracy(champion, dataset: dict, log_dir: Path) -> float:
     """
     if champion.tags.get("dataset.fingerprint") == dataset["fingerprint"]:
         return float(champion.tags["test_accuracy"])
-    from tasks.data.pipeline import split_arrays
+    from hetflow.data.pipeline import split_arrays
 
     images, labels = split_arrays(dataset, "test")
     uri = f"models:/{champion.name}/{champion.version}"

@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tasks.paths import read_replica_record
-from tasks.spec import parse_spec
+from hetflow.paths import read_replica_record
+from hetflow.spec import parse_spec
 
 log = logging.getLogger("hetflow.retrain")
 
@@ -66,9 +66,9 @@ def retrain_spec(registered_model: str, overrides: dict[str, Any]) -> dict[str, 
     validated; the defaults when there is no champion yet."""
     from mlflow.exceptions import MlflowException
 
+    from hetflow.registry.champion import CHAMPION
+    from hetflow.registry.store import tracking_uri
     from mlflow import MlflowClient
-    from tasks.registry.champion import CHAMPION
-    from tasks.registry.store import tracking_uri
 
     client = MlflowClient(tracking_uri())
     try:

@@ -15,12 +15,12 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.utils.time import get_current_time_millis
 
+from hetflow.paths import NotRegularFile, RunPaths, read_regular, read_replica_record
+from hetflow.registry import lineage
+from hetflow.registry.store import git_commit
+from hetflow.serving import server as serving
+from hetflow.spec import RunSpec
 from mlflow import MlflowClient
-from tasks import serving
-from tasks.paths import NotRegularFile, RunPaths, read_regular, read_replica_record
-from tasks.registry import lineage
-from tasks.registry.store import git_commit
-from tasks.spec import RunSpec
 
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
 # A log or record uploaded to the run: far above what a run writes, far below filling the store.

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from mlflow.exceptions import MlflowException
 
+from hetflow.paths import REPO_ROOT
+from hetflow.registry import charts_view
 from mlflow import MlflowClient
-from tasks.paths import REPO_ROOT
-from tasks.registry import charts_view
 
 EXPERIMENT = "hetflow"
 # MLflow 3's UI opens an experiment of no declared kind in its GenAI view (traces, an assistant

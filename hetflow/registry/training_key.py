@@ -6,8 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from hetflow.spec import RunSpec
 from mlflow import MlflowClient
-from tasks.spec import RunSpec
 
 
 def training_key(spec: RunSpec, fingerprint: str) -> str:

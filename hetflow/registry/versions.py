@@ -17,9 +17,9 @@ from mlflow.models import infer_signature
 from mlflow.protos.databricks_pb2 import ALREADY_EXISTS, RESOURCE_ALREADY_EXISTS, ErrorCode
 
 import mlflow
+from hetflow.pipeline import timings
+from hetflow.registry.store import tracking_uri
 from mlflow import MlflowClient
-from tasks import timings
-from tasks.registry.store import tracking_uri
 
 log = logging.getLogger("hetflow.registry")
 

@@ -1,4 +1,4 @@
-"""What runs inside a replica, in every backend: ``python -m tasks.replica --run-dir DIR``.
+"""What runs inside a replica, in every backend: ``python -m hetflow.replica --run-dir DIR``.
 
 - ``__main__``: the entry point; the role comes from ``TF_CONFIG``, the run from the run directory.
 - ``runtime``: the replica's devices and threads.

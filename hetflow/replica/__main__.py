@@ -1,8 +1,8 @@
-"""The entry point of every replica, in every backend: ``python -m tasks.replica --run-dir DIR``.
+"""The entry point of every replica, in every backend: ``python -m hetflow.replica --run-dir DIR``.
 
 The replica learns its role from ``TF_CONFIG`` and the run from the run directory (spec.json and
 dataset.json, written by earlier stages). In a container, which no keeper ends,
-``--watch-supervisor`` makes it end itself once the run's supervisor is gone (``tasks.cluster.lease``).
+``--watch-supervisor`` makes it end itself once the run's supervisor is gone (``hetflow.cluster.lease``).
 
 A replica leaves with ``os._exit`` once its work is done and its output flushed, skipping Python's
 interpreter finalization: there, under multi_worker_mirrored, the garbage collector destroys
@@ -22,9 +22,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tasks.cluster.lease import SIGNALS, SupervisorWatch
-from tasks.paths import RunPaths
-from tasks.spec import RunSpec
+from hetflow.cluster.lease import SIGNALS, SupervisorWatch
+from hetflow.paths import RunPaths
+from hetflow.spec import RunSpec
 
 
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,12 +54,12 @@ def main(args: argparse.Namespace) -> None:
 def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
     """This replica's part: serving variables and steps (parameter_server's ps and workers), or
     training with the spec's strategy and writing its results."""
-    from tasks.replica.runtime import configure_runtime
+    from hetflow.replica.runtime import configure_runtime
 
     configure_runtime(spec, task)
-    from tasks.replica import model_parallel, parameter_server, sync
-    from tasks.replica.balance import Relaunch
-    from tasks.replica.record import finish
+    from hetflow.replica import model_parallel, parameter_server, sync
+    from hetflow.replica.balance import Relaunch
+    from hetflow.replica.record import finish
 
     if spec.strategy == "parameter_server" and task["type"] != "chief":
         parameter_server.serve(task)
@@ -77,7 +77,7 @@ def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: d
 
 def run_and_exit() -> None:
     """``main``, then leave at once (see the module's docstring): 0 on success, 1 on an error,
-    after printing its traceback (``tasks.cluster.lease.SUPERVISOR_GONE_EXIT_CODE`` where its supervisor
+    after printing its traceback (``hetflow.cluster.lease.SUPERVISOR_GONE_EXIT_CODE`` where its supervisor
     is gone)."""
     code, watch = 0, None
     try:

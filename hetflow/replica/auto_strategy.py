@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.batch_shares import split_batch
-from tasks.spec import RunSpec
+from hetflow.replica.batch_shares import split_batch
+from hetflow.spec import RunSpec
 
 # A step shorter than this on the fastest worker is dominated by all-reduce on CPU replicas
 # (2 gRPC workers ran a small MLP 2-3x slower than one, measured on 2 cores).

@@ -20,10 +20,10 @@ import json
 import time
 from typing import Any
 
-from tasks.auto_strategy import decide
-from tasks.batch_shares import split_batch
-from tasks.paths import RunPaths, write_record
-from tasks.spec import RunSpec
+from hetflow.paths import RunPaths, write_record
+from hetflow.replica.auto_strategy import decide
+from hetflow.replica.batch_shares import split_batch
+from hetflow.spec import RunSpec
 
 WARMUP_STEPS = 2  # tracing and first touches stay out of the measurement
 # 100 periods of the throttle's stop-and-continue, 20 of the kernel's CPU quota

@@ -6,8 +6,8 @@ import tempfile
 
 import tensorflow as tf
 
-from tasks.paths import RunPaths
-from tasks.spec import RunSpec
+from hetflow.paths import RunPaths
+from hetflow.spec import RunSpec
 
 
 class EpochCheckpoint:

@@ -9,7 +9,7 @@ from typing import Any
 
 class TrainingClock:
     """Where a replica's time goes, from its launch (``HETFLOW_LAUNCH_TIME``) to its final weights,
-    told by the epoch loop (``tasks.replica.loop``; its method names are Keras callbacks').
+    told by the epoch loop (``hetflow.replica.loop``; its method names are Keras callbacks').
 
     Records wall time per epoch (validation included) and within it the validation passes; the
     time to the end of the first step; and, given a target accuracy, the training time until

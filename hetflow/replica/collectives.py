@@ -27,7 +27,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.replica.record import tensor_bytes
+from hetflow.replica.record import tensor_bytes
 
 # Ring all-reduce over gRPC between the workers named in TF_CONFIG (no NCCL on CPU); all of a
 # step's gradients in one collective (bytes_per_pack=0).

@@ -8,10 +8,10 @@ import time
 
 import tensorflow as tf
 
-from tasks.replica.checkpoint import EpochCheckpoint
-from tasks.replica.clock import TrainingClock
-from tasks.schedule import learning_rate
-from tasks.spec import RunSpec
+from hetflow.models.schedule import learning_rate
+from hetflow.replica.checkpoint import EpochCheckpoint
+from hetflow.replica.clock import TrainingClock
+from hetflow.spec import RunSpec
 
 
 class EpochLoop:

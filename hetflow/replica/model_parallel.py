@@ -17,15 +17,15 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.data.pipeline import eval_input, train_input
-from tasks.models import build_model_parallel
-from tasks.paths import RunPaths
-from tasks.replica.checkpoint import EpochCheckpoint
-from tasks.replica.loop import EpochLoop, validation_sums
-from tasks.replica.record import Trained, worker_rate
-from tasks.replica.runtime import local_devices
-from tasks.schedule import make_optimizer, steps_per_epoch
-from tasks.spec import RunSpec
+from hetflow.data.pipeline import eval_input, train_input
+from hetflow.models.architectures import build_model_parallel
+from hetflow.models.schedule import make_optimizer, steps_per_epoch
+from hetflow.paths import RunPaths
+from hetflow.replica.checkpoint import EpochCheckpoint
+from hetflow.replica.loop import EpochLoop, validation_sums
+from hetflow.replica.record import Trained, worker_rate
+from hetflow.replica.runtime import local_devices
+from hetflow.spec import RunSpec
 
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:

@@ -19,15 +19,15 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tasks.data.pipeline import eval_input, train_input
-from tasks.models import build_model
-from tasks.paths import RunPaths
-from tasks.replica.checkpoint import EpochCheckpoint
-from tasks.replica.loop import EpochLoop, validation_sums
-from tasks.replica.ps_exchange import communication_record, time_exchange
-from tasks.replica.record import Trained, worker_rate
-from tasks.schedule import make_optimizer, steps_per_epoch
-from tasks.spec import RunSpec
+from hetflow.data.pipeline import eval_input, train_input
+from hetflow.models.architectures import build_model
+from hetflow.models.schedule import make_optimizer, steps_per_epoch
+from hetflow.paths import RunPaths
+from hetflow.replica.checkpoint import EpochCheckpoint
+from hetflow.replica.loop import EpochLoop, validation_sums
+from hetflow.replica.ps_exchange import communication_record, time_exchange
+from hetflow.replica.record import Trained, worker_rate
+from hetflow.spec import RunSpec
 
 STEPS_PER_CLOSURE = 10
 # Variables above this size are split over the ps (at most one shard per ps).

@@ -26,7 +26,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.replica.record import tensor_bytes
+from hetflow.replica.record import tensor_bytes
 
 TIMED_CLOSURES = 5
 

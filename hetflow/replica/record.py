@@ -8,11 +8,11 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.paths import RunPaths, write_record
-from tasks.replica.loop import EpochLoop
-from tasks.replica.weights import save_model
-from tasks.schedule import learning_rate_plan
-from tasks.spec import RunSpec
+from hetflow.models.schedule import learning_rate_plan
+from hetflow.paths import RunPaths, write_record
+from hetflow.replica.loop import EpochLoop
+from hetflow.replica.weights import save_model
+from hetflow.spec import RunSpec
 
 
 def tensor_bytes(tensors) -> int:

@@ -6,7 +6,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.spec import RunSpec, WorkerDevice
+from hetflow.spec import RunSpec, WorkerDevice
 
 
 def replica_device(spec: RunSpec, task: dict[str, Any]) -> WorkerDevice:

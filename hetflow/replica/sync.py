@@ -15,7 +15,7 @@ Validation is shared the same way: each worker scores its share of the validatio
 the sums are all-reduced once per epoch, so every worker sees the same accuracy (and stops at the
 target together) without the slow worker scoring the whole split.
 
-The shares are ``tasks.replica.balance``'s: equal without ``balance_batches``; with it (and with
+The shares are ``hetflow.replica.balance``'s: equal without ``balance_batches``; with it (and with
 ``strategy=auto``, which starts here) measured in the seconds before the first step; or plan.json's,
 where an earlier launch of this group measured them.
 
@@ -34,18 +34,18 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.batch_shares import split_batch
-from tasks.data.pipeline import eval_input, train_slices, training_tensors
-from tasks.models import build_model
-from tasks.paths import RunPaths
-from tasks.replica.balance import WorkerShares
-from tasks.replica.checkpoint import EpochCheckpoint
-from tasks.replica.collectives import COMMUNICATION, collectives_record, reduce_gradients, time_reduction
-from tasks.replica.loop import EpochLoop, validation_sums
-from tasks.replica.record import Trained, worker_rate
-from tasks.replica.runtime import local_devices
-from tasks.schedule import make_optimizer, steps_per_epoch
-from tasks.spec import RunSpec
+from hetflow.data.pipeline import eval_input, train_slices, training_tensors
+from hetflow.models.architectures import build_model
+from hetflow.models.schedule import make_optimizer, steps_per_epoch
+from hetflow.paths import RunPaths
+from hetflow.replica.balance import WorkerShares
+from hetflow.replica.batch_shares import split_batch
+from hetflow.replica.checkpoint import EpochCheckpoint
+from hetflow.replica.collectives import COMMUNICATION, collectives_record, reduce_gradients, time_reduction
+from hetflow.replica.loop import EpochLoop, validation_sums
+from hetflow.replica.record import Trained, worker_rate
+from hetflow.replica.runtime import local_devices
+from hetflow.spec import RunSpec
 
 
 def make_strategy(spec: RunSpec) -> tf.distribute.Strategy:

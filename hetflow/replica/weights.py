@@ -9,8 +9,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from tasks.models import build_model
-from tasks.spec import RunSpec
+from hetflow.models.architectures import build_model
+from hetflow.spec import RunSpec
 
 
 def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], path, chief: bool = True) -> None:
@@ -19,7 +19,7 @@ def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], pa
 
     The copy is plain: no optimizer, no distribution (variables sharded over parameter servers are
     concatenated back). No architecture is written: what a replica writes is untrusted, and the
-    pipeline rebuilds the model from the spec (``tasks.models.trained_model``). Under multi-worker
+    pipeline rebuilds the model from the spec (``hetflow.models.architectures.trained_model``). Under multi-worker
     strategies every worker must take part in saving (it may run collectives); each writes into a
     scratch dir and only the chief's copy is moved to ``path``, whole.
     """

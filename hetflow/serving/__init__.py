@@ -1,1 +1,2 @@
-"""TODO(plan31): what this package holds."""
+"""The served check: the model behind MLflow's own scoring server, sandboxed (``server``), reached
+through a relay inside the sandbox's network (``relay``)."""

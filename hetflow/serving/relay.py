@@ -2,7 +2,7 @@
 127.0.0.1:PORT) and relay every connection made to the Unix socket SOCKET to it.
 
 The served check's model server runs in a sandbox with a network namespace of its own
-(``tasks.sandbox``), which nothing outside can reach over TCP; the socket, in a directory shared
+(``hetflow.sandbox``), which nothing outside can reach over TCP; the socket, in a directory shared
 with the pipeline, is the one way in. Standard library only, run as a script: the sandbox carries
 no hetflow on its path. Exits with COMMAND's exit code.
 """

@@ -11,12 +11,12 @@ The server is started from MLflow's own command (``scoring_server.get_cmd``) rat
 the ``mlflow`` CLI, which would import MLflow's whole command line (~3 s of CPU, measured
 2026-11-26) only to exec that same command.
 
-The server runs sandboxed (``tasks.sandbox``: bubblewrap, an unprivileged uid, no capabilities,
+The server runs sandboxed (``hetflow.sandbox``: bubblewrap, an unprivileged uid, no capabilities,
 dying with the process that started it): the pipeline downloads the version's files (a copy,
 nothing loaded) and the server serves that folder, seeing the system, the interpreter and nothing of
 HETFLOW_HOME, the MLflow store, Airflow's home or the user's home, with no registry credentials, in
 a network namespace of its own. The pipeline reaches it through a Unix socket that
-``tasks/serving_relay.py`` relays to the server's port inside. Where no sandbox can be had the
+``hetflow/serving/relay.py`` relays to the server's port inside. Where no sandbox can be had the
 check is refused unless the operator accepted running unisolated. The check records which.
 
 The runner's life, as TFX's model_server_runners draw it::
@@ -49,8 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from tasks import sandbox, serving_relay
-from tasks.cluster.processes import group_members
+from hetflow import sandbox
+from hetflow.cluster.processes import group_members
+from hetflow.serving import relay as serving_relay
 
 log = logging.getLogger("hetflow.serving")
 

@@ -1,7 +1,7 @@
 """compress: magnitude pruning (tensorflow-model-optimization) and post-training quantization.
 
 Variants of the trained (float) model, each written as a TFLite file under ``compressed/`` (the
-float model's own TFLite file is an export: ``tasks.export``):
+float model's own TFLite file is an export: ``hetflow.tasks.export``):
 - ``pruned``: fine-tuned with a polynomial-decay sparsity schedule to ``target_sparsity`` in every
   hidden kernel of at least ``MIN_PRUNED_WEIGHTS`` weights (smaller ones and the logits stay
   dense), in blocks the TFLite converter can encode (``pruning_block``), then stripped of the
@@ -15,7 +15,7 @@ float model's own TFLite file is an export: ``tasks.export``):
   prune-preserving scheme (the pruned zeros stay zero), and the variant records which was shipped.
 
 Pruned files are converted with sparsity-aware encoding where the interpreter runs it
-(``tasks.tflite``): the zeros then make the file itself smaller. Each variant records the
+(``hetflow.artifacts.tflite``): the zeros then make the file itself smaller. Each variant records the
 encoding read back from its file.
 """
 
@@ -30,14 +30,14 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_model_optimization as tfmot
 
-from tasks.attempts import attempt, load_spec, read_record, reported
-from tasks.data.pipeline import split_arrays, train_input
-from tasks.models import compile_model, trained_model
-from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
-from tasks.predictors import tflite_predictor
-from tasks.schedule import make_optimizer
-from tasks.spec import RunSpec
-from tasks.tflite import SPARSE_ENCODABLE, representative_images, to_tflite, weight_encoding
+from hetflow.artifacts.predictors import tflite_predictor
+from hetflow.artifacts.tflite import SPARSE_ENCODABLE, representative_images, to_tflite, weight_encoding
+from hetflow.data.pipeline import split_arrays, train_input
+from hetflow.models.architectures import compile_model, trained_model
+from hetflow.models.schedule import make_optimizer
+from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
 _PRUNABLE = (tf.keras.layers.Dense, tf.keras.layers.Conv2D)
@@ -46,7 +46,7 @@ _PRUNABLE = (tf.keras.layers.Dense, tf.keras.layers.Conv2D)
 # are a few percent of the weights (the CNN's first conv and logits: 928 of 23k).
 MIN_PRUNED_WEIGHTS = 1_000
 # A Dense kernel (inputs x units) is pruned in blocks of 16 inputs of one unit: the only shape in
-# which the interpreter runs an int8 sparse fully connected layer (tasks/tflite.py). The logits stay
+# which the interpreter runs an int8 sparse fully connected layer (hetflow/artifacts/tflite.py). The logits stay
 # dense: in such blocks the MLP's 128x10 logits pruned to 80 % cost 2.8 points (0.958 vs 0.986 after
 # 1,000 fine-tuning steps; 0.986 with the logits dense), for 1,280 of its 9,472 weights.
 DENSE_BLOCK = (16, 1)

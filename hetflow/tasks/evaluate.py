@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tasks import plots
-from tasks.attempts import attempt, load_spec, read_record, reported
-from tasks.data.pipeline import split_arrays
-from tasks.models import trained_model
-from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow import plots
+from hetflow.data.pipeline import split_arrays
+from hetflow.models.architectures import trained_model
+from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
 
 log = logging.getLogger("hetflow.stages")
 

@@ -1,7 +1,7 @@
 """export: the float model as a SavedModel for serving and as a TFLite file, and every artifact
 (those and compress's variants) re-loaded and scored on the test split.
 
-Each artifact is loaded back from disk the way a consumer would (``tasks.predictors``) and scored
+Each artifact is loaded back from disk the way a consumer would (``hetflow.artifacts.predictors``) and scored
 on the whole test split: accuracy, agreement with the float model, size raw and gzipped, latency
 per example at batch 1, sparsity and how the file encodes its weights. Float artifacts must
 reproduce the Keras model they were converted from (parity): the float model's, and the pruned
@@ -24,14 +24,14 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from tasks import plots
-from tasks.attempts import attempt, load_spec, read_record, reported
-from tasks.data.pipeline import split_arrays
-from tasks.models import trained_model
-from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
-from tasks.predictors import saved_model_predictor, tflite_predictor
-from tasks.spec import RunSpec
-from tasks.tflite import to_tflite, weight_encoding
+from hetflow import plots
+from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
+from hetflow.artifacts.tflite import to_tflite, weight_encoding
+from hetflow.data.pipeline import split_arrays
+from hetflow.models.architectures import trained_model
+from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tasks import timings
-from tasks.attempts import attempt, load_spec, reported
-from tasks.paths import run_paths, write_record
-from tasks.spec import RunSpec, SpecError, data_location_problems
+from hetflow.paths import run_paths, write_record
+from hetflow.pipeline import timings
+from hetflow.pipeline.attempts import attempt, load_spec, reported
+from hetflow.spec import RunSpec, SpecError, data_location_problems
 
 log = logging.getLogger("hetflow.stages")
 
@@ -19,8 +19,8 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Prepare the dataset (or re-use it) and say whether this training was done before: with
     skip_unchanged, a version trained by another run from the same spec on the same data makes the
     rest of the run skip (``record["trained_before"]``)."""
-    from tasks.data.prepare import dataset_dir, prepare_dataset
-    from tasks.registry.training_key import training_key
+    from hetflow.data.prepare import dataset_dir, prepare_dataset
+    from hetflow.registry.training_key import training_key
 
     paths = run_paths(run_id)
     with attempt(paths, "prepare_data", run_id, try_number) as receipt:
@@ -49,9 +49,9 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
 def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | None:
     if not spec.skip_unchanged:
         return None
+    from hetflow.registry.store import tracking_uri
+    from hetflow.registry.training_key import trained_before
     from mlflow import MlflowClient
-    from tasks.registry.store import tracking_uri
-    from tasks.registry.training_key import trained_before
 
     try:
         with timings.part("mlflow_io"):

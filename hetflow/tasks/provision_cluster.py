@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tasks.attempts import attempt, load_spec, reported
-from tasks.paths import run_paths, write_record
-from tasks.spec import RunSpec, parse_spec
+from hetflow.paths import run_paths, write_record
+from hetflow.pipeline.attempts import attempt, load_spec, reported
+from hetflow.spec import RunSpec, parse_spec
 
 log = logging.getLogger("hetflow.stages")
 # strategy=auto's decision, which `hetflow run`'s live view shows
@@ -23,7 +23,7 @@ PROVISIONED_HERE: set[str] = set()
 @reported
 def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Lay out the cluster and start every replica."""
-    from tasks.cluster import backends
+    from hetflow.cluster import backends
 
     paths = run_paths(run_id)
     with attempt(paths, "provision_cluster", run_id, try_number) as receipt:
@@ -46,9 +46,9 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
 
 def start_of_auto(spec: RunSpec) -> RunSpec:
     """What ``strategy=auto`` launches: one worker trains on one device; several start as sync
-    all-reduce and measure themselves before their first step (``tasks.replica.balance``), then keep
+    all-reduce and measure themselves before their first step (``hetflow.replica.balance``), then keep
     equal batches, balance them, or stop so that ``train`` relaunches them as ``one_device`` or
-    ``parameter_server`` (``tasks.auto_strategy`` decides, from what they measured)."""
+    ``parameter_server`` (``hetflow.replica.auto_strategy`` decides, from what they measured)."""
     if spec.workers == 1:
         auto_log.info("auto chose one_device: one worker")
         return parse_spec({**spec.model_dump(), "strategy": "one_device"})

@@ -3,7 +3,7 @@
 Every MLflow write of a run happens here, in one process, after training: replicas never talk to
 MLflow, so several processes never interleave metrics or clash on params, and training does not
 depend on the tracking server being up. A retried task finds the run and the version it already
-made (by the Airflow run id) and creates neither twice. The parts are in ``tasks.registry``.
+made (by the Airflow run id) and creates neither twice. The parts are in ``hetflow.registry``.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
+from hetflow.data.pipeline import split_arrays
+from hetflow.models.architectures import trained_model
+from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.pipeline import timings
+from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.registry import champion, run_record, store, versions
+from hetflow.registry.training_key import TRAINING_KEY_TAG
+from hetflow.spec import RunSpec
+from hetflow.tasks.export import save_serving_model
 from mlflow import MlflowClient
-from tasks import timings
-from tasks.attempts import attempt, load_spec, read_record, reported
-from tasks.data.pipeline import split_arrays
-from tasks.export import save_serving_model
-from tasks.models import trained_model
-from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
-from tasks.predictors import saved_model_predictor, tflite_predictor
-from tasks.registry import champion, run_record, store, versions
-from tasks.registry.training_key import TRAINING_KEY_TAG
-from tasks.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
 

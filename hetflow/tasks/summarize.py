@@ -7,10 +7,10 @@ import logging
 import time
 from typing import Any
 
-from tasks import timings
-from tasks.attempts import STAGE_OUTPUTS, STAGES, read_record, reported
-from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
-from tasks.prepare_data import skip_reason
+from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.pipeline import timings
+from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, read_record, reported
+from hetflow.tasks.prepare_data import skip_reason
 
 log = logging.getLogger("hetflow.stages")
 
@@ -41,7 +41,7 @@ def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
 def _timings(paths: RunPaths, finished: tuple[str, ...], training: dict, dag_started_at: float | None) -> dict | None:
     """Where the run's time went so far: the DAG's wall time (from the DAG run's start, else the first
     stage's), the training's (the replicas' whole job: launch to final weights), the fixed overhead
-    (DAG wall time less training), each finished stage's parts (``tasks.timings``) and Airflow's time
+    (DAG wall time less training), each finished stage's parts (``hetflow.pipeline.timings``) and Airflow's time
     outside every stage (task start-up and bookkeeping, teardown_cluster), of which before the first."""
     stages = {stage: read_record(paths.attempt(stage)).get("timing") for stage in finished}
     stages = {stage: timing for stage, timing in stages.items() if timing}  # receipts of older hetflows have none

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from tasks.attempts import load_spec, reported
-from tasks.paths import hetflow_home, run_paths
-from tasks.provision_cluster import PROVISIONED_HERE
+from hetflow.paths import hetflow_home, run_paths
+from hetflow.pipeline.attempts import load_spec, reported
+from hetflow.tasks.provision_cluster import PROVISIONED_HERE
 
 log = logging.getLogger("hetflow.stages")
 
@@ -15,8 +15,8 @@ log = logging.getLogger("hetflow.stages")
 @reported
 def teardown_cluster(run_id: str) -> list:
     """End what is left of the run's replicas: pids (local), containers (docker), pods (kubernetes)."""
-    from tasks.cluster import backends
-    from tasks.cluster.backends import sweep
+    from hetflow.cluster import backends
+    from hetflow.cluster.backends import sweep
 
     paths = run_paths(run_id)
     spec = load_spec(paths) if paths.spec.exists() else None

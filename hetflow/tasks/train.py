@@ -12,9 +12,9 @@ import threading
 import time
 from typing import Any
 
-from tasks.attempts import attempt, load_spec, read_record, reported
-from tasks.paths import RunPaths, read_replica_record, run_paths, write_record
-from tasks.spec import RunSpec, parse_spec
+from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.spec import RunSpec, parse_spec
 
 log = logging.getLogger("hetflow.stages")
 auto_log = logging.getLogger("hetflow.auto")  # shown by `hetflow run`'s live view
@@ -23,7 +23,13 @@ auto_log = logging.getLogger("hetflow.auto")  # shown by `hetflow run`'s live vi
 # LiteRT, MLflow's TensorFlow flavour: ~7 s here). Where every task runs in one process (`hetflow run`'s
 # dag.test sets IMPORT_LATER_STAGES), train imports them while it only waits for the replicas, off the
 # critical path; where each task has a process of its own (a scheduler), that would be wasted.
-LATER_STAGE_MODULES = ("tasks.evaluate", "tasks.compress", "tasks.export", "tasks.register", "mlflow.tensorflow")
+LATER_STAGE_MODULES = (
+    "hetflow.tasks.evaluate",
+    "hetflow.tasks.compress",
+    "hetflow.tasks.export",
+    "hetflow.tasks.register",
+    "mlflow.tensorflow",
+)
 IMPORT_LATER_STAGES = False
 
 # Airflow 3 SIGKILLs a task 5 s after its SIGTERM: the replicas get 2 s to stop before SIGKILL, so
@@ -39,8 +45,8 @@ class Interrupted(RuntimeError):
 def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Supervise the provisioned replicas until training ends; with ``IMPORT_LATER_STAGES`` set,
     import the later stages' modules meanwhile."""
-    from tasks.cluster import backends
-    from tasks.cluster.layout import ClusterLayout
+    from hetflow.cluster import backends
+    from hetflow.cluster.layout import ClusterLayout
 
     paths = run_paths(run_id)
     with attempt(paths, "train", run_id, try_number) as receipt:
@@ -61,7 +67,7 @@ def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
     """strategy=auto once its first launch ended: spec.json becomes the spec it decided; where that is
     not the sync all-reduce the workers were launched with (they stopped once they had measured
     themselves), it is launched and supervised from the start. Returns the decided spec."""
-    from tasks.cluster import backends
+    from hetflow.cluster import backends
 
     decided = auto_decided(paths)
     write_record(paths.spec, decided.model_dump(mode="json"))
@@ -77,7 +83,7 @@ def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
 def auto_decided(paths: RunPaths) -> RunSpec:
     """The spec ``strategy=auto`` decided from the requested spec and the workers' measurements
     (plan.json): the pipeline decides again, with the replicas' numbers but its own code."""
-    from tasks.auto_strategy import decide
+    from hetflow.replica.auto_strategy import decide
 
     plan = read_replica_record(paths.plan) if paths.plan.exists() else {}
     if "probes" not in plan:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tasks.attempts import attempt, reported
-from tasks.paths import create_run_dir, write_record
-from tasks.spec import RunSpec, SpecError, parse_spec
+from hetflow.paths import create_run_dir, write_record
+from hetflow.pipeline.attempts import attempt, reported
+from hetflow.spec import RunSpec, SpecError, parse_spec
 
 log = logging.getLogger("hetflow.stages")
 
@@ -15,7 +15,7 @@ log = logging.getLogger("hetflow.stages")
 @reported
 def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Validate the run's conf (form values plus any extra keys); nothing starts when it is invalid."""
-    from tasks.cluster import backends
+    from hetflow.cluster import backends
 
     spec = parse_spec(values)
     problems = backends.backend_for(spec).preflight(spec, run_id) + data_problems(spec)
@@ -32,7 +32,7 @@ def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = 
 def data_problems(spec: RunSpec) -> list[str]:
     """What keeps the spec's dataset from being prepared here (bad images, an unknown name, no
     network for a download), as one line; checked before anything starts."""
-    from tasks.data.prepare import check_available, dataset_dir
+    from hetflow.data.prepare import check_available, dataset_dir
 
     try:
         check_available(spec.dataset, dataset_dir(spec), spec.image_size)
