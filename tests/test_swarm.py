@@ -13,8 +13,17 @@ from pathlib import Path
 import pytest
 from conftest import REPO, dag_run, full_log, wait_for
 
-from hetflow.cluster import swarm_backend as sw
 from hetflow.cluster.layout import run_slug
+from hetflow.cluster.swarm_preflight import preflight, satisfies
+from hetflow.cluster.swarm_replicas import (
+    _stamp_key,
+    _stamp_seconds,
+    network_config,
+    placement,
+    plan,
+    service_config,
+    task_state,
+)
 from hetflow.spec import SpecError, parse_spec
 
 PREFIX = "hetflow-swarm-test"
@@ -40,9 +49,9 @@ def sync_spec(**values):
 
 def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_only_by_the_supervisor():
     spec = sync_spec(replica_cpus=1.5, replica_memory_mb=512)
-    layout = sw.plan(spec, "manual__2026-11-25T10:00:00+00:00")
+    layout = plan(spec, "manual__2026-11-25T10:00:00+00:00")
     worker = layout.replicas[1]
-    config = sw.service_config(layout, worker, spec, Path("/srv/h"), Path("/srv/h/runs/r"), "0:0", 1.0)
+    config = service_config(layout, worker, spec, Path("/srv/h"), Path("/srv/h/runs/r"), "0:0", 1.0)
     assert worker.address == f"hetflow-{run_slug(layout.run_id)}-worker-1:2222" == f"{config['name']}:2222"
     assert config["endpoint_spec"]["Mode"] == "dnsrr"  # no virtual IP: the name resolves to the task
     assert config["restart_policy"]["Condition"] == "none"
@@ -60,7 +69,7 @@ def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_
     assert mounts["/srv/h/runs/r"] is False and mounts["/srv/h/data"] is True
     assert config["cap_drop"] == ["ALL"] and config["read_only"] is True
     assert {"Target": "/tmp", "Source": None, "Type": "tmpfs", "ReadOnly": False} in config["mounts"]
-    network = sw.network_config(layout.run_id, Path("/srv/h/runs/r"), encrypted=True)
+    network = network_config(layout.run_id, Path("/srv/h/runs/r"), encrypted=True)
     assert (network["driver"], network["attachable"], network["internal"]) == ("overlay", True, True)
     assert network["options"] == {"encrypted": "true"}
 
@@ -76,8 +85,8 @@ def test_placement_follows_the_device_label_or_the_named_node_and_gpus_are_gener
             "worker_devices": [{"device": "gpu"}, {"device": "cpu"}],
         }
     )
-    layout = sw.plan(spec, "r")
-    by_name = {r.name: sw.placement(spec, r) for r in layout.replicas}
+    layout = plan(spec, "r")
+    by_name = {r.name: placement(spec, r) for r in layout.replicas}
     assert by_name == {
         "chief-0": [],
         "worker-0": ["node.labels.hetflow.device==gpu"],
@@ -86,11 +95,11 @@ def test_placement_follows_the_device_label_or_the_named_node_and_gpus_are_gener
     }
     gpu_node = {"Description": {"Hostname": "g"}, "Spec": {"Labels": {"hetflow.device": "gpu"}}}
     plain_node = {"Description": {"Hostname": "p"}, "Spec": {"Labels": {}}}
-    assert [sw.satisfies(n, by_name["worker-0"]) for n in (gpu_node, plain_node)] == [True, False]
-    assert [sw.satisfies(n, by_name["worker-1"]) for n in (gpu_node, plain_node)] == [False, True]
-    assert sw.satisfies(plain_node, ["node.hostname==p"]) and not sw.satisfies(gpu_node, ["node.hostname==p"])
+    assert [satisfies(n, by_name["worker-0"]) for n in (gpu_node, plain_node)] == [True, False]
+    assert [satisfies(n, by_name["worker-1"]) for n in (gpu_node, plain_node)] == [False, True]
+    assert satisfies(plain_node, ["node.hostname==p"]) and not satisfies(gpu_node, ["node.hostname==p"])
     worker = layout.replicas[1]
-    config = sw.service_config(layout, worker, spec, Path("/h"), Path("/h/runs/r"), "0:0", 1.0)
+    config = service_config(layout, worker, spec, Path("/h"), Path("/h/runs/r"), "0:0", 1.0)
     assert config["resources"]["Reservations"]["GenericResources"] == [
         {"DiscreteResourceSpec": {"Kind": "NVIDIA-GPU", "Value": 1}}
     ]
@@ -107,7 +116,7 @@ def test_placement_follows_the_device_label_or_the_named_node_and_gpus_are_gener
     ],
 )
 def test_a_task_state_is_read_as_the_supervisor_reads_every_backend(status, expected):
-    state = sw.task_state({"Status": status})
+    state = task_state({"Status": status})
     assert (state.exit_code, state.stuck) == expected
 
 
@@ -129,7 +138,7 @@ def test_swarm_only_settings_are_refused_elsewhere_and_swarm_refuses_pinning():
 
 def test_preflight_refuses_an_engine_that_is_not_in_a_swarm(docker_client):
     spec = sync_spec()
-    [problem] = sw.preflight(spec, "not-a-swarm", client=docker_client)  # `make test`'s engine: no swarm
+    [problem] = preflight(spec, "not-a-swarm", client=docker_client)  # `make test`'s engine: no swarm
     assert (
         problem.startswith("backend=swarm: the Docker engine of ") and "is not in a swarm: run `docker swarm" in problem
     )
@@ -178,34 +187,34 @@ def _run_objects(client, run_id: str) -> list[str]:
 def test_preflight_on_the_swarm_names_each_node_that_lacks_what_the_run_needs(swarm, monkeypatch, tmp_path):
     for key, value in swarm["env"].items():
         monkeypatch.setenv(key, value)
-    assert sw.preflight(sync_spec(), "preflight-run") == []
-    assert sw.preflight(sync_spec(image="hetflow-replica:missing"), "preflight-run") == [
+    assert preflight(sync_spec(), "preflight-run") == []
+    assert preflight(sync_spec(image="hetflow-replica:missing"), "preflight-run") == [
         f"node {node} does not have image=hetflow-replica:missing: load it there (docker save | docker load) "
         "or push it to a registry the nodes pull from"
         for node in ("node-1", "node-2")
     ]
-    [placement] = sw.preflight(sync_spec(worker_devices=[{"node": "node-1"}, {"node": "node-9"}]), "preflight-run")
-    assert placement.startswith(
+    [unplaced] = preflight(sync_spec(worker_devices=[{"node": "node-1"}, {"node": "node-9"}]), "preflight-run")
+    assert unplaced.startswith(
         "worker_devices[1].node=node-9: no ready, active node of the swarm fits node.hostname==node-9 "
         "(nodes: node-1, node-2)"
     )
     if _kernel_lacks_esp():  # an encrypted overlay would drop every packet between the nodes
-        assert sw.preflight(sync_spec(encrypt_network=True), "preflight-run") == [
+        assert preflight(sync_spec(encrypt_network=True), "preflight-run") == [
             f"node {node}: its kernel has no IPsec ESP (CONFIG_INET_ESP), so encrypt_network=true cannot carry "
             "traffic between the nodes: set encrypt_network=false where the nodes share a private network"
             for node in ("node-1", "node-2")
         ]
-    [gpu] = sw.preflight(sync_spec(worker_devices=[{"device": "gpu"}, {"node": "node-2"}]), "preflight-run")
+    [gpu] = preflight(sync_spec(worker_devices=[{"device": "gpu"}, {"node": "node-2"}]), "preflight-run")
     assert gpu.startswith("worker_devices[0].device=gpu: no ready, active node of the swarm fits")
     # A HETFLOW_HOME that the nodes do not mount (here: a directory only this machine has).
     monkeypatch.setenv("HETFLOW_HOME", str(tmp_path))
-    assert sw.preflight(sync_spec(), "preflight-run") == [
+    assert preflight(sync_spec(), "preflight-run") == [
         f"node {node} does not mount HETFLOW_HOME={tmp_path}: mount the shared storage there at the same path"
         for node in ("node-1", "node-2")
     ]
     node_2 = f"unix:///run/{PREFIX}/node-2/docker.sock"
     monkeypatch.setenv("DOCKER_HOST", node_2)
-    [worker] = sw.preflight(sync_spec(), "preflight-run")
+    [worker] = preflight(sync_spec(), "preflight-run")
     assert worker.startswith("backend=swarm: node-2 is a swarm worker, not a manager")
     assert [s.name for s in swarm["client"].services.list()] == []  # the checks left no service
 
@@ -325,7 +334,7 @@ def test_a_node_killed_mid_run_fails_it_naming_the_node_or_places_its_replicas_a
 
 def test_log_time_stamps_sort_as_times_and_the_engines_own_messages_are_not_output():
     # Docker drops trailing zeros of the fraction: as text, "...:17.1Z" would sort after "...:17.12Z".
-    keys = [sw._stamp_key(s) for s in ("2026-11-25T14:10:17Z", "2026-11-25T14:10:17.1Z", "2026-11-25T14:10:17.12Z")]
+    keys = [_stamp_key(s) for s in ("2026-11-25T14:10:17Z", "2026-11-25T14:10:17.1Z", "2026-11-25T14:10:17.12Z")]
     assert keys == sorted(keys) and len(set(keys)) == 3
-    assert sw._stamp_key("grabbing") is None  # "grabbing logs: rpc error: ... node disconnected"
-    assert sw._stamp_seconds(keys[2]) == 1795615817
+    assert _stamp_key("grabbing") is None  # "grabbing logs: rpc error: ... node disconnected"
+    assert _stamp_seconds(keys[2]) == 1795615817
