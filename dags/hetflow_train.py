@@ -90,7 +90,7 @@ def hetflow_train():
 
             # Skipped, every task downstream is skipped too; summarize still reads the record.
             ti.xcom_push(key="return_value", value=record)
-            raise AirflowSkipException(stage.skip_reason(record))
+            raise AirflowSkipException(record["skip_reason"])
         return record
 
     @task

@@ -172,6 +172,41 @@ def test_summarize_fails_a_stage_whose_last_try_failed_whatever_files_are_left(p
     assert summary["attempts"]["prepare_data"]["try_number"] == 1
 
 
+def test_a_training_done_before_is_skipped_with_the_reason_prepare_data_recorded(prepared_run, home, monkeypatch):
+    """prepare_data finds a version trained with this run's training key by another Airflow run: its
+    record says why the run skips, and summary.json reports that sentence (summarize reads it from
+    the record, not from prepare_data's code)."""
+    from hetflow.paths import run_paths
+    from hetflow.registry.training_key import TRAINING_KEY_TAG
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.summarize import summarize
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
+    paths = run_paths("rerun")
+    dataset = json.loads(paths.dataset.read_text())
+    client = MlflowClient()
+    model = json.loads(paths.spec.read_text())["registered_model"]
+    client.create_registered_model(model)
+    client.create_model_version(
+        model, source=str(home), tags={TRAINING_KEY_TAG: dataset["training_key"], "airflow.run_id": "earlier"}
+    )
+    returned = {"validate_spec": prepared_run["validate_spec"], "prepare_data": prepare_data("rerun", try_number=2)}
+    record = json.loads(paths.dataset.read_text())
+    assert record["trained_before"]["airflow_run_id"] == "earlier"
+    reason = (
+        f"{model} v1 was trained from this spec on data with fingerprint {dataset['fingerprint'][:12]} by Airflow "
+        "run earlier: nothing to train or register (skip_unchanged=false trains again)"
+    )
+    assert record["skip_reason"] == reason
+    record["skip_reason"] = "as prepare_data wrote it"
+    paths.dataset.write_text(json.dumps(record))
+    summary = summarize("rerun", returned)
+    assert (summary["status"], summary["failed_stage"]) == ("skipped", None)
+    assert summary["skipped_because"] == "as prepare_data wrote it"
+    assert summary["registry"]["version"] == 1
+
+
 def test_later_stages_refuse_a_training_record_linked_out_of_the_run_directory(prepared_run, home, caplog):
     """Replicas write the run directory's top: a training.json planted as a link to a JSON object
     elsewhere (here the stack's secrets) is refused by the stages that read it, in one line naming

@@ -1,5 +1,5 @@
 """The training key: what names one training (the requested spec and the data's fingerprint), and the
-registered version another run already trained with it (``skip_unchanged``)."""
+registered version another run already trained with it (``skip_unchanged``), and why a run skips."""
 
 from __future__ import annotations
 
@@ -38,3 +38,13 @@ def trained_before(client: MlflowClient, registered_model: str, key: str, airflo
                 "aliases": sorted(version.aliases),
             }
     return None
+
+
+def skip_reason(dataset: dict) -> str:
+    """Why a run skips, from prepare_data's record of a training done before (``trained_before``)."""
+    before = dataset["trained_before"]
+    return (
+        f"{before['model_name']} v{before['version']} was trained from this spec on data with fingerprint "
+        f"{dataset['fingerprint'][:12]} by Airflow run {before['airflow_run_id']}: nothing to train or register "
+        "(skip_unchanged=false trains again)"
+    )

@@ -15,17 +15,16 @@ from __future__ import annotations
 import gzip
 import io
 import logging
-import shutil
 import tarfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import tensorflow as tf
 
 from hetflow import plots
 from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
+from hetflow.artifacts.saved_model import save_serving_model
 from hetflow.artifacts.tflite import to_tflite, weight_encoding
 from hetflow.data.pipeline import split_arrays
 from hetflow.models.architectures import trained_model
@@ -42,19 +41,6 @@ PARITY_TOLERANCE = 1e-3
 
 class ParityError(RuntimeError):
     pass
-
-
-def save_serving_model(model: tf.keras.Model, path: Path) -> None:
-    """SavedModel whose ``serving_default`` takes raw uint8 images and returns logits."""
-    input_shape = model.input_shape[1:]
-
-    @tf.function(input_signature=[tf.TensorSpec([None, *input_shape], tf.uint8, name="image")])
-    def serve(image):
-        return {"logits": model(image, training=False)}
-
-    if path.exists():
-        shutil.rmtree(path)  # a retried task writes it anew
-    tf.saved_model.save(model, str(path), signatures={"serving_default": serve})
 
 
 def _latency_ms(predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray) -> float:

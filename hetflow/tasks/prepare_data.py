@@ -18,9 +18,9 @@ log = logging.getLogger("hetflow.stages")
 def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Prepare the dataset (or re-use it) and say whether this training was done before: with
     skip_unchanged, a version trained by another run from the same spec on the same data makes the
-    rest of the run skip (``record["trained_before"]``)."""
+    rest of the run skip (``record["trained_before"]``, and why in ``record["skip_reason"]``)."""
     from hetflow.data.prepare import dataset_dir, prepare_dataset
-    from hetflow.registry.training_key import training_key
+    from hetflow.registry.training_key import skip_reason, training_key
 
     paths = run_paths(run_id)
     with attempt(paths, "prepare_data", run_id, try_number) as receipt:
@@ -33,6 +33,8 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         record = prepare_dataset(spec.dataset, dataset_dir(spec), spec.image_size)
         record["training_key"] = training_key(spec, record["fingerprint"])
         record["trained_before"] = _trained_before(spec, record["training_key"], run_id)
+        if record["trained_before"]:  # what summarize and the DAG's skip say
+            record["skip_reason"] = skip_reason(record)
         write_record(paths.dataset, record)
     log.info(
         "dataset %s %s %s (fingerprint %s)",
@@ -42,7 +44,7 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         record["fingerprint"][:12],
     )
     if record["trained_before"]:
-        log.info("unchanged: %s", skip_reason(record))
+        log.info("unchanged: %s", record["skip_reason"])
     return {**record, "attempt": receipt}
 
 
@@ -60,12 +62,3 @@ def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | No
         # Training is never skipped on a guess; register will say if MLflow is still away.
         log.warning("could not ask MLflow whether this training was done before (%s): training", error)
         return None
-
-
-def skip_reason(dataset: dict[str, Any]) -> str:
-    before = dataset["trained_before"]
-    return (
-        f"{before['model_name']} v{before['version']} was trained from this spec on data with fingerprint "
-        f"{dataset['fingerprint'][:12]} by Airflow run {before['airflow_run_id']}: nothing to train or register "
-        "(skip_unchanged=false trains again)"
-    )

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlflow
 from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
+from hetflow.artifacts.saved_model import save_serving_model
 from hetflow.data.pipeline import split_arrays
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
@@ -23,7 +24,6 @@ from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
 from hetflow.registry import champion, run_record, store, versions
 from hetflow.registry.training_key import TRAINING_KEY_TAG
 from hetflow.spec import RunSpec
-from hetflow.tasks.export import save_serving_model
 from mlflow import MlflowClient
 
 log = logging.getLogger("hetflow.stages")

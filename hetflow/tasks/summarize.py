@@ -10,7 +10,6 @@ from typing import Any
 from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
 from hetflow.pipeline import timings
 from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, read_record, reported
-from hetflow.tasks.prepare_data import skip_reason
 
 log = logging.getLogger("hetflow.stages")
 
@@ -97,7 +96,7 @@ def summarize(
         "run_id": run_id,
         "status": "failed" if failed_stage else "skipped" if unchanged else "success",
         "failed_stage": failed_stage,
-        "skipped_because": skip_reason(unchanged) if unchanged else None,
+        "skipped_because": unchanged["skip_reason"] if unchanged else None,
         "run_dir": str(paths.root),
         "attempts": {stage: read_record(paths.attempt(stage)) for stage in finished},
         "spec": read["validate_spec"],
