@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
-from run import BIN, COMMON, PER_WORKER_BATCH, REPO_ROOT, machine_facts, prepare_dataset, shown
+from run import machine_facts, prepare_dataset, shown
 from swarm_nodes import left_on_engine, node_cpus, swarm
+from throughput_cases import BIN, COMMON, PER_WORKER_BATCH, REPO_ROOT
 
 BACKENDS = ("local", "docker", "swarm")
 # Equal nodes: the swarm case differs from the others in the backend only.

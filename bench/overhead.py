@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
-from run import BIN, REPO_ROOT, machine_facts, shown
+from run import machine_facts, shown
+from throughput_cases import BIN, REPO_ROOT
 
 AIM_IMPORTS = 3  # issue 27: the command less its training, at most this many TensorFlow imports
 IMPORT_REPEATS = 3

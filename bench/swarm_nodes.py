@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from run import REPO_ROOT
+from throughput_cases import REPO_ROOT
 
 PREFIX = "hetflow-swarm-bench"
 
