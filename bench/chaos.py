@@ -40,7 +40,8 @@ import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
-from chaos_scenarios import SCENARIOS, Bench, leftovers, replica_count, run_dir
+from chaos_runs import Bench, leftovers, replica_count, run_dir
+from chaos_scenarios import SCENARIOS
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 
 from hetflow.paths import RunPaths
