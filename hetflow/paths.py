@@ -148,6 +148,11 @@ class RunPaths:
         return self.root / "requested_spec.json"
 
     @property
+    def provisioned_by(self) -> Path:
+        """The process that provisioned the replicas (``hetflow.pipeline.provisioned_by``)."""
+        return self.root / "provisioned_by.json"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

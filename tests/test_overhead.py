@@ -13,7 +13,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-from conftest import REPO, full_log
+from conftest import REPO
 
 PARTS = ("imports", "mlflow_io", "work")
 
@@ -77,10 +77,6 @@ def test_every_stage_says_where_its_time_went(e2e_first_run):
     assert stages["prepare_data"]["imports"] > 1.0 and stages["prepare_data"]["mlflow_io"] > 0
     assert stages["register"]["mlflow_io"] > 0.1
     assert stages["validate_spec"]["mlflow_io"] == 0 and stages["train"]["mlflow_io"] == 0
-    # hetflow run (one process) imports the later stages' modules (TensorFlow, tf_keras, ...) while the
-    # replicas train: the stages after training import next to nothing.
-    assert all(stages[stage]["imports"] < 0.5 for stage in ("evaluate", "compress", "export")), stages
-    assert "imported the later stages' modules in " in full_log(done)
 
 
 @pytest.mark.slow

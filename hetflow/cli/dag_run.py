@@ -55,12 +55,9 @@ def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
     :param log_file: where everything the run prints goes, the terminal showing only the live view
         (``hetflow.cli.live_view``); None prints it all as it comes.
     """
-    from hetflow.tasks import train
-
     for key, value in airflow_environment().items():
         os.environ.setdefault(key, value)
     ensure_airflow_db()
-    train.IMPORT_LATER_STAGES = True  # dag.test runs every task in this process
     with _output_to(log_file) if log_file else contextlib.nullcontext() as terminal:
         from airflow.dag_processing.dagbag import DagBag  # sets up Airflow's logging: the view comes after
 

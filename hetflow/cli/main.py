@@ -52,12 +52,7 @@ def _cmd_run(args) -> int:
     try:
         summary_path = run_dag(values, log_file)
     except KeyboardInterrupt:
-        from hetflow.tasks.provision_cluster import PROVISIONED_HERE
-        from hetflow.tasks.teardown_cluster import teardown_cluster
-
-        for run_id in sorted(PROVISIONED_HERE):
-            print(f"\ninterrupted: tearing down {run_id}", file=sys.stderr)
-            teardown_cluster(run_id)
+        tear_down_runs_provisioned_here()
         return 130
     try:
         summary = read_replica_record(summary_path)
@@ -94,6 +89,19 @@ def _cmd_run(args) -> int:
         print(f"  full log        {log_file}")
     print(summary_path)
     return 0 if summary["status"] in ("success", "skipped") else 1
+
+
+def tear_down_runs_provisioned_here() -> list[str]:
+    """End the replicas of every run this process provisioned (its ``provisioned_by.json`` names
+    this process): `hetflow run` interrupted, its DAG's teardown task will not run. Returns the run ids."""
+    from hetflow.pipeline.provisioned_by import provisioned_here
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+
+    run_ids = provisioned_here(hetflow_home())
+    for run_id in run_ids:
+        print(f"\ninterrupted: tearing down {run_id}", file=sys.stderr)
+        teardown_cluster(run_id)
+    return run_ids
 
 
 def train_run_id() -> str:

@@ -9,15 +9,12 @@ from typing import Any
 
 from hetflow.paths import run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, reported
+from hetflow.pipeline.provisioned_by import record_provisioner
 from hetflow.spec import RunSpec, parse_spec
 
 log = logging.getLogger("hetflow.stages")
 # strategy=auto's decision, which `hetflow run`'s live view shows
 auto_log = logging.getLogger("hetflow.auto")
-
-# Runs whose replicas this process started and has not torn down: what `hetflow run` ends when
-# interrupted (Ctrl-C), as its DAG's teardown task would not run.
-PROVISIONED_HERE: set[str] = set()
 
 
 @reported
@@ -33,7 +30,7 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
             spec = start_of_auto(spec)
             # From here on the run trains with the resolved spec; the request stays in requested_spec.json.
             write_record(paths.spec, spec.model_dump(mode="json"))
-        PROVISIONED_HERE.add(run_id)
+        record_provisioner(paths)
         cluster = backends.start(spec, run_id, paths)
     log.info(
         "started %s on %s: %s",

@@ -92,14 +92,16 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
 
     if not paths.saved_model.exists():  # export_formats without saved_model: the registry still serves one
         save_serving_model(trained_model(spec, dataset, paths.model), paths.saved_model)
-    # Each served check starts as soon as its version exists. A model server is CPU-bound while it
-    # starts (measured alone here: the TFLite model's ~8 s, the float model's ~13 s, most of it
-    # importing TensorFlow): the TFLite model is registered first, so that its server's start-up
-    # overlaps this thread's logging of the float model rather than the float model's server, the
-    # longest, which then shares the two cores with one other process at most.
+    # Each served check starts as soon as its version exists, beside the logging that follows.
     with ThreadPoolExecutor(max_workers=2) as pool:
+        float_predict = saved_model_predictor(paths.saved_model)
+        version = versions.register_version(
+            client, name, run_id, lambda: versions.log_saved_model(paths.saved_model, name, images, float_predict)
+        )
+        float_check = champion.start_served_check(pool, client, version, float_predict, images, log_dir)
+        report = headline + "- float model: the exported SavedModel (serving_default: raw uint8 images -> logits)"
         # (version, its served check running, test accuracy, tags, description's report)
-        candidates = []
+        candidates = [(version, float_check, evaluation["test_accuracy"], tags, report)]
         if chosen is not None:
             artifact = exported["artifacts"][chosen]
             tflite_predict = tflite_predictor(Path(artifact["path"]))
@@ -130,13 +132,6 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
             candidates.append(
                 (tflite_version, tflite_check, artifact["test_accuracy"], {**tags, **compression_tags}, report)
             )
-        float_predict = saved_model_predictor(paths.saved_model)
-        version = versions.register_version(
-            client, name, run_id, lambda: versions.log_saved_model(paths.saved_model, name, images, float_predict)
-        )
-        float_check = champion.start_served_check(pool, client, version, float_predict, images, log_dir)
-        report = headline + "- float model: the exported SavedModel (serving_default: raw uint8 images -> logits)"
-        candidates.insert(0, (version, float_check, evaluation["test_accuracy"], tags, report))
         run_record.log_run_record(client, run_id, spec, paths, dataset, training, evaluation, exported)
         models = [
             champion.promote(client, spec, v, accuracy, dataset, v_tags, check, v_report, table, log_dir)

@@ -7,7 +7,6 @@ import logging
 
 from hetflow.paths import hetflow_home, run_paths
 from hetflow.pipeline.attempts import load_spec, reported
-from hetflow.tasks.provision_cluster import PROVISIONED_HERE
 
 log = logging.getLogger("hetflow.stages")
 
@@ -21,7 +20,6 @@ def teardown_cluster(run_id: str) -> list:
     paths = run_paths(run_id)
     spec = load_spec(paths) if paths.spec.exists() else None
     ended = backends.backend_for(spec).teardown(spec, run_id)
-    PROVISIONED_HERE.discard(run_id)
     log.info("teardown: %s", f"ended {ended}" if ended else "no replica was left running")
     try:  # what earlier runs left when they were killed before their own teardown
         swept = sweep(hetflow_home())

@@ -4,12 +4,10 @@ task's log, and a SIGTERM (Airflow stopping the task) stops them before the task
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import shutil
 import signal
 import threading
-import time
 from typing import Any
 
 from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
@@ -18,19 +16,6 @@ from hetflow.spec import RunSpec, parse_spec
 
 log = logging.getLogger("hetflow.stages")
 auto_log = logging.getLogger("hetflow.auto")  # shown by `hetflow run`'s live view
-
-# What the stages after training import (TensorFlow, tf_keras, tensorflow-model-optimization, matplotlib,
-# LiteRT, MLflow's TensorFlow flavour: ~7 s here). Where every task runs in one process (`hetflow run`'s
-# dag.test sets IMPORT_LATER_STAGES), train imports them while it only waits for the replicas, off the
-# critical path; where each task has a process of its own (a scheduler), that would be wasted.
-LATER_STAGE_MODULES = (
-    "hetflow.tasks.evaluate",
-    "hetflow.tasks.compress",
-    "hetflow.tasks.export",
-    "hetflow.tasks.register",
-    "mlflow.tensorflow",
-)
-IMPORT_LATER_STAGES = False
 
 # Airflow 3 SIGKILLs a task 5 s after its SIGTERM: the replicas get 2 s to stop before SIGKILL, so
 # the teardown (the network namespace's deletion included) is over before the task is killed.
@@ -43,8 +28,7 @@ class Interrupted(RuntimeError):
 
 @reported
 def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
-    """Supervise the provisioned replicas until training ends; with ``IMPORT_LATER_STAGES`` set,
-    import the later stages' modules meanwhile."""
+    """Supervise the provisioned replicas until training ends."""
     from hetflow.cluster import backends
     from hetflow.cluster.layout import ClusterLayout
 
@@ -53,13 +37,10 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         spec = load_spec(paths)
         backend = backends.backend_for(spec)
         cluster = backend.replicas(spec, ClusterLayout.from_dict(read_record(paths.cluster)), paths.root)
-        importing = _import_in_background(LATER_STAGE_MODULES) if IMPORT_LATER_STAGES else None
         with _stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
             backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
             if paths.requested_spec.exists():
                 spec = _carry_out_auto(spec, run_id, paths)
-        if importing is not None:
-            importing.join()  # no later stage imports a module while that thread still does
     return {**read_replica_record(paths.training), "attempt": receipt}
 
 
@@ -91,24 +72,6 @@ def auto_decided(paths: RunPaths) -> RunSpec:
     requested = parse_spec(read_record(paths.requested_spec))
     decision = decide(requested, plan["probes"])
     return parse_spec({**requested.model_dump(), **decision["settings"]})
-
-
-def _import_in_background(modules: tuple[str, ...]) -> threading.Thread:
-    def run():
-        started = time.perf_counter()
-        try:
-            for module in modules:
-                importlib.import_module(module)
-        except Exception as error:  # noqa: BLE001  (the stage that needs the module imports it again and says why)
-            log.warning("importing the later stages' modules during training failed: %s", error)
-            return
-        log.info(
-            "imported the later stages' modules in %.1f s while the replicas trained", time.perf_counter() - started
-        )
-
-    thread = threading.Thread(target=run, name="import-later-stages", daemon=True)
-    thread.start()
-    return thread
 
 
 @contextlib.contextmanager
