@@ -1,12 +1,10 @@
-"""Kubernetes manifests against the restricted Pod Security Standard, checked offline (no cluster can
-run here, and kubernetes-validate checks the schema only): ``restricted_violations`` spells out the
-standard's baseline and restricted checks
-(https://kubernetes.io/docs/concepts/security/pod-security-standards/) and runs them on every pod the
-backend renders, its own and the TFJob's templates. Also what the standard leaves out and #17 asks
-for: no service-account token, numeric non-root ids, a deadline, and a NetworkPolicy per run that
-admits only the run's own pods, created and torn down with the run. And what #28 asks of the claim
-that holds HETFLOW_HOME: no fsGroup (the kubelet would open the whole claim to the pods' group); the
-supervisor hands the pods their run directory instead, or the run is refused before it starts."""
+"""The kubernetes backend's pods against the restricted Pod Security Standard, checked offline (no
+cluster can run here, and kubernetes-validate checks the schema only): every pod the backend
+renders, its own and the TFJob's templates, passes tests/kubernetes_pods.py's checks, which see each
+violation. Also what the standard leaves out: no service-account token, numeric non-root ids, a
+deadline. And the claim that holds HETFLOW_HOME: no fsGroup (the kubelet would open the whole claim
+to the pods' group); the supervisor hands the pods their run directory instead, or the run is
+refused before it starts."""
 
 from __future__ import annotations
 
@@ -19,139 +17,18 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
+from cluster_run import RUN_DIR, RUN_ID
 from conftest import REPO
+from kubernetes_pods import _FakeApi, _pod_specs, _specs, restricted_violations
 
 from hetflow import sandbox
 from hetflow.cluster import kubernetes_backend as k8s
 from hetflow.cluster import kubernetes_manifests as manifests
-from hetflow.cluster.layout import run_slug
-from hetflow.spec import parse_spec
 
-RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"
-RUN_DIR = Path("/srv/hetflow/runs/manual__2026-11-22T00_12_03.120579_00_00")
-OWNER = manifests.owner_reference(manifests.run_name(RUN_ID), "0b8e4a3c-6f0e-4a8e-9c1b-2d3e4f5a6b7c")
 BIN = Path(sys.executable).parent
-
-# The restricted profile's lists (Kubernetes 1.33).
-ALLOWED_VOLUMES = {
-    "configMap",
-    "csi",
-    "downwardAPI",
-    "emptyDir",
-    "ephemeral",
-    "persistentVolumeClaim",
-    "projected",
-    "secret",
-}
-SAFE_SYSCTLS = {
-    "kernel.shm_rmid_forced",
-    "net.ipv4.ip_local_port_range",
-    "net.ipv4.ip_local_reserved_ports",
-    "net.ipv4.ip_unprivileged_port_start",
-    "net.ipv4.ping_group_range",
-    "net.ipv4.tcp_syncookies",
-    "net.ipv4.tcp_keepalive_time",
-    "net.ipv4.tcp_fin_timeout",
-    "net.ipv4.tcp_keepalive_intvl",
-    "net.ipv4.tcp_keepalive_probes",
-}
-SELINUX_TYPES = {None, "", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
-CONFINED = {"RuntimeDefault", "Localhost"}
-
-
-def restricted_violations(pod_spec: dict) -> list[str]:
-    """Every way a pod spec breaks the restricted Pod Security Standard, one line each; a container's
-    securityContext overrides the pod's, as the kubelet applies them."""
-    found = []
-    pod = pod_spec.get("securityContext", {})
-    for field in ("hostNetwork", "hostPID", "hostIPC"):
-        if pod_spec.get(field):
-            found.append(f"pod: {field}")
-    for volume in pod_spec.get("volumes", []):
-        if not set(volume) - {"name"} <= ALLOWED_VOLUMES:
-            found.append(f"volume {volume['name']}: {sorted(set(volume) - {'name'})}")
-    for sysctl in pod.get("sysctls", []):
-        if sysctl["name"] not in SAFE_SYSCTLS:
-            found.append(f"pod: sysctl {sysctl['name']}")
-    if pod.get("runAsUser") == 0:
-        found.append("pod: runAsUser 0")
-    containers = [
-        *pod_spec.get("initContainers", []),
-        *pod_spec.get("containers", []),
-        *pod_spec.get("ephemeralContainers", []),
-    ]
-    for container in containers:
-        where = f"container {container['name']}"
-        own = container.get("securityContext", {})
-        effective = {**pod, **own}
-        if own.get("privileged"):
-            found.append(f"{where}: privileged")
-        if own.get("allowPrivilegeEscalation") is not False:
-            found.append(f"{where}: allowPrivilegeEscalation not false")
-        if effective.get("runAsNonRoot") is not True:
-            found.append(f"{where}: runAsNonRoot not true")
-        if own.get("runAsUser") == 0:
-            found.append(f"{where}: runAsUser 0")
-        if effective.get("seccompProfile", {}).get("type") not in CONFINED:
-            found.append(f"{where}: seccompProfile not RuntimeDefault or Localhost")
-        capabilities = own.get("capabilities", {})
-        if "ALL" not in capabilities.get("drop", []):
-            found.append(f"{where}: capabilities not dropping ALL")
-        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
-            found.append(f"{where}: capabilities added {capabilities['add']}")
-        if any(port.get("hostPort") for port in container.get("ports", [])):
-            found.append(f"{where}: hostPort")
-        if own.get("procMount", "Default") != "Default":
-            found.append(f"{where}: procMount {own['procMount']}")
-        if effective.get("appArmorProfile", {}).get("type", "RuntimeDefault") not in CONFINED:
-            found.append(f"{where}: appArmorProfile unconfined")
-        selinux = effective.get("seLinuxOptions", {})
-        if selinux.get("type") not in SELINUX_TYPES or selinux.get("user") or selinux.get("role"):
-            found.append(f"{where}: seLinuxOptions {selinux}")
-        if effective.get("windowsOptions", {}).get("hostProcess"):
-            found.append(f"{where}: windowsOptions.hostProcess")
-    return found
-
-
-def _specs():
-    return {
-        "parameter_server": parse_spec(
-            {
-                "backend": "kubernetes",
-                "strategy": "parameter_server",
-                "workers": 2,
-                "ps": 1,
-                "replica_cpus": 1,
-                "replica_memory_mb": 2048,
-                "request_gpus": True,
-                "kubernetes_namespace": "ml",
-            }
-        ),
-        "multi_worker_mirrored": parse_spec(
-            {"backend": "kubernetes", "strategy": "multi_worker_mirrored", "workers": 2, "restart_policy": "on_failure"}
-        ),
-    }
-
-
-# Records of the pipeline in the run directory, mounted read-only over it.
-PROTECTED = [RUN_DIR / "spec.json", RUN_DIR / "cluster.json", RUN_DIR / "replicas"]
-
-
-def _pod_specs(spec) -> dict[str, dict]:
-    """Every pod spec the backend renders for the spec: one per replica and the TFJob's templates."""
-    layout = k8s.plan(spec, RUN_ID)
-    pods = {
-        f"pod {r.name}": manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5, PROTECTED)["spec"]
-        for r in layout.replicas
-    }
-    tfjob = manifests.tfjob_manifest(layout, spec, RUN_DIR, PROTECTED)
-    for kind, replicas in tfjob["spec"]["tfReplicaSpecs"].items():
-        pods[f"tfjob {kind}"] = replicas["template"]["spec"]
-    return pods
 
 
 @pytest.mark.parametrize("strategy", list(_specs()))
@@ -224,102 +101,6 @@ def test_every_pod_carries_a_deadline_from_train_timeout_seconds():
         assert set(deadlines.values()) == {timeout + manifests.DEADLINE_MARGIN_SECONDS}, deadlines
         tfjob = manifests.tfjob_manifest(k8s.plan(spec, RUN_ID), spec, RUN_DIR)
         assert tfjob["spec"]["runPolicy"]["activeDeadlineSeconds"] == timeout + manifests.DEADLINE_MARGIN_SECONDS
-
-
-# --- the run's NetworkPolicy ----------------------------------------------------------------------
-
-
-def _selects(selector: dict, labels: dict) -> bool:
-    assert set(selector) == {"matchLabels"}  # no expressions: the run's labels only
-    return selector["matchLabels"].items() <= labels.items()
-
-
-def test_network_policy_admits_the_runs_pods_only_on_the_grpc_port():
-    spec = _specs()["parameter_server"]
-    layout = k8s.plan(spec, RUN_ID)
-    policy = manifests.run_network_policy(layout, "ml", OWNER)
-    assert (policy["apiVersion"], policy["kind"]) == ("networking.k8s.io/v1", "NetworkPolicy")
-    assert policy["metadata"]["namespace"] == "ml"
-    assert policy["metadata"]["labels"][manifests.LABEL_RUN] == run_slug(RUN_ID)  # what teardown selects on
-    assert policy["metadata"]["ownerReferences"] == [OWNER]  # deleted with the run
-    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]  # egress: tests/test_backends.py
-    (rule,) = policy["spec"]["ingress"]
-    (peer,) = rule["from"]
-    assert set(peer) == {"podSelector"}  # no namespaceSelector, no ipBlock: this namespace's pods only
-    assert rule["ports"] == [{"protocol": "TCP", "port": 2222}]
-    assert {int(r.address.rsplit(":", 1)[1]) for r in layout.replicas} == {2222}  # TF_CONFIG's port
-
-    other_layout = k8s.plan(spec, "manual__another-run")
-    ours = [manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 0)["metadata"]["labels"] for r in layout.replicas]
-    theirs = [
-        manifests.replica_pod(other_layout, r, spec, RUN_DIR, OWNER, 0)["metadata"]["labels"] for r in layout.replicas
-    ]
-    for selector in (policy["spec"]["podSelector"], peer["podSelector"]):
-        assert all(_selects(selector, labels) for labels in ours)
-        assert not any(_selects(selector, labels) for labels in theirs)
-    # The TFJob's pods carry the run's labels too, so its policy (in tfjob.yaml) selects them.
-    for replicas in manifests.tfjob_manifest(layout, spec, RUN_DIR)["spec"]["tfReplicaSpecs"].values():
-        assert _selects(policy["spec"]["podSelector"], replicas["template"]["metadata"]["labels"])
-
-
-def test_network_policy_passes_strict_schema_validation(tmp_path):
-    layout = k8s.plan(_specs()["parameter_server"], RUN_ID)
-    manifest = tmp_path / "policy.yaml"
-    policy = manifests.run_network_policy(layout, "ml", OWNER)
-    manifest.write_text(yaml.safe_dump_all([policy, manifests.run_network_policy(layout, "ml", None)]))
-    result = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-    policy["spec"]["ingress"][0]["form"] = policy["spec"]["ingress"][0].pop("from")  # and the check bites
-    manifest.write_text(yaml.safe_dump(policy))
-    result = subprocess.run([BIN / "kubernetes-validate", "--strict", manifest], capture_output=True, text=True)
-    assert result.returncode != 0 and "form" in result.stdout + result.stderr
-
-
-class _FakeApi:
-    """Stands for CoreV1Api and NetworkingV1Api: records every call in one shared list; creates
-    answer with a uid, lists with one object named after the run when selected by the run's label."""
-
-    def __init__(self, calls: list):
-        self.calls = calls
-
-    def __getattr__(self, method):
-        def call(*args, **kwargs):
-            self.calls.append((method, args, kwargs))
-            if method.startswith("create_"):
-                return SimpleNamespace(metadata=SimpleNamespace(name=args[1]["metadata"]["name"], uid="uid-1"))
-            if method.startswith("list_"):
-                selected = kwargs.get("label_selector") == f"{manifests.LABEL_RUN}={run_slug(RUN_ID)}"
-                return SimpleNamespace(
-                    items=[SimpleNamespace(metadata=SimpleNamespace(name="obj"))] if selected else []
-                )
-
-        return call
-
-
-def test_provision_creates_the_policy_owned_by_the_run_before_any_pod(tmp_path):
-    spec = _specs()["parameter_server"]
-    run_dir = tmp_path / "runs" / "r"
-    calls = []
-    api = _FakeApi(calls)
-    k8s.KubernetesReplicas(k8s.plan(spec, RUN_ID), spec, run_dir, core=api, networking=api).provision()
-    created = [(method, args[1]) for method, args, _ in calls if method.startswith("create_")]
-    order = [method for method, _ in created]
-    assert order.index("create_namespaced_network_policy") < order.index("create_namespaced_pod")
-    (policy,) = [body for method, body in created if method == "create_namespaced_network_policy"]
-    assert policy == manifests.run_network_policy(
-        k8s.plan(spec, RUN_ID), "ml", manifests.owner_reference(manifests.run_name(RUN_ID), "uid-1")
-    )
-    # tfjob.yaml, for `kubectl apply -f`, brings the same isolation.
-    kinds = [doc["kind"] for doc in yaml.safe_load_all((run_dir / "tfjob.yaml").read_text())]
-    assert kinds == ["TFJob", "NetworkPolicy"]
-
-
-def test_teardown_deletes_the_runs_network_policy_found_by_label():
-    calls = []
-    api = _FakeApi(calls)
-    deleted = k8s.teardown_run(RUN_ID, "ml", core=api, networking=api)
-    assert "networkpolicy/obj" in deleted
-    assert ("delete_namespaced_network_policy", ("obj", "ml")) in [(m, a) for m, a, _ in calls]
 
 
 # --- what the pods may do with the claim that holds HETFLOW_HOME ----------------------------------
