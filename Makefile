@@ -60,9 +60,9 @@ swarm-down:
 test: test-deps
 	$(BIN)/pytest -v --durations=30
 
-## unit tests only (seconds)
+## the tests that start no TensorFlow replica and no DAG run (tests/replica_guard.py enforces the first)
 test-fast: setup
-	$(BIN)/pytest -v -m "not slow"
+	$(BIN)/pytest -v -m "not slow and not replicas"
 
 ## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md; on a swarm of unequal nodes: bench/STRAGGLER-SWARM.md), containers vs processes on local, docker and swarm (bench/CONTAINERS.md) and a default run's fixed overhead (bench/OVERHEAD.md); the swarm benches bring their own swarm up and down (docker/swarm.sh)
 bench: setup image

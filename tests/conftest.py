@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["replica_guard"]
 
 
 @pytest.fixture(autouse=True)

@@ -34,6 +34,7 @@ def run_id(provisioned):
     return provisioned()
 
 
+@pytest.mark.replicas
 def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
     from hetflow.cluster.processes import run_processes
     from hetflow.cluster.supervisor import ReplicaFailed
@@ -74,6 +75,7 @@ def _train_until_worker_1_epoch_2(run_id: str, env: dict) -> subprocess.Popen:
     return supervisor
 
 
+@pytest.mark.replicas
 def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
     from hetflow.cluster.processes import run_processes
     from hetflow.paths import run_paths
@@ -90,6 +92,7 @@ def test_killing_the_supervisor_ends_its_replicas(run_id, hetflow_env):
         supervisor.kill()
 
 
+@pytest.mark.replicas
 def test_sigterm_of_the_train_task_ends_its_replicas_and_namespace_within_airflows_grace(provisioned, hetflow_env):
     """Airflow 3 stops a task with SIGTERM and SIGKILLs it 5 s later: the train stage must have
     stopped its replicas (TF ignores SIGTERM) by then, leaving no process in the run's network namespace."""
@@ -110,6 +113,7 @@ def test_sigterm_of_the_train_task_ends_its_replicas_and_namespace_within_airflo
         supervisor.kill()
 
 
+@pytest.mark.replicas
 def test_stopping_the_stack_ends_replicas_no_task_supervises_yet(provisioned, hetflow_env, tmp_path):
     """Between provision_cluster and train the keepers have no supervisor: ``make down`` ends them
     (else they would wait out the attach timeout); a run under another HETFLOW_HOME is left alone."""
@@ -176,6 +180,7 @@ def test_a_child_killed_after_the_grace_is_reaped_not_left_a_zombie():
         child.stdout.close()
 
 
+@pytest.mark.replicas
 def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(provisioned, hetflow_env):
     from hetflow.cluster.processes import run_processes
     from hetflow.paths import run_paths
@@ -194,6 +199,7 @@ def test_a_worker_killed_mid_training_fails_the_sync_run_and_leaves_nothing(prov
         supervisor.kill()
 
 
+@pytest.mark.replicas
 def test_killing_the_supervisor_ends_servers_and_chief_of_a_parameter_server_run(provisioned, hetflow_env):
     from hetflow.cluster.processes import run_processes
     from hetflow.paths import run_paths
@@ -244,6 +250,7 @@ def test_ports_are_distinct_even_when_the_os_repeats_one():
     assert [r.address for r in layout.replicas] == ["127.0.0.1:43000", "127.0.0.1:43001"]
 
 
+@pytest.mark.replicas
 def test_a_run_past_its_timeout_is_stopped_and_fails(provisioned):
     from hetflow.cluster.processes import run_processes
     from hetflow.cluster.supervisor import ReplicaFailed

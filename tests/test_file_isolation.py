@@ -86,6 +86,7 @@ def _mount_options(pid: int) -> dict[str, str]:
     return {fields[4]: fields[5] for fields in (line.split() for line in lines)}
 
 
+@pytest.mark.replicas
 def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     home = hetflow_home()
     other_run = home / "runs" / "someone_else"

@@ -78,6 +78,7 @@ def _replica_processes(run_id: str) -> list[int]:
     return found
 
 
+@pytest.mark.replicas
 def test_replicas_are_reachable_only_inside_their_namespace_which_all_of_them_share(provisioned):
     from hetflow.cluster import keeper
     from hetflow.cluster.layout import ClusterLayout

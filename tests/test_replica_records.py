@@ -48,6 +48,7 @@ _HOSTILE = textwrap.dedent(
 )
 
 
+@pytest.mark.replicas
 def test_a_replica_that_plants_links_and_rewrites_records_steers_nothing(provisioned, caplog, tmp_path):
     from hetflow.cluster import keeper
     from hetflow.cluster.layout import ClusterLayout

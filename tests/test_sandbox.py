@@ -77,6 +77,7 @@ def _refused(outcome: str) -> bool:
     return outcome != "ok"
 
 
+@pytest.mark.replicas
 def test_a_hostile_process_in_a_replicas_sandbox_reaches_nothing_but_its_peers(provisioned, monkeypatch, tmp_path):
     from hetflow.cluster import keeper
     from hetflow.cluster.local import file_view
