@@ -4,18 +4,22 @@ Runs ``hetflow run`` with the given arguments (the Makefile passes ``make run``'
 times, each in a temporary HETFLOW_HOME and MLflow store of its own, after a set-up that a user's
 first ``make run`` pays once: the dataset prepared, Airflow's metadata DB and the MLflow store
 created. The run measured is then what every later run that trains costs. Just before each run,
-one TensorFlow import is timed in a fresh interpreter (median of 3): the yardstick of the aim.
+one TensorFlow import is timed in a fresh interpreter (median of 3): the yardstick of the aim; and,
+in another fresh interpreter of the same venv, the import of each stage's module in DAG order:
+import cost measured apart, as nothing in hetflow times imports.
 
-Figures, from the run's summary.json (``timings``, see hetflow/tasks/summarize.py and hetflow/pipeline/timings.py):
-- the headline (issue 27): the command's wall time, launch to exit, less the training, against
+Figures, from the run's summary.json (``timings``, see hetflow/tasks/summarize.py and hetflow/pipeline/timing.py):
+- the headline: the command's wall time, launch to exit, less the training, against
   ``AIM_IMPORTS`` times one TensorFlow import measured in the same run;
 - the DAG's wall time, from the DAG run's start to ``summarize``; the training's, the replicas'
   whole job (their launch to the final weights written); the fixed overhead, the one less the other;
-- per stage: its wall time = imports + MLflow I/O + work (exclusive parts, on the stage's thread);
+- per stage: its wall time = MLflow I/O + work (exclusive parts, on the stage's thread);
 - Airflow's time outside every stage (its start-up before the first task, task bookkeeping,
   teardown_cluster);
 - beside them the command's own wall time, launch to exit (Python, Airflow and the DAG files
-  loaded before the DAG run starts), and the served checks' start-up, which bounds register.
+  loaded before the DAG run starts), and the served checks' start-up, which bounds register;
+- apart, what importing each stage's module costs in DAG order (``hetflow.tasks.<stage>``, each
+  after the ones before it: what a one-process run pays for it by that stage).
 
 Writes bench/results/overhead-<UTC timestamp>.json and bench/OVERHEAD.md.
 
@@ -40,10 +44,34 @@ from report import save  # bench/report.py: the scripts run as bench/<name>.py
 from run import machine_facts, shown
 from throughput_cases import BIN, REPO_ROOT
 
-AIM_IMPORTS = 3  # issue 27: the command less its training, at most this many TensorFlow imports
+AIM_IMPORTS = 3  # the aim: the command less its training, at most this many TensorFlow imports
 IMPORT_REPEATS = 3
 STAGES_AFTER_TRAINING = ("evaluate", "compress", "export", "register", "summarize")
-PARTS = ("imports", "mlflow_io", "work")
+PARTS = ("mlflow_io", "work")
+# The DAG's tasks in the order of its wiring (dags/hetflow_train.py; teardown_cluster, after train, runs
+# beside evaluate to register): one process imports their modules in about this order.
+TASKS_IN_ORDER = (
+    "validate_spec",
+    "prepare_data",
+    "provision_cluster",
+    "train",
+    "teardown_cluster",
+    "evaluate",
+    "compress",
+    "export",
+    "register",
+    "summarize",
+)
+# Imports each task's module, given on the command line, in order; prints the seconds of each.
+STAGE_IMPORTS = (
+    "import importlib, json, sys, time\n"
+    "seconds = {}\n"
+    "for task in sys.argv[1:]:\n"
+    "    started = time.perf_counter()\n"
+    "    importlib.import_module(f'hetflow.tasks.{task}')\n"
+    "    seconds[task] = time.perf_counter() - started\n"
+    "print(json.dumps(seconds))\n"
+)
 
 # The first use of a home, each in a process of its own so that the measured run starts cold.
 SET_UP = {
@@ -103,6 +131,18 @@ def tensorflow_import_seconds(env: dict[str, str]) -> list[float]:
         seconds.append(time.monotonic() - started)
         _checked(done, "import tensorflow")
     return seconds
+
+
+def stage_import_seconds(env: dict[str, str]) -> dict[str, float]:
+    """Seconds importing each task's module took in a fresh interpreter of this venv, in DAG order."""
+    done = subprocess.run(
+        [str(BIN / "python"), "-c", STAGE_IMPORTS, *TASKS_IN_ORDER],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(_checked(done, "importing the stages' modules").stdout)
 
 
 def measure(command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -204,24 +244,35 @@ def markdown(report: dict[str, Any]) -> str:
         f"| training (the replicas' whole job, launch to final weights) | {result['training_seconds']:.1f} |",
         f"| DAG wall time − training | {result['fixed_overhead_seconds']:.1f} |",
         "",
-        "Where the DAG's wall time went, per stage (wall = imports + MLflow I/O + work):",
+        "Where the DAG's wall time went, per stage (wall = MLflow I/O + work):",
         "",
-        "| stage | wall | imports | MLflow I/O | work |",
-        "|---|---:|---:|---:|---:|",
+        "| stage | wall | MLflow I/O | work |",
+        "|---|---:|---:|---:|",
     ]
     for stage, timing in result["stages"].items():
-        lines.append(
-            f"| {stage} | {timing['wall']:.1f} | {timing['imports']:.1f} | {timing['mlflow_io']:.1f} | "
-            f"{timing['work']:.1f} |"
-        )
+        lines.append(f"| {stage} | {timing['wall']:.1f} | {timing['mlflow_io']:.1f} | {timing['work']:.1f} |")
     parts = result["parts"]
+    in_stages = sum(timing["wall"] for timing in result["stages"].values())
     lines += [
-        f"| all stages | {sum(parts.values()):.1f} | {parts['imports']:.1f} | {parts['mlflow_io']:.1f} | "
-        f"{parts['work']:.1f} |",
+        f"| all stages | {in_stages:.1f} | {parts['mlflow_io']:.1f} | {parts['work']:.1f} |",
         f"| Airflow, outside every stage (of it before the first: "
-        f"{result['airflow_before_first_stage_seconds']:.1f}) | {result['airflow_seconds']:.1f} | | | |",
+        f"{result['airflow_before_first_stage_seconds']:.1f}) | {result['airflow_seconds']:.1f} | | |",
         "",
     ]
+    if "stage_import_seconds" in middle:  # results of this bench before it measured them have none
+        lines += [
+            "What importing each stage's module costs, in DAG order, in a fresh interpreter of the same venv "
+            "(measured apart, just before the run; each after the ones above it, as one process imports them; "
+            "what a stage imports inside its function is not in it, but in its work above):",
+            "",
+            "| stage's module | import | by this stage |",
+            "|---|---:|---:|",
+        ]
+        by_now = 0.0
+        for task, seconds in middle["stage_import_seconds"].items():
+            by_now += seconds
+            lines.append(f"| `hetflow.tasks.{task}` | {seconds:.2f} | {by_now:.2f} |")
+        lines.append("")
     if result["served_checks"]:
         lines += ["register's served checks, each a model server started for the check (running together):", ""]
         lines += [
@@ -236,11 +287,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [
         f"First use of the home, before the run and not in it: {set_up_seconds}.",
         "",
-        "train's wall time holds the training but for the replicas' start-up in provision_cluster; "
-        "imports: time in Python imports on the stage's thread (one process runs every task: each module is "
-        "imported once, by the first stage that needs it; train imports the later stages' modules on a thread "
-        "of its own while the replicas train, counted by no stage); MLflow I/O: calls to MLflow's client and "
-        "`log_model`; work: the rest, waiting for the replicas and the served checks' model servers included.",
+        "train's wall time holds the training but for the replicas' start-up in provision_cluster; MLflow I/O: "
+        "calls to MLflow's client and `log_model`; work: the rest, the stage's imports (one process runs every "
+        "task: each module is imported once, by the first stage that needs it), waiting for the replicas and "
+        "the served checks' model servers included.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -264,6 +314,7 @@ def main() -> int:
                 # Other work on the machine skews every figure: the load before the run shows whether some was going on.
                 load_at_start = os.getloadavg()[0]
                 tf_import = tensorflow_import_seconds(env)
+                stage_imports = stage_import_seconds(env)
                 print(f"[bench] {shown(command)} ...", flush=True)
                 measured = measure(command, env, args.timeout)
             except (BenchFailed, subprocess.TimeoutExpired) as error:
@@ -274,6 +325,7 @@ def main() -> int:
                 "load_average_1min_at_start": load_at_start,
                 "set_up": set_up_seconds,
                 "tensorflow_import_seconds": tf_import,
+                "stage_import_seconds": stage_imports,
                 "figures": figures(measured),
             }
         )

@@ -1,12 +1,13 @@
-"""Issue 15, fixed pipeline overhead: a real run says where its time went (per stage: imports, MLflow
-I/O, work; the DAG's wall time, the training's and the rest), and the models it logs carry the
-requirements hetflow gives MLflow rather than ones MLflow infers."""
+"""Fixed pipeline overhead: a real run says where its time went (per stage: MLflow I/O and work,
+timed without patching the interpreter; the DAG's wall time, the training's and the rest), and the
+models it logs carry the requirements hetflow gives MLflow rather than ones MLflow infers."""
 
 from __future__ import annotations
 
+import builtins
+import importlib
 import json
 import re
-import sys
 import threading
 import time
 from importlib.metadata import version
@@ -15,29 +16,33 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-PARTS = ("imports", "mlflow_io", "work")
+PARTS = ("mlflow_io", "work")
+# The interpreter's own, taken before any hetflow module is imported.
+_ORIGINAL_IMPORT, _ORIGINAL_IMPORT_MODULE = builtins.__import__, importlib.import_module
 
 
-def test_a_stage_clock_counts_each_second_once_and_only_its_own_thread(tmp_path, monkeypatch):
-    from hetflow.pipeline import timings
+def test_a_stage_clock_counts_each_part_once_and_patches_nothing():
+    from hetflow.pipeline import timing
 
-    (tmp_path / "slow_to_import.py").write_text("import time\ntime.sleep(0.3)\n")
-    (tmp_path / "imported_elsewhere.py").write_text("import time\ntime.sleep(0.3)\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with timings.stage_clock() as clock:
-        with timings.part("mlflow_io"):
+    def marked_elsewhere():
+        with timing.part("mlflow_io"):  # another thread: no stage's clock runs there
+            time.sleep(0.3)
+
+    with timing.stage_clock() as clock:
+        assert builtins.__import__ is _ORIGINAL_IMPORT and importlib.import_module is _ORIGINAL_IMPORT_MODULE
+        with timing.part("mlflow_io"):
             time.sleep(0.2)
-            import slow_to_import  # noqa: F401  (an import inside an MLflow call counts as imports only)
-        other = threading.Thread(target=__import__, args=("imported_elsewhere",))
+            with timing.part("mlflow_io"):  # a TimedClient call inside a block marked already
+                time.sleep(0.2)
+        other = threading.Thread(target=marked_elsewhere)
         other.start()
         other.join()  # waited for on this thread: work
         recorded = clock.record()
-    # Bounds below what double counting would give: imports 0.6 s, MLflow I/O 0.5 s, work 0 s.
-    assert 0.3 <= recorded["imports"] < 0.55
-    assert 0.2 <= recorded["mlflow_io"] < 0.45
-    assert 0.3 <= recorded["work"] < 0.55
+    # Bounds below what double counting would give: MLflow I/O 0.6 s (nested) or 0.7 s (the other thread).
+    assert 0.4 <= recorded["mlflow_io"] < 0.55
+    assert 0.3 <= recorded["work"] < 0.45
     assert sum(recorded[part] for part in PARTS) == pytest.approx(recorded["wall"], abs=1e-6)
-    assert timings.current() is None and "slow_to_import" in sys.modules
+    assert timing.current() is None
 
 
 def _task_seconds(stdout: str) -> dict[str, float]:
@@ -72,9 +77,8 @@ def test_every_stage_says_where_its_time_went(e2e_first_run):
             assert receipt["timing"]["wall"] == timing["wall"]
             compared_with_receipts += 1
     assert compared_with_receipts >= len(stages) - 1
-    # The parts name real costs: prepare_data imports MLflow and TFDS and asks MLflow about the
-    # spec, register talks to MLflow.
-    assert stages["prepare_data"]["imports"] > 1.0 and stages["prepare_data"]["mlflow_io"] > 0
+    # The parts name real costs: prepare_data asks MLflow about the spec, register talks to MLflow.
+    assert stages["prepare_data"]["mlflow_io"] > 0
     assert stages["register"]["mlflow_io"] > 0.1
     assert stages["validate_spec"]["mlflow_io"] == 0 and stages["train"]["mlflow_io"] == 0
 

@@ -20,7 +20,7 @@ import uuid
 from typing import Any, Callable
 
 from hetflow.paths import RunPaths, write_record
-from hetflow.pipeline import timings
+from hetflow.pipeline import timing
 from hetflow.pipeline.task_log import failure_headline
 from hetflow.spec import RunSpec
 
@@ -41,13 +41,13 @@ STAGES = tuple(stage for stage, _ in STAGE_OUTPUTS)
 
 
 def reported(stage: Callable) -> Callable:
-    """Time a DAG task (``hetflow.pipeline.timings``: its receipt records where its time went) and log its
+    """Time a DAG task (``hetflow.pipeline.timing``: its receipt records where its time went) and log its
     failure, with its reason, on the stages' logger: Airflow reports it in its own structured log,
     which `hetflow run`'s live view does not read."""
 
     @functools.wraps(stage)
     def run(*args, **kwargs):
-        with timings.stage_clock():
+        with timing.stage_clock():
             try:
                 return stage(*args, **kwargs)
             except Exception as error:
@@ -70,7 +70,7 @@ def attempt(paths: RunPaths, stage: str, run_id: str, try_number: int | None):
     """One attempt of ``stage``: on entry it removes the records of this stage and of every later one,
     and the summary, so that no earlier attempt's files outlive a failing one; on success it writes
     the receipt naming this attempt (the dict it yields, which the stage also returns to Airflow) and
-    saying where the stage's time went (``timing``: its start, unix time, and ``hetflow.pipeline.timings``'
+    saying where the stage's time went (``timing``: its start, unix time, and ``hetflow.pipeline.timing``'
     parts in seconds, up to the receipt).
 
     :param try_number: Airflow's try number of the task (None outside Airflow), for the reader.
@@ -81,8 +81,8 @@ def attempt(paths: RunPaths, stage: str, run_id: str, try_number: int | None):
     paths.summary.unlink(missing_ok=True)
     receipt = {"stage": stage, "run_id": run_id, "try_number": try_number, "id": uuid.uuid4().hex}
     yield receipt
-    clock = timings.current()
-    timing = {"started_at": clock.started_at, **clock.record()} if clock else None
+    clock = timing.current()
+    spent = {"started_at": clock.started_at, **clock.record()} if clock else None
     write_record(
-        paths.attempt(stage), {**receipt, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "timing": timing}
+        paths.attempt(stage), {**receipt, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "timing": spent}
     )

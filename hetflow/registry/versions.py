@@ -17,7 +17,7 @@ from mlflow.models import infer_signature
 from mlflow.protos.databricks_pb2 import ALREADY_EXISTS, RESOURCE_ALREADY_EXISTS, ErrorCode
 
 import mlflow
-from hetflow.pipeline import timings
+from hetflow.pipeline import timing
 from hetflow.registry.store import tracking_uri
 from mlflow import MlflowClient
 
@@ -56,7 +56,7 @@ def register_version(client: MlflowClient, name: str, run_id: str, log_model: Ca
     if existing:
         log.info("run %s already registered %s version %s: re-using it", run_id, name, existing[0].version)
         return existing[0]
-    with timings.part("mlflow_io"), mlflow.start_run(run_id=run_id):
+    with timing.part("mlflow_io"), mlflow.start_run(run_id=run_id):
         info = log_model()
     return client.get_model_version(name, str(info.registered_model_version))
 

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from hetflow.paths import run_paths, write_record
-from hetflow.pipeline import timings
+from hetflow.pipeline import timing
 from hetflow.pipeline.attempts import attempt, load_spec, reported
 from hetflow.spec import RunSpec, SpecError, data_location_problems
 
@@ -56,7 +56,7 @@ def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | No
     from mlflow import MlflowClient
 
     try:
-        with timings.part("mlflow_io"):
+        with timing.part("mlflow_io"):
             return trained_before(MlflowClient(tracking_uri()), spec.registered_model, key, run_id)
     except Exception as error:  # noqa: BLE001  (an unreachable server, two runs creating one SQLite store, ...)
         # Training is never skipped on a guess; register will say if MLflow is still away.

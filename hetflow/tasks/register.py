@@ -19,7 +19,7 @@ from hetflow.artifacts.saved_model import save_serving_model
 from hetflow.data.pipeline import split_arrays
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
-from hetflow.pipeline import timings
+from hetflow.pipeline import timing
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
 from hetflow.registry import champion, run_record, store, versions
 from hetflow.registry.training_key import TRAINING_KEY_TAG
@@ -63,7 +63,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     exported = read_replica_record(paths.export)
     compression = read_replica_record(paths.compression)
     mlflow.set_tracking_uri(store.tracking_uri())
-    client = timings.TimedClient(MlflowClient())
+    client = timing.TimedClient(MlflowClient())
     name, chosen = spec.registered_model, exported["chosen_tflite"]
     tflite_name = f"{name}-tflite"
     # Refused before anything is written to MLflow.

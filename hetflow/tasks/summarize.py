@@ -8,8 +8,8 @@ import time
 from typing import Any
 
 from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
-from hetflow.pipeline import timings
 from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, read_record, reported
+from hetflow.pipeline.timing import PARTS
 
 log = logging.getLogger("hetflow.stages")
 
@@ -40,7 +40,7 @@ def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
 def _timings(paths: RunPaths, finished: tuple[str, ...], training: dict, dag_started_at: float | None) -> dict | None:
     """Where the run's time went so far: the DAG's wall time (from the DAG run's start, else the first
     stage's), the training's (the replicas' whole job: launch to final weights), the fixed overhead
-    (DAG wall time less training), each finished stage's parts (``hetflow.pipeline.timings``) and Airflow's time
+    (DAG wall time less training), each finished stage's parts (``hetflow.pipeline.timing``) and Airflow's time
     outside every stage (task start-up and bookkeeping, teardown_cluster), of which before the first."""
     stages = {stage: read_record(paths.attempt(stage)).get("timing") for stage in finished}
     stages = {stage: timing for stage, timing in stages.items() if timing}  # receipts of older hetflows have none
@@ -57,9 +57,7 @@ def _timings(paths: RunPaths, finished: tuple[str, ...], training: dict, dag_sta
         "fixed_overhead_seconds": None if training_seconds is None else dag_seconds - training_seconds,
         "airflow_seconds": dag_seconds - in_stages,
         "airflow_before_first_stage_seconds": first_stage - started,
-        "stages": {
-            stage: {part: timing[part] for part in ("wall", *timings.PARTS)} for stage, timing in stages.items()
-        },
+        "stages": {stage: {part: timing[part] for part in ("wall", *PARTS)} for stage, timing in stages.items()},
     }
 
 
