@@ -1,2 +1,3 @@
-"""What export, compress and register load and convert: TFLite conversion and inference
-(``tflite``) and one predict function per format (``predictors``)."""
+"""What export, compress and register load and convert: the SavedModel the served check loads
+(``saved_model``), TFLite conversion and inference (``tflite``) and one predict function per format
+(``predictors``)."""

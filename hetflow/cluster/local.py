@@ -87,9 +87,17 @@ def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Pat
 
 def protected_records(paths: RunPaths) -> list[Path]:
     """What of the run directory only the pipeline writes, shown read-only to its replicas: the specs
-    (trained and requested), the dataset and cluster records, the receipts, the keepers' records and
-    the logs they write."""
-    records = [paths.owner, paths.spec, paths.requested_spec, paths.dataset, paths.cluster, paths.restarts]
+    (trained and requested), the dataset and cluster records, who provisioned the run, the receipts,
+    the keepers' records and the logs they write."""
+    records = [
+        paths.owner,
+        paths.spec,
+        paths.requested_spec,
+        paths.dataset,
+        paths.cluster,
+        paths.provisioned_by,
+        paths.restarts,
+    ]
     return [*records, paths.replicas, paths.logs, paths.root / "attempts", *pipeline_directories(paths)]
 
 
