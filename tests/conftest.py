@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-pytest_plugins = ["replica_guard", "mlflow_hosts"]  # their fixtures serve several test modules
+pytest_plugins = ["replica_guard", "mlflow_hosts", "ui_stack"]  # their fixtures serve several test modules
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """hetflow's saved chart view of its MLflow experiment, as the store writes it: an experiment tag
-in the form MLflow 3.17's UI reads (tests/test_ui.py opens it in Chromium)."""
+in the form MLflow 3.17's UI reads (tests/test_e2e_ui_mlflow.py opens it in Chromium)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ env file devstack/compose_env.py writes, ``docker compose up --wait``. Then a us
 log in to Airflow's API with the generated password, trigger one short hetflow_train run whose
 replicas are containers of this host's engine (backend=docker, started by the scheduler container),
 find the run in MLflow, and stop the stack as ``make down-docker`` does. What a user sees of it is
-checked in headless Chromium on the way (tests/ui_pages.py, as test_ui.py checks ``make up``'s): the
-trigger form refusing a typed -1 in Epochs, the DAG's docs, and the MLflow links it prints.
+checked in headless Chromium on the way (tests/ui_pages.py, as test_e2e_ui_airflow.py checks
+``make up``'s): the trigger form refusing a typed -1 in Epochs, the DAG's docs, and the MLflow links
+it prints.
 
 The stack gets a compose project, a HETFLOW_HOME and ports of its own, so a developer's
 ``make up-docker`` or ``make up`` beside it is left alone.

@@ -1,8 +1,8 @@
-"""``make up`` / ``make down`` safety (issue #17, item 8): secrets and logs readable by their owner
+"""``make up`` / ``make down`` safety (devstack/stack.py): secrets and logs readable by their owner
 only, the admin password in no output, and ``down`` signalling only processes ``up`` started.
 
-The whole stack starts in tests/test_ui.py; here its parts are checked directly, with real
-processes, real files and Airflow's own auth manager.
+The whole stack starts in tests/ui_stack.py (for the UI tests); here its parts are checked directly,
+with real processes, real files and Airflow's own auth manager.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The compression table of a registered version's description, as MLflow's version page shows it:
 a fixed-width code block whose columns line up, the rejected artifacts' reasons below it.
-tests/test_ui.py checks the columns' spacing on the page itself, in Chromium."""
+tests/test_e2e_ui_mlflow.py checks the columns' spacing on the page itself, in Chromium."""
 
 from __future__ import annotations
 

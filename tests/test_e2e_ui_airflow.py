@@ -1,0 +1,203 @@
+"""Airflow as users use it: the stack of ``make up``, the REST API's answer to a bad conf, the trigger
+form in headless Chromium and what MLflow recorded of the run it started, the tasks' logs, the DAG
+docs, and retraining started by the data Asset. The stack and the form's run: tests/ui_stack.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime, timedelta
+
+import pytest
+import requests
+from conftest import wait_for
+from ui_pages import dag_docs, open_runs_page, signed_in
+from ui_stack import ARTIFACTS, SCREENSHOTS, Api
+
+pytestmark = pytest.mark.slow
+
+
+def test_make_up_is_healthy_prints_the_urls_and_how_to_log_in(stack):
+    from devstack.stack import health, rss_bytes
+
+    state = stack["state"]
+    assert all(status == "healthy" for status in health(state).values()), health(state)
+    output = stack["up_output"]
+    assert state["airflow_url"] in output and state["mlflow_url"] in output
+    assert "log in as admin, password" in output
+    runs = rf"{state['mlflow_url']}/#/experiments/\d+/runs\?workflowType=machine_learning"
+    assert re.search(f"hetflow's runs: {runs}", output), output
+    charts = f"{runs}&compareRunsMode=CHART&viewStateShareKey=hetflow-key-metrics\n"
+    assert re.search(f"their key metrics: {charts}", output), output
+    ARTIFACTS.mkdir(exist_ok=True)
+    measured = {"seconds_to_healthy": state["seconds_to_healthy"], "rss_gib": round(rss_bytes(state) / 2**30, 2)}
+    (ARTIFACTS / "stack.json").write_text(json.dumps(measured, indent=2))
+    print(f"\nmake up: {measured}")
+    # The login is on: the API refuses a request without a token.
+    assert requests.get(f"{state['airflow_url']}/api/v2/dags", timeout=30).status_code == 401
+
+
+def test_rest_trigger_with_a_bad_conf_gets_400_naming_the_field_and_starts_nothing(api):
+    before = api.runs("hetflow_train")
+    cases = {
+        "workers=99 is invalid: expected an integer >= 1 and <= 16": {"workers": 99},
+        'strategy="gossip" is invalid: expected one of auto, one_device': {"strategy": "gossip"},
+        "unknown key 'epoch'=3 (did you mean 'epochs'?)": {"epoch": 3},
+        "workers=2 is invalid with strategy=one_device": {"strategy": "one_device", "workers": 2},
+    }
+    for message, conf in cases.items():
+        response = api.post("/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": conf})
+        assert response.status_code == 400, (conf, response.text)
+        assert message in response.json()["detail"], (conf, response.json())
+    assert api.runs("hetflow_train") == before
+
+
+def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form_run, mlflow_client, form_mlflow_run):
+    page, run = form_run
+    assert run["state"] == "success", run
+    assert {k: run["conf"][k] for k in ("strategy", "workers", "ps", "epochs")} == {
+        "strategy": "parameter_server",
+        "workers": 2,
+        "ps": 1,
+        "epochs": 2,
+    }
+    client, mlflow_run = mlflow_client, form_mlflow_run
+    params = mlflow_run.data.params
+    assert (params["strategy"], params["workers"], params["ps"], params["epochs"]) == (
+        "parameter_server",
+        "2",
+        "1",
+        "2",
+    )
+    assert {"plots/training_curves.png", "plots/worker_throughput.png", "plots/staleness.png"} <= {
+        a.path for a in client.list_artifacts(mlflow_run.info.run_id, "plots")
+    }
+    # The experiment declares itself a model-training one; runs are named for what they were.
+    experiment = client.get_experiment(mlflow_run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", experiment.tags
+    assert re.fullmatch(r"mlp parameter_server 2 workers \+ 1 ps \d\d-\d\d \d\d:\d\d:\d\d", mlflow_run.info.run_name)
+    # The figures a reviewer compares first head the run's page, as its description.
+    accuracy = mlflow_run.data.metrics["test_accuracy"]
+    assert mlflow_run.data.tags["mlflow.note.content"].startswith(f"**test accuracy {accuracy:.4f}** · validation")
+    # Its start and end are the pipeline's: from validate_spec to register, not register's logging alone.
+    stages = {
+        ti["task_id"]: ti
+        for ti in api.get(f"/dags/hetflow_train/dagRuns/{run['dag_run_id']}/taskInstances")["task_instances"]
+    }
+    at = {
+        (task, edge): datetime.fromisoformat(stages[task][f"{edge}_date"]).timestamp()
+        for task in ("validate_spec", "register")
+        for edge in ("start", "end")
+    }
+    assert at["validate_spec", "start"] <= mlflow_run.info.start_time / 1000 <= at["validate_spec", "end"], at
+    assert at["register", "start"] <= mlflow_run.info.end_time / 1000 <= at["register", "end"], at
+    # The runs page make up prints opens on the runs, not on MLflow's GenAI view.
+    open_runs_page(page, re.search(r"hetflow's runs: (\S+)", stack["up_output"])[1], mlflow_run.info.run_name)
+    page.screenshot(path=str(SCREENSHOTS / "mlflow_runs.png"))
+    info = mlflow_run.info
+    page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}")
+    page.get_by_text(f"test accuracy {accuracy:.4f}").first.wait_for()
+    page.screenshot(path=str(ARTIFACTS / "mlflow_run_overview.png"))
+    plot = "plots/training_curves.png"
+    page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}/artifacts/{plot}")
+    page.get_by_text(plot, exact=True).wait_for()
+    page.get_by_role("button", name="Close", exact=True).click()  # the MLflow Assistant side panel
+    page.screenshot(path=str(SCREENSHOTS / "mlflow_run.png"))
+
+
+def test_train_task_log_shows_per_worker_progress(api, form_run):
+    _, run = form_run
+    log = api.get(f"/dags/hetflow_train/dagRuns/{run['dag_run_id']}/taskInstances/train/logs/1", full_content=True)
+    text = json.dumps(log["content"])
+    assert "[worker-0] worker-0 serving at 127.0.0.1:" in text and "[ps-0] ps-0 serving" in text
+    assert "[chief-0] Epoch 1/2" in text and "[chief-0] Epoch 2/2" in text and "examples/s" in text
+
+
+def _task_logs(api: Api, dag_id: str, run_id: str) -> dict[str, list[dict]]:
+    """Every task's log entries (try 1) of a DAG run, as the UI's log view reads them."""
+    tasks = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+    return {
+        ti["task_id"]: api.get(
+            f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{ti['task_id']}/logs/1", full_content=True
+        )["content"]
+        for ti in tasks
+        if ti["try_number"]
+    }
+
+
+def _errors(entries: list[dict]) -> list[str]:
+    return [str(entry.get("event")) for entry in entries if entry.get("level") in ("error", "critical")]
+
+
+def test_a_successful_runs_task_logs_hold_no_error_line(api, form_run):
+    _, run = form_run
+    logs = _task_logs(api, "hetflow_train", run["dag_run_id"])
+    assert set(logs) >= {"validate_spec", "prepare_data", "train", "evaluate", "compress", "export", "register"}
+    errors = {task: _errors(entries) for task, entries in logs.items() if _errors(entries)}
+    assert not errors, errors
+
+
+def test_a_failed_runs_task_log_ends_with_one_error_line_naming_stage_and_cause(stack, api):
+    # Valid for the form (a folder dataset under an allowed root), refused by validate_spec: no such folder.
+    missing = stack["home"] / "data" / "nonexistent" / "images"
+    response = api.post("/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": {"dataset": f"folder:{missing}"}})
+    assert response.status_code == 200, response.text
+    run = api.wait_for_run("hetflow_train", response.json()["dag_run_id"])
+    assert run["state"] == "failed", run
+    errors = _errors(_task_logs(api, "hetflow_train", run["dag_run_id"])["validate_spec"])
+    assert errors, "no ERROR line in validate_spec's log"
+    assert errors[-1].startswith("validate_spec failed: SpecError: ") and f"{missing}: no such folder" in errors[-1], (
+        errors
+    )
+
+
+def test_the_dag_docs_are_for_users_and_the_retrain_dag_names_both_triggers(stack, api, browser):
+    from devstack.stack import password
+
+    page = signed_in(browser, stack["state"]["airflow_url"], password(stack["state"]), "/dags/hetflow_retrain")
+    # The header's Schedule is the asset alone: Airflow 3.3 shows an asset-triggered timetable's
+    # assets there, never its summary ("Asset or 0 3 * * 0"); the cron is in the Details tab and the docs.
+    page.get_by_role("link", name="hetflow://prepared-data", exact=True).first.wait_for()
+    docs = dag_docs(page)
+    docs.get_by_text("0 3 * * 0").first.wait_for()
+    assert "hetflow://prepared-data" in docs.inner_text()
+    page.screenshot(path=str(ARTIFACTS / "retrain_docs.png"))
+    page.goto(f"{stack['state']['airflow_url']}/dags/hetflow_retrain/details")
+    description = page.get_by_test_id("description-row")
+    description.get_by_text("0 3 * * 0", exact=False).wait_for()
+    assert "prepared data" in description.inner_text()
+    # Unpaused, the header's Next Run is the cron's next time: a Sunday, 03:00 UTC.
+    assert api.patch("/dags/hetflow_retrain", {"is_paused": False}).status_code == 200
+    try:
+        run_after = datetime.fromisoformat(api.get("/dags/hetflow_retrain")["next_dagrun_run_after"])
+        sunday_3am_utc = (timedelta(0), 6, 3, 0)
+        assert (run_after.utcoffset(), run_after.weekday(), run_after.hour, run_after.minute) == sunday_3am_utc
+        page.goto(f"{stack['state']['airflow_url']}/dags/hetflow_retrain")
+        page.get_by_text("Next Run", exact=True).wait_for()
+        page.get_by_text(f"{run_after:%Y-%m-%d}").first.wait_for()
+        page.get_by_role("link", name="hetflow://prepared-data", exact=True).first.wait_for()
+        page.screenshot(path=str(SCREENSHOTS / "retrain_dag.png"))
+    finally:
+        assert api.patch("/dags/hetflow_retrain", {"is_paused": True}).status_code == 200
+    page.close()
+    details = api.get("/dags/hetflow_retrain/details")
+    assert "0 3 * * 0" in details["description"] and "prepared data" in details["description"], details
+    assert "Press **Trigger**" in api.get("/dags/hetflow_train/details")["doc_md"]
+
+
+def test_updating_the_data_asset_starts_retraining_on_the_champions_spec(api, form_run):
+    _, trained = form_run
+    assert api.patch("/dags/hetflow_retrain", {"is_paused": False}).status_code == 200
+    known = {run["dag_run_id"] for run in api.runs("hetflow_train")}
+    [asset] = api.get("/assets", uri_pattern="hetflow://prepared-data")["assets"]
+    event = api.post("/assets/events", {"asset_id": asset["id"], "extra": {"why": "new data (test)"}})
+    assert event.status_code == 200, event.text
+    retrain = wait_for(lambda: api.runs("hetflow_retrain"), 60, interval=2)
+    assert retrain and retrain[0]["run_type"] == "asset_triggered", retrain
+    # It triggers hetflow_train with the champion's spec: the form run's, the only version so far.
+    triggered = wait_for(lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] not in known], 90, interval=3)
+    assert triggered, api.get(f"/dags/hetflow_retrain/dagRuns/{retrain[0]['dag_run_id']}/taskInstances")
+    assert {k: triggered[0]["conf"][k] for k in ("strategy", "workers", "ps", "epochs")} == {
+        k: trained["conf"][k] for k in ("strategy", "workers", "ps", "epochs")
+    }

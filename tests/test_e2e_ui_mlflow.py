@@ -1,0 +1,101 @@
+"""MLflow as users read hetflow's runs, on the run the trigger form started (tests/ui_stack.py): the
+key-metrics chart view first, and the version's compression table with its columns apart.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from ui_pages import assert_key_metrics_first
+from ui_stack import SCREENSHOTS
+
+pytestmark = pytest.mark.slow
+
+
+def test_mlflow_charts_show_the_key_metrics_first(stack, form_run, form_mlflow_run):
+    """The chart view make up links to ("their key metrics") opens hetflow's saved view: its first
+    section holds test, validation and training accuracy, then loss, then examples/s; MLflow's own
+    Model metrics section (alphabetical, epoch_seconds and export_* first) keeps every other metric."""
+    page, _ = form_run
+    charts = re.search(r"their key metrics: (\S+)", stack["up_output"])[1]
+    assert_key_metrics_first(page, charts, set(form_mlflow_run.data.metrics))
+    page.screenshot(path=str(SCREENSHOTS / "mlflow_charts.png"))
+
+
+# The on-screen boxes of each row's values, found in order in the text of ``root`` after its first
+# "Compression", whatever elements hold them (a table's cells or a code block's one text).
+_TEXT_BOXES = """(root, rows) => {
+    const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT);
+    const starts = [];
+    let text = "";
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+        starts.push([text.length, node]);
+        text += node.data;
+    }
+    const at = (index) => {
+        const [start, node] = starts.findLast(([start]) => start <= index);
+        return [node, index - start];
+    };
+    let from = text.indexOf("Compression");
+    if (from < 0) return null;
+    return rows.map((values) => values.map((value) => {
+        const start = text.indexOf(value, from);
+        if (start < 0) return null;
+        const range = document.createRange();
+        range.setStart(...at(start));
+        const [last, offset] = at(start + value.length - 1);
+        range.setEnd(last, offset + 1);
+        const box = range.getBoundingClientRect();
+        from = start + value.length;
+        return {left: box.left, right: box.right, top: box.top};
+    }));
+}"""
+
+
+def _assert_columns_apart(description, rows: dict[str, list[str]]) -> None:
+    """Each row's values (``rows``: the artifact's name, then its cells) on one line, at least 12 px
+    apart, the number columns' right edges lined up, and all of it in view without scrolling."""
+    found = description.evaluate(_TEXT_BOXES, list(rows.values()))
+    assert found and all(all(row) for row in found), (rows, found)
+    shown = description.bounding_box()
+    for values, row in zip(rows.values(), found):
+        assert max(box["top"] for box in row) - min(box["top"] for box in row) < 2, (values, row)  # one line
+        gaps = [right["left"] - left["right"] for left, right in zip(row, row[1:])]
+        assert min(gaps) >= 12, (values, gaps)
+        assert row[-1]["right"] <= shown["x"] + shown["width"], (values, row[-1], shown)
+    for column in range(1, 7):
+        edges = [row[column]["right"] for row in found]
+        assert max(edges) - min(edges) < 1, (rows, column, edges)
+    # Nothing of it hidden behind a sideways scroll (a code block scrolls where it is too wide).
+    assert description.evaluate("root => [...root.querySelectorAll('*')].every(e => e.scrollWidth <= e.clientWidth)")
+
+
+def test_the_versions_compression_table_shows_in_mlflow_with_its_columns_apart(
+    stack, form_run, mlflow_client, form_mlflow_run
+):
+    """On the version's page, every row of the compression table reads on one line, with its values
+    clearly apart (MLflow renders a Markdown table's cells with no padding: its values touched), the
+    numbers of a column right-aligned, and the whole table in view."""
+    page, run = form_run
+    [run_dir] = [
+        found.parent for found in (stack["home"] / "runs").glob("*/run_id") if found.read_text() == run["dag_run_id"]
+    ]
+    exported = json.loads((run_dir / "export.json").read_text())
+    [version] = mlflow_client.search_model_versions(
+        f"name = 'hetflow-digits' and run_id = '{form_mlflow_run.info.run_id}'"
+    )
+    page.goto(f"{stack['state']['mlflow_url']}/#/models/{version.name}/versions/{version.version}")
+    description = page.get_by_test_id("note-editor-preview-content")
+    description.get_by_text("Compression (export.json)").wait_for()
+    fractions = ("test_accuracy", "agreement_with_float", "latency_ms", "sparsity")
+    rows = {  # as export.json holds them: the name, the sizes, four decimals of the rest, the encoding
+        name: [name, str(a["bytes"]), str(a["gzip_bytes"]), *(f"{a.get(key, 0.0):.4f}" for key in fractions)]
+        + [a.get("encoding", "dense")]
+        for name, a in exported["artifacts"].items()
+    }
+    assert len(rows) >= 2, rows  # the SavedModel and at least one TFLite variant
+    _assert_columns_apart(description, rows)
+    description.get_by_text("Compression (export.json)").scroll_into_view_if_needed()
+    page.screenshot(path=str(SCREENSHOTS / "mlflow_version.png"))

@@ -1,0 +1,198 @@
+"""The stack of ``make up`` and a run started from its trigger form, for the UI tests
+(test_e2e_ui_airflow.py, test_e2e_ui_mlflow.py); loaded by conftest as a plugin.
+
+One stack for the session (``python -m devstack.stack up``, what ``make up`` runs) on free ports over
+a temporary HETFLOW_HOME; ``down`` after it, and then no process of it may be left. The screenshots
+docs/ shows go to docs/screenshots/ (``SCREENSHOTS``), the others to tests/artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from conftest import REPO, wait_for
+from ui_pages import (
+    assert_on_screen_above,
+    chromium,
+    field,
+    open_trigger_form,
+    refuse_epochs_typed_out_of_range,
+    signed_in,
+)
+
+ARTIFACTS = REPO / "tests" / "artifacts"
+# The screenshots docs/ shows, written where it links them.
+SCREENSHOTS = REPO / "docs" / "screenshots"
+RUN_TIMEOUT = 420  # seconds for one tiny hetflow_train run on 2 cores
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _stack_processes(home: Path) -> list[psutil.Process]:
+    """Every process whose environment points at this stack's HETFLOW_HOME."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("HETFLOW_HOME") == str(home):
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+class Api:
+    """Airflow's REST API with a JWT from /auth/token, as any client would use it."""
+
+    def __init__(self, url: str, username: str, password: str):
+        self.url = url
+        token = requests.post(f"{url}/auth/token", json={"username": username, "password": password}, timeout=30)
+        token.raise_for_status()
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {token.json()['access_token']}"
+
+    def get(self, path: str, **params) -> dict:
+        response = self.session.get(f"{self.url}/api/v2{path}", params=params, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body: dict) -> requests.Response:
+        return self.session.post(f"{self.url}/api/v2{path}", json=body, timeout=30)
+
+    def patch(self, path: str, body: dict) -> requests.Response:
+        return self.session.patch(f"{self.url}/api/v2{path}", json=body, timeout=30)
+
+    def runs(self, dag_id: str) -> list[dict]:
+        return self.get(f"/dags/{dag_id}/dagRuns", order_by="-run_after")["dag_runs"]
+
+    def wait_for_run(self, dag_id: str, run_id: str, timeout: float = RUN_TIMEOUT) -> dict:
+        finished = wait_for(
+            lambda: (run := self.get(f"/dags/{dag_id}/dagRuns/{run_id}"))["state"] in ("success", "failed") and run,
+            timeout,
+            interval=3,
+        )
+        assert finished, f"{dag_id} run {run_id} did not finish in {timeout} s"
+        return finished
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("ui_home")
+    (home / "mlflow").mkdir()
+    env = {
+        **os.environ,
+        "HETFLOW_HOME": str(home),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
+    }
+    ports = ["--airflow-port", str(_free_port()), "--mlflow-port", str(_free_port())]
+    command = [sys.executable, "-m", "devstack.stack"]
+    try:
+        up = subprocess.run([*command, "up", *ports], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        state = json.loads((home / "stack" / "state.json").read_text())
+        again = subprocess.run([*command, "up", *ports], cwd=REPO, env=env, capture_output=True, text=True)
+        assert again.returncode == 0 and "already running" in again.stdout, again.stdout + again.stderr
+        yield {"home": home, "env": env, "state": state, "up_output": up.stdout}
+    finally:
+        down = subprocess.run([*command, "down"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert wait_for(lambda: not _stack_processes(home), timeout=10), _stack_processes(home)
+        assert not (home / "stack" / "state.json").exists()
+
+
+@pytest.fixture(scope="session")
+def api(stack) -> Api:
+    from devstack.stack import password
+
+    client = Api(stack["state"]["airflow_url"], "admin", password(stack["state"]))
+    # The dag-processor parses dags/ within ~10 s of starting.
+    parsed = wait_for(
+        lambda: {d["dag_id"] for d in client.get("/dags")["dags"]} >= {"hetflow_train", "hetflow_retrain"}, 90
+    )
+    assert parsed, client.get("/dags")
+    return client
+
+
+@pytest.fixture(scope="session")
+def browser():
+    yield from chromium()
+
+
+@pytest.fixture(scope="session")
+def form_run(stack, api, browser):
+    """Log in, open hetflow_train's trigger form, type an epoch count out of range, then a bad
+    cluster shape, read each refusal, fix them, submit, and wait for the run through the REST API."""
+    from devstack.stack import password
+
+    state = stack["state"]
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = signed_in(browser, state["airflow_url"], password(state), "/dags/hetflow_train")
+    dialog, trigger = open_trigger_form(page)
+    before = {run["dag_run_id"] for run in api.runs("hetflow_train")}
+    epochs = refuse_epochs_typed_out_of_range(page, dialog, trigger)
+    page.screenshot(path=str(SCREENSHOTS / "trigger_form_refused.png"))
+    assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
+    epochs.fill("2")
+    dialog.get_by_text("Cluster", exact=True).click()
+    # Fields of other backends are optional (no required mark), and descriptions render as Markdown.
+    label = {
+        title: dialog.locator("label", has_text=re.compile(f"^{re.escape(title)}")).first.inner_text()
+        for title in ("Workers", "Kubernetes namespace", "CPUs per replica")
+    }
+    assert label["Workers"].endswith("*"), label
+    assert not label["Kubernetes namespace"].endswith("*") and not label["CPUs per replica"].endswith("*"), label
+    assert "`" not in dialog.inner_text()
+    dialog.get_by_label(field("Workers")).fill("2")
+    dialog.get_by_label(field("Parameter servers")).fill("1")
+    # strategy is still one_device: the REST API answers 400 and the form shows its lines.
+    trigger.click()
+    message = dialog.get_by_text("invalid spec: workers=2 is invalid with strategy=one_device")
+    message.wait_for()
+    assert dialog.get_by_text("invalid spec: ps=1 is invalid with strategy=one_device").count() == 1
+    assert_on_screen_above(page, dialog.get_by_text("invalid spec: ps=1 is invalid"), trigger)
+    page.screenshot(path=str(SCREENSHOTS / "trigger_form_error.png"))
+    assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
+    dialog.get_by_label(field("Distribution strategy")).click()
+    page.get_by_role("option", name="parameter_server", exact=True).click()
+    page.screenshot(path=str(ARTIFACTS / "trigger_form.png"))
+    trigger.click()
+    # The toast may be rendered twice; it waits for the UI's queries to refresh, slow on a busy machine.
+    page.get_by_text("Dag Run Triggered").first.wait_for(timeout=120_000)
+    new = wait_for(lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] not in before], 30)
+    assert len(new) == 1, new
+    run = api.wait_for_run("hetflow_train", new[0]["dag_run_id"])
+    page.goto(f"{state['airflow_url']}/dags/hetflow_train/runs/{run['dag_run_id']}")
+    page.get_by_text("success").first.wait_for()
+    page.screenshot(path=str(SCREENSHOTS / "finished_run.png"))
+    yield page, run
+    page.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_client(stack):
+    from mlflow import MlflowClient
+
+    return MlflowClient(stack["state"]["mlflow_url"])  # through the MLflow server, as the UI reads it
+
+
+@pytest.fixture(scope="session")
+def form_mlflow_run(mlflow_client, form_run):
+    """The MLflow run of the form's DAG run."""
+    _, run = form_run
+    [mlflow_run] = mlflow_client.search_runs(
+        [mlflow_client.get_experiment_by_name("hetflow").experiment_id],
+        filter_string=f"tags.`airflow.run_id` = '{run['dag_run_id']}'",
+    )
+    return mlflow_run
