@@ -176,7 +176,7 @@ INTRO = {
     "afterwards: {left}).",
 }
 SUMMARY = {"local": "STRAGGLER.md", "swarm": "STRAGGLER-SWARM.md"}
-# Issue 26's aims on unequal workers, from launch: balanced sync against naive sync, auto against the best case.
+# The aims on unequal workers, from launch: balanced sync against naive sync, auto against the best case.
 BALANCED_AIM = 0.75
 AUTO_AIM = 1.10
 
@@ -279,7 +279,7 @@ def markdown(record: dict) -> str:
 
 
 def aims(cases: dict[str, dict], runs: list[dict]) -> list[str]:
-    """Issue 26's two aims from launch, met or not, and what bounds balanced sync."""
+    """The two aims from launch (BALANCED_AIM, AUTO_AIM), met or not, and what bounds balanced sync."""
     lines = []
     naive, balanced, auto = cases["naive_sync"], cases["balanced_sync"], cases["auto"]
     if not naive.get("failed") and not balanced.get("failed"):

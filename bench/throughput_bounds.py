@@ -10,7 +10,7 @@ from typing import Any
 
 from throughput_cases import BIN, REPO_ROOT, RunFailed
 
-# Ours against the peer: (our case, the peer's case), and the issue's aims for the two ratios.
+# Ours against the peer: (our case, the peer's case), and the aims for the two ratios.
 PEER_PAIR = ("mwms_2", "ray_2w")
 AIM_EXAMPLES_RATIO = 1.2  # ours / Ray's whole-job examples/s, at least
 AIM_FIRST_STEP_RATIO = 0.5  # ours / Ray's time to first step, at most
@@ -21,7 +21,7 @@ AIM_CEILING_SHARE = 0.9  # of the ceiling's whole-command examples/s, at least
 BOUND_CASE = "mwms_2"
 AIM_BOUND_RATIO = 3.0  # the case's collective seconds per step / the bound's, at most
 # The asynchronous case, held against the same ceiling and its exchange against the same kind of
-# bound (the issue states no aim of its own for it: the sync aims are shown beside it).
+# bound (no aim of its own: the sync aims are shown beside it).
 PS_CASE = "ps_2w_1ps"
 
 

@@ -1,5 +1,5 @@
-"""No artifact runs code (issue 17, item 1): a replica writes weights only, and every stage rebuilds
-the model from the run's spec and reads only weights, refusing anything else."""
+"""No artifact runs code: a replica writes weights only, and every stage rebuilds the model from the
+run's spec and reads only weights, refusing anything else."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""bench/straggler.py's verdicts on issue 26's aims from launch (balanced sync <= 0.75x naive sync,
+"""bench/straggler.py's verdicts on its aims from launch (balanced sync <= 0.75x naive sync,
 auto within 10% of the best case) and the bound it states from the probes, on hand-made medians."""
 
 from __future__ import annotations

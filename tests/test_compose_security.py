@@ -1,4 +1,4 @@
-"""The compose stack's safety (issue #17, item "Compose"): login on by default, no default secret in
+"""The compose stack's safety (docker/compose.yaml): login on by default, no default secret in
 docker/compose.yaml (``make up-docker`` generates them, 0600 in a 0700 folder), and the Docker
 socket only in the service that provisions replicas.
 

@@ -1,5 +1,4 @@
-"""Runs at the same moment, in real processes: nothing they share is lost or half-written (issue 17,
-item 5)."""
+"""Runs at the same moment, in real processes: nothing they share is lost or half-written."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def sweep_services(home: Path, attach_seconds: float) -> dict[str, list[str]]:
 class SwarmBackend:
     """backend=swarm as a ``Backend`` (``hetflow.cluster.backends``)."""
 
-    # A node is marked down after missing its heartbeats (5 s apart by default): seen here within 5 s.
+    # A node is marked down after missing its heartbeats (5 s apart by default): well within this.
     loss_report_seconds = 15.0
 
     def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:

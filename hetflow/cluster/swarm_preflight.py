@@ -20,7 +20,7 @@ from hetflow.spec import RunSpec
 LABEL_CHECK = "hetflow.check"  # preflight's one-shot services
 CHECK_TIMEOUT_SECONDS = 120.0
 # Whether the node's kernel can do IPsec ESP, which an encrypted overlay needs: without it the
-# network is created and then drops every packet between nodes (seen here: CONFIG_INET_ESP unset).
+# network is created and then drops every packet between nodes (a kernel without CONFIG_INET_ESP).
 # Kernels that do not publish their configuration say nothing, and the run goes ahead.
 _ESP_CHECK = (
     "if [ -r /proc/config.gz ]; then "

@@ -22,8 +22,8 @@ def _without_autotuning_thread(examples: tf.data.Dataset) -> tf.data.Dataset:
     Destroying an iterator cancels that thread and waits for it, and the cancellation can be missed:
     the thread wakes, sees the cancellation not yet marked done and sleeps out its optimization
     period again, which doubles up to 60 s on a long-lived iterator. A replica pinned to one core
-    lost that race nearly every time: between its last epoch and its final weights it waited 0.4 to
-    40 s (gdb: the main thread in ``~RootDataset::Iterator``, the model thread in
+    lost that race nearly every time: between its last epoch and its final weights it waited up to
+    tens of seconds (gdb: the main thread in ``~RootDataset::Iterator``, the model thread in
     ``Model::OptimizeLoop``'s timed wait). The pipelines here have nothing else for it to tune."""
     options = tf.data.Options()
     options.autotune.enabled = False

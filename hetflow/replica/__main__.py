@@ -6,10 +6,10 @@ dataset.json, written by earlier stages). In a container, which no keeper ends,
 
 A replica leaves with ``os._exit`` once its work is done and its output flushed, skipping Python's
 interpreter finalization: there, under multi_worker_mirrored, the garbage collector destroys
-TensorFlow objects tied to the coordination service that the chief, gone first, was hosting, and
-a worker took 57 s to 2.5 min to exit (measured with gdb in ``Py_FinalizeEx``; the chief had
-exited in 3 s). Every file a replica writes is closed by then: TensorFlow writes checkpoints
-synchronously and records are written whole.
+TensorFlow objects tied to the coordination service that the chief, gone first, was hosting, and a
+worker took a minute or more to exit (gdb found it in ``Py_FinalizeEx``), long after the chief
+(bench/RESULTS.md's "exit after weights" column shows what exiting costs). Every file a replica
+writes is closed by then: TensorFlow writes checkpoints synchronously and records are written whole.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from hetflow.replica.batch_shares import split_batch
 from hetflow.spec import RunSpec
 
 # A step shorter than this on the fastest worker is dominated by all-reduce on CPU replicas
-# (2 gRPC workers ran a small MLP 2-3x slower than one, measured on 2 cores).
+# (two gRPC workers run a small MLP slower than one).
 MIN_STEP_SECONDS_TO_DISTRIBUTE = 0.020
 # Speed spread (fastest / slowest) up to which workers count as even.
 EVEN_SPREAD = 1.2

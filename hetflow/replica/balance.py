@@ -7,8 +7,8 @@ on batches of an equal share, without applying them and without any collective, 
 while training, and another adds up what each computed. Computing without a pause is what makes
 the measure honest: a worker limited by a CPU quota (a container's, a Swarm node's) or stopped by
 the throttle for part of each period computes on quota it saved whenever it waits, so timing the
-computation of training steps, where the fast worker waits for the slow one, measured a
-half-quota container 2.76x slower than its peer instead of 2x.
+computation of training steps, where the fast worker waits for the slow one, makes a half-quota
+container look well over 2x slower than its peer.
 
 The measuring batches come from an iterator of their own: training starts at the stream's first
 global batch, on the shares measured.

@@ -36,7 +36,8 @@ COMMUNICATION = tf.distribute.experimental.CommunicationOptions(
 )
 # The all-reduce ops TensorFlow's collectives emit (tf.raw_ops), older versions' included.
 ALL_REDUCE_OPS = frozenset({"CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3"})
-# ~15 ms each for the bench's convnet (4.4 MB): a few tenths of a second of a run's start-up.
+# Milliseconds each for the bench's convnet (bench/RESULTS.md: its all-reduce per step): a small
+# part of a run's start-up.
 TIMED_REDUCTIONS = 10
 
 

@@ -21,9 +21,9 @@ where an earlier launch of this group measured them.
 
 A custom loop, not ``model.fit``: fit divides each replica's loss by its own batch size (it would
 weight a small share as much as a large one), all-reduces its metrics every step (two collectives
-per step waiting on the slowest worker), and under multi_worker_mirrored spent 45 s after its last
-epoch before returning (bench/RESULTS.md, 2026-11-23: 300-step epochs); this loop's shutdown takes
-under a second.
+per step waiting on the slowest worker), and under multi_worker_mirrored spent tens of seconds
+after its last epoch before returning; this loop's shutdown takes under a second (bench/RESULTS.md's
+"shutdown" column).
 """
 
 from __future__ import annotations
@@ -138,9 +138,8 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
 
     if local_replicas == 1:
         # A worker with one replica feeds it its own batches: strategy.run hands a plain tensor to the
-        # worker's one replica. A distributed iterator costs ~0.1 s per step under multi_worker_mirrored
-        # for nothing here (measured 2026-11-24, one worker, convnet steps of 64 examples: 0.30 s
-        # through it, 0.19 s fed directly; the default strategy showed no such cost).
+        # worker's one replica. A distributed iterator costs time on every step under
+        # multi_worker_mirrored, for nothing here (the default strategy has no such cost).
         batches = iter(worker_slices(task["index"], shares.now))
     else:
         batches = iter(

@@ -8,8 +8,8 @@ runs only in that server process: loading a registered model can run its code (M
 from code"), and the pipeline never does.
 
 The server is started from MLflow's own command (``scoring_server.get_cmd``) rather than through
-the ``mlflow`` CLI, which would import MLflow's whole command line (~3 s of CPU, measured
-2026-11-26) only to exec that same command.
+the ``mlflow`` CLI, which would import MLflow's whole command line, seconds of CPU, only to exec
+that same command.
 
 The server runs sandboxed (``hetflow.sandbox``: bubblewrap, an unprivileged uid, no capabilities,
 dying with the process that started it): the pipeline downloads the version's files (a copy,
@@ -55,7 +55,8 @@ from hetflow.serving import relay as serving_relay
 
 log = logging.getLogger("hetflow.serving")
 
-# Up in ~10 s alone on 2 cores (measured 2026-11-23); a loaded CI machine is several times slower.
+# Far more than a start alone takes (a run's served check records its start_seconds): a loaded
+# machine starts it several times slower.
 START_DEADLINE_SECONDS = 180.0
 STOP_GRACE_SECONDS = 10.0
 REQUEST_TIMEOUT_SECONDS = 60.0
