@@ -32,7 +32,7 @@ from hetflow.cluster.processes import teardown_runs_of_home
 from hetflow.paths import REPO_ROOT, hetflow_home
 from hetflow.registry.store import runs_page, tracking_uri
 
-HEALTHY_TIMEOUT = 180  # seconds; a cold start here takes ~40 s
+HEALTHY_TIMEOUT = 180  # seconds: a cold start on two busy cores takes a fraction of it
 
 
 def _state_path() -> Path:
@@ -116,7 +116,7 @@ def wait_healthy(state: dict, timeout: float = HEALTHY_TIMEOUT) -> dict[str, str
 
 
 def _ensure_database(env: dict[str, str], fresh: bool) -> None:
-    """``airflow db migrate`` when the metadata DB may be new (it is idempotent, but takes ~15 s)."""
+    """``airflow db migrate`` when the metadata DB may be new (it is idempotent, but slow)."""
     if fresh or not (Path(env["AIRFLOW_HOME"]) / "airflow.db").exists():
         print("migrating the Airflow metadata DB ...", flush=True)
         subprocess.run(

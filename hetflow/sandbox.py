@@ -11,8 +11,8 @@ HETFLOW_HOME beyond what it is shown. It dies with the process that started it
 (``--die-with-parent``).
 
 Started by root, the command first drops to ``SANDBOX_UID`` (``setpriv``): a user namespace made
-by root maps its sandbox uid to root outside, which the kernel still treats as root (measured:
-such a process opened ``/proc/sys/kernel/core_pattern`` for writing). bwrap resolves what it shows
+by root maps its sandbox uid to root outside, which the kernel still treats as root (such a
+process can open ``/proc/sys/kernel/core_pattern`` for writing). bwrap resolves what it shows
 as the uid it runs as, and root's files (an interpreter under /root, pytest's /tmp/pytest-of-root)
 are out of the dropped uid's reach, so root first runs bwrap itself, with no user namespace, to
 make a view holding only the system and the shown directories (their parents traversable), and

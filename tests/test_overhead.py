@@ -132,8 +132,8 @@ def test_logged_models_carry_the_requirements_hetflow_gives(e2e_first_run, hetfl
 
 
 def test_the_command_leaves_its_objects_to_the_exit_uncollected(hetflow_env):
-    """Issue 27: the interpreter's last collection walked every object TensorFlow and Airflow made,
-    1.5-2 s between the command's work and its exit; frozen objects are skipped."""
+    """The interpreter's last collection would walk every object TensorFlow and Airflow made, seconds
+    between the command's work and its exit; frozen objects are skipped."""
     import gc
 
     from hetflow.cli.main import main

@@ -1,5 +1,5 @@
 """Run directories and stage records: one directory per run id, and records that say which attempt
-wrote them, so that a failed re-run is never reported as a success (issue 17, items 2 and 3)."""
+wrote them, so that a failed re-run is never reported as a success."""
 
 from __future__ import annotations
 

@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         # Leaving, the interpreter would walk every object TensorFlow and Airflow made, to collect
-        # memory the process gives back anyway: 1.5-2 s after the command's work was done (measured
-        # here). Frozen objects are skipped; exit handlers (logging's, MLflow's) still run.
+        # memory the process gives back anyway: seconds after the command's work was done. Frozen
+        # objects are skipped; exit handlers (logging's, MLflow's) still run.
         gc.freeze()
 
 
