@@ -1,0 +1,319 @@
+"""The cluster section: strategy, backend, a replica spec per replica type (worker, ps), the run
+policy, the replicas' image and resources, and the settings of one backend each (swarm, kubernetes).
+Laid out as Kubeflow's TFJob lays out its replica specs and run policy.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hetflow.spec.sections import Section, short_name, spec_field
+
+STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
+CONTAINERS = ("docker", "swarm", "kubernetes")
+
+
+class WorkerDevice(BaseModel):
+    """One worker of a heterogeneous cluster."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: Literal["cpu", "gpu"] = Field("cpu", description="Device kind the worker computes on.")
+    count: int = Field(1, ge=1, le=8, description="Devices of that kind on the worker.")
+    threads: int = Field(0, ge=0, le=64, description="TensorFlow intra/inter-op threads; 0 takes replica_threads.")
+    slowdown: float = Field(
+        1.0,
+        ge=1.0,
+        le=20.0,
+        description="Simulates a slower machine: the worker gets 1/slowdown of the CPU time (local: its "
+        "process is stopped and resumed from outside; docker: its container's CPU quota is 1/slowdown of "
+        "replica_cpus, or of one core). The training code is unchanged.",
+    )
+    node: str | None = Field(
+        None,
+        description="backend=swarm: the swarm node (its hostname) this worker runs on; empty: any node whose "
+        "hetflow.device label is this worker's device, or any node where no node has that label.",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$",
+    )
+
+
+class WorkerReplicas(Section):
+    """The replica spec of the training workers."""
+
+    replicas: int = spec_field(
+        1,
+        "Training workers (several only with multi_worker_mirrored or parameter_server).",
+        short="workers",
+        ge=1,
+        le=16,
+        title="Workers",
+    )
+    devices: int = spec_field(
+        1,
+        "Devices per worker: GPUs where there are, else logical CPU devices (mirrored, "
+        "multi_worker_mirrored, model_parallel).",
+        short="devices_per_worker",
+        ge=1,
+        le=8,
+        title="Devices per worker",
+    )
+    each: list[WorkerDevice] = spec_field(
+        [],
+        "Per worker, for heterogeneous clusters: device kind, device count, threads and (simulation) slowdown, "
+        'e.g. [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 2}]. Empty: '
+        "every worker alike.",
+        short="worker_devices",
+        max_length=16,
+        title="Per-worker devices",
+    )
+    balance_batches: bool = spec_field(
+        False,
+        "multi_worker_mirrored only: measure each worker's speed before the first step and give it "
+        "a share of the global batch proportional to it; the loss is weighted so each update is still exactly "
+        "the global-batch gradient.",
+        title="Balance batches by worker speed",
+    )
+
+
+class PsReplicas(Section):
+    """The replica spec of the parameter servers."""
+
+    replicas: int = spec_field(
+        0, "Parameter servers (parameter_server needs at least one).", short="ps", ge=0, le=8, title="Parameter servers"
+    )
+
+
+class RunPolicy(Section):
+    """What happens when a replica fails or training takes too long."""
+
+    restart_policy: Literal["never", "on_failure", "exit_code"] = spec_field(
+        "never",
+        "`never`: a failed replica fails the run. `on_failure`: restart it, up to `backoff_limit` times: an "
+        "async worker alone (the coordinator goes on), anything else with its whole group, resuming from the "
+        "last checkpoint. `exit_code` (local, docker): restart only replicas killed by a signal, not ones that "
+        "exited with an error a restart would repeat.",
+        title="Restart failed replicas",
+    )
+    backoff_limit: int = spec_field(
+        3,
+        "Restarts allowed before a failure fails the run (restart_policy on_failure, exit_code).",
+        ge=0,
+        le=20,
+        title="Restarts allowed",
+    )
+    timeout_seconds: int = spec_field(
+        3600,
+        "Training is stopped and fails after this many seconds (a hung replica, e.g. one waiting for a peer "
+        "that never came up, would otherwise block the run forever).",
+        short="train_timeout_seconds",
+        ge=10,
+        le=7 * 24 * 3600,
+        title="Training time limit (seconds)",
+    )
+
+
+class Resources(Section):
+    """Limits and GPU requests of every replica: only containers honour them, so with backend=local
+    each must keep its default (which leaves it off)."""
+
+    cpus: float = spec_field(
+        0.0,
+        "CPU limit of each replica container, service or pod (docker, swarm, kubernetes); 0 = no limit.",
+        short="replica_cpus",
+        backends=CONTAINERS,
+        ge=0,
+        le=256,
+        title="CPUs per replica (docker, swarm, kubernetes)",
+    )
+    memory_mb: int = spec_field(
+        0,
+        "Memory limit of each replica container, service or pod in MiB (docker, swarm, kubernetes); 0 = no limit.",
+        short="replica_memory_mb",
+        backends=CONTAINERS,
+        ge=0,
+        le=4_194_304,
+        title="Memory per replica, MiB (docker, swarm, kubernetes)",
+    )
+    request_gpus: bool = spec_field(
+        False,
+        "Request GPUs for the workers that compute on them (docker, swarm, kubernetes): each GPU worker of "
+        "`worker_devices` its count, or, with `worker_devices` empty, every worker `devices_per_worker`; CPU "
+        "workers, ps and a parameter_server chief get none.",
+        backends=CONTAINERS,
+        title="Request GPUs (docker, swarm, kubernetes)",
+    )
+
+    def problems_with_local(self) -> list[str]:
+        # Plain processes: nothing enforces a limit or requests a GPU.
+        return [
+            f"{short_name(name, field)}={json.dumps(getattr(self, name))} is invalid with "
+            f"backend=local: expected {json.dumps(field.default)} "
+            "(limits and GPU requests apply to backend=docker, swarm or kubernetes)"
+            for name, field in type(self).model_fields.items()
+            if getattr(self, name) != field.default
+        ]
+
+
+class SwarmSettings(Section):
+    encrypt_network: bool = spec_field(
+        True,
+        "backend=swarm: encrypt the run's overlay network between the nodes (IPsec; every node's kernel needs "
+        "ESP). false: unencrypted VXLAN, only for nodes on a private network of their own.",
+        backends=("swarm",),
+        title="Encrypt the swarm network (swarm)",
+    )
+
+
+class KubernetesSettings(Section):
+    namespace: str = spec_field(
+        "default",
+        "Namespace of the run's pods and service (kubernetes).",
+        short="kubernetes_namespace",
+        backends=("kubernetes",),
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+        title="Kubernetes namespace",
+    )
+    volume_claim: str = spec_field(
+        "hetflow-home",
+        "PersistentVolumeClaim (ReadWriteMany) holding HETFLOW_HOME, mounted in every pod at the same path "
+        "(kubernetes).",
+        short="kubernetes_volume_claim",
+        backends=("kubernetes",),
+        pattern=r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$",
+        title="Kubernetes volume claim",
+    )
+
+
+class ClusterSpec(Section):
+    model_config = ConfigDict(title="Cluster")
+
+    strategy: Literal[STRATEGIES] = spec_field(
+        "one_device",
+        "`auto`: start sync workers that measure themselves before their first step, then choose equal or "
+        "balanced batches, or relaunch as one_device or async (the decision and its numbers are logged). "
+        "`one_device`: one replica, one device. `mirrored`: one replica, several devices, sync all-reduce. "
+        "`multi_worker_mirrored`: several workers, sync all-reduce (worker 0 is chief). `parameter_server`: "
+        "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: one "
+        "replica, the model's layer groups placed on different devices.",
+        title="Distribution strategy",
+    )
+    backend: Literal["local", "docker", "swarm", "kubernetes"] = spec_field(
+        "local",
+        "Where replicas run. `local`: subprocesses on 127.0.0.1. `docker`: one container per replica on a "
+        "network of the run's own (needs a Docker engine). `swarm`: one Docker Swarm service per replica, "
+        "spread over the swarm's nodes on an overlay network of the run's own (run from a manager node; "
+        "HETFLOW_HOME on storage every node mounts at the same path). `kubernetes`: one pod per replica "
+        "behind a headless service (needs a kubeconfig or an in-cluster service account).",
+        title="Where replicas run",
+    )
+    worker: WorkerReplicas = Field(default_factory=WorkerReplicas)
+    ps: PsReplicas = Field(default_factory=PsReplicas)
+    replica_threads: int = spec_field(
+        0,
+        "TensorFlow intra- and inter-op threads per replica; 0 leaves TensorFlow's default.",
+        ge=0,
+        le=64,
+        title="Threads per replica",
+    )
+    pin_cores: bool = spec_field(
+        False,
+        "Pin each replica to one CPU core (round robin), so replicas do not compete for cores.",
+        title="Pin replicas to cores",
+    )
+    run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    image: str = spec_field(
+        "hetflow-replica:0.1.0",
+        "Replica image for the docker, swarm and kubernetes backends (built from docker/Dockerfile).",
+        backends=CONTAINERS,
+        pattern=r"^[a-z0-9][a-z0-9._/:@-]{0,254}$",
+        title="Replica image (docker, swarm, kubernetes)",
+    )
+    resources: Resources = Field(default_factory=Resources)
+    swarm: SwarmSettings = Field(default_factory=SwarmSettings)
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
+
+    @property
+    def replicas_in_sync(self) -> int:
+        """Model replicas whose gradients are averaged into one update (1 for async and model parallel)."""
+        if self.strategy in ("mirrored", "multi_worker_mirrored"):
+            return self.worker.replicas * self.worker.devices
+        return 1
+
+    def worker_device(self, index: int) -> WorkerDevice:
+        """Worker ``index``'s device settings: the one place every backend and the replica itself
+        read a worker's device kind and count from (where worker_devices is empty: every worker
+        alike, on ``devices_per_worker`` GPUs when ``request_gpus``, else CPUs)."""
+        if self.worker.each:
+            return self.worker.each[index]
+        return WorkerDevice(device="gpu" if self.resources.request_gpus else "cpu", count=self.worker.devices)
+
+    def problems(self) -> list[str]:
+        """The cluster's shape must fit the strategy, and each setting the backend that reads it."""
+        strategy, workers, ps = self.strategy, self.worker.replicas, self.ps.replicas
+        devices, each = self.worker.devices, self.worker.each
+        problems = []
+        if workers > 1 and strategy not in ("auto", "multi_worker_mirrored", "parameter_server"):
+            problems.append(
+                f"workers={workers} is invalid with strategy={strategy}: expected 1 "
+                "(several workers need multi_worker_mirrored, parameter_server or auto)"
+            )
+        if strategy == "parameter_server" and ps < 1:
+            problems.append("ps=0 is invalid with strategy=parameter_server: expected an integer >= 1 and <= 8")
+        if strategy not in ("parameter_server", "auto") and ps > 0:
+            problems.append(
+                f"ps={ps} is invalid with strategy={strategy}: expected 0 "
+                "(parameter servers serve only strategy=parameter_server; sync training all-reduces)"
+            )
+        if devices > 1 and strategy in ("one_device", "parameter_server"):
+            problems.append(f"devices_per_worker={devices} is invalid with strategy={strategy}: expected 1")
+        if strategy == "model_parallel" and devices < 2:
+            problems.append(
+                f"devices_per_worker={devices} is invalid with strategy=model_parallel: "
+                "expected 2 or more (one device per layer group)"
+            )
+        if each and len(each) != workers:
+            problems.append(
+                f"worker_devices has {len(each)} entries with workers={workers}: expected one entry per worker, or none"
+            )
+        if self.backend == "kubernetes" and any(d.slowdown != 1.0 for d in each):
+            problems.append(
+                "worker_devices slowdown is invalid with backend=kubernetes: expected 1 "
+                "(a slower machine is simulated by the local and docker backends only)"
+            )
+        if self.worker.balance_batches and (strategy != "multi_worker_mirrored" or devices != 1):
+            problems.append(
+                f"balance_batches=true is invalid with strategy={strategy}, devices_per_worker="
+                f"{devices}: expected strategy=multi_worker_mirrored with devices_per_worker=1"
+            )
+        return problems + self._backend_problems()
+
+    def _backend_problems(self) -> list[str]:
+        backend = self.backend
+        problems = []
+        if backend == "local":
+            problems += self.resources.problems_with_local()
+        elif backend == "kubernetes" and self.run_policy.restart_policy == "exit_code":
+            problems.append("restart_policy=exit_code is invalid with backend=kubernetes: expected never or on_failure")
+        if any(d.node for d in self.worker.each) and backend != "swarm":
+            problems.append(
+                f"worker_devices node is invalid with backend={backend}: expected empty "
+                "(a worker is placed on a named node by backend=swarm only)"
+            )
+        if not self.swarm.encrypt_network and backend != "swarm":
+            problems.append(
+                f"encrypt_network=false is invalid with backend={backend}: expected true "
+                "(only backend=swarm's overlay network crosses machines)"
+            )
+        if backend == "swarm" and self.pin_cores:
+            problems.append(
+                "pin_cores=true is invalid with backend=swarm: expected false (Swarm services set CPUs by replica_cpus)"
+            )
+        if backend == "kubernetes" and self.pin_cores:
+            problems.append(
+                "pin_cores=true is invalid with backend=kubernetes: expected false "
+                "(a pod's CPUs are set by replica_cpus)"
+            )
+        return problems

@@ -1,0 +1,39 @@
+"""The trigger form: one Airflow ``Param`` per key, keyed by its short name, in its section."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hetflow.spec.messages import allowed_values, field_schema
+from hetflow.spec.run_spec import KEYS
+
+
+def airflow_params() -> dict[str, Any]:
+    """The DAG's ``Param``s (the trigger form), generated from the RunSpec schema."""
+    from airflow.sdk import Param  # here, not at the top: the replica imports the spec, never Airflow
+
+    params = {}
+    for key in KEYS:
+        schema = field_schema(key)
+        for extra in ("short", "backends"):
+            schema.pop(extra, None)
+        json_type = schema.pop("type")
+        description = schema.pop("description")
+        if json_type in ("integer", "number"):
+            description += f" Allowed: {allowed_values(key)}."
+        if key.backends:
+            description += f" Empty: {json.dumps(key.field.default)}."
+        if schema.pop("nullable", False) or key.backends:
+            json_type = [json_type, "null"]
+        # The form's number input clamps what was typed into a top-level minimum/maximum when it
+        # loses focus (-1 in Epochs silently became 1). Under allOf the bounds still refuse the
+        # value at trigger time, and the description states them.
+        bounds = {bound: schema.pop(bound) for bound in ("minimum", "maximum") if bound in schema}
+        if bounds:
+            schema["allOf"] = [bounds]
+        # description_md (with no plain description) renders in the form as Markdown.
+        params[key.short] = Param(
+            key.field.default, type=json_type, description_md=description, section=key.section, **schema
+        )
+    return params

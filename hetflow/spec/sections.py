@@ -1,0 +1,251 @@
+"""The spec's sections besides the cluster: data, model, training, compression, export, registry.
+
+Each section is a frozen model of its own fields and holds the checks that need only those
+fields (``problems``); checks across sections are RunSpec's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from hetflow.spec.data_roots import DATA_ROOTS_ENV, data_roots, under_a_root
+
+
+def spec_field(
+    default: Any, description: str, *, title: str, short: str | None = None, backends: tuple[str, ...] = (), **limits
+) -> Any:
+    """A leaf of the spec. ``title`` is written for people: the trigger form labels the field with it.
+    ``short`` is the key people type (``--set``, ``--config``, the form, conf, MLflow params) where it
+    is not the field's own name; ``backends`` names the only backends that read the field."""
+    extra: dict[str, Any] = {"short": short} if short else {}
+    if backends:
+        extra["backends"] = list(backends)
+    return Field(default, description=description, title=title, json_schema_extra=extra, **limits)
+
+
+def field_backends(field: Any) -> list[str]:
+    """The backends that read a field; empty: every backend."""
+    return (field.json_schema_extra or {}).get("backends", [])
+
+
+def short_name(name: str, field: Any) -> str:
+    """The key people type for the field ``name``."""
+    return (field.json_schema_extra or {}).get("short", name)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_takes_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # The form leaves fields of other backends optional and sends a cleared one as null, which
+        # means the field's default: with backend=local nobody has to fill in a Kubernetes namespace.
+        field = cls.model_fields[info.field_name]
+        return field.default if value is None and field_backends(field) else value
+
+    def problems(self) -> list[str]:
+        """What is wrong across this section's fields, one line each, naming the short keys."""
+        return []
+
+
+class DataSpec(Section):
+    model_config = ConfigDict(title="Data")
+
+    dataset: str = spec_field(
+        "uci_digits",
+        "A TFDS dataset name, optionally with a version (`mnist:3.0.1`), or `folder:/ABSOLUTE/PATH`: your own images, "
+        "one sub-folder per class (optionally under `train/` and `test/`), in HETFLOW_HOME/data or under a root "
+        "the machine's operator allows (HETFLOW_DATA_ROOTS). `uci_digits` is built offline from "
+        "the UCI optical digits shipped with scikit-learn; other TFDS names are downloaded into data_dir "
+        "when not prepared there.",
+        pattern=r"^([a-z][a-z0-9_]*(/[a-z0-9_.]+)?(:[0-9]+\.[0-9]+\.[0-9]+)?|folder:/[^\x00]+)$",
+        title="Dataset",
+    )
+    data_dir: str | None = spec_field(
+        None,
+        "Where TFDS datasets (and prepared image folders) are read and prepared; empty: HETFLOW_HOME/data, "
+        "shared by all runs. Elsewhere only under a root the machine's operator allows (HETFLOW_DATA_ROOTS).",
+        pattern=r"^(/[^\x00]*)?$",
+        title="Data directory",
+    )
+    image_size: str | None = spec_field(
+        None,
+        "dataset=folder:...: resize every image to HEIGHTxWIDTH (e.g. `28x28`); empty: the images' own size, "
+        "which must then be the same for all.",
+        pattern=r"^([1-9][0-9]{0,3}x[1-9][0-9]{0,3})?$",
+        title="Image size (folder datasets)",
+    )
+    skip_unchanged: bool = spec_field(
+        True,
+        "Skip training and register nothing when a version of registered_model was already trained from this "
+        "exact spec on data with the same fingerprint.",
+        title="Skip when already trained",
+    )
+
+    @property
+    def folder(self) -> str | None:
+        """dataset=folder:PATH: the PATH; None for a TFDS dataset."""
+        return self.dataset.removeprefix("folder:") if self.dataset.startswith("folder:") else None
+
+    def problems(self) -> list[str]:
+        problems = []
+        if self.image_size and not self.folder:
+            problems.append(
+                f"image_size={self.image_size} is invalid with dataset={self.dataset}: expected empty "
+                "(images are resized only for dataset=folder:PATH)"
+            )
+        return problems + data_location_problems(self)
+
+
+def data_location_problems(data: DataSpec) -> list[str]:
+    """data_dir and dataset=folder:PATH outside the allowed roots (``data_roots``), links resolved:
+    checked when the spec is validated, and again by prepare_data right before it reads them."""
+    problems = []
+    if data.data_dir and not under_a_root(data.data_dir, data_roots()):
+        problems.append(
+            f"data_dir={data.data_dir} is invalid: expected empty or a folder under {', '.join(data_roots())} "
+            f"(every replica is shown it; the machine's operator may allow more roots in {DATA_ROOTS_ENV})"
+        )
+    if data.folder and not under_a_root(data.folder, data_roots()):
+        problems.append(
+            f"dataset={data.dataset} is invalid: expected a TFDS name or folder:PATH with PATH under "
+            f"{', '.join(data_roots())} (the machine's operator may allow more roots in {DATA_ROOTS_ENV})"
+        )
+    return problems
+
+
+class ModelSpec(Section):
+    model_config = ConfigDict(title="Model")
+
+    architecture: Literal["mlp", "cnn", "convnet"] = spec_field(
+        "mlp",
+        "`mlp`: flatten, dense 128 relu, dense logits. `cnn`: two conv blocks and a dense head. "
+        "`convnet`: the benchmark CNN (conv32-conv32-pool-conv64-conv64-pool-dense256), for 32x32 images.",
+        short="model",
+        title="Model",
+    )
+
+
+class TrainingSpec(Section):
+    model_config = ConfigDict(title="Training")
+
+    epochs: int = spec_field(40, "Passes over the training split.", ge=1, le=1000, title="Epochs")
+    steps_per_epoch: int | None = spec_field(
+        None,
+        "Steps per epoch; empty means one full pass over the training split.",
+        ge=1,
+        le=100_000,
+        title="Steps per epoch",
+    )
+    batch_size: int = spec_field(
+        32, "Global batch size, summed over all replicas.", ge=1, le=65_536, title="Batch size (global)"
+    )
+    learning_rate: float = spec_field(0.001, "Base learning rate.", gt=0, le=10, title="Learning rate")
+    target_accuracy: float | None = spec_field(
+        None,
+        "Stop training at the end of the first epoch whose validation accuracy reaches this (the time to "
+        "reach it is logged); empty trains all epochs.",
+        gt=0,
+        le=1,
+        title="Stop at validation accuracy",
+    )
+    lr_scaling: Literal["none", "linear"] = spec_field(
+        "none",
+        "`linear`: the linear scaling rule (Goyal et al. 2017): the rate is learning_rate x batch_size / "
+        "lr_reference_batch, reached after warmup_epochs. batch_size is the global batch (async: each "
+        "update's), so adding replicas at the same batch_size leaves the rate unchanged.",
+        title="Learning-rate scaling",
+    )
+    lr_reference_batch: int = spec_field(
+        32,
+        "The global batch size learning_rate was tuned for: the batch of the linear scaling rule's ratio "
+        "(lr_scaling=linear).",
+        ge=1,
+        le=65_536,
+        title="Reference batch size",
+    )
+    warmup_epochs: float = spec_field(
+        0.0,
+        "Epochs over which the learning rate ramps linearly up to its scaled value.",
+        ge=0,
+        le=100,
+        title="Warm-up epochs",
+    )
+    optimizer: Literal["sgd", "adam"] = spec_field("adam", "Optimizer.", title="Optimizer")
+    shuffle: bool = spec_field(True, "Shuffle training examples every epoch.", title="Shuffle")
+    seed: int = spec_field(42, "Seed for weights, shuffling and ops.", ge=0, le=2**31 - 1, title="Random seed")
+    checkpoint_every: int = spec_field(
+        1,
+        "Save a checkpoint every this many epochs (model, optimizer, epoch); a restarted or retried run "
+        "resumes from the last one.",
+        ge=1,
+        le=1000,
+        title="Checkpoint every (epochs)",
+    )
+
+
+class CompressionSpec(Section):
+    model_config = ConfigDict(title="Compression")
+
+    prune: bool = spec_field(
+        True, "Magnitude-prune the trained model (fine-tuned with a polynomial-decay schedule).", title="Prune"
+    )
+    target_sparsity: float = spec_field(
+        0.5, "Fraction of each kernel's weights set to zero by pruning.", ge=0, lt=1, title="Target sparsity"
+    )
+    fine_tuning_share: float = spec_field(
+        0.75,
+        "Length of the pruning fine-tuning, as a share of the optimizer steps training took (at least 200 "
+        "steps): sparsity ramps up over the first half, the second half recovers at target_sparsity.",
+        gt=0,
+        le=4,
+        title="Pruning fine-tuning (share of training steps)",
+    )
+    quantize: Literal["none", "dynamic", "float16", "int8"] = spec_field(
+        "int8",
+        "Quantization of the TFLite variants: `dynamic` (int8 weights), `float16`, `int8` (full integer, "
+        "calibrated on the train split; where that loses more than max_accuracy_drop on the validation split, "
+        "quantization-aware fine-tuning that keeps the pruned zeros), or `none`.",
+        title="Quantization",
+    )
+
+
+class ExportSpec(Section):
+    model_config = ConfigDict(title="Export")
+
+    max_accuracy_drop: float = spec_field(
+        0.01,
+        "A compressed variant whose test accuracy is more than this below the float model's is rejected.",
+        ge=0,
+        le=1,
+        title="Largest accuracy drop allowed",
+    )
+    formats: list[Literal["saved_model", "tflite"]] = spec_field(
+        ["saved_model", "tflite"],
+        "What export writes: a SavedModel (serving_default takes raw uint8 images) and/or TFLite variants.",
+        short="export_formats",
+        min_length=1,
+        title="Export formats",
+    )
+
+
+class RegistrySpec(Section):
+    model_config = ConfigDict(title="Registry")
+
+    model_name: str = spec_field(
+        "hetflow-digits",
+        "MLflow registered model name.",
+        short="registered_model",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        title="Registered model",
+    )
+    min_improvement: float = spec_field(
+        0.001,
+        "The new version becomes `champion` only if its test accuracy beats the champion's by at least this.",
+        ge=0,
+        le=1,
+        title="Smallest improvement for champion",
+    )
