@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup sandbox test-deps engine image compose-cli stack-images run test test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean
+.PHONY: setup sandbox test-deps engine image compose-cli stack-images run test test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean docs
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -84,6 +84,10 @@ bench-peer: setup
 ## runs that lose a random replica at a random time (bench/CHAOS.md)
 chaos: setup
 	$(BIN)/python bench/chaos.py $(ARGS)
+
+## docs/spec.md, the spec reference, generated from RunSpec (tests/test_spec_reference.py fails when it is stale)
+docs: setup
+	$(BIN)/python -m hetflow.spec.reference > docs/spec.md
 
 ## style and static checks
 lint: setup lint-docker

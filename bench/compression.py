@@ -58,6 +58,7 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     from hetflow.models.architectures import trained_model
     from hetflow.paths import RunPaths
     from hetflow.pipeline.attempts import load_spec
+    from hetflow.spec import RunSpec
     from hetflow.tasks.compress import fine_tuning_steps, kernel_sparsity, overall_sparsity, prune, pruned_layers
     from hetflow.tasks.export import score
 
@@ -67,11 +68,11 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     model = trained_model(spec, dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
-    representative = representative_images(dataset, spec.seed)
+    representative = representative_images(dataset, spec.training.seed)
     steps = fine_tuning_steps(spec, training)
     run = {
-        "model": spec.model,
-        "seed": spec.seed,
+        "model": spec.model.architecture,
+        "seed": spec.training.seed,
         "dataset": f"{dataset['name']}:{dataset['version']}",
         "float_test_accuracy": float((float_logits.argmax(axis=1) == labels).mean()),
         "trained_steps": training["epochs_done"] * training["steps_per_epoch"],
@@ -82,7 +83,11 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     }
     for target in (0.0, *sparsities):
         started = time.perf_counter()
-        base = prune(model, spec.model_copy(update={"target_sparsity": target}), dataset, steps) if target else model
+        base = (
+            prune(model, RunSpec.from_values({**spec.flat(), "target_sparsity": target}), dataset, steps)
+            if target
+            else model
+        )
         pruning = {
             "target_sparsity": target,
             "fine_tuning_seconds": time.perf_counter() - started if target else 0.0,
@@ -91,7 +96,7 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
         }
         for quantize in QUANTIZATIONS:
             for sparse in (True, False) if target else (False,):
-                path = work / f"{spec.model}-{spec.seed}-{target}-{quantize}-{sparse}.tflite"
+                path = work / f"{spec.model.architecture}-{spec.training.seed}-{target}-{quantize}-{sparse}.tflite"
                 data = to_tflite(base, quantize, representative, sparse=sparse)
                 path.write_bytes(data)
                 run["variants"].append(
@@ -288,7 +293,7 @@ def main() -> None:
         "quantizations": list(QUANTIZATIONS),
         "min_pruned_weights": MIN_PRUNED_WEIGHTS,
         "dense_block": list(DENSE_BLOCK),
-        "fine_tuning_share": RunSpec().fine_tuning_share,
+        "fine_tuning_share": RunSpec().compression.fine_tuning_share,
         "wall_seconds": time.monotonic() - started,
         "runs": runs,
     }

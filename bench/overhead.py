@@ -77,7 +77,7 @@ STAGE_IMPORTS = (
 SET_UP = {
     "dataset": (
         "import json, sys; from pathlib import Path; from hetflow.data.prepare import prepare_dataset; "
-        "from hetflow.paths import data_dir; spec = json.loads(sys.argv[1]); "
+        "from hetflow.paths import data_dir; spec = json.loads(sys.argv[1])['data']; "
         "prepare_dataset(spec['dataset'], Path(spec['data_dir']) if spec['data_dir'] else data_dir(), "
         "spec['image_size'])"
     ),

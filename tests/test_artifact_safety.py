@@ -52,7 +52,7 @@ def trained_weights(directory: Path) -> tuple[Path, list[np.ndarray]]:
     model = build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=3)
     model.set_weights([w * 2 + 0.5 for w in model.get_weights()])
     path = directory / "model.weights.h5"
-    save_model(model, RunSpec(model="mlp", seed=1), DIGITS, path)
+    save_model(model, RunSpec.from_values({"model": "mlp", "seed": 1}), DIGITS, path)
     return path, model.get_weights()
 
 
@@ -75,7 +75,9 @@ def test_the_chief_writes_weights_that_read_back_into_the_rebuilt_model_and_noth
     # A non-chief takes part in saving but leaves nothing behind, beside the chief's copy or in place of it.
     other = tmp_path / "other"
     other.mkdir()
-    save_model(fresh_mlp(), RunSpec(model="mlp", seed=1), DIGITS, other / "model.weights.h5", chief=False)
+    save_model(
+        fresh_mlp(), RunSpec.from_values({"model": "mlp", "seed": 1}), DIGITS, other / "model.weights.h5", chief=False
+    )
     assert list(other.iterdir()) == []
 
 

@@ -10,7 +10,7 @@ from cluster_run import HOME, RUN_DIR, RUN_ID, ps_spec
 from hetflow.cluster import docker_backend as dk
 from hetflow.cluster.layout import run_slug
 from hetflow.cluster.supervisor import ReplicaState
-from hetflow.spec import parse_spec
+from hetflow.spec import RunSpec, parse_spec
 
 # --- docker: network and container configs --------------------------------------------------------
 
@@ -100,7 +100,7 @@ def test_a_slower_worker_is_a_container_with_a_smaller_cpu_quota_and_pinning_is_
     configs = [dk.container_config(layout, r, spec, HOME, RUN_DIR, "0:0", 0.0) for r in layout.replicas]
     # half of one core, where replica_cpus is unset; the other worker is not limited
     assert [c.get("nano_cpus") for c in configs] == [None, 500_000_000]
-    limited = spec.model_copy(update={"replica_cpus": 1.5, "pin_cores": True})
+    limited = RunSpec.from_values({**spec.flat(), "replica_cpus": 1.5, "pin_cores": True})
     configs = [dk.container_config(layout, r, limited, HOME, RUN_DIR, "0:0", 0.0) for r in layout.replicas]
     assert [c["nano_cpus"] for c in configs] == [1_500_000_000, 750_000_000]
     assert len({c["cpuset_cpus"] for c in configs}) == min(2, len(os.sched_getaffinity(0)))

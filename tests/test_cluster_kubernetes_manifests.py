@@ -37,7 +37,7 @@ BIN = Path(sys.executable).parent
 def _manifests(spec):
     layout = k8s.plan(spec, RUN_ID)
     pods = {r.name: manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5) for r in layout.replicas}
-    return layout, manifests.headless_service(layout, spec.kubernetes_namespace, OWNER), pods
+    return layout, manifests.headless_service(layout, spec.cluster.kubernetes.namespace, OWNER), pods
 
 
 def test_kubernetes_service_is_headless_and_selects_every_pod_of_the_run():
@@ -67,7 +67,7 @@ def test_kubernetes_pods_resolve_as_their_tf_config_addresses_and_are_owned_by_t
         assert pod["metadata"]["labels"]["hetflow.dev/index"] == str(replica.index)
         assert pod["metadata"]["annotations"] == {"hetflow.dev/run-id": RUN_ID}
         assert pod["spec"]["restartPolicy"] == "Never"
-        assert pod["spec"]["activeDeadlineSeconds"] > spec.train_timeout_seconds
+        assert pod["spec"]["activeDeadlineSeconds"] > spec.cluster.run_policy.timeout_seconds
         assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
         (container,) = pod["spec"]["containers"]
         env = {e["name"]: e["value"] for e in container["env"]}

@@ -32,9 +32,9 @@ def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(t
     from hetflow.tasks.export import judge, score
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
-    spec = RunSpec(model="mlp", seed=1, target_sparsity=0.8, max_accuracy_drop=BUDGET)
-    model = build_model("mlp", dataset["input_shape"], dataset["num_classes"], spec.seed)
-    compile_model(model, tf.keras.optimizers.Adam(spec.learning_rate))
+    spec = RunSpec.from_values({"model": "mlp", "seed": 1, "target_sparsity": 0.8, "max_accuracy_drop": BUDGET})
+    model = build_model("mlp", dataset["input_shape"], dataset["num_classes"], spec.training.seed)
+    compile_model(model, tf.keras.optimizers.Adam(spec.training.learning_rate))
     model.fit(train_input(dataset, per_worker_batch=32, shuffle=True, seed=1), epochs=20, steps_per_epoch=39, verbose=0)
     pruned = prune(model, spec, dataset, 400)
     hidden, logits = pruned.get_layer(pruned_layers(pruned)[0]), pruned.get_layer("logits")
@@ -57,7 +57,9 @@ def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(t
     keras_logits = pruned.predict(images, verbose=0)
     keras_accuracy = float(np.mean(np.argmax(keras_logits, axis=1) == labels))
     post_training, aware = tmp_path / "post_training.tflite", tmp_path / "aware.tflite"
-    post_training.write_bytes(to_tflite(pruned, "int8", representative_images(dataset, spec.seed), sparse=True))
+    post_training.write_bytes(
+        to_tflite(pruned, "int8", representative_images(dataset, spec.training.seed), sparse=True)
+    )
     aware.write_bytes(data)
     artifacts = {
         name: {
@@ -67,5 +69,5 @@ def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(t
         }
         for name, path in (("post_training", post_training), ("aware", aware))
     }
-    judge(artifacts, keras_accuracy, spec.max_accuracy_drop)
+    judge(artifacts, keras_accuracy, spec.export.max_accuracy_drop)
     assert not artifacts["post_training"]["accepted"] and artifacts["aware"]["accepted"], artifacts

@@ -107,16 +107,16 @@ def _trained_run(tmp_path, **values):
     from hetflow.spec import RunSpec
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
-    spec = RunSpec(seed=1, target_sparsity=0.8, export_formats=["tflite"], **values)
+    spec = RunSpec.from_values({"seed": 1, "target_sparsity": 0.8, "export_formats": ["tflite"], **values})
     paths = RunPaths(tmp_path / "run")
     paths.root.mkdir()
-    model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
-    compile_model(model, tf.keras.optimizers.Adam(spec.learning_rate))
+    model = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
+    compile_model(model, tf.keras.optimizers.Adam(spec.training.learning_rate))
     steps = steps_per_epoch(spec, dataset)
-    batches = train_input(dataset, per_worker_batch=spec.batch_size, shuffle=True, seed=spec.seed)
-    model.fit(batches, epochs=spec.epochs, steps_per_epoch=steps, verbose=0)
+    batches = train_input(dataset, per_worker_batch=spec.training.batch_size, shuffle=True, seed=spec.training.seed)
+    model.fit(batches, epochs=spec.training.epochs, steps_per_epoch=steps, verbose=0)
     save_model(model, spec, dataset, paths.model)
-    return spec, paths, dataset, {"epochs_done": spec.epochs, "steps_per_epoch": steps}
+    return spec, paths, dataset, {"epochs_done": spec.training.epochs, "steps_per_epoch": steps}
 
 
 def test_the_pruned_files_are_smaller_in_the_file_itself_and_say_how(tmp_path):
@@ -173,9 +173,9 @@ def test_pruning_the_cnn_to_80_percent_passes_the_gate_only_when_fine_tuned_long
     short = prune(model, spec, dataset, SHORT_FINE_TUNING_STEPS)
     assert min(kernel_sparsity(short)[name] for name in pruned_layers(short)) >= 0.79
     path = tmp_path / "short.tflite"
-    path.write_bytes(to_tflite(short, "int8", representative_images(dataset, spec.seed), sparse=True))
+    path.write_bytes(to_tflite(short, "int8", representative_images(dataset, spec.training.seed), sparse=True))
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, verbose=0)
     artifacts = {"tflite_short": {"format": "tflite", **score(tflite_predictor(path), images, labels, float_logits)}}
-    judge(artifacts, exported["float_test_accuracy"], spec.max_accuracy_drop)
+    judge(artifacts, exported["float_test_accuracy"], spec.export.max_accuracy_drop)
     assert not artifacts["tflite_short"]["accepted"], artifacts

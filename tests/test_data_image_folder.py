@@ -163,7 +163,7 @@ def test_a_folder_outside_the_allowed_roots_is_refused_in_one_line(tmp_path, mon
     inside = write_digit_folder(tmp_path / "home" / "data" / "digits", per_class=3)
     outside = write_digit_folder(tmp_path / "outside", per_class=3)
     (tmp_path / "home" / "data" / "escape").symlink_to(outside)
-    assert parse_spec({"dataset": f"folder:{inside}"}).dataset == f"folder:{inside}"
+    assert parse_spec({"dataset": f"folder:{inside}"}).data.dataset == f"folder:{inside}"
     for refused in (outside, tmp_path / "home" / "data" / "escape", tmp_path / "home" / "stack", Path("/etc")):
         with pytest.raises(SpecError) as caught:
             parse_spec({"dataset": f"folder:{refused}"})
@@ -172,7 +172,7 @@ def test_a_folder_outside_the_allowed_roots_is_refused_in_one_line(tmp_path, mon
         assert f"under {tmp_path / 'home' / 'data'} " in problem and "HETFLOW_DATA_ROOTS" in problem
         assert "\n" not in problem
     monkeypatch.setenv("HETFLOW_DATA_ROOTS", str(tmp_path / "outside"))
-    assert parse_spec({"dataset": f"folder:{outside}"}).dataset == f"folder:{outside}"
+    assert parse_spec({"dataset": f"folder:{outside}"}).data.dataset == f"folder:{outside}"
 
 
 @pytest.mark.parametrize("change", ["folder_link_swapped", "data_dir_link_swapped", "roots_narrowed"])

@@ -67,7 +67,7 @@ def test_docker_input_the_engine_cannot_serve_is_refused_before_anything_starts(
     ]
     # An image make image built from other code (here: a label saying so) is refused, not run.
     stale = "hetflow-replica:stale-test"
-    recipe = f"FROM {parse_spec({}).image}\nLABEL hetflow.source-digest=0123456789abcdef\n"
+    recipe = f"FROM {parse_spec({}).cluster.image}\nLABEL hetflow.source-digest=0123456789abcdef\n"
     docker_client.images.build(fileobj=io.BytesIO(recipe.encode()), tag=stale, rm=True)
     try:
         assert problems(image=stale) == [
@@ -272,7 +272,7 @@ def test_sigterm_of_the_train_task_removes_its_containers(docker_client, hetflow
 
 # The image under test: the one `make test` builds, or a developer's tagged build of this checkout
 # (docker/build-image.sh hetflow-replica:dev), which leaves the shared tag alone.
-IMAGE = os.environ.get("HETFLOW_TEST_IMAGE", parse_spec({}).image)
+IMAGE = os.environ.get("HETFLOW_TEST_IMAGE", parse_spec({}).cluster.image)
 
 
 @pytest.mark.slow

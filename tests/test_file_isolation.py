@@ -187,7 +187,7 @@ def test_a_data_dir_outside_the_allowed_roots_is_refused_in_one_line(tmp_path, m
     monkeypatch.delenv("HETFLOW_DATA_ROOTS", raising=False)
     (tmp_path / "home" / "data").mkdir(parents=True)
     (tmp_path / "home" / "data" / "escape").symlink_to("/run")
-    assert parse_spec({"data_dir": str(tmp_path / "home" / "data" / "tfds")}).data_dir.endswith("tfds")
+    assert parse_spec({"data_dir": str(tmp_path / "home" / "data" / "tfds")}).data.data_dir.endswith("tfds")
     for refused in ("/run", str(tmp_path / "home" / "stack"), str(tmp_path / "home" / "data" / "escape"), "/"):
         with pytest.raises(SpecError) as caught:
             parse_spec({"data_dir": refused})
@@ -195,4 +195,4 @@ def test_a_data_dir_outside_the_allowed_roots_is_refused_in_one_line(tmp_path, m
         assert problem.startswith(f"data_dir={refused} is invalid: expected empty or a folder under ")
         assert "HETFLOW_DATA_ROOTS" in problem and "\n" not in problem
     monkeypatch.setenv("HETFLOW_DATA_ROOTS", str(tmp_path / "datasets"))
-    assert parse_spec({"data_dir": str(tmp_path / "datasets" / "tfds")}).data_dir.endswith("tfds")
+    assert parse_spec({"data_dir": str(tmp_path / "datasets" / "tfds")}).data.data_dir.endswith("tfds")

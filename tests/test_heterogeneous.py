@@ -271,7 +271,7 @@ def test_auto_through_the_dag_logs_its_decision(hetflow_env):
     assert [probe["worker"] for probe in summary["auto"]["probes"]] == ["worker-0", "worker-1"]
     run = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"]).get_run(summary["mlflow_run_id"])
     assert run.data.params["requested_strategy"] == "auto"
-    assert run.data.params["strategy"] == plan["decision"]["strategy"] == summary["spec"]["strategy"]
+    assert run.data.params["strategy"] == plan["decision"]["strategy"] == summary["spec"]["cluster"]["strategy"]
     assert run.data.tags["auto.decision"] == plan["decision"]["reason"]
     assert (
         run.data.metrics["probe_worker_0_examples_per_second"] > run.data.metrics["probe_worker_1_examples_per_second"]

@@ -71,7 +71,7 @@ def test_a_directory_that_belongs_to_another_run_id_is_refused(home):
     with pytest.raises(RunDirectoryTaken) as refused:
         validate_spec({"epochs": 5}, "team-a")
     assert str(refused.value) == f"run directory {paths.root} belongs to run 'team-b', not to run 'team-a'"
-    assert json.loads(paths.spec.read_text())["epochs"] == 3  # the other run's record is untouched
+    assert json.loads(paths.spec.read_text())["training"]["epochs"] == 3  # the other run's record is untouched
     with pytest.raises(RunDirectoryTaken):
         summarize("team-a")
     assert not paths.summary.exists()
@@ -84,7 +84,7 @@ def test_a_retry_reuses_its_own_directory(home):
     validate_spec({"epochs": 3}, "retried", try_number=1)
     validate_spec({"epochs": 4}, "retried", try_number=2)
     paths = run_paths("retried")
-    assert json.loads(paths.spec.read_text())["epochs"] == 4
+    assert json.loads(paths.spec.read_text())["training"]["epochs"] == 4
     assert json.loads(paths.attempt("validate_spec").read_text())["try_number"] == 2
 
 
@@ -186,7 +186,7 @@ def test_a_training_done_before_is_skipped_with_the_reason_prepare_data_recorded
     paths = run_paths("rerun")
     dataset = json.loads(paths.dataset.read_text())
     client = MlflowClient()
-    model = json.loads(paths.spec.read_text())["registered_model"]
+    model = json.loads(paths.spec.read_text())["registry"]["model_name"]
     client.create_registered_model(model)
     client.create_model_version(
         model, source=str(home), tags={TRAINING_KEY_TAG: dataset["training_key"], "airflow.run_id": "earlier"}

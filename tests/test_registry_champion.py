@@ -72,7 +72,7 @@ def _gate(name: str, version: str, accuracy: float, log_dir: Path, ready=None) -
         ready()
     champion.promote(
         client,
-        RunSpec(min_improvement=0.001),
+        RunSpec.from_values({"min_improvement": 0.001}),
         registered,
         accuracy,
         {"fingerprint": FINGERPRINT},
@@ -235,7 +235,9 @@ def test_register_refuses_a_registered_model_hetflow_did_not_create(hetflow_env,
     _write_run_records(paths, chosen_tflite="int8")
 
     with pytest.raises(ForeignRegisteredModel) as refused:
-        register_model(RunSpec(registered_model=name), paths, {"fingerprint": FINGERPRINT}, "hetflow_train", name)
+        register_model(
+            RunSpec.from_values({"registered_model": name}), paths, {"fingerprint": FINGERPRINT}, "hetflow_train", name
+        )
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"registered_model '{name}': "), message
     assert f"registered model '{taken}' in " in message, message

@@ -42,7 +42,7 @@ def test_a_retrain_takes_only_the_champions_recipe(hetflow_env, tmp_path, caplog
 
     with caplog.at_level(logging.INFO, logger="hetflow.retrain"):
         spec = retrain_spec("retrained", {"epochs": 5})
-    defaults = RunSpec().model_dump()
+    defaults = RunSpec().flat()
     assert spec["epochs"] == 5  # the DAG's override wins
     assert spec["learning_rate"] == 0.05 and spec["model"] == "cnn"  # the champion's recipe
     assert spec["registered_model"] == "retrained"

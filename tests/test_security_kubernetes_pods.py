@@ -27,6 +27,7 @@ from kubernetes_pods import _FakeApi, _pod_specs, _specs, restricted_violations
 from hetflow import sandbox
 from hetflow.cluster import kubernetes_backend as k8s
 from hetflow.cluster import kubernetes_manifests as manifests
+from hetflow.spec import RunSpec
 
 BIN = Path(sys.executable).parent
 
@@ -96,7 +97,7 @@ def test_pods_mount_no_service_account_token_and_run_as_the_image_user(strategy)
 
 def test_every_pod_carries_a_deadline_from_train_timeout_seconds():
     for timeout in (600, 7200):
-        spec = _specs()["parameter_server"].model_copy(update={"train_timeout_seconds": timeout})
+        spec = RunSpec.from_values({**_specs()["parameter_server"].flat(), "train_timeout_seconds": timeout})
         deadlines = {name: pod["activeDeadlineSeconds"] for name, pod in _pod_specs(spec).items()}
         assert set(deadlines.values()) == {timeout + manifests.DEADLINE_MARGIN_SECONDS}, deadlines
         tfjob = manifests.tfjob_manifest(k8s.plan(spec, RUN_ID), spec, RUN_DIR)

@@ -166,13 +166,14 @@ def test_a_served_model_that_disagrees_is_not_promoted_and_its_server_is_gone(ru
     from hetflow.paths import RunPaths
     from hetflow.pipeline.attempts import load_spec
     from hetflow.registry import versions
+    from hetflow.spec import RunSpec
     from hetflow.tasks.register import register_model
 
     paths = RunPaths(tmp_path / "run")
     shutil.copytree(run["run_dir"], paths.root)
     # min_improvement 0: the same accuracy as the champion passes the accuracy gate, so only the
     # served check can stop the float model.
-    spec = load_spec(paths).model_copy(update={"min_improvement": 0.0})
+    spec = RunSpec.from_values({**load_spec(paths).flat(), "min_improvement": 0.0})
     monkeypatch.setattr(versions, "log_saved_model", _log_class_order_reversed)
     record = register_model(spec, paths, json.loads(paths.dataset.read_text()), "hetflow_train", "broken")
 

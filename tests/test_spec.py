@@ -8,14 +8,19 @@ from pathlib import Path
 import pytest
 from conftest import hetflow
 
-from hetflow.spec import SPEC_KEYS, RunSpec, SpecError, airflow_params, parse_assignment, parse_spec
+from hetflow.spec import KEYS, SPEC_KEYS, RunSpec, SpecError, airflow_params, parse_assignment, parse_spec
 
 
 def test_defaults_are_valid():
     spec = parse_spec({})
     assert spec == RunSpec()
-    assert (spec.dataset, spec.model, spec.strategy, spec.backend) == ("uci_digits", "mlp", "one_device", "local")
-    assert (spec.workers, spec.ps, spec.replicas_in_sync) == (1, 0, 1)
+    assert (spec.data.dataset, spec.model.architecture, spec.cluster.strategy, spec.cluster.backend) == (
+        "uci_digits",
+        "mlp",
+        "one_device",
+        "local",
+    )
+    assert (spec.cluster.worker.replicas, spec.cluster.ps.replicas, spec.cluster.replicas_in_sync) == (1, 0, 1)
 
 
 @pytest.mark.parametrize(
@@ -28,7 +33,7 @@ def test_defaults_are_valid():
     ],
 )
 def test_valid_cluster_shapes(values):
-    assert parse_spec(values).strategy == values["strategy"]
+    assert parse_spec(values).cluster.strategy == values["strategy"]
 
 
 @pytest.mark.parametrize(
@@ -108,9 +113,11 @@ def test_params_are_generated_from_the_spec():
     params = airflow_params()
     assert tuple(params) == SPEC_KEYS
     for key, param in params.items():
-        assert param.value == RunSpec.model_fields[key].default
+        assert param.value == RunSpec().flat()[key]
         assert param.schema["description_md"], key
-        assert RunSpec.model_fields[key].title, f"RunSpec.{key} needs a title written for people (the form's label)"
+        assert next(k for k in KEYS if k.short == key).field.title, (
+            f"{key} needs a title written for people (the form's label)"
+        )
         assert param.schema["section"], key
     assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet"]
     assert params["strategy"].schema["enum"] == [
@@ -140,7 +147,7 @@ def test_cli_validate_merges_config_and_set(hetflow_env, tmp_path):
     done = hetflow(hetflow_env, "validate", "--config", str(config), "--set", "epochs=9")
     assert done.returncode == 0, done.stderr
     spec = json.loads(done.stdout)
-    assert (spec["model"], spec["epochs"]) == ("cnn", 9)
+    assert (spec["model"]["architecture"], spec["training"]["epochs"]) == ("cnn", 9)
 
 
 def test_cli_rejects_a_bad_spec_with_one_line_per_problem_and_starts_nothing(hetflow_env):
@@ -164,8 +171,8 @@ def test_fields_of_other_backends_are_optional_in_the_form_and_empty_means_their
     for key in BACKEND_ONLY_KEYS:
         # A type with null is what the form reads as "not required".
         assert "null" in params[key].schema["type"], key
-        assert getattr(parse_spec({key: None}), key) == RunSpec.model_fields[key].default, key
+        assert parse_spec({key: None}).flat()[key] == RunSpec().flat()[key], key
     assert params["workers"].schema["type"] == "integer"
-    assert parse_spec({"backend": "kubernetes", "kubernetes_namespace": None}).kubernetes_namespace == "default"
+    assert parse_spec({"backend": "kubernetes", "kubernetes_namespace": None}).cluster.kubernetes.namespace == "default"
     with pytest.raises(SpecError, match="workers=null is invalid"):
         parse_spec({"workers": None})

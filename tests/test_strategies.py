@@ -43,7 +43,7 @@ def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
     done = hetflow(hetflow_env, *args)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
-    assert summary["status"] == "success" and summary["spec"]["strategy"] == strategy
+    assert summary["status"] == "success" and summary["spec"]["cluster"]["strategy"] == strategy
     assert summary["metrics"]["test_accuracy"] >= 0.85  # 6 short epochs; `make run`-sized runs reach >= 0.9
 
     run = client.get_run(summary["mlflow_run_id"])

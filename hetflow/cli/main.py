@@ -14,7 +14,7 @@ from typing import Any
 
 from hetflow.cli.dag_run import run_dag
 from hetflow.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths
-from hetflow.spec import SpecError, parse_assignment, parse_spec
+from hetflow.spec import RunSpec, SpecError, flat_values, parse_assignment, parse_spec
 
 
 def spec_values(config: Path | None, assignments: list[str]) -> dict[str, Any]:
@@ -50,7 +50,7 @@ def _cmd_run(args) -> int:
     started = time.monotonic()
     log_file = None if args.verbose else hetflow_home() / "logs" / f"hetflow-run-{time.strftime('%Y%m%dT%H%M%S')}.log"
     try:
-        summary_path = run_dag(values, log_file)
+        summary_path = run_dag(flat_values(values), log_file)  # the conf: short names, as the form's Params
     except KeyboardInterrupt:
         tear_down_runs_provisioned_here()
         return 130
@@ -84,7 +84,8 @@ def _cmd_run(args) -> int:
         nodes = summary.get("nodes") or {}
         names = (f"{r['role']}-{r['index']}" for r in summary["replicas"])
         replicas = ", ".join(f"{name} on {nodes[name]}" if name in nodes else name for name in names)
-        print(f"  replicas        {replicas} ({summary['spec']['backend']}, {summary['spec']['strategy']})")
+        cluster = RunSpec.from_values(summary["spec"]).cluster  # flat in a run directory from before the sections
+        print(f"  replicas        {replicas} ({cluster.backend}, {cluster.strategy})")
     if log_file is not None:
         print(f"  full log        {log_file}")
     print(summary_path)

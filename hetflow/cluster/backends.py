@@ -59,7 +59,7 @@ _MODULES = {
 
 def backend_for(spec: RunSpec | None) -> Backend:
     """The run's backend. Without a spec (validation failed) only local processes can exist."""
-    return importlib.import_module(_MODULES[spec.backend if spec is not None else "local"]).BACKEND
+    return importlib.import_module(_MODULES[spec.cluster.backend if spec is not None else "local"]).BACKEND
 
 
 def sweep(home: Path, attach_seconds: float | None = None) -> dict[str, list]:
@@ -93,8 +93,8 @@ def supervise(spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float) -
     codes, or ReplicaFailed. Local replicas live only while a supervisor holds their lease."""
     supervisor = Supervisor(
         cluster.layout,
-        spec.restart_policy,
-        spec.backoff_limit,
+        spec.cluster.run_policy.restart_policy,
+        spec.cluster.run_policy.backoff_limit,
         cluster,
         run_dir,
         backend_for(spec).loss_report_seconds,

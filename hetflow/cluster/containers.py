@@ -53,15 +53,15 @@ class ReplicaSpec:
 
 
 def replica_spec(spec: RunSpec, replica: Replica) -> ReplicaSpec:
-    worker = spec.worker_device(replica.index) if replica.role == "worker" else None
+    worker = spec.cluster.worker_device(replica.index) if replica.role == "worker" else None
     return ReplicaSpec(
-        image=spec.image,
+        image=spec.cluster.image,
         cpus=replica_cpus(spec, replica),
-        memory_mb=spec.replica_memory_mb,
+        memory_mb=spec.cluster.resources.memory_mb,
         gpus=replica_gpus(spec, replica),
         device=worker.device if worker else "cpu",
         node=worker.node if worker else None,
-        restart_policy=spec.restart_policy,
+        restart_policy=spec.cluster.run_policy.restart_policy,
     )
 
 
@@ -102,19 +102,19 @@ def replica_cpus(spec: RunSpec, replica: Replica) -> float:
     """The replica's CPU quota (0: none). A worker's slowdown is a quota: a worker ``slowdown``
     times slower gets 1/slowdown of what the others get (``replica_cpus``, or one core where
     that is unset), enforced by the kernel's CFS quota, not by stopping and resuming it."""
-    slowdown = spec.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
+    slowdown = spec.cluster.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
     if slowdown > 1:
-        return (spec.replica_cpus or 1.0) / slowdown
-    return spec.replica_cpus
+        return (spec.cluster.resources.cpus or 1.0) / slowdown
+    return spec.cluster.resources.cpus
 
 
 def replica_gpus(spec: RunSpec, replica: Replica) -> int:
     """GPUs to request for the replica: a GPU worker's own count (``RunSpec.worker_device``, what
     the replica itself uses); none for a CPU worker, a ps or the chief of parameter_server (it
     only schedules steps)."""
-    if not spec.request_gpus or replica.role != "worker":
+    if not spec.cluster.resources.request_gpus or replica.role != "worker":
         return 0
-    device = spec.worker_device(replica.index)
+    device = spec.cluster.worker_device(replica.index)
     return device.count if device.device == "gpu" else 0
 
 

@@ -107,7 +107,7 @@ def container_config(
     # anything is left to stop it: SIGTERM, then SIGKILL after the grace (TF may ignore SIGTERM).
     # Before that, once its supervisor is gone: its lease, seen through the bind mount, or its
     # heartbeat where the engine does not share this kernel (hetflow.cluster.lease).
-    deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
+    deadline = ATTACH_TIMEOUT_SECONDS + spec.cluster.run_policy.timeout_seconds
     config = {
         "image": needs.image,
         "entrypoint": [
@@ -142,7 +142,7 @@ def container_config(
     }
     if needs.cpus:
         config["nano_cpus"] = round(needs.cpus * 1e9)
-    if spec.pin_cores:
+    if spec.cluster.pin_cores:
         config["cpuset_cpus"] = str(core_assignment(layout)[replica.name])
     if needs.memory_mb:
         config["mem_limit"] = f"{needs.memory_mb}m"
@@ -267,17 +267,17 @@ def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
         return [f"backend=docker: no Docker engine answers ({reason}); start one (make engine) or use backend=local"]
     problems = []
     try:
-        built_from = (client.images.get(spec.image).labels or {}).get(LABEL_SOURCE)
+        built_from = (client.images.get(spec.cluster.image).labels or {}).get(LABEL_SOURCE)
     except docker.errors.ImageNotFound:
         problems.append(
-            f"image={spec.image} is not on the Docker engine: build it (make image) or pull it, "
+            f"image={spec.cluster.image} is not on the Docker engine: build it (make image) or pull it, "
             "or set image to one that is"
         )
     else:
         # Only images made by make image carry the label; a user's own image is theirs to keep current.
         if built_from is not None and built_from != source_digest():
             problems.append(
-                f"image={spec.image} was built from other code than this checkout ({LABEL_SOURCE} "
+                f"image={spec.cluster.image} was built from other code than this checkout ({LABEL_SOURCE} "
                 f"{built_from[:12]}, checkout {source_digest()[:12]}): rebuild it with make image"
             )
     taken = client.containers.list(all=True, filters=run_filter(run_id)) + client.networks.list(
@@ -289,12 +289,16 @@ def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
             f"({', '.join(sorted(item.name for item in taken))}): a run with this id is running or was not "
             "torn down; use another run id, or tear it down"
         )
-    if spec.replica_cpus > info["NCPU"]:
-        problems.append(f"replica_cpus={spec.replica_cpus:g} is invalid: the Docker host has {info['NCPU']} CPUs")
+    if spec.cluster.resources.cpus > info["NCPU"]:
+        problems.append(
+            f"replica_cpus={spec.cluster.resources.cpus:g} is invalid: the Docker host has {info['NCPU']} CPUs"
+        )
     host_mb = info["MemTotal"] // 2**20
-    if spec.replica_memory_mb > host_mb:
-        problems.append(f"replica_memory_mb={spec.replica_memory_mb} is invalid: the Docker host has {host_mb} MiB")
-    if spec.request_gpus and "nvidia" not in info.get("Runtimes", {}):
+    if spec.cluster.resources.memory_mb > host_mb:
+        problems.append(
+            f"replica_memory_mb={spec.cluster.resources.memory_mb} is invalid: the Docker host has {host_mb} MiB"
+        )
+    if spec.cluster.resources.request_gpus and "nvidia" not in info.get("Runtimes", {}):
         problems.append(
             "request_gpus=true is invalid: the Docker engine has no nvidia runtime (install the NVIDIA Container "
             "Toolkit) or set request_gpus=false"

@@ -119,7 +119,8 @@ def pod_access_problems(spec: RunSpec) -> list[str]:
     if owner == IMAGE_USER:
         return []
     return [
-        f"kubernetes_volume_claim={spec.kubernetes_volume_claim!r}: the pods run as uid {IMAGE_USER} and must own "
+        f"kubernetes_volume_claim={spec.cluster.kubernetes.volume_claim!r}: the pods run as uid {IMAGE_USER} "
+        "and must own "
         f"their run directory under {runs}, which this process (uid {os.geteuid()}) cannot give them ({why}); "
         f"run the Airflow tasks as root (on NFS, from an export without root_squash) or as uid {IMAGE_USER}"
     ]
@@ -143,7 +144,7 @@ class KubernetesReplicas:
     def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, core=None, networking=None):
         self.layout = layout
         self.spec = spec
-        self.namespace = spec.kubernetes_namespace
+        self.namespace = spec.cluster.kubernetes.namespace
         self.run_dir = run_dir
         self.logs_dir = run_dir / "logs"
         if core is None:
@@ -291,7 +292,7 @@ def _run_configmaps(core) -> list:
     except ApiException as error:
         if error.status != 403:
             raise
-    namespace = RunSpec.model_fields["kubernetes_namespace"].default
+    namespace = RunSpec().cluster.kubernetes.namespace
     log.info("sweep: not allowed to list ConfigMaps across namespaces; looking in namespace %s only", namespace)
     try:
         return core.list_namespaced_config_map(
@@ -362,7 +363,7 @@ class KubernetesBackend:
         return KubernetesReplicas(layout, spec, run_dir)
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
-        return teardown_run(run_id, spec.kubernetes_namespace)
+        return teardown_run(run_id, spec.cluster.kubernetes.namespace)
 
     def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
         return sweep_runs(home, ATTACH_TIMEOUT_SECONDS if grace is None else grace)

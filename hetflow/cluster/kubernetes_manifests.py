@@ -213,14 +213,16 @@ def _pod_spec(spec: RunSpec, containers: list[dict], restart_policy: str) -> dic
         },
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,  # no service env vars for every service of the namespace
-        "activeDeadlineSeconds": spec.train_timeout_seconds + DEADLINE_MARGIN_SECONDS,
+        "activeDeadlineSeconds": spec.cluster.run_policy.timeout_seconds + DEADLINE_MARGIN_SECONDS,
         "containers": containers,
-        "volumes": [{"name": "hetflow-home", "persistentVolumeClaim": {"claimName": spec.kubernetes_volume_claim}}],
+        "volumes": [
+            {"name": "hetflow-home", "persistentVolumeClaim": {"claimName": spec.cluster.kubernetes.volume_claim}}
+        ],
     }
 
 
 def restart_policy(spec: RunSpec) -> str:
-    return {"never": "Never", "on_failure": "OnFailure"}[spec.restart_policy]
+    return {"never": "Never", "on_failure": "OnFailure"}[spec.cluster.run_policy.restart_policy]
 
 
 def replica_pod(
@@ -242,7 +244,7 @@ def replica_pod(
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            **_metadata(pod_name(run_id, replica.name), layout, spec.kubernetes_namespace, labels),
+            **_metadata(pod_name(run_id, replica.name), layout, spec.cluster.kubernetes.namespace, labels),
             "ownerReferences": [owner],
         },
         "spec": {
@@ -280,12 +282,12 @@ def tfjob_manifest(layout: ClusterLayout, spec: RunSpec, run_dir: Path, protecte
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "TFJob",
-        "metadata": _metadata(run_name(layout.run_id), layout, spec.kubernetes_namespace),
+        "metadata": _metadata(run_name(layout.run_id), layout, spec.cluster.kubernetes.namespace),
         "spec": {
             "runPolicy": {
                 "cleanPodPolicy": "Running",
-                "backoffLimit": spec.backoff_limit,
-                "activeDeadlineSeconds": spec.train_timeout_seconds + DEADLINE_MARGIN_SECONDS,
+                "backoffLimit": spec.cluster.run_policy.backoff_limit,
+                "activeDeadlineSeconds": spec.cluster.run_policy.timeout_seconds + DEADLINE_MARGIN_SECONDS,
                 # The finished job and its pods (their logs) are deleted after this long.
                 "ttlSecondsAfterFinished": FINISHED_JOB_TTL_SECONDS,
             },

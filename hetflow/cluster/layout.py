@@ -72,13 +72,13 @@ def replica_roles(spec: RunSpec) -> list[tuple[str, int, bool]]:
     cluster has no ``chief`` role); one replica even for one device, so the Airflow task only
     supervises. ``parameter_server`` runs a coordinating chief, workers and ps.
     """
-    if spec.strategy == "parameter_server":
+    if spec.cluster.strategy == "parameter_server":
         return (
             [("chief", 0, False)]
-            + [("worker", i, True) for i in range(spec.workers)]
-            + [("ps", i, True) for i in range(spec.ps)]
+            + [("worker", i, True) for i in range(spec.cluster.worker.replicas)]
+            + [("ps", i, True) for i in range(spec.cluster.ps.replicas)]
         )
-    return [("worker", i, False) for i in range(spec.workers)]
+    return [("worker", i, False) for i in range(spec.cluster.worker.replicas)]
 
 
 def plan_cluster(

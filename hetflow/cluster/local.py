@@ -70,7 +70,7 @@ def visible_gpus(layout: ClusterLayout, spec: RunSpec) -> dict[str, str]:
     workers, the chief of parameter_server and the ps see none."""
     visible, next_gpu = {}, 0
     for replica in layout.replicas:
-        device = spec.worker_device(replica.index) if replica.role == "worker" else None
+        device = spec.cluster.worker_device(replica.index) if replica.role == "worker" else None
         if device is not None and device.device == "gpu":
             visible[replica.name] = ",".join(str(next_gpu + i) for i in range(device.count))
             next_gpu += device.count
@@ -82,7 +82,7 @@ def visible_gpus(layout: ClusterLayout, spec: RunSpec) -> dict[str, str]:
 def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Path]]:
     """What of HETFLOW_HOME a replica sees, on every backend: its run directory, read-write, and the
     prepared data (the spec's data dir, or the one under ``home``), read-only."""
-    return {"read_write": [run_dir], "read_only": [Path(spec.data_dir) if spec.data_dir else data_dir(home)]}
+    return {"read_write": [run_dir], "read_only": [Path(spec.data.data_dir) if spec.data.data_dir else data_dir(home)]}
 
 
 def protected_records(paths: RunPaths) -> list[Path]:
@@ -179,7 +179,7 @@ class LocalReplicas:
         self.spec = spec
         self.run_dir = run_dir
         self.paths = RunPaths(run_dir)
-        self.cores = core_assignment(layout) if spec.pin_cores else {}
+        self.cores = core_assignment(layout) if spec.cluster.pin_cores else {}
         self.gpus = visible_gpus(layout, spec)
         self._offsets: dict[str, int] = {}
         self._lease = None
@@ -245,7 +245,7 @@ class LocalReplicas:
         exit_path(self.run_dir, name).unlink(missing_ok=True)
         log_path = self.log_path(name)
         self._offsets[name] = log_path.stat().st_size if log_path.exists() else 0
-        deadline = time.time() + ATTACH_TIMEOUT_SECONDS + self.spec.train_timeout_seconds
+        deadline = time.time() + ATTACH_TIMEOUT_SECONDS + self.spec.cluster.run_policy.timeout_seconds
         command = [sys.executable, "-m", "hetflow.cluster.keeper", "--run-dir", str(self.run_dir)]
         command += ["--name", name, "--deadline", repr(deadline)]
         env = {
@@ -259,7 +259,7 @@ class LocalReplicas:
             command += ["--network-holder"]
             netns.record_path(self.run_dir).unlink(missing_ok=True)
         else:
-            slowdown = self.spec.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
+            slowdown = self.spec.cluster.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
             command += ["--slowdown", repr(slowdown)]
             if replica.name in self.cores:
                 command += ["--core", str(self.cores[replica.name])]

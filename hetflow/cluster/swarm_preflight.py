@@ -59,7 +59,7 @@ def check_nodes(client, spec: RunSpec, run_id: str, nodes: list[dict], home: Pat
         for node in nodes:
             hostname = node["Description"]["Hostname"]
             services[hostname] = client.services.create(
-                spec.image,
+                spec.cluster.image,
                 command=["sh", "-c", f'echo "digest=$HETFLOW_SOURCE_DIGEST"; {_ESP_CHECK}; cat {marker}'],
                 name=f"hetflow-check-{token}-{node['ID'][:12]}",
                 labels=labels,
@@ -91,7 +91,7 @@ def _node_problem(hostname: str, spec: RunSpec, token: str, home: Path, task: di
     error = task["Status"].get("Err") or ""
     if "No such image" in error or "image" in error.lower() and "not" in error.lower():
         return (
-            f"node {hostname} does not have image={spec.image}: load it there (docker save | docker load) "
+            f"node {hostname} does not have image={spec.cluster.image}: load it there (docker save | docker load) "
             "or push it to a registry the nodes pull from"
         )
     if "bind source path does not exist" in error or "mount" in error.lower():
@@ -101,10 +101,10 @@ def _node_problem(hostname: str, spec: RunSpec, token: str, home: Path, task: di
     digest = next((line[len("digest=") :] for line in output.splitlines() if line.startswith("digest=")), "")
     if digest != source_digest():
         return (
-            f"node {hostname} has image={spec.image} built from other code than this checkout (source digest "
+            f"node {hostname} has image={spec.cluster.image} built from other code than this checkout (source digest "
             f"{digest[:12] or 'none'}, checkout {source_digest()[:12]}): rebuild it (make image) and load it there"
         )
-    if spec.encrypt_network and "esp=no" in output.splitlines():
+    if spec.cluster.swarm.encrypt_network and "esp=no" in output.splitlines():
         return (
             f"node {hostname}: its kernel has no IPsec ESP (CONFIG_INET_ESP), so encrypt_network=true cannot carry "
             "traffic between the nodes: set encrypt_network=false where the nodes share a private network"
@@ -153,7 +153,7 @@ def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
         constraints = placement(spec, replica)
         fitting = [node for node in ready if satisfies(node, constraints)]
         if not fitting:
-            device = spec.worker_device(replica.index)
+            device = spec.cluster.worker_device(replica.index)
             key = f"worker_devices[{replica.index}]"
             wanted = f"{key}.node={device.node}" if device.node else f"{key}.device={device.device}"
             problems.append(

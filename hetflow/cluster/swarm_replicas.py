@@ -84,7 +84,7 @@ def service_config(
     a read-only root file system with a private /tmp. (Swarm services of Docker 20.10 take no
     no-new-privileges flag nor a pids limit; a uid without capabilities has nothing to gain.)"""
     view = replica_view(spec, run_dir, home)
-    deadline = ATTACH_TIMEOUT_SECONDS + spec.train_timeout_seconds
+    deadline = ATTACH_TIMEOUT_SECONDS + spec.cluster.run_policy.timeout_seconds
     # Before its deadline a replica ends once its supervisor's heartbeat stops; not on the lease,
     # whose flock over the nodes' shared storage (NFS) can read as released while it is held
     # (hetflow.cluster.lease).
@@ -162,7 +162,9 @@ class SwarmReplicas:
 
     def provision(self) -> None:
         self.logs_dir.mkdir(parents=True, exist_ok=True)
-        self.client.networks.create(**network_config(self.layout.run_id, self.run_dir, self.spec.encrypt_network))
+        self.client.networks.create(
+            **network_config(self.layout.run_id, self.run_dir, self.spec.cluster.swarm.encrypt_network)
+        )
         self.start(self.layout.replicas)
 
     def start(self, replicas) -> None:

@@ -31,7 +31,7 @@ _CURRENT_FINGERPRINTS = "hetflow_fingerprints.json"
 def dataset_dir(spec) -> Path:
     """Where the run's TFDS datasets and image folders are prepared: the spec's data_dir, else the
     data dir every run shares."""
-    return Path(spec.data_dir) if spec.data_dir else shared_data_dir()
+    return Path(spec.data.data_dir) if spec.data.data_dir else shared_data_dir()
 
 
 @contextlib.contextmanager

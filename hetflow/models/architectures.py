@@ -128,7 +128,9 @@ def read_weights(model: tf.keras.Model, path: Path) -> tf.keras.Model:
 
 def trained_model(spec: RunSpec, dataset: dict[str, Any], path: Path) -> tf.keras.Model:
     """The run's architecture rebuilt from its spec, with the trained weights read from ``path``."""
-    return read_weights(build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed), path)
+    return read_weights(
+        build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed), path
+    )
 
 
 def split_by_parameters(counts: list[int], parts: int) -> list[int]:

@@ -12,7 +12,7 @@ from hetflow.spec import RunSpec
 
 
 def steps_per_epoch(spec: RunSpec, dataset: dict[str, Any]) -> int:
-    return spec.steps_per_epoch or max(1, dataset["splits"]["train"] // spec.batch_size)
+    return spec.training.steps_per_epoch or max(1, dataset["splits"]["train"] // spec.training.batch_size)
 
 
 class WarmupLinearScaling(tf.keras.optimizers.schedules.LearningRateSchedule):
@@ -40,14 +40,16 @@ def learning_rate_plan(spec: RunSpec, steps: int) -> dict[str, Any]:
     starting there. ``batch_size`` is each update's whole batch, so the number of replicas it is
     split over plays no part.
     """
-    linear = spec.lr_scaling == "linear"
+    linear = spec.training.lr_scaling == "linear"
     return {
-        "scaling": spec.lr_scaling,
-        "base": spec.learning_rate,
-        "reference_batch": spec.lr_reference_batch if linear else None,
-        "global_batch": spec.batch_size,
-        "peak": spec.learning_rate * spec.batch_size / spec.lr_reference_batch if linear else spec.learning_rate,
-        "warmup_steps": round(spec.warmup_epochs * steps),
+        "scaling": spec.training.lr_scaling,
+        "base": spec.training.learning_rate,
+        "reference_batch": spec.training.lr_reference_batch if linear else None,
+        "global_batch": spec.training.batch_size,
+        "peak": spec.training.learning_rate * spec.training.batch_size / spec.training.lr_reference_batch
+        if linear
+        else spec.training.learning_rate,
+        "warmup_steps": round(spec.training.warmup_epochs * steps),
     }
 
 
@@ -56,9 +58,9 @@ def learning_rate(spec: RunSpec, steps: int) -> tuple[WarmupLinearScaling, list[
     The replica count plays no part (see ``learning_rate_plan``)."""
     plan = learning_rate_plan(spec, steps)
     schedule = WarmupLinearScaling(plan["base"], plan["peak"], plan["warmup_steps"])
-    return schedule, [float(schedule(epoch * steps)) for epoch in range(spec.epochs)]
+    return schedule, [float(schedule(epoch * steps)) for epoch in range(spec.training.epochs)]
 
 
 def make_optimizer(spec: RunSpec, schedule) -> tf.keras.optimizers.Optimizer:
     optimizers = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam}
-    return optimizers[spec.optimizer](learning_rate=schedule)
+    return optimizers[spec.training.optimizer](learning_rate=schedule)

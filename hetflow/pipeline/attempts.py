@@ -62,7 +62,7 @@ def read_record(path) -> Any:
 
 
 def load_spec(paths: RunPaths) -> RunSpec:
-    return RunSpec.model_validate_json(paths.spec.read_text())
+    return RunSpec.from_json(paths.spec.read_text())
 
 
 @contextlib.contextmanager

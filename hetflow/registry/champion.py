@@ -91,13 +91,13 @@ def gate(spec: RunSpec, candidate_accuracy: float, champion, champion_score: flo
     if champion is None:
         return {"promote": True, "reason": "no champion yet"}
     margin = candidate_accuracy - champion_score
-    promote = margin >= spec.min_improvement
+    promote = margin >= spec.registry.min_improvement
     verb = "beats" if promote else "does not beat"
     return {
         "promote": promote,
         "reason": (
             f"test accuracy {candidate_accuracy:.4f} {verb} champion v{champion.version} "
-            f"({champion_score:.4f}) by min_improvement {spec.min_improvement} (margin {margin:+.4f})"
+            f"({champion_score:.4f}) by min_improvement {spec.registry.min_improvement} (margin {margin:+.4f})"
         ),
     }
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hetflow.paths import read_replica_record
-from hetflow.spec import parse_spec
+from hetflow.spec import flat_values, parse_spec
 
 log = logging.getLogger("hetflow.retrain")
 
@@ -81,6 +81,7 @@ def retrain_spec(registered_model: str, overrides: dict[str, Any]) -> dict[str, 
     else:
         with tempfile.TemporaryDirectory() as folder:
             recorded = read_replica_record(Path(client.download_artifacts(champion.run_id, "run/spec.json", folder)))
+        recorded = flat_values(recorded)  # flat before the spec had sections, nested since
         left = sorted(key for key in recorded if key not in FROM_CHAMPION)
         base = {key: value for key, value in recorded.items() if key in FROM_CHAMPION}
         base["registered_model"] = registered_model
@@ -89,4 +90,4 @@ def retrain_spec(registered_model: str, overrides: dict[str, Any]) -> dict[str, 
             log.info("not taken from the champion's recorded spec (the DAG's to choose): %s", ", ".join(left))
     if overrides:
         log.info("overrides: %s", overrides)
-    return parse_spec({**base, **overrides}).model_dump()
+    return parse_spec({**base, **overrides}).flat()

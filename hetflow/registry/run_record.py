@@ -39,13 +39,13 @@ def pipeline_started(paths: RunPaths) -> float | None:
 def run_name(spec: RunSpec, started: float | None) -> str:
     """What the run was, most telling first (MLflow's run list and chart legends cut long names):
     model, strategy, replicas, when (UTC), e.g. ``mlp parameter_server 2 workers + 1 ps 11-25 13:21:22``."""
-    replicas = f"{spec.workers} worker{'s' if spec.workers > 1 else ''}"
-    if spec.devices_per_worker > 1:
-        replicas += f" x {spec.devices_per_worker} devices"
-    if spec.ps:
-        replicas += f" + {spec.ps} ps"
+    replicas = f"{spec.cluster.worker.replicas} worker{'s' if spec.cluster.worker.replicas > 1 else ''}"
+    if spec.cluster.worker.devices > 1:
+        replicas += f" x {spec.cluster.worker.devices} devices"
+    if spec.cluster.ps.replicas:
+        replicas += f" + {spec.cluster.ps.replicas} ps"
     when = datetime.fromtimestamp(started if started is not None else time.time(), timezone.utc)
-    return f"{spec.model} {spec.strategy} {replicas} {when:%m-%d %H:%M:%S}"
+    return f"{spec.model.architecture} {spec.cluster.strategy} {replicas} {when:%m-%d %H:%M:%S}"
 
 
 def _stepped_metrics(training: dict) -> list[Metric]:
@@ -131,10 +131,10 @@ def log_run_record(
         "dataset.source": dataset["source_path"],
         "mlflow.source.git.commit": git_commit(),
         "mlflow.note.content": headline(training, evaluation),
-        "strategy": spec.strategy,
+        "strategy": spec.cluster.strategy,
     }
     params = {
-        **spec.model_dump(),
+        **spec.flat(),
         "effective_steps_per_epoch": training["steps_per_epoch"],
         "replicas_in_sync": training["replicas_in_sync"],
         "per_replica_batch": training["per_replica_batch"],

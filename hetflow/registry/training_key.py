@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 def training_key(spec: RunSpec, fingerprint: str) -> str:
     """Names one training: the requested spec (less the switch that asks whether to repeat it) and
     the fingerprint of the data. Two runs with the same key would train the same model."""
-    requested = spec.model_dump(mode="json", exclude={"skip_unchanged"})
+    requested = {key: value for key, value in spec.flat(mode="json").items() if key != "skip_unchanged"}
     text = json.dumps({"spec": requested, "data_fingerprint": fingerprint}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -43,10 +43,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(args: argparse.Namespace) -> None:
     paths = RunPaths(args.run_dir)
-    spec = RunSpec.model_validate_json(paths.spec.read_text())
+    spec = RunSpec.from_json(paths.spec.read_text())
     dataset = json.loads(paths.dataset.read_text())
     task = json.loads(os.environ["TF_CONFIG"])["task"]
-    print(f"replica {task['type']}-{task['index']} pid {os.getpid()} strategy={spec.strategy}", flush=True)
+    print(f"replica {task['type']}-{task['index']} pid {os.getpid()} strategy={spec.cluster.strategy}", flush=True)
 
     run_replica(spec, dataset, paths, task)
 
@@ -61,11 +61,11 @@ def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: d
     from hetflow.replica.balance import Relaunch
     from hetflow.replica.record import finish
 
-    if spec.strategy == "parameter_server" and task["type"] != "chief":
+    if spec.cluster.strategy == "parameter_server" and task["type"] != "chief":
         parameter_server.serve(task)
         return
     train = {"parameter_server": parameter_server.train, "model_parallel": model_parallel.train}.get(
-        spec.strategy, sync.train
+        spec.cluster.strategy, sync.train
     )
     try:
         trained = train(spec, dataset, paths, task)

@@ -35,35 +35,39 @@ def decide(spec: RunSpec, probes: list[dict[str, Any]]) -> dict[str, Any]:
         f"measured {', '.join(f'{s:.0f}' for s in speeds)} examples/s (spread {spread:.2f}x), "
         f"{1000 * step:.1f} ms per step on the fastest worker for a {probes[0]['model_parameters']:,}-parameter model"
     )
-    if spec.workers == 1 or step < MIN_STEP_SECONDS_TO_DISTRIBUTE:
-        why = "one worker" if spec.workers == 1 else f"steps under {1000 * MIN_STEP_SECONDS_TO_DISTRIBUTE:.0f} ms"
-        device = spec.worker_device(fastest)
+    if spec.cluster.worker.replicas == 1 or step < MIN_STEP_SECONDS_TO_DISTRIBUTE:
+        why = (
+            "one worker"
+            if spec.cluster.worker.replicas == 1
+            else f"steps under {1000 * MIN_STEP_SECONDS_TO_DISTRIBUTE:.0f} ms"
+        )
+        device = spec.cluster.worker_device(fastest)
         return {
             "strategy": "one_device",
             "settings": {"strategy": "one_device", "workers": 1, "ps": 0, "worker_devices": [device.model_dump()]},
             "reason": f"auto chose one_device on worker-{fastest}: {measured}; {why} would spend more time in "
             "all-reduce than a second worker saves",
         }
-    if spread <= EVEN_SPREAD and spec.batch_size % spec.workers == 0:
+    if spread <= EVEN_SPREAD and spec.training.batch_size % spec.cluster.worker.replicas == 0:
         return {
             "strategy": "multi_worker_mirrored",
             "settings": {"strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": False},
             "reason": f"auto chose sync all-reduce (multi_worker_mirrored): {measured}; the workers are even "
             f"(spread <= {EVEN_SPREAD}), so equal batches make no one wait",
         }
-    shares = split_batch(spec.batch_size, speeds)
+    shares = split_batch(spec.training.batch_size, speeds)
     if spread <= ASYNC_SPREAD:
         return {
             "strategy": "multi_worker_mirrored",
             "settings": {"strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": True},
             "reason": f"auto chose balanced sync: {measured}; per-worker batches {'/'.join(map(str, shares))} "
-            f"(global {spec.batch_size}) let every worker finish a step at the same time, with the exact "
+            f"(global {spec.training.batch_size}) let every worker finish a step at the same time, with the exact "
             "global-batch update",
         }
-    per_worker = max(1, spec.batch_size // spec.workers)
+    per_worker = max(1, spec.training.batch_size // spec.cluster.worker.replicas)
     return {
         "strategy": "parameter_server",
-        "settings": {"strategy": "parameter_server", "ps": max(spec.ps, 1), "batch_size": per_worker},
+        "settings": {"strategy": "parameter_server", "ps": max(spec.cluster.ps.replicas, 1), "batch_size": per_worker},
         "reason": f"auto chose async (parameter_server): {measured}; beyond a {ASYNC_SPREAD}x spread the slowest "
         f"worker's balanced share would be {min(shares)} examples, so each worker applies its own batches of "
         f"{per_worker} instead",

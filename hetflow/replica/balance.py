@@ -72,11 +72,11 @@ class WorkerShares:
 
     def __init__(self, spec: RunSpec, paths: RunPaths, worker: int, is_chief: bool):
         self.spec, self.paths, self.worker, self.is_chief = spec, paths, worker, is_chief
-        self.workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
-        self.equal = split_batch(spec.batch_size, [1.0] * self.workers)
-        plan = json.loads(paths.plan.read_text()) if spec.balance_batches and paths.plan.exists() else {}
+        self.workers = spec.cluster.worker.replicas if spec.cluster.strategy == "multi_worker_mirrored" else 1
+        self.equal = split_batch(spec.training.batch_size, [1.0] * self.workers)
+        plan = json.loads(paths.plan.read_text()) if spec.cluster.worker.balance_batches and paths.plan.exists() else {}
         self.now: list[int] = plan.get("worker_batches") or self.equal
-        self.to_measure = spec.balance_batches and self.workers > 1 and "worker_batches" not in plan
+        self.to_measure = spec.cluster.worker.balance_batches and self.workers > 1 and "worker_batches" not in plan
 
     @property
     def balanced(self) -> bool:
@@ -94,20 +94,22 @@ class WorkerShares:
             f"({1000 * mine['step_seconds']:.1f} ms per step of {mine['batch']}, {mine['steps']} steps)",
             flush=True,
         )
-        requested = json.loads(self.paths.requested_spec.read_text()) if self.paths.requested_spec.exists() else None
-        plan = {"requested": requested or self.spec.model_dump(mode="json"), "probes": probes}
+        requested = (
+            RunSpec.from_json(self.paths.requested_spec.read_text()) if self.paths.requested_spec.exists() else None
+        )
+        plan = {"requested": (requested or self.spec).flat(mode="json"), "probes": probes}
         balance = True
         if requested is not None:
             # Read as the pipeline validated and wrote it: its checks against the host (a folder
             # dataset's allowed roots) cannot run in the replica's sandbox, which sees other paths.
-            plan["decision"] = decide(RunSpec.model_validate(requested), probes)
+            plan["decision"] = decide(requested, probes)
             print(plan["decision"]["reason"], flush=True)
             if plan["decision"]["strategy"] != "multi_worker_mirrored":
                 self._record(plan)
                 raise Relaunch(plan["decision"]["reason"])
             balance = plan["decision"]["settings"]["balance_batches"]
         speeds = [p["examples_per_second"] for p in probes] if balance else [1.0] * self.workers
-        plan["worker_batches"] = self.now = split_batch(self.spec.batch_size, speeds)
+        plan["worker_batches"] = self.now = split_batch(self.spec.training.batch_size, speeds)
         self.to_measure = False
         self._record(plan)
 
@@ -118,6 +120,6 @@ class WorkerShares:
     def announce(self) -> None:
         kind = "balanced" if self.balanced else "equal"
         print(
-            f"{kind} batches {self.now} of {self.spec.batch_size}; this worker takes {self.now[self.worker]}",
+            f"{kind} batches {self.now} of {self.spec.training.batch_size}; this worker takes {self.now[self.worker]}",
             flush=True,
         )

@@ -21,7 +21,7 @@ class EpochCheckpoint:
     dir of their own in the run directory."""
 
     def __init__(self, spec: RunSpec, paths: RunPaths, chief: bool, model, optimizer, **more):
-        self.every = spec.checkpoint_every
+        self.every = spec.training.checkpoint_every
         self.epochs_done = tf.Variable(0, dtype=tf.int64, trainable=False, name="epochs_done")
         # Slots exist before restoring, so the optimizer state comes back too.
         optimizer.build(model.trainable_variables)

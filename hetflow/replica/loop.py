@@ -22,7 +22,7 @@ class EpochLoop:
     def __init__(self, spec: RunSpec, steps: int):
         self.spec, self.steps = spec, steps
         self.schedule, self.lr_per_epoch = learning_rate(spec, steps)
-        self.clock = TrainingClock(spec.target_accuracy)
+        self.clock = TrainingClock(spec.training.target_accuracy)
         self.history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
         self.train_seconds = 0.0
 
@@ -53,7 +53,7 @@ class EpochLoop:
         is reached (every replica sees the same validation accuracy, so all stop together)."""
         spec, clock, history = self.spec, self.clock, self.history
         started = time.perf_counter()
-        for epoch in range(checkpoint.restore(), spec.epochs):
+        for epoch in range(checkpoint.restore(), spec.training.epochs):
             clock.on_epoch_begin(epoch)
             loss_sum, correct = train_epoch()
             clock.on_test_begin()
@@ -66,14 +66,14 @@ class EpochLoop:
             clock.on_epoch_end(epoch, {"val_accuracy": val_accuracy})
             values = (
                 loss_sum / self.steps,
-                correct / (self.steps * spec.batch_size),
+                correct / (self.steps * spec.training.batch_size),
                 val_loss_sum / val_count,
                 val_accuracy,
             )
             for name, value in zip(history, values):
                 history[name].append(float(value))
             print(
-                f"Epoch {epoch + 1}/{spec.epochs} - {clock.epoch_seconds[-1]:.1f}s"
+                f"Epoch {epoch + 1}/{spec.training.epochs} - {clock.epoch_seconds[-1]:.1f}s"
                 f" (validation {clock.validation_seconds[-1]:.1f}s)"
                 f" - loss: {history['loss'][-1]:.4f} - accuracy: {history['accuracy'][-1]:.4f}"
                 f" - val_loss: {history['val_loss'][-1]:.4f} - val_accuracy: {val_accuracy:.4f}"

@@ -29,8 +29,10 @@ from hetflow.spec import RunSpec
 
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
-    devices = local_devices(spec.worker_device(0).count)
-    model, groups = build_model_parallel(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed, devices)
+    devices = local_devices(spec.cluster.worker_device(0).count)
+    model, groups = build_model_parallel(
+        spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed, devices
+    )
     for device, layers in groups:
         print(f"{device}: {', '.join(layer.name for layer in layers)}", flush=True)
     loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
@@ -56,7 +58,11 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         return loss, correct
 
     predict = tf.function(lambda images: forward(images, training=False))
-    batches = iter(train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed))
+    batches = iter(
+        train_input(
+            dataset, per_worker_batch=spec.training.batch_size, shuffle=spec.training.shuffle, seed=spec.training.seed
+        )
+    )
     checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer)
     validation = eval_input(dataset, "validation")
     loop.run(
@@ -69,7 +75,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         for device, layers in groups
         for layer in layers
     ]
-    worker = worker_rate(spec.batch_size, loop.clock.epochs_done * loop.steps, loop.train_seconds)
+    worker = worker_rate(spec.training.batch_size, loop.clock.epochs_done * loop.steps, loop.train_seconds)
     return Trained(
         loop, model, {"replicas_in_sync": 1, "per_worker": {"worker-0": worker}, "layer_placement": placement}
     )

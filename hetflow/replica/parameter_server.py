@@ -73,7 +73,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     strategy = tf.distribute.ParameterServerStrategy(
         resolver,
         variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
-            min_shard_bytes=MIN_SHARD_BYTES, max_shards=spec.ps
+            min_shard_bytes=MIN_SHARD_BYTES, max_shards=spec.cluster.ps.replicas
         ),
     )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -81,7 +81,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     # Async: every update is one worker's batch_size examples, the batch the scaling rule sees.
     loop = EpochLoop(spec, closures_per_epoch * STEPS_PER_CLOSURE)
     with strategy.scope():
-        model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
+        model = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
         optimizer = make_optimizer(spec, loop.schedule)
         # Counts applied updates; lives on a ps, so every worker sees the others' increments.
         updates_applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates_applied")
@@ -91,7 +91,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         # Every worker builds the same pipeline; an unseeded shuffle gives each its own order
         # (TensorFlow tells workers apart no other way under ParameterServerStrategy). Async
         # training is not reproducible anyway: which worker runs which step is up to scheduling.
-        return train_input(dataset, per_worker_batch=spec.batch_size, shuffle=True, seed=None)
+        return train_input(dataset, per_worker_batch=spec.training.batch_size, shuffle=True, seed=None)
 
     iterator = iter(coordinator.create_per_worker_dataset(worker_batches))
     worker_ids = _per_worker_ids(coordinator)
@@ -157,7 +157,9 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer, updates_applied=updates_applied)
     variables = model.trainable_variables
     communication = communication_record(
-        variables, time_exchange(strategy, coordinator, spec.workers, variables, STEPS_PER_CLOSURE), STEPS_PER_CLOSURE
+        variables,
+        time_exchange(strategy, coordinator, spec.cluster.worker.replicas, variables, STEPS_PER_CLOSURE),
+        STEPS_PER_CLOSURE,
     )
     print(
         f"communication per step, timed alone: {1000 * communication['seconds_per_step']:.1f} ms "
@@ -175,7 +177,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     # Each worker's share of the steps, and the staleness of the updates it applied.
     per_worker = {
         f"worker-{worker}": {
-            **worker_rate(spec.batch_size, len(seen), loop.train_seconds),
+            **worker_rate(spec.training.batch_size, len(seen), loop.train_seconds),
             "staleness_mean": float(np.mean(seen)),
             "staleness_max": int(max(seen)),
         }

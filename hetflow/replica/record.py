@@ -44,14 +44,16 @@ def training_record(
     worker's)."""
     clock = loop.clock
     seconds = sum(clock.epoch_seconds) or loop.train_seconds  # a retry with no epoch left trained 0 examples
-    examples = spec.batch_size * clock.epochs_done * loop.steps
+    examples = spec.training.batch_size * clock.epochs_done * loop.steps
     return {
-        "strategy": spec.strategy,
+        "strategy": spec.cluster.strategy,
         "replicas_in_sync": replicas_in_sync,
-        "global_batch": spec.batch_size,
-        "per_replica_batch": spec.batch_size // replicas_in_sync if per_replica_batch is None else per_replica_batch,
+        "global_batch": spec.training.batch_size,
+        "per_replica_batch": spec.training.batch_size // replicas_in_sync
+        if per_replica_batch is None
+        else per_replica_batch,
         "steps_per_epoch": loop.steps,
-        "epochs": spec.epochs,
+        "epochs": spec.training.epochs,
         "history": loop.history,
         "learning_rate_schedule": learning_rate_plan(spec, loop.steps),
         "learning_rate_per_epoch": loop.lr_per_epoch,

@@ -13,14 +13,14 @@ def replica_device(spec: RunSpec, task: dict[str, Any]) -> WorkerDevice:
     """This replica's device settings: its worker_devices entry; a chief or ps computes nothing
     and takes one CPU."""
     if task["type"] == "worker":
-        return spec.worker_device(task["index"])
+        return spec.cluster.worker_device(task["index"])
     return WorkerDevice()
 
 
 def configure_runtime(spec: RunSpec, task: dict[str, Any]) -> None:
     """Threads and devices; must run before TensorFlow executes its first op."""
     device = replica_device(spec, task)
-    threads = device.threads or spec.replica_threads
+    threads = device.threads or spec.cluster.replica_threads
     if threads:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(threads)

@@ -49,11 +49,11 @@ from hetflow.spec import RunSpec
 
 
 def make_strategy(spec: RunSpec) -> tf.distribute.Strategy:
-    if spec.strategy == "one_device":
+    if spec.cluster.strategy == "one_device":
         # The default strategy: TensorFlow places the ops on the one device this replica sees.
         return tf.distribute.get_strategy()
-    if spec.strategy == "mirrored":
-        return tf.distribute.MirroredStrategy(local_devices(spec.worker_device(0).count))
+    if spec.cluster.strategy == "mirrored":
+        return tf.distribute.MirroredStrategy(local_devices(spec.cluster.worker_device(0).count))
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=COMMUNICATION)
 
 
@@ -63,7 +63,7 @@ def is_chief(task: dict[str, Any]) -> bool:
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
     strategy = make_strategy(spec)
-    workers = spec.workers if spec.strategy == "multi_worker_mirrored" else 1
+    workers = spec.cluster.worker.replicas if spec.cluster.strategy == "multi_worker_mirrored" else 1
     local_replicas = strategy.num_replicas_in_sync // workers
 
     @tf.function
@@ -80,7 +80,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
 
     loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
     with strategy.scope():
-        model = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
+        model = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
         optimizer = make_optimizer(spec, loop.schedule)
     shares = WorkerShares(spec, paths, task["index"], is_chief(task))
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
@@ -96,9 +96,9 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
                 training_examples,
                 start=offsets[r],
                 end=offsets[r + 1],
-                global_batch=spec.batch_size,
-                shuffle=spec.shuffle,
-                seed=spec.seed,
+                global_batch=spec.training.batch_size,
+                shuffle=spec.training.shuffle,
+                seed=spec.training.seed,
             )
             for r in range(worker * local_replicas, (worker + 1) * local_replicas)
         ]
@@ -112,7 +112,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     def replica_gradients(images, labels):
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
-            loss = tf.reduce_sum(loss_fn(labels, logits)) / spec.batch_size
+            loss = tf.reduce_sum(loss_fn(labels, logits)) / spec.training.batch_size
         correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
         return tape.gradient(loss, model.trainable_variables), loss, correct
 
@@ -153,7 +153,8 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     validation_size = dataset["splits"]["validation"]
     worker_offsets = [0, *itertools.accumulate(shares.now)]
     first, last = (
-        round(worker_offsets[i] * validation_size / spec.batch_size) for i in (task["index"], task["index"] + 1)
+        round(worker_offsets[i] * validation_size / spec.training.batch_size)
+        for i in (task["index"], task["index"] + 1)
     )
     my_validation = eval_input(dataset, "validation", examples=(first, last))
 

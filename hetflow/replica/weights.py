@@ -23,7 +23,7 @@ def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], pa
     strategies every worker must take part in saving (it may run collectives); each writes into a
     scratch dir and only the chief's copy is moved to ``path``, whole.
     """
-    plain = build_model(spec.model, dataset["input_shape"], dataset["num_classes"], spec.seed)
+    plain = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
     # A checkpoint stores each variable whole, whatever its distribution, and restores by name.
     # Each ps writes its own shards: the scratch dir is beside ``path`` in the run directory, which
     # every replica sees (a container's /tmp is its own).

@@ -81,7 +81,7 @@ def fine_tuning_steps(spec: RunSpec, training: dict[str, Any]) -> int:
     """Optimizer steps of the pruning fine-tuning: ``fine_tuning_share`` of the steps the model was
     trained (training.json), at least ``MIN_FINE_TUNING_STEPS``."""
     trained = training["epochs_done"] * training["steps_per_epoch"]
-    return max(MIN_FINE_TUNING_STEPS, round(spec.fine_tuning_share * trained))
+    return max(MIN_FINE_TUNING_STEPS, round(spec.compression.fine_tuning_share * trained))
 
 
 def prune(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: int) -> tf.keras.Model:
@@ -93,7 +93,7 @@ def prune(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: 
     frequency = max(1, ramp_steps // 20)
     schedule = tfmot.sparsity.keras.PolynomialDecay(
         initial_sparsity=0.0,
-        final_sparsity=spec.target_sparsity,
+        final_sparsity=spec.compression.target_sparsity,
         begin_step=0,
         end_step=frequency * (ramp_steps // frequency),
         frequency=frequency,
@@ -114,9 +114,11 @@ def prune(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: 
     pruning = tf.keras.models.clone_model(copy, clone_function=wrap)
     # The training optimizer at the training rate: at a tenth of it, an Adam step moves a weight by
     # at most 1e-4, too little to undo the loss (kernels' mean |w| is 0.1-0.2).
-    compile_model(pruning, make_optimizer(spec, spec.learning_rate))
+    compile_model(pruning, make_optimizer(spec, spec.training.learning_rate))
     pruning.fit(
-        train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed),
+        train_input(
+            dataset, per_worker_batch=spec.training.batch_size, shuffle=spec.training.shuffle, seed=spec.training.seed
+        ),
         epochs=1,
         steps_per_epoch=steps,
         callbacks=[tfmot.sparsity.keras.UpdatePruningStep()],
@@ -140,9 +142,11 @@ def quantization_aware(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, 
     quantized = tfmot.quantization.keras.quantize_apply(
         annotated, tfmot.experimental.combine.Default8BitPrunePreserveQuantizeScheme()
     )
-    compile_model(quantized, make_optimizer(spec, spec.learning_rate))
+    compile_model(quantized, make_optimizer(spec, spec.training.learning_rate))
     quantized.fit(
-        train_input(dataset, per_worker_batch=spec.batch_size, shuffle=spec.shuffle, seed=spec.seed),
+        train_input(
+            dataset, per_worker_batch=spec.training.batch_size, shuffle=spec.training.shuffle, seed=spec.training.seed
+        ),
         epochs=1,
         steps_per_epoch=steps,
         verbose=2,
@@ -160,7 +164,7 @@ def int8_file(
     """The full-integer file of ``model``: post-training quantized, or, when that loses more than
     ``max_accuracy_drop`` against ``model`` on the validation split, quantization-aware fine-tuned
     for ``steps`` (kept only if it does better there); with how it was chosen."""
-    representative = representative_images(dataset, spec.seed)
+    representative = representative_images(dataset, spec.training.seed)
     images, labels = split_arrays(dataset, "validation" if "validation" in dataset["splits"] else "train")
     reference = _accuracy(lambda x: model.predict(x, batch_size=256, verbose=0), images, labels)
 
@@ -176,7 +180,7 @@ def int8_file(
         "reference_validation_accuracy": reference,
         "post_training_validation_accuracy": file_accuracy(post_training),
     }
-    if reference - choice["post_training_validation_accuracy"] <= spec.max_accuracy_drop:
+    if reference - choice["post_training_validation_accuracy"] <= spec.export.max_accuracy_drop:
         return post_training, {**choice, "int8_method": "post_training"}
     started = time.perf_counter()
     aware = to_tflite(quantization_aware(model, spec, dataset, steps), "int8", representative, sparse=sparse)
@@ -222,16 +226,16 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
     """Prune (``prune=true``) and quantize (``quantize``) the trained model; writes compression.json."""
     model = trained_model(spec, dataset, paths.model)
     paths.compressed.mkdir(parents=True, exist_ok=True)
-    record: dict[str, Any] = {"prune": spec.prune, "quantize": spec.quantize, "variants": {}}
+    record: dict[str, Any] = {"prune": spec.compression.prune, "quantize": spec.compression.quantize, "variants": {}}
     bases = {"float": model}
     steps = fine_tuning_steps(spec, training)
-    if spec.prune:
+    if spec.compression.prune:
         started = time.perf_counter()
         pruned = prune(model, spec, dataset, steps)
         record["fine_tuning_seconds"] = time.perf_counter() - started
         record["fine_tuning_steps"] = steps
         record["trained_steps"] = training["epochs_done"] * training["steps_per_epoch"]
-        record["target_sparsity"] = spec.target_sparsity
+        record["target_sparsity"] = spec.compression.target_sparsity
         record["pruned_layers"] = pruned_layers(pruned)
         record["pruning_blocks"] = {
             name: list(pruning_block(pruned.get_layer(name))) for name in record["pruned_layers"]
@@ -241,11 +245,11 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
         pruned.save_weights(pruned_weights_path(paths))
         record["pruned_weights"] = str(pruned_weights_path(paths))
         bases["pruned"] = pruned
-    if "tflite" in spec.export_formats:
-        representative = representative_images(dataset, spec.seed)
-        conversions = [("pruned", "pruned", "none")] if spec.prune else []
-        if spec.quantize != "none":
-            conversions += [(f"{base}_{spec.quantize}", base, spec.quantize) for base in bases]
+    if "tflite" in spec.export.formats:
+        representative = representative_images(dataset, spec.training.seed)
+        conversions = [("pruned", "pruned", "none")] if spec.compression.prune else []
+        if spec.compression.quantize != "none":
+            conversions += [(f"{base}_{spec.compression.quantize}", base, spec.compression.quantize) for base in bases]
         for name, base, quantize in conversions:
             sparse = base == "pruned" and quantize in SPARSE_ENCODABLE
             path = paths.compressed / f"{name}.tflite"

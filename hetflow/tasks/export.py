@@ -138,7 +138,7 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) ->
     float_accuracy = float(np.mean(np.argmax(float_logits, axis=1) == labels))
     compression = read_replica_record(paths.compression)  # at the run directory's top, where replicas write
     tflite_variants = {}
-    if "tflite" in spec.export_formats:
+    if "tflite" in spec.export.formats:
         paths.float_tflite.parent.mkdir(parents=True, exist_ok=True)
         data = to_tflite(model, "none")
         paths.float_tflite.write_bytes(data)
@@ -155,7 +155,7 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) ->
         pruned_logits = pruned.predict(images, batch_size=256, verbose=0)
 
     artifacts: dict[str, dict[str, Any]] = {}
-    if "saved_model" in spec.export_formats:
+    if "saved_model" in spec.export.formats:
         save_serving_model(model, paths.saved_model)
         artifacts["saved_model"] = {
             "format": "saved_model",
@@ -188,7 +188,7 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) ->
     record = {
         "float_test_accuracy": float_accuracy,
         "artifacts": artifacts,
-        "chosen_tflite": judge(artifacts, float_accuracy, spec.max_accuracy_drop),
+        "chosen_tflite": judge(artifacts, float_accuracy, spec.export.max_accuracy_drop),
     }
     paths.plots.mkdir(parents=True, exist_ok=True)
     plots.size_vs_accuracy(artifacts, float_accuracy, paths.plots / "size_vs_accuracy.png")

@@ -27,10 +27,10 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         spec = load_spec(paths)
         # validate_spec confined them, maybe long ago: a link swapped in since, or roots the operator
         # has narrowed since, must stop the reading here.
-        problems = data_location_problems(spec)
+        problems = data_location_problems(spec.data)
         if problems:
             raise SpecError(problems)
-        record = prepare_dataset(spec.dataset, dataset_dir(spec), spec.image_size)
+        record = prepare_dataset(spec.data.dataset, dataset_dir(spec), spec.data.image_size)
         record["training_key"] = training_key(spec, record["fingerprint"])
         record["trained_before"] = _trained_before(spec, record["training_key"], run_id)
         if record["trained_before"]:  # what summarize and the DAG's skip say
@@ -49,7 +49,7 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
 
 
 def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | None:
-    if not spec.skip_unchanged:
+    if not spec.data.skip_unchanged:
         return None
     from hetflow.registry.store import tracking_uri
     from hetflow.registry.training_key import trained_before
@@ -57,7 +57,7 @@ def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | No
 
     try:
         with timing.part("mlflow_io"):
-            return trained_before(MlflowClient(tracking_uri()), spec.registered_model, key, run_id)
+            return trained_before(MlflowClient(tracking_uri()), spec.registry.model_name, key, run_id)
     except Exception as error:  # noqa: BLE001  (an unreachable server, two runs creating one SQLite store, ...)
         # Training is never skipped on a guess; register will say if MLflow is still away.
         log.warning("could not ask MLflow whether this training was done before (%s): training", error)

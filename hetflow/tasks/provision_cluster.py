@@ -25,7 +25,7 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
     paths = run_paths(run_id)
     with attempt(paths, "provision_cluster", run_id, try_number) as receipt:
         spec = load_spec(paths)
-        if spec.strategy == "auto":
+        if spec.cluster.strategy == "auto":
             write_record(paths.requested_spec, spec.model_dump(mode="json"))
             spec = start_of_auto(spec)
             # From here on the run trains with the resolved spec; the request stays in requested_spec.json.
@@ -35,7 +35,7 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
     log.info(
         "started %s on %s: %s",
         ", ".join(r.name for r in cluster.layout.replicas),
-        spec.backend,
+        spec.cluster.backend,
         cluster.layout.cluster_spec(),
     )
     return {**cluster.layout.to_dict(), "attempt": receipt}
@@ -46,12 +46,12 @@ def start_of_auto(spec: RunSpec) -> RunSpec:
     all-reduce and measure themselves before their first step (``hetflow.replica.balance``), then keep
     equal batches, balance them, or stop so that ``train`` relaunches them as ``one_device`` or
     ``parameter_server`` (``hetflow.replica.auto_strategy`` decides, from what they measured)."""
-    if spec.workers == 1:
+    if spec.cluster.worker.replicas == 1:
         auto_log.info("auto chose one_device: one worker")
-        return parse_spec({**spec.model_dump(), "strategy": "one_device"})
+        return parse_spec({**spec.flat(), "strategy": "one_device"})
     auto_log.info(
         "auto starts sync all-reduce on %d workers, which measure themselves before their first step and then "
         "keep equal batches, balance them, or are relaunched as one_device or parameter_server",
-        spec.workers,
+        spec.cluster.worker.replicas,
     )
-    return parse_spec({**spec.model_dump(), "strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": True})
+    return parse_spec({**spec.flat(), "strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": True})

@@ -64,7 +64,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     compression = read_replica_record(paths.compression)
     mlflow.set_tracking_uri(store.tracking_uri())
     client = timing.TimedClient(MlflowClient())
-    name, chosen = spec.registered_model, exported["chosen_tflite"]
+    name, chosen = spec.registry.model_name, exported["chosen_tflite"]
     tflite_name = f"{name}-tflite"
     # Refused before anything is written to MLflow.
     for model_name in [name, tflite_name] if chosen is not None else [name]:
@@ -79,11 +79,11 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
         "dataset.version": dataset["version"],
         "dataset.fingerprint": dataset["fingerprint"],
         TRAINING_KEY_TAG: dataset["training_key"],
-        "strategy": spec.strategy,
-        "model": spec.model,
+        "strategy": spec.cluster.strategy,
+        "model": spec.model.architecture,
     }
     headline = (
-        f"Trained by Airflow run `{airflow_run_id}` ({spec.strategy}, {spec.model}) on "
+        f"Trained by Airflow run `{airflow_run_id}` ({spec.cluster.strategy}, {spec.model.architecture}) on "
         f"{dataset['name']} {dataset['version']}.\n\n"
         f"- dataset: {dataset['name']} {dataset['version']}, fingerprint `{dataset['fingerprint']}`, "
         f"from `{dataset['source_path']}`\n"
@@ -114,7 +114,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
             tflite_check = champion.start_served_check(pool, client, tflite_version, tflite_predict, images, log_dir)
             compression_tags = {
                 "variant": artifact["variant"],
-                "prune": str(spec.prune),
+                "prune": str(spec.compression.prune),
                 "target_sparsity": str(compression.get("target_sparsity", 0.0)),
                 "quantize": artifact["quantize"],
                 "size_bytes": str(artifact["bytes"]),

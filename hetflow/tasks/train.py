@@ -38,7 +38,7 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         backend = backends.backend_for(spec)
         cluster = backend.replicas(spec, ClusterLayout.from_dict(read_record(paths.cluster)), paths.root)
         with _stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
-            backends.supervise(spec, cluster, paths.root, spec.train_timeout_seconds)
+            backends.supervise(spec, cluster, paths.root, spec.cluster.run_policy.timeout_seconds)
             if paths.requested_spec.exists():
                 spec = _carry_out_auto(spec, run_id, paths)
     return {**read_replica_record(paths.training), "attempt": receipt}
@@ -52,12 +52,14 @@ def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
 
     decided = auto_decided(paths)
     write_record(paths.spec, decided.model_dump(mode="json"))
-    if decided.strategy == spec.strategy:
+    if decided.cluster.strategy == spec.cluster.strategy:
         return decided
-    auto_log.info("relaunching the replicas as %s, from the start", decided.strategy)
+    auto_log.info("relaunching the replicas as %s, from the start", decided.cluster.strategy)
     backends.backend_for(spec).teardown(spec, run_id)
     shutil.rmtree(paths.checkpoints, ignore_errors=True)  # another strategy's checkpoints are not resumed
-    backends.supervise(decided, backends.start(decided, run_id, paths), paths.root, decided.train_timeout_seconds)
+    backends.supervise(
+        decided, backends.start(decided, run_id, paths), paths.root, decided.cluster.run_policy.timeout_seconds
+    )
     return decided
 
 
@@ -71,7 +73,7 @@ def auto_decided(paths: RunPaths) -> RunSpec:
         return load_spec(paths)  # decided without measuring (one worker), or trained before measuring enough
     requested = parse_spec(read_record(paths.requested_spec))
     decision = decide(requested, plan["probes"])
-    return parse_spec({**requested.model_dump(), **decision["settings"]})
+    return parse_spec({**requested.flat(), **decision["settings"]})
 
 
 @contextlib.contextmanager

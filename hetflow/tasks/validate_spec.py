@@ -26,7 +26,7 @@ def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = 
     with attempt(paths, "validate_spec", run_id, try_number) as receipt:
         write_record(paths.spec, spec.model_dump(mode="json"))
     log.info("spec: %s", spec.model_dump())
-    return {**spec.model_dump(), "attempt": receipt}
+    return {**spec.flat(), "attempt": receipt}
 
 
 def data_problems(spec: RunSpec) -> list[str]:
@@ -35,7 +35,7 @@ def data_problems(spec: RunSpec) -> list[str]:
     from hetflow.data.prepare import check_available, dataset_dir
 
     try:
-        check_available(spec.dataset, dataset_dir(spec), spec.image_size)
+        check_available(spec.data.dataset, dataset_dir(spec), spec.data.image_size)
     except ValueError as error:
         return [str(error)]
     return []
