@@ -97,7 +97,15 @@ def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
     paths = run_paths(run_id)
     record = json.loads(paths.cluster.read_text())["file_isolation"]
-    protected = [paths.owner, paths.spec, paths.dataset, paths.cluster, paths.replicas, paths.logs]
+    protected = [
+        paths.owner,
+        paths.spec,
+        paths.dataset,
+        paths.cluster,
+        paths.provisioned_by,
+        paths.replicas,
+        paths.logs,
+    ]
     # Made before the replicas start, so that none can put a link of its own at their names.
     pipeline_folders = [paths.root / "attempts", paths.plots, paths.compressed, paths.root / "export"]
     pipeline_folders += [paths.root / "serving", paths.root / "tensorboard"]
@@ -117,6 +125,7 @@ def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     options = _mount_options(replica)
     assert options[str(paths.root)].startswith("rw")
     assert options[str(paths.spec)].startswith("ro") and options[str(paths.replicas)].startswith("ro")
+    assert options[str(paths.provisioned_by)].startswith("ro")
     assert options[str(data_dir(home))].startswith("ro")
     assert options["/"].startswith("ro")
     status = Path(f"/proc/{replica}/status").read_text()
