@@ -57,7 +57,7 @@ BALANCED = {**SYNC, "balance_batches": "true"}
 ASYNC = {"strategy": "parameter_server", "ps": 1, "batch_size": PER_WORKER_BATCH}
 AUTO = {"strategy": "auto", "batch_size": GLOBAL_BATCH}
 UNEQUAL_CASES = {"naive_sync": SYNC, "balanced_sync": BALANCED, "async": ASYNC, "auto": AUTO}
-# The swarm tests' nodes (tests/test_swarm.py): the slower one has half the CPU of the other.
+# The swarm tests' nodes (tests/test_cluster_swarm_backend.py): the slower one has half the CPU of the other.
 SWARM_NODES = "node-1:1.0:cpu node-2:0.5:cpu"
 SCENARIOS = {
     "straggler": {
@@ -88,7 +88,7 @@ SCENARIOS = {
     "unequal_nodes": {
         "backend": "swarm",
         "workers": '[{"threads": 1, "node": "node-1"}, {"threads": 1, "node": "node-2"}]',
-        # This machine's kernel has no IPsec ESP for an encrypted overlay (tests/test_swarm.py).
+        # This machine's kernel has no IPsec ESP for an encrypted overlay (tests/test_cluster_swarm_backend.py).
         "settings": {"backend": "swarm", "encrypt_network": "false"},
         "baseline": "naive_sync",
         "cases": UNEQUAL_CASES,

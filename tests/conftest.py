@@ -86,7 +86,7 @@ def dag_run(env: dict[str, str], *sets: str, timeout: float = 900) -> tuple[subp
 @pytest.fixture(scope="session")
 def e2e_first_run(hetflow_env) -> tuple[subprocess.CompletedProcess, dict]:
     """The first run of the end-to-end tests (the defaults, 15 epochs), made once for every test
-    file that reads a real run (test_e2e, test_overhead)."""
+    file that reads a real run (test_e2e_run, test_pipeline_timing)."""
     return run_dag(hetflow_env, "epochs=15")
 
 

@@ -48,7 +48,7 @@ def _new_registered_model(name: str, champion_accuracy: float, candidates: list[
 
 def _gate(name: str, version: str, accuracy: float, log_dir: Path, ready=None) -> None:
     """What a run's register task does with its version once registered: tag it, gate it, move
-    the aliases. Its served check passed: that check serves real models in tests/test_serving.py,
+    the aliases. Its served check passed: that check serves real models in tests/test_serving_server.py,
     here the gate is what is under test. ``ready`` is called once the process has started up."""
     from hetflow.registry import champion
     from hetflow.spec import RunSpec

@@ -1,6 +1,6 @@
 """hetflow's pages in Airflow's and MLflow's UIs as a user opens them in headless Chromium, for the UI
 tests of both stacks: ``make up``'s (test_e2e_ui_airflow.py, test_e2e_ui_mlflow.py) and the compose
-stack (test_compose_stack.py)."""
+stack (test_e2e_compose_stack.py)."""
 
 from __future__ import annotations
 

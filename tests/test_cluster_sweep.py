@@ -1,6 +1,6 @@
 """``hetflow sweep`` and every teardown remove what interrupted runs left, and nothing of a live run:
 real containers and networks on the engine `make test` starts. A local run leaves nothing to sweep:
-its replicas and the holder of its network namespace die with their supervisor (tests/test_cluster.py)."""
+its replicas and the holder of its network namespace die with their supervisor (tests/test_cluster_local.py)."""
 
 from __future__ import annotations
 

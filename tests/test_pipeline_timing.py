@@ -73,7 +73,7 @@ def test_every_stage_says_where_its_time_went(e2e_first_run):
         # Airflow's own clock around the task holds the stage's (the live view prints tenths).
         assert timing["wall"] <= tasks[stage] + 0.05, (stage, timing, tasks[stage])
         receipt = json.loads((Path(summary["run_dir"]) / "attempts" / f"{stage}.json").read_text())
-        if receipt["try_number"] is not None:  # test_e2e re-runs register on this run outside Airflow
+        if receipt["try_number"] is not None:  # test_e2e_run re-runs register on this run outside Airflow
             assert receipt["timing"]["wall"] == timing["wall"]
             compared_with_receipts += 1
     assert compared_with_receipts >= len(stages) - 1

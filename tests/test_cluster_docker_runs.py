@@ -112,7 +112,7 @@ def test_a_parameter_server_run_in_docker_trains_and_leaves_nothing(docker_clien
     assert len(removed) == 4 and _docker_names(docker_client, run) == []
 
 
-# Enough epochs for the MLP to pass the local backend's bar (tests/test_e2e.py); no pruning or
+# Enough epochs for the MLP to pass the local backend's bar (tests/test_e2e_run.py); no pruning or
 # quantization, which have nothing to do with where the replicas ran.
 TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=docker")
 

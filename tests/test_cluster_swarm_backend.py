@@ -219,7 +219,7 @@ def test_preflight_on_the_swarm_names_each_node_that_lacks_what_the_run_needs(sw
     assert [s.name for s in swarm["client"].services.list()] == []  # the checks left no service
 
 
-# Enough epochs for the MLP to pass the local backend's bar (tests/test_e2e.py); no pruning or
+# Enough epochs for the MLP to pass the local backend's bar (tests/test_e2e_run.py); no pruning or
 # quantization, which have nothing to do with where the replicas ran.
 TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=swarm", "encrypt_network=false")
 
