@@ -196,9 +196,10 @@ def markdown(record: dict) -> str:
     ]
     lines += [
         "",
-        "The bench measures post-training int8 only: compress fine-tunes quantization-aware instead only where "
-        "post-training int8 loses more than max_accuracy_drop on the validation split (tests/test_tasks_compress_qat.py "
-        "shows a case). The largest drop of a single seed's pruned int8 file here, on the test split: "
+        "The bench measures post-training int8 only: compress fine-tunes quantization-aware instead only "
+        "where post-training int8 loses more than max_accuracy_drop on the validation split "
+        "(tests/test_tasks_compress_qat.py shows a case). The largest drop of a single seed's pruned int8 "
+        "file here, on the test split: "
         f"{worst_int8_drop:.2f} points. "
         "Latency is measured on the same 2 shared cores as everything else, hence the wide spreads. A sparse "
         "float file carries a DENSIFY op before each sparse layer (the interpreter expands the tensor), so the "

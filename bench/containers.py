@@ -45,7 +45,8 @@ from throughput_cases import BIN, COMMON, PER_WORKER_BATCH, REPO_ROOT
 BACKENDS = ("local", "docker", "swarm")
 # Equal nodes: the swarm case differs from the others in the backend only.
 SWARM_NODES = "node-1:1.0:cpu node-2:1.0:cpu"
-# One worker per node; this machine's kernel has no IPsec ESP for an encrypted overlay (tests/test_cluster_swarm_backend.py).
+# One worker per node; this machine's kernel has no IPsec ESP for an encrypted overlay
+# (tests/test_cluster_swarm_backend.py).
 SWARM_SETTINGS = {
     "pin_cores": "false",
     "worker_devices": '[{"node": "node-1"}, {"node": "node-2"}]',

@@ -255,7 +255,8 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
             path = paths.compressed / f"{name}.tflite"
             choice = {}
             if quantize == "int8":
-                # Half the pruning fine-tuning: enough to recover in the case tests/test_tasks_compress_and_export.py makes.
+                # Half the pruning fine-tuning: enough to recover in the case
+                # tests/test_tasks_compress_and_export.py makes.
                 data, choice = int8_file(bases[base], spec, dataset, steps // 2, sparse, path.with_suffix(".probe"))
             else:
                 data = to_tflite(bases[base], quantize, representative, sparse=sparse)
