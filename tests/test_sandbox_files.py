@@ -89,7 +89,7 @@ def _mount_options(pid: int) -> dict[str, str]:
 @pytest.mark.replicas
 def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     home = hetflow_home()
-    other_run = home / "runs" / "someone_else"
+    other_run = home / "runs" / "someone_elses_files"  # its own: test_sandbox.py leaves a record in someone_else
     other_run.mkdir(parents=True, exist_ok=True)
     (home / "stack").mkdir(exist_ok=True)
     (home / "stack" / "compose.env").write_text("AIRFLOW_PASSWORD=secret")
