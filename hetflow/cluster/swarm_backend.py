@@ -96,8 +96,10 @@ def sweep_services(home: Path, attach_seconds: float) -> dict[str, list[str]]:
 class SwarmBackend:
     """backend=swarm as a ``Backend`` (``hetflow.cluster.backends``)."""
 
-    # A node is marked down after missing its heartbeats (5 s apart by default): well within this.
-    loss_report_seconds = 15.0
+    # SwarmKit marks a node down after three missed heartbeats (5 s apart by default, plus up to
+    # 0.5 s of jitter): up to about 17 s after it died, while a peer exits on the broken connection
+    # within a second or two. Twice that leaves room for a busy manager.
+    loss_report_seconds = 35.0
 
     def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
         return plan(spec, run_id)
