@@ -147,7 +147,7 @@ def undisturbed(bench: Bench) -> dict:
 
 
 def kill_random(bench: Bench) -> dict:
-    """Today's chaos: alternating shapes, a random replica (never the parameter-server chief)
+    """The random kills: alternating shapes, a random replica (never the parameter-server chief)
     SIGKILLed at a random time after the first epoch."""
     return _kills(
         [kill_run(bench, list(SHAPES)[i % len(SHAPES)], f"kill-random-{i}", "random") for i in range(bench.runs)]

@@ -14,7 +14,7 @@ from hetflow.spec.sections import field_backends, short_name
 
 @dataclass(frozen=True)
 class Key:
-    short: str  # today's flat key: --set, --config, the form, conf, MLflow params
+    short: str  # the key people type, flat: --set, --config, the form, conf, MLflow params
     path: tuple[str, ...]  # where it lives in RunSpec: ("cluster", "worker", "replicas")
     owner: type[BaseModel]  # the section model that declares it
     section: str  # the title of its top-level section (the trigger form's section)
