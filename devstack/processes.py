@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from devstack.secrets import open_private, private_dir, stack_dir
-from hetflow.cluster.processes import environments_with
+from hetflow.cluster.processes import environments_with, start_ticks
 from hetflow.paths import REPO_ROOT
 from hetflow.registry.store import tracking_uri
 
@@ -69,13 +69,11 @@ def create_time(pid: int) -> str | None:
     """When the process was created: this boot's id and the clock ticks from boot to its start
     (field 22 of /proc/PID/stat). With the pid it names one process; unlike psutil's create_time()
     it does not move when the wall clock is set. None if there is no such process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
+    ticks = start_ticks(pid)
+    if ticks is None:
         return None
     boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    # Field 2, the command name, may hold spaces and parentheses: count the fields after its ')'.
-    return f"{boot}+{stat[stat.rindex(')') + 2 :].split()[19]}"
+    return f"{boot}+{ticks}"
 
 
 def start(env: dict[str, str], airflow_port: int, mlflow_port: int) -> dict[str, dict]:

@@ -19,6 +19,17 @@ RUN_ID_ENV = "HETFLOW_RUN_ID"
 TERM_GRACE_SECONDS = 10.0
 
 
+def start_ticks(pid: int) -> int | None:
+    """The clock ticks from boot to the process's start (field 22 of /proc/PID/stat): with the pid, on
+    one boot, it names one process, where a pid alone is reused. None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Field 2, the command name, may hold spaces and parentheses: count the fields after its ')'.
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
 def is_running(pid: int) -> bool:
     """Whether the process is alive: a zombie is not (a keeper started by another stage's process
     stays one until that process exits), and a child of ours that exited is reaped here."""

@@ -8,16 +8,15 @@ import os
 import socket
 from pathlib import Path
 
+from hetflow.cluster.processes import start_ticks
 from hetflow.paths import NotRegularFile, RunPaths, read_regular, read_replica_record, write_record
 
 
 def this_process() -> dict:
     """This process, named so that no other one matches: a pid is reused, a pid and the clock ticks
     from boot to its start (field 22 of /proc/self/stat) on one host are not."""
-    stat = Path("/proc/self/stat").read_text()
-    # Field 2, the command name, may hold spaces and parentheses: count the fields after its ')'.
-    start_time = int(stat[stat.rindex(")") + 2 :].split()[19])
-    return {"pid": os.getpid(), "start_time": start_time, "host": socket.gethostname()}
+    pid = os.getpid()
+    return {"pid": pid, "start_time": start_ticks(pid), "host": socket.gethostname()}
 
 
 def record_provisioner(paths: RunPaths) -> None:
