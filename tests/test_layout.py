@@ -15,21 +15,29 @@ from pathlib import Path
 from conftest import REPO
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
+def _module_name(path: Path, root: Path = REPO) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _every_import(tree: ast.AST) -> set[str]:
+    """Every module a tree imports, at its top or in a function, ``from a import b`` counting as a.b
+    too (``from hetflow.tasks import train`` imports the module hetflow.tasks.train), and every
+    module named in a string given to ``importlib.import_module``."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args:
+            found.add(ast.unparse(node.args[0]).strip("'\"f").split("{")[0].rstrip("."))
+    return found
 
 
 def _imports(path: Path, package: str) -> set[str]:
     """Every module of ``package`` that ``path`` imports, at its top or inside a function."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            # `from hetflow.tasks import train` imports the module hetflow.tasks.train
-            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    found = _every_import(ast.parse(path.read_text()))
     return {name for name in found if name == package or name.startswith(f"{package}.")}
 
 
@@ -93,20 +101,6 @@ def _shown(path: Path) -> str:
 
 def _python_files(*folders: str) -> list[Path]:
     return [path for folder in folders for path in sorted((REPO / folder).rglob("*.py"))]
-
-
-def _every_import(tree: ast.AST) -> set[str]:
-    """Every module a tree imports, at its top or in a function, ``from a import b`` counting as a.b
-    too, and every module named in a string given to ``importlib.import_module``."""
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
-        elif isinstance(node, ast.Call) and ast.unparse(node.func).endswith("import_module") and node.args:
-            found.add(ast.unparse(node.args[0]).strip("'\"f").split("{")[0].rstrip("."))
-    return found
 
 
 def stage_imports_of_stages(stage_files: list[Path]) -> list[str]:
@@ -210,26 +204,18 @@ def forbidden_in_replica(root: Path, forbidden: tuple[str, ...]) -> list[str]:
         base = root.joinpath(*module.split("."))
         return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.exists()), None)
 
-    replica = [p for p in (root / "hetflow" / "replica").rglob("*.py")]
-    queue = [
-        (_module_name_under(root, p), _every_import(ast.parse(p.read_text())), [_module_name_under(root, p)])
-        for p in replica
-    ]
+    replica = sorted((root / "hetflow" / "replica").rglob("*.py"))
+    queue = [(_every_import(ast.parse(p.read_text())), [_module_name(p, root)]) for p in replica]
     seen, broken = set(), []
     while queue:
-        module, imported, chain = queue.pop()
+        imported, chain = queue.pop()
         for name in sorted(imported):
             if name.split(".")[0] in forbidden:
                 broken.append(" -> ".join([*chain, name]))
             elif name.startswith("hetflow") and name not in seen and (found := path_of(name)):
                 seen.add(name)
-                queue.append((name, _top_level_imports(found), [*chain, name]))
+                queue.append((_top_level_imports(found), [*chain, name]))
     return broken
-
-
-def _module_name_under(root: Path, path: Path) -> str:
-    parts = list(path.relative_to(root).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def long_modules(files: list[Path]) -> list[str]:
