@@ -14,7 +14,7 @@ from typing import Any
 
 from hetflow.cli.dag_run import run_dag
 from hetflow.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths
-from hetflow.spec import RunSpec, SpecError, flat_values, parse_assignment, parse_spec
+from hetflow.spec import SpecError, flat_values, parse_assignment, parse_spec
 
 
 def spec_values(config: Path | None, assignments: list[str]) -> dict[str, Any]:
@@ -84,8 +84,8 @@ def _cmd_run(args) -> int:
         nodes = summary.get("nodes") or {}
         names = (f"{r['role']}-{r['index']}" for r in summary["replicas"])
         replicas = ", ".join(f"{name} on {nodes[name]}" if name in nodes else name for name in names)
-        cluster = RunSpec.from_values(summary["spec"]).cluster  # flat in a run directory from before the sections
-        print(f"  replicas        {replicas} ({cluster.backend}, {cluster.strategy})")
+        spec = flat_values(summary["spec"])  # flat in a run directory from before the sections
+        print(f"  replicas        {replicas} ({spec['backend']}, {spec['strategy']})")
     if log_file is not None:
         print(f"  full log        {log_file}")
     print(summary_path)
