@@ -19,7 +19,10 @@ Figures, from the run's summary.json (``timings``, see hetflow/tasks/summarize.p
 - beside them the command's own wall time, launch to exit (Python, Airflow and the DAG files
   loaded before the DAG run starts), and the served checks' start-up, which bounds register;
 - apart, what importing each stage's module costs in DAG order (``hetflow.tasks.<stage>``, each
-  after the ones before it: what a one-process run pays for it by that stage).
+  after the ones before it: what a one-process run pays for it by that stage);
+- apart, the Airflow floor: the launch to exit of a run of hetflow_train's shape with empty tasks
+  (bench/airflow_floor/), in an Airflow home of its own; with the stages after training's imports,
+  what the run cannot shed by changing its stages.
 
 Writes bench/results/overhead-<UTC timestamp>.json and bench/OVERHEAD.md.
 
@@ -40,109 +43,22 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from overhead_yardsticks import (
+    IMPORT_REPEATS,
+    BenchFailed,
+    airflow_floor_seconds,
+    checked,
+    set_up,
+    stage_import_seconds,
+    tensorflow_import_seconds,
+)
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 from run import machine_facts, shown
 from throughput_cases import BIN, REPO_ROOT
 
 AIM_IMPORTS = 3  # the aim: the command less its training, at most this many TensorFlow imports
-IMPORT_REPEATS = 3
 STAGES_AFTER_TRAINING = ("evaluate", "compress", "export", "register", "summarize")
 PARTS = ("mlflow_io", "work")
-# The DAG's tasks in the order of its wiring (dags/hetflow_train.py; teardown_cluster, after train, runs
-# beside evaluate to register): one process imports their modules in about this order.
-TASKS_IN_ORDER = (
-    "validate_spec",
-    "prepare_data",
-    "provision_cluster",
-    "train",
-    "teardown_cluster",
-    "evaluate",
-    "compress",
-    "export",
-    "register",
-    "summarize",
-)
-# Imports each task's module, given on the command line, in order; prints the seconds of each.
-STAGE_IMPORTS = (
-    "import importlib, json, sys, time\n"
-    "seconds = {}\n"
-    "for task in sys.argv[1:]:\n"
-    "    started = time.perf_counter()\n"
-    "    importlib.import_module(f'hetflow.tasks.{task}')\n"
-    "    seconds[task] = time.perf_counter() - started\n"
-    "print(json.dumps(seconds))\n"
-)
-
-# The first use of a home, each in a process of its own so that the measured run starts cold.
-SET_UP = {
-    "dataset": (
-        "import json, sys; from pathlib import Path; from hetflow.data.prepare import prepare_dataset; "
-        "from hetflow.paths import data_dir; spec = json.loads(sys.argv[1])['data']; "
-        "prepare_dataset(spec['dataset'], Path(spec['data_dir']) if spec['data_dir'] else data_dir(), "
-        "spec['image_size'])"
-    ),
-    "airflow_db": (
-        "import os; from hetflow.cli.dag_run import ensure_airflow_db, airflow_environment; "
-        "os.environ.update(airflow_environment()); ensure_airflow_db()"
-    ),
-    "mlflow_store": (
-        "from mlflow import MlflowClient; from hetflow.registry.store import tracking_uri; "
-        "MlflowClient(tracking_uri()).search_experiments()"
-    ),
-}
-
-
-class BenchFailed(RuntimeError):
-    pass
-
-
-def _checked(done: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-25:])
-        raise BenchFailed(f"{what}: exit code {done.returncode}; last output:\n{tail}")
-    return done
-
-
-def set_up(run_args: list[str], env: dict[str, str]) -> dict[str, float]:
-    """Seconds each first-use step took (not part of the run measured)."""
-    validated = subprocess.run(
-        [str(BIN / "hetflow"), "validate", *run_args], cwd=REPO_ROOT, env=env, capture_output=True, text=True
-    )
-    spec = json.loads(_checked(validated, "hetflow validate").stdout)
-    seconds = {}
-    for step, code in SET_UP.items():
-        started = time.monotonic()
-        done = subprocess.run(
-            [str(BIN / "python"), "-c", code, json.dumps(spec)], cwd=REPO_ROOT, env=env, capture_output=True, text=True
-        )
-        _checked(done, f"set-up step {step}")
-        seconds[step] = time.monotonic() - started
-    return seconds
-
-
-def tensorflow_import_seconds(env: dict[str, str]) -> list[float]:
-    """Wall seconds of ``import tensorflow`` in a fresh interpreter, ``IMPORT_REPEATS`` times."""
-    seconds = []
-    for _ in range(IMPORT_REPEATS):
-        started = time.monotonic()
-        done = subprocess.run(
-            [str(BIN / "python"), "-c", "import tensorflow"], cwd=REPO_ROOT, env=env, capture_output=True, text=True
-        )
-        seconds.append(time.monotonic() - started)
-        _checked(done, "import tensorflow")
-    return seconds
-
-
-def stage_import_seconds(env: dict[str, str]) -> dict[str, float]:
-    """Seconds importing each task's module took in a fresh interpreter of this venv, in DAG order."""
-    done = subprocess.run(
-        [str(BIN / "python"), "-c", STAGE_IMPORTS, *TASKS_IN_ORDER],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    return json.loads(_checked(done, "importing the stages' modules").stdout)
 
 
 def measure(command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -150,7 +66,7 @@ def measure(command: list[str], env: dict[str, str], timeout: float) -> dict[str
     started = time.monotonic()
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     wall = time.monotonic() - started
-    _checked(done, "hetflow run")
+    checked(done, "hetflow run")
     summary = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
     if summary["status"] != "success" or not summary.get("timings"):
         raise BenchFailed(f"hetflow run ended {summary['status']} ({summary.get('skipped_because')})")
@@ -184,6 +100,36 @@ def headline(run: dict[str, Any]) -> dict[str, float]:
     tf_import = statistics.median(run["tensorflow_import_seconds"])
     overhead = run["figures"]["command_overhead_seconds"]
     return {"overhead": overhead, "tf_import": tf_import, "imports": overhead / tf_import}
+
+
+def floor(run: dict[str, Any]) -> dict[str, float]:
+    """What no change to hetflow's stages can shed from the run: Airflow's own cost of a run of this
+    DAG (the Airflow floor) and the import of the stages after training, which bring TensorFlow into
+    the DAG's process; seconds, and in TensorFlow imports."""
+    tf_import = statistics.median(run["tensorflow_import_seconds"])
+    imports_after_training = sum(
+        seconds for task, seconds in run["stage_import_seconds"].items() if task in STAGES_AFTER_TRAINING
+    )
+    seconds = run["airflow_floor_seconds"] + imports_after_training
+    return {
+        "airflow": run["airflow_floor_seconds"],
+        "airflow_imports": run["airflow_floor_seconds"] / tf_import,
+        "imports_after_training": imports_after_training,
+        "seconds": seconds,
+        "imports": seconds / tf_import,
+    }
+
+
+def floor_verdict(run: dict[str, Any]) -> str:
+    bound = floor(run)
+    return (
+        f"**What bounds it:** Airflow alone, a run of the same DAG with every task's body empty (its ten tasks, "
+        f"their wiring and trigger rules, its trigger form: `bench/airflow_floor/`) through the same `dag.test`, "
+        f"took {bound['airflow']:.1f} s from launch to exit, {bound['airflow_imports']:.1f}× an import. With the "
+        f"stages after training importing TensorFlow into the DAG's process ({bound['imports_after_training']:.1f} s, "
+        f"below), that is {bound['seconds']:.1f} s, {bound['imports']:.1f}× an import, before any stage does its "
+        f"work: {'above' if bound['imports'] > AIM_IMPORTS else 'within'} the aim of {AIM_IMPORTS}×."
+    )
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -221,6 +167,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"every stage) was {airflow_own:.1f} s, {airflow_own / headline(middle)['tf_import']:.1f}× an import, "
         f"and the stages after training (evaluate to summarize) {after_training:.1f} s.",
         "",
+    ]
+    if "airflow_floor_seconds" in middle:  # results of this bench before it measured the floor have none
+        lines += [floor_verdict(middle), ""]
+    lines += [
         "| run | launch to exit | training | launch to exit − training | one TensorFlow import | in imports |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -315,6 +265,7 @@ def main() -> int:
                 load_at_start = os.getloadavg()[0]
                 tf_import = tensorflow_import_seconds(env)
                 stage_imports = stage_import_seconds(env)
+                floor = airflow_floor_seconds(env)
                 print(f"[bench] {shown(command)} ...", flush=True)
                 measured = measure(command, env, args.timeout)
             except (BenchFailed, subprocess.TimeoutExpired) as error:
@@ -326,6 +277,7 @@ def main() -> int:
                 "set_up": set_up_seconds,
                 "tensorflow_import_seconds": tf_import,
                 "stage_import_seconds": stage_imports,
+                "airflow_floor_seconds": floor,
                 "figures": figures(measured),
             }
         )

@@ -1,5 +1,6 @@
-"""bench/straggler.py's verdicts on its aims from launch (balanced sync <= 0.75x naive sync,
-auto within 10% of the best case) and the bound it states from the probes, on hand-made medians."""
+"""The benches' verdicts on hand-made figures: bench/straggler.py's on its aims from launch (balanced
+sync <= 0.75x naive sync, auto within 10% of the best case) and the bound it states from the probes;
+bench/overhead.py's floor under the fixed overhead (the Airflow floor and the later stages' imports)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))  # the bench scripts import each other as top-level modules
+import overhead  # noqa: E402
 import straggler  # noqa: E402
 
 
@@ -35,3 +37,20 @@ def test_balanced_sync_and_auto_are_judged_from_launch_and_balanced_sync_is_boun
     )
     cases["balanced_sync"] = case(76.0, 50.0)
     assert straggler.aims(cases, runs)[0].endswith("**0.76x** naive sync (aim <= 0.75x: not met)")
+
+
+def test_the_overhead_floor_is_airflow_alone_plus_the_imports_of_the_stages_after_training():
+    run = {
+        "tensorflow_import_seconds": [6.0, 4.0, 5.0],  # median 5 s
+        # validate_spec's import comes before training, so it is not in the floor
+        "stage_import_seconds": {"validate_spec": 0.5, "train": 0.0, "evaluate": 3.0, "compress": 1.0, "register": 0.5},
+        "airflow_floor_seconds": 12.5,
+    }
+    verdict = overhead.floor_verdict(run)
+    assert "took 12.5 s from launch to exit, 2.5× an import" in verdict
+    assert "(4.5 s, below), that is 17.0 s, 3.4× an import" in verdict
+    assert verdict.endswith("above the aim of 3×.")
+    run["airflow_floor_seconds"] = 8.0  # 12.5 s: 2.5 imports
+    assert overhead.floor_verdict(run).endswith(
+        "that is 12.5 s, 2.5× an import, before any stage does its work: within the aim of 3×."
+    )
