@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import hetflow
+from conftest import REPO, hetflow
 
 from hetflow.spec import KEYS, SPEC_KEYS, RunSpec, SpecError, airflow_params, parse_assignment, parse_spec
 
@@ -148,6 +150,21 @@ def test_cli_validate_merges_config_and_set(hetflow_env, tmp_path):
     assert done.returncode == 0, done.stderr
     spec = json.loads(done.stdout)
     assert (spec["model"]["architecture"], spec["training"]["epochs"]) == ("cnn", 9)
+
+
+def test_cli_output_cut_short_by_its_reader_ends_quietly_with_the_shells_sigpipe_status(hetflow_env):
+    # The reader leaves before the command writes (`hetflow validate | head -0`).
+    command = subprocess.Popen(
+        [sys.executable, "-m", "hetflow.cli.main", "validate"],
+        cwd=REPO,
+        env=hetflow_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    command.stdout.close()
+    stderr = command.stderr.read().decode()
+    assert command.wait(timeout=120) == 141  # 128 + SIGPIPE, as `yes | head` leaves it
+    assert stderr == ""
 
 
 def test_cli_rejects_a_bad_spec_with_one_line_per_problem_and_starts_nothing(hetflow_env):

@@ -6,6 +6,8 @@ import argparse
 import gc
 import json
 import logging
+import os
+import signal
 import sys
 import time
 import uuid
@@ -167,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     except NotRegularFile as exc:  # a record a replica planted or broke: named, not a traceback
         print(f"hetflow: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The output's reader left (`hetflow validate | head`): stop quietly, as a shell's tools do.
+        # What is still buffered goes nowhere, or flushing it at exit would raise once more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     finally:
         # Leaving, the interpreter would walk every object TensorFlow and Airflow made, to collect
         # memory the process gives back anyway: seconds after the command's work was done. Frozen
