@@ -54,3 +54,21 @@ def test_the_overhead_floor_is_airflow_alone_plus_the_imports_of_the_stages_afte
     assert overhead.floor_verdict(run).endswith(
         "that is 12.5 s, 2.5× an import, before any stage does its work: within the aim of 3×."
     )
+
+
+def test_the_airflow_floor_is_hetflow_train_with_empty_tasks(hetflow_env):
+    from airflow.dag_processing.dagbag import DagBag
+
+    train = DagBag(dag_folder=str(REPO / "dags")).dags["hetflow_train"]
+    floor = DagBag(dag_folder=str(REPO / "bench" / "airflow_floor")).dags["hetflow_floor"]
+
+    def shape(dag):
+        return {
+            task.task_id: (sorted(task.upstream_task_ids), task.trigger_rule, task.is_setup, task.is_teardown)
+            for task in dag.tasks
+        }
+
+    assert shape(floor) == shape(train)
+    assert {key: param.schema for key, param in floor.params.items()} == {
+        key: param.schema for key, param in train.params.items()
+    }

@@ -1,5 +1,5 @@
-"""bench/overhead.py's Airflow floor: hetflow_train's ten tasks, their wiring and trigger rules, and
-its trigger form, with every task's body empty. One run of it through ``dag.test`` costs what
+"""bench/overhead.py's Airflow floor: hetflow_train's ten tasks, their wiring, trigger rules, set-up and
+teardown, and its trigger form, with every task's body empty. One run of it through ``dag.test`` costs what
 Airflow itself costs a run of that DAG; hetflow's task callbacks are left out, as hetflow's own."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from airflow.sdk import DAG, task
 
 from hetflow.paths import REPO_ROOT
 
-TRAIN = DagBag(dag_folder=str(REPO_ROOT / "dags")).get_dag("hetflow_train")
+TRAIN = DagBag(dag_folder=str(REPO_ROOT / "dags")).dags["hetflow_train"]
 
 with DAG(
     dag_id="hetflow_floor",
@@ -26,7 +26,11 @@ with DAG(
         def nothing() -> None:
             return None
 
-        empty_tasks[train_task.task_id] = nothing()
+        empty_task = empty_tasks[train_task.task_id] = nothing()
+        if train_task.is_setup:
+            empty_task.as_setup()
+        if train_task.is_teardown:
+            empty_task.as_teardown()
     for train_task in TRAIN.tasks:
         for upstream in train_task.upstream_task_ids:
             empty_tasks[upstream] >> empty_tasks[train_task.task_id]
