@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 _IMPORT_PROBE = """
@@ -54,6 +55,26 @@ def test_dag_wiring(hetflow_env):
     assert dag.get_task("provision_cluster").is_setup
     assert dag.get_task("summarize").trigger_rule == "all_done"
     assert set(dag.params) >= {"dataset", "model", "epochs", "batch_size", "registered_model"}
+
+
+def test_a_triggered_runs_conf_takes_sections_as_objects_but_model_only_by_path(hetflow_env):
+    """What docs/spec.md says of a conf: Airflow checks it against the form's fields before hetflow
+    reads it, and `model` is both a section and the architecture's field."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk.exceptions import ParamValidationError
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    dag = DagBag(dag_folder=str(REPO / "dags")).dags["hetflow_train"]
+    params = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag)).params  # as a trigger checks them
+    for conf in (
+        {"training": {"epochs": 3}},
+        {"cluster": {"worker": {"replicas": 3}, "ps": {"replicas": 1}}},
+        {"model.architecture": "cnn"},
+        {"model": "cnn"},
+    ):
+        params.deep_merge(conf).validate()
+    with pytest.raises(ParamValidationError, match="param model: {'architecture': 'cnn'} is not of type 'string'"):
+        params.deep_merge({"model": {"architecture": "cnn"}}).validate()
 
 
 def test_every_task_runs_the_function_of_its_name_in_the_module_of_its_name(hetflow_env):

@@ -14,8 +14,11 @@ HEADER = """# The run spec
 
 Every key can be given by its short name or by its path: `--set workers=2` and
 `--set cluster.worker.replicas=2` are the same, on the command line (`--set`), in a `--config` JSON
-file (flat, or nested in sections), in the trigger form and in a triggered run's conf. `spec.json`
-and `summary.json` hold the spec in sections; MLflow params hold the short names.
+file (flat, or nested in sections), in the trigger form and in a triggered run's conf. One
+exception: a triggered run's conf cannot give the `model` section as an object, as `model` is also
+the architecture's short name, a field of the form, and Airflow checks the conf against the form
+before hetflow reads it; give `model.architecture` (or `model`) there. `spec.json` and
+`summary.json` hold the spec in sections; MLflow params hold the short names.
 """
 
 
