@@ -52,13 +52,15 @@ from overhead_yardsticks import (
     stage_import_seconds,
     tensorflow_import_seconds,
 )
-from report import save  # bench/report.py: the scripts run as bench/<name>.py
+from report import busy_cores, save  # bench/report.py: the scripts run as bench/<name>.py
 from run import machine_facts, shown
 from throughput_cases import BIN, REPO_ROOT
 
 AIM_IMPORTS = 3  # the aim: the command less its training, at most this many TensorFlow imports
 STAGES_AFTER_TRAINING = ("evaluate", "compress", "export", "register", "summarize")
 PARTS = ("mlflow_io", "work")
+BUSY_SECONDS = 2.0
+OTHER_WORK_CORES = 0.25  # busier than this before a run, and its figures are not the machine's alone
 
 
 def measure(command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -145,7 +147,7 @@ def markdown(report: dict[str, Any]) -> str:
     met = headline(middle)["imports"] <= AIM_IMPORTS
     airflow_own = result["before_dag_seconds"] + result["airflow_seconds"]
     after_training = sum(timing["wall"] for stage, timing in result["stages"].items() if stage in STAGES_AFTER_TRAINING)
-    loads = [run["load_average_1min_at_start"] for run in runs]
+    busy = [run["busy_cores_before"] for run in runs]
     lines = [
         "# Fixed pipeline overhead",
         "",
@@ -158,8 +160,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"- command: `{report['command']}`",
         f"- machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['memory_gib']} GiB memory, "
         f"TensorFlow {machine['tensorflow']}, Python {machine['python']}, git {machine['git']}",
-        f"- 1-minute load average before each run: {', '.join(f'{load:.2f}' for load in loads)}"
-        + (" (other work was competing for the cores)" if max(loads) > 0.5 else ""),
+        f"- cores busy in the {BUSY_SECONDS:.0f} s before each run, the bench waiting: "
+        f"{', '.join(f'{cores:.2f}' for cores in busy)}"
+        + (" (other work was competing for the cores)" if max(busy) > OTHER_WORK_CORES else ""),
         "",
         f"**Fixed overhead: {headline(middle)['overhead']:.1f} s, {headline(middle)['imports']:.1f}× one TensorFlow "
         f"import** (median run; runs {min(ratios):.1f}–{max(ratios):.1f}×); aim ≤ {AIM_IMPORTS}×: "
@@ -261,11 +264,12 @@ def main() -> int:
             try:
                 print(f"[bench] run {number}/{args.runs}: setting up {home} ...", flush=True)
                 set_up_seconds = set_up(run_args, env)
-                # Other work on the machine skews every figure: the load before the run shows whether some was going on.
-                load_at_start = os.getloadavg()[0]
                 tf_import = tensorflow_import_seconds(env)
                 stage_imports = stage_import_seconds(env)
                 floor = airflow_floor_seconds(env)
+                # Other work on the machine skews every figure: what kept the cores busy just before the
+                # run, the bench waiting, shows whether some was going on.
+                busy_before = busy_cores(BUSY_SECONDS)
                 print(f"[bench] {shown(command)} ...", flush=True)
                 measured = measure(command, env, args.timeout)
             except (BenchFailed, subprocess.TimeoutExpired) as error:
@@ -273,7 +277,7 @@ def main() -> int:
                 return 1
         runs.append(
             {
-                "load_average_1min_at_start": load_at_start,
+                "busy_cores_before": busy_before,
                 "set_up": set_up_seconds,
                 "tensorflow_import_seconds": tf_import,
                 "stage_import_seconds": stage_imports,

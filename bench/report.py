@@ -4,6 +4,8 @@ markdown summary beside the scripts, printed too."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -20,3 +22,19 @@ def save(kind: str, record: dict, summary_name: str, summary: str, at: datetime 
     (BENCH_DIR / summary_name).write_text(summary)
     print(summary)
     return results
+
+
+def busy_cores(seconds: float = 2.0) -> float:
+    """How many cores were busy over the next ``seconds``, from /proc/stat, while the caller waits:
+    other work on the machine, where a 1-minute load average would still count the bench's own
+    work of the minute before."""
+
+    def busy_and_total() -> tuple[int, int]:
+        ticks = [int(field) for field in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = ticks[3] + ticks[4]  # idle and iowait
+        return sum(ticks) - idle, sum(ticks)
+
+    busy_before, total_before = busy_and_total()
+    time.sleep(seconds)
+    busy_after, total_after = busy_and_total()
+    return (busy_after - busy_before) / (total_after - total_before) * os.cpu_count()

@@ -72,3 +72,13 @@ def test_the_airflow_floor_is_hetflow_train_with_empty_tasks(hetflow_env):
     assert {key: param.schema for key, param in floor.params.items()} == {
         key: param.schema for key, param in train.params.items()
     }
+
+
+def test_the_overhead_bench_imports_the_stages_in_an_order_the_dag_can_run_them(hetflow_env):
+    from airflow.dag_processing.dagbag import DagBag
+    from overhead_yardsticks import TASKS_IN_ORDER
+
+    train = DagBag(dag_folder=str(REPO / "dags")).dags["hetflow_train"]
+    assert sorted(TASKS_IN_ORDER) == sorted(train.task_ids)
+    for position, task_id in enumerate(TASKS_IN_ORDER):
+        assert train.get_task(task_id).upstream_task_ids <= set(TASKS_IN_ORDER[:position]), task_id
