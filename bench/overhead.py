@@ -126,7 +126,8 @@ def floor_verdict(run: dict[str, Any]) -> str:
     bound = floor(run)
     return (
         f"**What bounds it:** Airflow alone, a run of the same DAG with every task's body empty (its ten tasks, "
-        f"their wiring and trigger rules, its trigger form: `bench/airflow_floor/`) through the same `dag.test`, "
+        f"their wiring, trigger rules, set-up and teardown, its trigger form: `bench/airflow_floor/`) through "
+        f"the same `dag.test`, "
         f"took {bound['airflow']:.1f} s from launch to exit, {bound['airflow_imports']:.1f}× an import. With the "
         f"stages after training importing TensorFlow into the DAG's process ({bound['imports_after_training']:.1f} s, "
         f"below), that is {bound['seconds']:.1f} s, {bound['imports']:.1f}× an import, before any stage does its "
