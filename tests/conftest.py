@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -95,6 +96,20 @@ def full_log(done: subprocess.CompletedProcess) -> str:
     whose path it prints)."""
     line = next(line for line in done.stdout.splitlines() if line.strip().startswith("full log"))
     return Path(line.split(maxsplit=2)[2]).read_text()
+
+
+# The first lines of a probe run in a sandbox: attempt(label, action) does one thing and prints one
+# line, "ok" or the OSError's class and errno.
+ATTEMPT = textwrap.dedent(
+    """
+    def attempt(label, action):
+        try:
+            action()
+            print(label, "ok")
+        except OSError as error:
+            print(label, type(error).__name__, error.errno)
+    """
+)
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.2):

@@ -14,20 +14,14 @@ import sys
 import textwrap
 
 import pytest
-from conftest import wait_for
+from conftest import ATTEMPT, wait_for
 
 from hetflow.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths, write_record
 
-_HOSTILE = textwrap.dedent(
+_HOSTILE = ATTEMPT + textwrap.dedent(
     """
     import json, os, sys
     paths = json.loads(sys.argv[1])
-    def attempt(label, action):
-        try:
-            action()
-            print(label, "ok")
-        except OSError as error:
-            print(label, type(error).__name__, error.errno)
     def rewrite(path, text):
         with open(path, "w") as handle:
             handle.write(text)

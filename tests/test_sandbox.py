@@ -17,23 +17,17 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import ATTEMPT, wait_for
 
 from hetflow import sandbox
 from hetflow.cluster.processes import run_replicas
 from hetflow.paths import hetflow_home, run_paths
 
 # Tries each thing, and prints one line per attempt: "ok" or the error's class and errno.
-_PROBE = textwrap.dedent(
+_PROBE = ATTEMPT + textwrap.dedent(
     """
     import json, os, socket, sys, time
     targets = json.loads(sys.argv[1])
-    def attempt(label, action):
-        try:
-            action()
-            print(label, "ok")
-        except OSError as error:
-            print(label, type(error).__name__, error.errno)
     def connect_unix(path):
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(path)

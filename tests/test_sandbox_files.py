@@ -14,23 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, wait_for
+from conftest import ATTEMPT, REPO, wait_for
 
 from hetflow import sandbox
 from hetflow.cluster.processes import run_replicas
 from hetflow.paths import data_dir, hetflow_home, run_paths
 
 # Tries each write and read, and reports what happened, one line each.
-_PROBE = textwrap.dedent(
+_PROBE = ATTEMPT + textwrap.dedent(
     """
     import os, sys
     home, run, data = sys.argv[1:4]
-    def attempt(label, action):
-        try:
-            action()
-            print(label, "ok")
-        except OSError as error:
-            print(label, type(error).__name__, error.errno)
     attempt("write-run", lambda: open(os.path.join(run, "written"), "w").write("x"))
     attempt("write-data", lambda: open(os.path.join(data, "written"), "w").write("x"))
     attempt("write-repo", lambda: open(sys.argv[4], "w").write("x"))
