@@ -309,3 +309,40 @@ def test_the_replica_guard_knows_a_replica_start_when_it_sees_one():
     assert starts_replicas("python -m hetflow.replica --run-dir /runs/a")
     assert not starts_replicas(["git", "status"])
     assert not starts_replicas(["python", "-m", "hetflow.cli.main", "validate"])
+
+
+def architecture_tree(text: str) -> set[str]:
+    """The paths that ARCHITECTURE.md's tree lists (the code block under "## The tree", two spaces a
+    level, a folder's name ending in "/")."""
+    block = text.split("## The tree", 1)[1].split("```", 2)[1]
+    paths, folders = set(), []
+    for line in block.strip("\n").splitlines():
+        depth = (len(line) - len(line.lstrip())) // 2
+        name = line.split()[0]
+        folders[depth:] = [name] if name.endswith("/") else []
+        paths.add("".join(folders[:depth]) + name)
+    return paths
+
+
+def tracked_layout(tracked: list[str]) -> set[str]:
+    """What the tree says it lists: every tracked top-level file and folder, and hetflow/ and docs/ file
+    by file, a sub-package's ``__init__.py`` and docs/screenshots/' images left out."""
+    paths = set()
+    for path in tracked:
+        parts = path.split("/")
+        paths.add(parts[0] + ("/" if len(parts) > 1 else ""))
+        if parts[0] not in ("hetflow", "docs"):
+            continue
+        paths.update("/".join(parts[:depth]) + "/" for depth in range(2, len(parts)))
+        if not (parts[-1] == "__init__.py" and len(parts) > 2) and parts[:2] != ["docs", "screenshots"]:
+            paths.add(path)
+    return paths
+
+
+def test_architecture_md_lists_the_tracked_layout():
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    text = (REPO / "ARCHITECTURE.md").read_text()
+    assert architecture_tree(text) == tracked_layout(tracked)
+    # A module's line gone from the tree shows as that module.
+    keeper = next(line for line in text.splitlines() if line.lstrip().startswith("keeper.py "))
+    assert tracked_layout(tracked) - architecture_tree(text.replace(keeper + "\n", "")) == {"hetflow/cluster/keeper.py"}
