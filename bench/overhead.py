@@ -127,8 +127,8 @@ def floor_verdict(run: dict[str, Any]) -> str:
     return (
         f"**What bounds it:** Airflow alone, a run of the same DAG with every task's body empty (its ten tasks, "
         f"their wiring, trigger rules, set-up and teardown, its trigger form: `bench/airflow_floor/`) through "
-        f"the same `dag.test`, "
-        f"took {bound['airflow']:.1f} s from launch to exit, {bound['airflow_imports']:.1f}× an import. With the "
+        f"the same `dag.test`, took {bound['airflow']:.1f} s from launch to exit, "
+        f"{bound['airflow_imports']:.1f}× an import. With the "
         f"stages after training importing TensorFlow into the DAG's process ({bound['imports_after_training']:.1f} s, "
         f"below), that is {bound['seconds']:.1f} s, {bound['imports']:.1f}× an import, before any stage does its "
         f"work: {'above' if bound['imports'] > AIM_IMPORTS else 'within'} the aim of {AIM_IMPORTS}×."
@@ -171,10 +171,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"every stage) was {airflow_own:.1f} s, {airflow_own / headline(middle)['tf_import']:.1f}× an import, "
         f"and the stages after training (evaluate to summarize) {after_training:.1f} s.",
         "",
-    ]
-    if "airflow_floor_seconds" in middle:  # results of this bench before it measured the floor have none
-        lines += [floor_verdict(middle), ""]
-    lines += [
+        floor_verdict(middle),
+        "",
         "| run | launch to exit | training | launch to exit − training | one TensorFlow import | in imports |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -213,20 +211,19 @@ def markdown(report: dict[str, Any]) -> str:
         f"{result['airflow_before_first_stage_seconds']:.1f}) | {result['airflow_seconds']:.1f} | | |",
         "",
     ]
-    if "stage_import_seconds" in middle:  # results of this bench before it measured them have none
-        lines += [
-            "What importing each stage's module costs, in DAG order, in a fresh interpreter of the same venv "
-            "(measured apart, just before the run; each after the ones above it, as one process imports them; "
-            "what a stage imports inside its function is not in it, but in its work above):",
-            "",
-            "| stage's module | import | by this stage |",
-            "|---|---:|---:|",
-        ]
-        by_now = 0.0
-        for task, seconds in middle["stage_import_seconds"].items():
-            by_now += seconds
-            lines.append(f"| `hetflow.tasks.{task}` | {seconds:.2f} | {by_now:.2f} |")
-        lines.append("")
+    lines += [
+        "What importing each stage's module costs, in DAG order, in a fresh interpreter of the same venv "
+        "(measured apart, just before the run; each after the ones above it, as one process imports them; "
+        "what a stage imports inside its function is not in it, but in its work above):",
+        "",
+        "| stage's module | import | by this stage |",
+        "|---|---:|---:|",
+    ]
+    by_now = 0.0
+    for task, seconds in middle["stage_import_seconds"].items():
+        by_now += seconds
+        lines.append(f"| `hetflow.tasks.{task}` | {seconds:.2f} | {by_now:.2f} |")
+    lines.append("")
     if result["served_checks"]:
         lines += ["register's served checks, each a model server started for the check (running together):", ""]
         lines += [
@@ -267,7 +264,7 @@ def main() -> int:
                 set_up_seconds = set_up(run_args, env)
                 tf_import = tensorflow_import_seconds(env)
                 stage_imports = stage_import_seconds(env)
-                floor = airflow_floor_seconds(env)
+                floor_seconds = airflow_floor_seconds(env)
                 # Other work on the machine skews every figure: what kept the cores busy just before the
                 # run, the bench waiting, shows whether some was going on.
                 busy_before = busy_cores(BUSY_SECONDS)
@@ -282,7 +279,7 @@ def main() -> int:
                 "set_up": set_up_seconds,
                 "tensorflow_import_seconds": tf_import,
                 "stage_import_seconds": stage_imports,
-                "airflow_floor_seconds": floor,
+                "airflow_floor_seconds": floor_seconds,
                 "figures": figures(measured),
             }
         )
