@@ -167,6 +167,17 @@ def test_cli_output_cut_short_by_its_reader_ends_quietly_with_the_shells_sigpipe
     assert stderr == ""
 
 
+def test_cli_does_not_hide_a_broken_pipe_of_its_work_while_its_output_is_read(monkeypatch):
+    from hetflow.cli import main as cli
+
+    def validate_losing_a_peer(args):
+        raise BrokenPipeError("a replica's socket")
+
+    monkeypatch.setattr(cli, "_cmd_validate", validate_losing_a_peer)
+    with pytest.raises(BrokenPipeError, match="a replica's socket"):
+        cli.main(["validate"])
+
+
 def test_cli_rejects_a_bad_spec_with_one_line_per_problem_and_starts_nothing(hetflow_env):
     runs = Path(hetflow_env["HETFLOW_HOME"]) / "runs"
     runs_before = set(runs.iterdir()) if runs.exists() else set()

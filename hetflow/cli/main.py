@@ -7,6 +7,7 @@ import gc
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -144,6 +145,13 @@ def _cmd_sweep(args) -> int:
     return 0
 
 
+def _output_reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (poll reports an error on it)."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetflow", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -170,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hetflow: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:
+        if not _output_reader_gone():
+            raise  # a pipe or socket of the work itself: a failure, not a reader leaving
         # The output's reader left (`hetflow validate | head`): stop quietly, as a shell's tools do.
         # What is still buffered goes nowhere, or flushing it at exit would raise once more.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
