@@ -52,15 +52,13 @@ from overhead_yardsticks import (
     stage_import_seconds,
     tensorflow_import_seconds,
 )
-from report import busy_cores, save  # bench/report.py: the scripts run as bench/<name>.py
+from report import busy_cores, other_work_line, save  # bench/report.py: the scripts run as bench/<name>.py
 from run import machine_facts, shown
 from throughput_cases import BIN, REPO_ROOT
 
 AIM_IMPORTS = 3  # the aim: the command less its training, at most this many TensorFlow imports
 STAGES_AFTER_TRAINING = ("evaluate", "compress", "export", "register", "summarize")
 PARTS = ("mlflow_io", "work")
-BUSY_SECONDS = 2.0
-OTHER_WORK_CORES = 0.25  # busier than this before a run, and its figures are not the machine's alone
 
 
 def measure(command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -161,9 +159,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- command: `{report['command']}`",
         f"- machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['memory_gib']} GiB memory, "
         f"TensorFlow {machine['tensorflow']}, Python {machine['python']}, git {machine['git']}",
-        f"- cores busy in the {BUSY_SECONDS:.0f} s before each run, the bench waiting: "
-        f"{', '.join(f'{cores:.2f}' for cores in busy)}"
-        + (" (other work was competing for the cores)" if max(busy) > OTHER_WORK_CORES else ""),
+        other_work_line(busy, "before each run"),
         "",
         f"**Fixed overhead: {headline(middle)['overhead']:.1f} s, {headline(middle)['imports']:.1f}× one TensorFlow "
         f"import** (median run; runs {min(ratios):.1f}–{max(ratios):.1f}×); aim ≤ {AIM_IMPORTS}×: "
@@ -267,7 +263,7 @@ def main() -> int:
                 floor_seconds = airflow_floor_seconds(env)
                 # Other work on the machine skews every figure: what kept the cores busy just before the
                 # run, the bench waiting, shows whether some was going on.
-                busy_before = busy_cores(BUSY_SECONDS)
+                busy_before = busy_cores()
                 print(f"[bench] {shown(command)} ...", flush=True)
                 measured = measure(command, env, args.timeout)
             except (BenchFailed, subprocess.TimeoutExpired) as error:

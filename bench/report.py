@@ -24,7 +24,11 @@ def save(kind: str, record: dict, summary_name: str, summary: str, at: datetime 
     return results
 
 
-def busy_cores(seconds: float = 2.0) -> float:
+BUSY_SECONDS = 2.0
+OTHER_WORK_CORES = 0.25  # busier than this before a run, and its figures are not the machine's alone
+
+
+def busy_cores(seconds: float = BUSY_SECONDS) -> float:
     """How many cores were busy over the next ``seconds``, from /proc/stat, while the caller waits:
     other work on the machine, where a 1-minute load average would still count the bench's own
     work of the minute before."""
@@ -38,3 +42,10 @@ def busy_cores(seconds: float = 2.0) -> float:
     time.sleep(seconds)
     busy_after, total_after = busy_and_total()
     return (busy_after - busy_before) / (total_after - total_before) * os.cpu_count()
+
+
+def other_work_line(busy: list[float], when: str) -> str:
+    """A results file's line on other work: the cores ``busy_cores`` found busy ``when``."""
+    shown = ", ".join(f"{cores:.2f}" for cores in busy)
+    competing = " (other work was competing for the cores)" if max(busy) > OTHER_WORK_CORES else ""
+    return f"- cores busy in the {BUSY_SECONDS:.0f} s {when}, the bench waiting: {shown}{competing}"

@@ -61,7 +61,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from report import save  # bench/report.py: the scripts run as bench/<name>.py
+from report import busy_cores, save  # bench/report.py: the scripts run as bench/<name>.py
 from throughput_bounds import (
     CEILING_PAIR,
     PS_CASE,
@@ -278,9 +278,9 @@ def main() -> int:
     cases = [case for case in CASES if case.name in chosen]
 
     started_at = datetime.now(timezone.utc)
-    # Other work on the machine skews every figure; the load before the first run shows whether
-    # some was going on (later samples would count the bench's own runs).
-    load_at_start = os.getloadavg()[0]
+    # Other work on the machine skews every figure: what kept the cores busy just before the first
+    # run, the bench waiting, shows whether some was going on.
+    busy_before = busy_cores()
     commands = {case.name: case_command(case, args.epochs, args.steps_per_epoch) for case in cases}
     samples: dict[str, list[dict]] = {case.name: [] for case in cases}
     errors: dict[str, str] = {}
@@ -320,7 +320,7 @@ def main() -> int:
         "date": started_at.isoformat(timespec="seconds"),
         "command": shown([sys.executable, "bench/run.py", *sys.argv[1:]]),
         "machine": machine_facts(),
-        "load_average_1min_at_start": load_at_start,
+        "busy_cores_before": busy_before,
         "settings": {
             **COMMON,
             "per_worker_batch": PER_WORKER_BATCH,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from report import other_work_line
 from throughput_bounds import AIM_BOUND_RATIO, AIM_CEILING_SHARE, AIM_EXAMPLES_RATIO, AIM_FIRST_STEP_RATIO, CEILING_PAIR
 from throughput_cases import COMMON, PER_WORKER_BATCH
 
@@ -31,8 +32,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"- machine: {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['memory_gib']} GiB memory, "
         f"TensorFlow {machine['tensorflow']}, tf-keras {machine['tf_keras']}, Python {machine['python']}, "
         f"git {machine['git']}",
-        f"- 1-minute load average before the first run: {report['load_average_1min_at_start']:.2f}"
-        + (" (other work was competing for the cores)" if report["load_average_1min_at_start"] > 0.5 else ""),
+        other_work_line([report["busy_cores_before"]], "before the first run"),
         "",
         "| case | what | whole-command examples/s (median) | samples | vs baseline | vs one_worker | "
         "whole-job examples/s | in-epoch examples/s | steady examples/s | time to first step (s) |",

@@ -1,9 +1,11 @@
 """The benches' verdicts on hand-made figures: bench/straggler.py's on its aims from launch (balanced
 sync <= 0.75x naive sync, auto within 10% of the best case) and the bound it states from the probes;
-bench/overhead.py's floor under the fixed overhead (the Airflow floor and the later stages' imports)."""
+bench/overhead.py's floor under the fixed overhead (the Airflow floor and the later stages' imports);
+and how a bench tells whether other work competed for the cores."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 from conftest import REPO
@@ -82,3 +84,20 @@ def test_the_overhead_bench_imports_the_stages_in_an_order_the_dag_can_run_them(
     assert sorted(TASKS_IN_ORDER) == sorted(train.task_ids)
     for position, task_id in enumerate(TASKS_IN_ORDER):
         assert train.get_task(task_id).upstream_task_ids <= set(TASKS_IN_ORDER[:position]), task_id
+
+
+def test_other_work_is_read_from_the_cores_busy_before_a_run():
+    from report import busy_cores, other_work_line
+
+    spinning = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert busy_cores(1.0) >= 0.8  # one core spinning, whatever else the machine does
+    finally:
+        spinning.kill()
+        spinning.wait()
+    assert other_work_line([0.01, 0.02], "before each run") == (
+        "- cores busy in the 2 s before each run, the bench waiting: 0.01, 0.02"
+    )
+    assert other_work_line([0.01, 0.3], "before each run").endswith(
+        "0.01, 0.30 (other work was competing for the cores)"
+    )
