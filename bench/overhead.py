@@ -95,9 +95,14 @@ def figures(measured: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def tensorflow_import(run: dict[str, Any]) -> float:
+    """The run's yardstick: one TensorFlow import, the median of its repeats."""
+    return statistics.median(run["tensorflow_import_seconds"])
+
+
 def headline(run: dict[str, Any]) -> dict[str, float]:
-    """The run's command less its training against its TensorFlow import (median of its repeats)."""
-    tf_import = statistics.median(run["tensorflow_import_seconds"])
+    """The run's command less its training against its TensorFlow import."""
+    tf_import = tensorflow_import(run)
     overhead = run["figures"]["command_overhead_seconds"]
     return {"overhead": overhead, "tf_import": tf_import, "imports": overhead / tf_import}
 
@@ -106,7 +111,7 @@ def floor(run: dict[str, Any]) -> dict[str, float]:
     """What no change to hetflow's stages can shed from the run: Airflow's own cost of a run of this
     DAG (the Airflow floor) and the import of the stages after training, which bring TensorFlow into
     the DAG's process; seconds, and in TensorFlow imports."""
-    tf_import = statistics.median(run["tensorflow_import_seconds"])
+    tf_import = tensorflow_import(run)
     imports_after_training = sum(
         seconds for task, seconds in run["stage_import_seconds"].items() if task in STAGES_AFTER_TRAINING
     )

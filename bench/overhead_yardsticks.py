@@ -36,7 +36,24 @@ STAGE_IMPORTS = (
     "print(json.dumps(seconds))\n"
 )
 
-# The first use of a home, each in a process of its own so that the measured run starts cold.
+# The Airflow floor: hetflow_train's shape with empty tasks (bench/airflow_floor/hetflow_floor.py) run
+# as ``hetflow run`` runs hetflow_train, with hetflow's Airflow settings, in an Airflow home of its own
+# (the last argument); its first use migrates that home's DB (set-up, not measured).
+FLOOR_DAGS = REPO_ROOT / "bench" / "airflow_floor"
+FLOOR_ENVIRONMENT = (
+    "import os, sys; from hetflow.cli.dag_run import airflow_environment, ensure_airflow_db; "
+    "os.environ.update({**airflow_environment(), 'AIRFLOW_HOME': sys.argv[-1], "
+    f"'AIRFLOW__CORE__DAGS_FOLDER': {str(FLOOR_DAGS)!r}}}); ensure_airflow_db(); "
+)
+FLOOR_RUN = FLOOR_ENVIRONMENT + (
+    "from airflow.dag_processing.dagbag import DagBag; "
+    f"bag = DagBag(dag_folder={str(FLOOR_DAGS)!r}); assert not bag.import_errors, bag.import_errors; "
+    "sys.exit(bag.get_dag('hetflow_floor').test(run_conf={}).state != 'success')"
+)
+
+
+# The first use of a home, each in a process of its own so that the measured run starts cold (argv: the
+# validated spec, the floor's Airflow home).
 SET_UP = {
     "dataset": (
         "import json, sys; from pathlib import Path; from hetflow.data.prepare import prepare_dataset; "
@@ -52,22 +69,8 @@ SET_UP = {
         "from mlflow import MlflowClient; from hetflow.registry.store import tracking_uri; "
         "MlflowClient(tracking_uri()).search_experiments()"
     ),
+    "airflow_floor_db": FLOOR_ENVIRONMENT,
 }
-
-# The Airflow floor: hetflow_train's shape with empty tasks (bench/airflow_floor/hetflow_floor.py) run
-# as ``hetflow run`` runs hetflow_train, with hetflow's Airflow settings, in an Airflow home of its own
-# (argv: that home); its first use migrates that home's DB (set-up, not measured).
-FLOOR_DAGS = REPO_ROOT / "bench" / "airflow_floor"
-FLOOR_ENVIRONMENT = (
-    "import os, sys; from hetflow.cli.dag_run import airflow_environment, ensure_airflow_db; "
-    "os.environ.update({**airflow_environment(), 'AIRFLOW_HOME': sys.argv[1], "
-    f"'AIRFLOW__CORE__DAGS_FOLDER': {str(FLOOR_DAGS)!r}}}); ensure_airflow_db(); "
-)
-FLOOR_RUN = FLOOR_ENVIRONMENT + (
-    "from airflow.dag_processing.dagbag import DagBag; "
-    f"bag = DagBag(dag_folder={str(FLOOR_DAGS)!r}); assert not bag.import_errors, bag.import_errors; "
-    "sys.exit(bag.get_dag('hetflow_floor').test(run_conf={}).state != 'success')"
-)
 
 
 class BenchFailed(RuntimeError):
@@ -90,22 +93,16 @@ def set_up(run_args: list[str], env: dict[str, str]) -> dict[str, float]:
     seconds = {}
     for step, code in SET_UP.items():
         started = time.monotonic()
-        done = subprocess.run(
-            [str(BIN / "python"), "-c", code, json.dumps(spec)], cwd=REPO_ROOT, env=env, capture_output=True, text=True
-        )
-        checked(done, f"set-up step {step}")
+        checked(python(code, env, json.dumps(spec), floor_home(env)), f"set-up step {step}")
         seconds[step] = time.monotonic() - started
-    started = time.monotonic()
-    done = subprocess.run(
-        [str(BIN / "python"), "-c", FLOOR_ENVIRONMENT, floor_home(env)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    checked(done, "set-up step airflow_floor_db")
-    seconds["airflow_floor_db"] = time.monotonic() - started
     return seconds
+
+
+def python(code: str, env: dict[str, str], *argv: str) -> subprocess.CompletedProcess:
+    """``code`` run by this venv's Python in a fresh interpreter, with ``argv``, its output captured."""
+    return subprocess.run(
+        [str(BIN / "python"), "-c", code, *argv], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
 
 
 def floor_home(env: dict[str, str]) -> str:
@@ -115,9 +112,7 @@ def floor_home(env: dict[str, str]) -> str:
 def airflow_floor_seconds(env: dict[str, str]) -> float:
     """Launch to exit of one run of the Airflow floor (``FLOOR_RUN``)."""
     started = time.monotonic()
-    done = subprocess.run(
-        [str(BIN / "python"), "-c", FLOOR_RUN, floor_home(env)], cwd=REPO_ROOT, env=env, capture_output=True, text=True
-    )
+    done = python(FLOOR_RUN, env, floor_home(env))
     seconds = time.monotonic() - started
     checked(done, "the Airflow floor's run")
     return seconds
@@ -128,9 +123,7 @@ def tensorflow_import_seconds(env: dict[str, str]) -> list[float]:
     seconds = []
     for _ in range(IMPORT_REPEATS):
         started = time.monotonic()
-        done = subprocess.run(
-            [str(BIN / "python"), "-c", "import tensorflow"], cwd=REPO_ROOT, env=env, capture_output=True, text=True
-        )
+        done = python("import tensorflow", env)
         seconds.append(time.monotonic() - started)
         checked(done, "import tensorflow")
     return seconds
@@ -138,11 +131,5 @@ def tensorflow_import_seconds(env: dict[str, str]) -> list[float]:
 
 def stage_import_seconds(env: dict[str, str]) -> dict[str, float]:
     """Seconds importing each task's module took in a fresh interpreter of this venv, in DAG order."""
-    done = subprocess.run(
-        [str(BIN / "python"), "-c", STAGE_IMPORTS, *TASKS_IN_ORDER],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
+    done = python(STAGE_IMPORTS, env, *TASKS_IN_ORDER)
     return json.loads(checked(done, "importing the stages' modules").stdout)
