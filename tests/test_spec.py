@@ -76,6 +76,13 @@ def test_valid_cluster_shapes(values):
         ({"epochs": 0}, "epochs=0 is invalid: expected an integer >= 1 and <= 1000"),
         ({"epochs": 2.5}, "epochs=2.5 is invalid: expected an integer >= 1 and <= 1000"),
         ({"epochs": "many"}, 'epochs="many" is invalid: expected an integer >= 1 and <= 1000'),
+        ({"epochs": True}, "epochs=true is invalid: expected an integer >= 1 and <= 1000"),
+        ({"learning_rate": True}, "learning_rate=true is invalid: expected a number > 0 and <= 10"),
+        ({"steps_per_epoch": False}, "steps_per_epoch=false is invalid: expected an integer >= 1 and <= 100000"),
+        ({"worker_devices": [{"count": True}]}, "worker_devices[0].count=true is invalid: expected a number, not"),
+        ({"dataset": "mnist/.."}, 'dataset="mnist/.." is invalid: expected a string matching'),
+        ({"dataset": "mnist/./x"}, 'dataset="mnist/./x" is invalid: expected a string matching'),
+        ({"dataset": "mnist/.hidden"}, 'dataset="mnist/.hidden" is invalid: expected a string matching'),
         ({"learning_rate": 0}, "learning_rate=0 is invalid: expected a number > 0 and <= 10"),
         ({"learning_rate": -0.1}, "learning_rate=-0.1 is invalid: expected a number > 0 and <= 10"),
         ({"batch_size": 0}, "batch_size=0 is invalid: expected an integer >= 1 and <= 65536"),
@@ -93,6 +100,11 @@ def test_invalid_values_are_rejected_with_one_line_naming_key_value_and_allowed(
     assert len(caught.value.problems) == 1
     assert caught.value.problems[0].startswith(message)
     assert "\n" not in caught.value.problems[0]
+
+
+@pytest.mark.parametrize("dataset", ["mnist:3.0.1", "cifar10_corrupted/brightness_1", "c4/en.noblocklist:3.1.0"])
+def test_tfds_names_with_a_config_and_a_version_are_valid(dataset):
+    assert parse_spec({"dataset": dataset}).data.dataset == dataset
 
 
 def test_every_problem_is_reported_at_once():

@@ -8,18 +8,16 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from hetflow.spec.sections import Section, short_name, spec_field
+from hetflow.spec.sections import Section, SpecModel, short_name, spec_field
 
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
 CONTAINERS = ("docker", "swarm", "kubernetes")
 
 
-class WorkerDevice(BaseModel):
+class WorkerDevice(SpecModel):
     """One worker of a heterogeneous cluster."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     device: Literal["cpu", "gpu"] = Field("cpu", description="Device kind the worker computes on.")
     count: int = Field(1, ge=1, le=8, description="Devices of that kind on the worker.")

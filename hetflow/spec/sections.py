@@ -6,9 +6,10 @@ fields (``problems``); checks across sections are RunSpec's.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from hetflow.spec.data_roots import DATA_ROOTS_ENV, data_roots, under_a_root
 
@@ -35,9 +36,23 @@ def short_name(name: str, field: Any) -> str:
     return (field.json_schema_extra or {}).get("short", name)
 
 
-class Section(BaseModel):
+class SpecModel(BaseModel):
+    """What every part of the spec checks, a section or an element of a list (worker_devices)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # Pydantic reads true and false as 1 and 0 where a number is expected: epochs=true would
+        # train one epoch, which no one who typed it meant.
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and bool not in (annotation, *get_args(annotation)):
+            raise PydanticCustomError("bool_for_number", "expected a number, not true or false")
+        return value
+
+
+class Section(SpecModel):
     @field_validator("*", mode="before")
     @classmethod
     def _empty_takes_the_default(cls, value: Any, info: ValidationInfo) -> Any:
@@ -61,7 +76,7 @@ class DataSpec(Section):
         "the machine's operator allows (HETFLOW_DATA_ROOTS). `uci_digits` is built offline from "
         "the UCI optical digits shipped with scikit-learn; other TFDS names are downloaded into data_dir "
         "when not prepared there.",
-        pattern=r"^([a-z][a-z0-9_]*(/[a-z0-9_.]+)?(:[0-9]+\.[0-9]+\.[0-9]+)?|folder:/[^\x00]+)$",
+        pattern=r"^([a-z][a-z0-9_]*(/[a-z0-9_][a-z0-9_.]*)?(:[0-9]+\.[0-9]+\.[0-9]+)?|folder:/[^\x00]+)$",
         title="Dataset",
     )
     data_dir: str | None = spec_field(
