@@ -79,9 +79,11 @@ def test_kubernetes_pods_resolve_as_their_tf_config_addresses_and_are_owned_by_t
         assert container["volumeMounts"] == [
             {"name": "hetflow-home", "mountPath": str(RUN_DIR), "subPath": f"runs/{RUN_DIR.name}"},
             {"name": "hetflow-home", "mountPath": str(HOME / "data"), "subPath": "data", "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
         ]
         assert pod["spec"]["volumes"] == [
-            {"name": "hetflow-home", "persistentVolumeClaim": {"claimName": "hetflow-home"}}
+            {"name": "hetflow-home", "persistentVolumeClaim": {"claimName": "hetflow-home"}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "512Mi"}},
         ]
         gpus = {"nvidia.com/gpu": "1"} if replica.role == "worker" else {}
         assert container["resources"]["limits"] == {"cpu": "2000m", "memory": "4096Mi", **gpus}

@@ -95,6 +95,22 @@ def test_pods_mount_no_service_account_token_and_run_as_the_image_user(strategy)
         assert context["runAsUser"] == context["runAsGroup"] == manifests.IMAGE_USER, name
 
 
+@pytest.mark.parametrize("strategy", list(_specs()))
+def test_pods_write_nowhere_but_their_run_directory_and_a_private_tmp(strategy):
+    """As a docker container: the image's root file system read-only (a replica cannot rewrite the
+    venv or the hetflow package that runs next), /tmp an emptyDir of the pod's own with a size limit,
+    and HOME there; every other mount read-only."""
+    for name, pod in _pod_specs(_specs()[strategy]).items():
+        [container] = pod["containers"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True, name
+        assert container["securityContext"]["runAsNonRoot"] is True, name
+        volumes = {volume["name"]: volume for volume in pod["volumes"]}
+        writable = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"] if not m.get("readOnly")}
+        assert set(writable) == {str(RUN_DIR), "/tmp"}, name
+        assert writable["/tmp"] == {"name": manifests.TMP_VOLUME, "emptyDir": {"sizeLimit": "512Mi"}}, name
+        assert {"name": "HOME", "value": "/tmp"} in container["env"], name
+
+
 def test_every_pod_carries_a_deadline_from_train_timeout_seconds():
     for timeout in (600, 7200):
         spec = RunSpec.from_values({**_specs()["parameter_server"].flat(), "train_timeout_seconds": timeout})
@@ -115,7 +131,7 @@ def test_no_pod_asks_the_kubelet_to_change_owners_or_modes_on_the_claim(strategy
     for name, pod in _pod_specs(_specs()[strategy]).items():
         context = pod["securityContext"]
         assert not {"fsGroup", "fsGroupChangePolicy", "supplementalGroups"} & set(context), (name, context)
-        mounted = {m["subPath"] for c in pod["containers"] for m in c["volumeMounts"]}
+        mounted = {m["subPath"] for c in pod["containers"] for m in c["volumeMounts"] if m["name"] == "hetflow-home"}
         run = str(RUN_DIR.relative_to(RUN_DIR.parents[1]))
         assert mounted == {run, f"{run}/spec.json", f"{run}/cluster.json", f"{run}/replicas", "data"}, name
 
@@ -148,7 +164,7 @@ def test_the_pipelines_records_are_mounted_read_only_over_the_pods_run_directory
         *((f"tfjob {t['spec']['containers'][0]['name']}", t["spec"], []) for t in templates),
     ]:
         [container] = pod_spec["containers"]
-        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"] if m["mountPath"] != "/tmp"}
         assert {m["name"] for m in mounts.values()} == {"hetflow-home"}, name
         assert mounts[str(run_dir)] == {"name": "hetflow-home", "mountPath": str(run_dir), "subPath": "runs/r"}, name
         records = {path: m for path, m in mounts.items() if path.startswith(f"{run_dir}/")}

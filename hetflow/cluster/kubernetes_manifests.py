@@ -5,8 +5,11 @@ admits only the run's own pods on the gRPC port; one pod per replica; and the sa
 Kubeflow TFJob for clusters that run the training operator.
 
 Pods meet the restricted Pod Security Standard (non-root numeric ids, no privilege escalation, no
-capabilities, seccomp ``RuntimeDefault``) and get no service-account token: a replica runs code of
-whoever filled in the trigger form and has no business with the API. Every pod mounts only the run's
+capabilities, seccomp ``RuntimeDefault``), get a read-only root file system with a private /tmp (an
+``emptyDir``), as docker containers do, and no service-account token: a replica runs code of
+whoever filled in the trigger form and has no business with the API. A pod's process count cannot be
+bounded in its manifest: that is the kubelet's ``podPidsLimit`` (KubeletConfiguration), the
+operator's to set. Every pod mounts only the run's
 directory (read-write), the pipeline's records in it (read-only over it, as the docker backend binds
 them) and the prepared data (read-only) from the PersistentVolumeClaim ``kubernetes_volume_claim``
 that holds HETFLOW_HOME, and sets no ``fsGroup``, so the kubelet changes no owner or mode on the
@@ -37,6 +40,11 @@ IMAGE_USER = 10001
 # Pods past train_timeout_seconds plus this are killed by the kubelet even if the supervisor
 # died and teardown never ran (image pulls and scheduling come first).
 DEADLINE_MARGIN_SECONDS = 900
+
+# The pod's one writable place besides its run directory, as a docker container's tmpfs: the root
+# file system is read-only, and libraries cache under $HOME (matplotlib, TFDS), which is /tmp.
+TMP_VOLUME = "tmp"
+TMP_SIZE = "512Mi"
 
 # A finished TFJob stays this long for its pods' logs to be read, then the operator deletes it.
 FINISHED_JOB_TTL_SECONDS = 3600
@@ -164,10 +172,17 @@ def _container(
         "name": name,
         "image": replica_spec(spec, replica).image,
         "args": ["--run-dir", str(run_dir)],
-        "env": [{"name": key, "value": value} for key, value in env.items()],
+        "env": [{"name": key, "value": value} for key, value in {**env, "HOME": "/tmp"}.items()],
         "ports": [{"name": "grpc", "containerPort": SERVICE_PORT}],
-        "volumeMounts": volume_mounts(run_dir, protected),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [*volume_mounts(run_dir, protected), {"name": TMP_VOLUME, "mountPath": "/tmp"}],
+        # As a docker container's: nothing of the image is writable, so a replica cannot plant code
+        # that the image runs (its venv, its hetflow package) for whoever runs next in the pod.
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+        },
     }
     resources = _resources(spec, replica)
     if resources:
@@ -216,7 +231,8 @@ def _pod_spec(spec: RunSpec, containers: list[dict], restart_policy: str) -> dic
         "activeDeadlineSeconds": spec.cluster.run_policy.timeout_seconds + DEADLINE_MARGIN_SECONDS,
         "containers": containers,
         "volumes": [
-            {"name": "hetflow-home", "persistentVolumeClaim": {"claimName": spec.cluster.kubernetes.volume_claim}}
+            {"name": "hetflow-home", "persistentVolumeClaim": {"claimName": spec.cluster.kubernetes.volume_claim}},
+            {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE}},
         ],
     }
 
