@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import h5py
@@ -128,6 +131,18 @@ def _empty(tmp_path: Path) -> Path:
     return path
 
 
+def _fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "model.weights.h5"
+    os.mkfifo(path)  # a reader that opened it would wait for a writer that never comes
+    return path
+
+
+def _directory(tmp_path: Path) -> Path:
+    path = tmp_path / "model.weights.h5"
+    path.mkdir()
+    return path
+
+
 @pytest.mark.parametrize(
     ("make", "reason"),
     [
@@ -137,6 +152,8 @@ def _empty(tmp_path: Path) -> Path:
         (_keras_zip, "not an HDF5 weights file"),
         (_symlink, "a symbolic link"),
         (_empty, "not an HDF5 weights file"),
+        (_fifo, "not a regular file"),
+        (_directory, "not a regular file"),
     ],
 )
 def test_anything_but_this_architectures_weights_is_refused_in_one_line_naming_the_file(tmp_path, make, reason):
@@ -160,6 +177,58 @@ def test_a_hostile_model_file_is_refused_and_its_code_never_runs(tmp_path):
         with pytest.raises(WeightsError, match=f"^refusing {tmp_path / name} as the weights of the mlp model"):
             read_weights(fresh_mlp(), tmp_path / name)
     assert not marker.exists()
+
+
+# A replica's process, still running while the pipeline reads its weights: it renames the good file
+# and the hostile one in at the weights' name, in turn, as fast as it can.
+_SWAPPER = textwrap.dedent(
+    """
+    import os, sys
+    good, hostile, target = sys.argv[1:]
+    staging = target + ".next"
+    while True:
+        for source in (good, hostile):
+            os.link(source, staging)
+            os.replace(staging, target)
+    """
+)
+
+
+def test_the_weights_checked_are_the_weights_loaded_while_their_writer_swaps_files_in(tmp_path):
+    """The pipeline checks the file, then loads it: a writer who renames a hostile file in between
+    must not get it loaded. Here the hostile file has the right layout, but its logits bias is read
+    from another file on this machine, which the pipeline can read and the writer cannot (a secret
+    would leave in the registered model)."""
+    from hetflow.models.architectures import WeightsError, read_weights
+
+    secret = np.arange(10, dtype="<f4")
+    good, weights = trained_weights(tmp_path)
+    (tmp_path / "hostile").mkdir()
+    hostile = _external_array(tmp_path / "hostile")
+    target = tmp_path / "run" / "model.weights.h5"
+    target.parent.mkdir()
+    shutil.copy(good, target)
+    swapper = subprocess.Popen([sys.executable, "-c", _SWAPPER, str(good), str(hostile), str(target)])
+    outcomes = {"refused": 0, "trained": 0, "secret": 0, "other": 0}
+    try:
+        for _ in range(60):
+            try:
+                read = read_weights(fresh_mlp(), target).get_weights()
+            except WeightsError as refused:
+                assert "reads its data from another file" in str(refused)
+                outcomes["refused"] += 1
+                continue
+            if np.array_equal(read[-1], secret):
+                outcomes["secret"] += 1
+            elif all(np.array_equal(a, b) for a, b in zip(read, weights)):
+                outcomes["trained"] += 1
+            else:
+                outcomes["other"] += 1
+    finally:
+        swapper.kill()
+        swapper.wait()
+    assert outcomes["secret"] == outcomes["other"] == 0, outcomes
+    assert outcomes["refused"] and outcomes["trained"], outcomes  # the swaps did reach the reads
 
 
 @pytest.fixture(scope="module")

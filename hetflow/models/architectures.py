@@ -7,6 +7,9 @@ different devices (model parallelism).
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -95,6 +98,37 @@ def _layout_difference(found: dict[str, tuple], expected: dict[str, tuple]) -> s
     return "; ".join(parts)
 
 
+def _private_copy(path: Path, directory: Path) -> Path:
+    """The bytes ``path`` holds when opened, copied once into ``directory`` (the pipeline's own): the
+    copy is what is checked and loaded, so a file renamed in at ``path`` after the check, or written
+    through it, is never read. Opened without following a link; a name that is not a regular file
+    is refused."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        reasons = {errno.ELOOP: "a symbolic link", errno.ENOENT: "no such file"}
+        raise WeightsError(reasons.get(error.errno, error.strerror)) from None
+    copy = directory / f"checked{WEIGHTS_SUFFIX}"  # tf_keras picks the HDF5 format by this suffix
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise WeightsError("not a regular file")
+        target = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            # Only the size it had when opened: a writer still appending cannot keep the copy going.
+            copied = 0
+            while copied < status.st_size:
+                sent = os.sendfile(target, fd, copied, status.st_size - copied)
+                if not sent:
+                    break
+                copied += sent
+        finally:
+            os.close(target)
+    finally:
+        os.close(fd)
+    return copy
+
+
 def read_weights(model: tf.keras.Model, path: Path) -> tf.keras.Model:
     """Read only the weights at ``path`` into ``model``, an architecture built here from code.
 
@@ -102,24 +136,24 @@ def read_weights(model: tf.keras.Model, path: Path) -> tf.keras.Model:
     path (any file that is not a Keras zip) safe_mode does not apply: a Lambda layer's bytecode
     runs. So the file must hold exactly the arrays ``model.save_weights`` writes for this
     architecture, of the same shapes and dtypes; anything else raises a one-line WeightsError
-    naming the file.
+    naming the file. Its writer (a replica) may still be running, so the file is opened once and
+    copied privately, and the same bytes are checked and loaded.
     """
     path = Path(path)
     try:
-        if path.is_symlink():  # it would read whatever file the writer points it at
-            raise WeightsError("a symbolic link")
-        if not path.exists():
-            raise WeightsError("no such file")
-        if not path.name.endswith(WEIGHTS_SUFFIX) or not h5py.is_hdf5(path):
+        if not path.name.endswith(WEIGHTS_SUFFIX):
             raise WeightsError(f"not an HDF5 weights file (*{WEIGHTS_SUFFIX})")
+        # A directory of the pipeline's alone (0700): nobody else can swap the copy.
         with tempfile.TemporaryDirectory() as scratch:
+            checked = _private_copy(path, Path(scratch))
+            if not h5py.is_hdf5(checked):
+                raise WeightsError(f"not an HDF5 weights file (*{WEIGHTS_SUFFIX})")
             reference = Path(scratch) / f"reference{WEIGHTS_SUFFIX}"
             model.save_weights(reference)
-            expected = _arrays(reference)
-        difference = _layout_difference(_arrays(path), expected)
-        if difference:
-            raise WeightsError(difference)
-        model.load_weights(path)
+            difference = _layout_difference(_arrays(checked), _arrays(reference))
+            if difference:
+                raise WeightsError(difference)
+            model.load_weights(checked)
     except (WeightsError, OSError) as error:  # h5py raises OSError on a damaged or truncated file
         reason = (str(error) or type(error).__name__).splitlines()[0]
         raise WeightsError(f"refusing {path} as the weights of the {model.name} model: {reason}") from None
