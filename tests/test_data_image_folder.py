@@ -267,6 +267,24 @@ def test_an_image_or_class_folder_swapped_for_a_link_after_the_scan_is_not_read(
         load_pixels(inventory, in_class_1)
 
 
+def test_the_folder_reached_through_a_link_swapped_in_above_it_after_the_scan_is_not_read(tmp_path):
+    """scan resolved the folder, and that path is the one checked under the roots: the build reads
+    from it, not from wherever a link swapped in along it since leads (a folder of the same layout)."""
+    from hetflow.data.image_folder import LinkInFolder, load_pixels, scan
+
+    root = write_digit_folder(tmp_path / "checked" / "digits", per_class=3)
+    write_digit_folder(tmp_path / "outside" / "digits", per_class=3)
+    inventory = scan(root)
+    image = inventory.splits["train"][0][0]
+    (tmp_path / "checked").rename(tmp_path / "moved")
+    (tmp_path / "checked").symlink_to(tmp_path / "outside")
+    with pytest.raises(LinkInFolder) as refused:
+        load_pixels(inventory, image)
+    assert str(refused.value) == (
+        f"folder {root} is reached through the symbolic link {tmp_path / 'checked'} now, not as it was scanned: refused"
+    )
+
+
 def test_pixels_read_back_from_the_prepared_dataset_are_the_images(tmp_path):
     from PIL import Image
 

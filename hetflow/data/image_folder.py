@@ -77,6 +77,12 @@ def _link_refused(path: Path) -> LinkInFolder:
     )
 
 
+def _moved(root: Path, link: Path) -> LinkInFolder:
+    return LinkInFolder(
+        f"folder {root} is reached through the symbolic link {link} now, not as it was scanned: refused"
+    )
+
+
 def _refuse_link(path: Path) -> None:
     if path.is_symlink():
         raise _link_refused(path)
@@ -251,20 +257,22 @@ def _builder_class():
 
 
 def read_image(root: Path, relative: str) -> bytes:
-    """The bytes of the regular file ``root/relative``, each name below ``root`` opened without
+    """The bytes of the regular file ``root/relative``, each name from ``/`` down opened without
     following a link: the folder may change between the scan and the build, and the build must not
-    then be led out of it. LinkInFolder (one line) otherwise."""
+    then be led out of it, nor away from ``root`` as the scan resolved it (a link swapped in above
+    it). LinkInFolder (one line) otherwise."""
     *folders, name = Path(relative).parts
-    reached = root
-    directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    reached = Path("/")
+    directory = os.open(reached, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for part in folders:
+        for part in [*root.parts[1:], *folders]:
             reached /= part
             try:
                 inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
             except OSError as error:
                 if error.errno in (errno.ELOOP, errno.ENOTDIR) and reached.is_symlink():
-                    raise _link_refused(reached) from None
+                    inside = reached != root and reached.is_relative_to(root)
+                    raise (_link_refused(reached) if inside else _moved(root, reached)) from None
                 raise
             os.close(directory)
             directory = inner
