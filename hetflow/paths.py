@@ -3,6 +3,7 @@ and how a record is written there."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -11,7 +12,7 @@ import stat
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection, Iterator, NamedTuple
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,7 @@ def read_regular(path: Path, max_bytes: int) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
-        if error.errno == 40:  # ELOOP: the name is a symbolic link
+        if error.errno == errno.ELOOP:  # the name is a symbolic link
             raise NotRegularFile(f"{path} is a symbolic link: refused (the pipeline reads regular files only)")
         raise
     with os.fdopen(fd, "rb") as handle:
@@ -85,32 +86,77 @@ def read_regular(path: Path, max_bytes: int) -> bytes:
         return handle.read(max_bytes + 1)[:max_bytes]
 
 
-def read_replica_record(path: Path) -> dict:
-    """A JSON object a replica wrote, read as data: a regular file, bounded, an object."""
+def read_replica_record(path: Path, kind: type = dict) -> Any:
+    """A JSON object (or a ``kind``: list) a replica wrote, read as data: a regular file, bounded."""
     content = read_regular(path, REPLICA_RECORD_BYTES)  # its NotRegularFile names the file once
     try:
         value = json.loads(content)
     except ValueError as error:
         raise NotRegularFile(f"{path} is not a JSON record: {error}") from None
-    if not isinstance(value, dict):
-        raise NotRegularFile(f"{path} holds a JSON {type(value).__name__}, not an object: refused")
+    if not isinstance(value, kind):
+        expected = "an object" if kind is dict else f"a JSON {kind.__name__}"
+        raise NotRegularFile(f"{path} holds a JSON {type(value).__name__}, not {expected}: refused")
     return value
 
 
-def not_regular(root: Path) -> list[Path]:
-    """Everything under ``root`` (links not followed) that is neither a regular file nor a
-    directory: what a replica planted (a link, a fifo, a socket, a device node)."""
-    found = []
-    for parent, directories, files in os.walk(root):  # os.walk lists links to directories, never enters them
-        for name in [*directories, *files]:
-            path = Path(parent) / name
-            try:
-                mode = path.lstat().st_mode
-            except FileNotFoundError:
-                continue
-            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-                found.append(path)
-    return found
+class Entry(NamedTuple):
+    """One name met by ``entries_under``: act on it as ``name`` relative to ``directory_fd``."""
+
+    directory_fd: int
+    path: Path  # for messages only: acting by path would follow a link swapped in since
+    name: str
+    mode: int
+
+
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def entries_under(root: Path, names: Collection[str] | None = None) -> Iterator[Entry]:
+    """Everything under ``root`` (of its own entries, only ``names`` where given, and what they hold),
+    parents before what they hold, each as an ``Entry`` whose
+    ``directory_fd`` stays open while the caller acts on it. No link is followed: every directory is
+    opened by name relative to its parent's descriptor with ``O_NOFOLLOW``, so a directory that a live
+    replica swaps for a link to elsewhere between the listing and the use is never entered, and
+    nothing outside ``root`` is ever reached."""
+    try:
+        top = os.open(root, _DIRECTORY_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return  # root is a link itself: its caller removes or refuses it by name
+        raise
+    try:
+        yield from _entries(top, Path(root), names)
+    finally:
+        os.close(top)
+
+
+def _entries(directory_fd: int, directory: Path, names: Collection[str] | None = None) -> Iterator[Entry]:
+    for name in os.listdir(directory_fd) if names is None else set(names) & set(os.listdir(directory_fd)):
+        try:
+            mode = os.stat(name, dir_fd=directory_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            continue
+        yield Entry(directory_fd, directory / name, name, mode)
+        if not stat.S_ISDIR(mode):
+            continue
+        try:
+            child = os.open(name, _DIRECTORY_FLAGS, dir_fd=directory_fd)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+                continue  # swapped for a link (or something else) since it was listed: not entered
+            raise
+        try:
+            yield from _entries(child, directory / name)
+        finally:
+            os.close(child)
+
+
+def planted(mode: int) -> bool:
+    """Whether a file of ``mode`` is one the pipeline never makes in a run directory: a link, a
+    fifo, a socket, a device node (anything but a regular file or a directory)."""
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 @dataclass(frozen=True)
@@ -144,8 +190,9 @@ class RunPaths:
 
     @property
     def requested_spec(self) -> Path:
-        """strategy=auto: the spec as requested (spec.json holds the one being trained)."""
-        return self.root / "requested_spec.json"
+        """strategy=auto: the spec as requested (spec.json holds the one being trained). In ``replicas/``,
+        which replicas see read-only as a folder: whether a run is auto is never a file they can make."""
+        return self.replicas / "requested_spec.json"
 
     @property
     def provisioned_by(self) -> Path:
@@ -158,11 +205,20 @@ class RunPaths:
 
     @property
     def restarts(self) -> Path:
-        return self.root / "restarts.json"
+        """The supervisor's restarts, rewritten while replicas run: in ``replicas/`` (see there)."""
+        return self.replicas / "restarts.json"
+
+    @property
+    def nodes(self) -> Path:
+        """backend=swarm: the node each replica runs on, rewritten while they run: in ``replicas/``."""
+        return self.replicas / "nodes.json"
 
     @property
     def replicas(self) -> Path:
-        """How each local replica ended, and the supervisor's lease (hetflow.cluster.keeper)."""
+        """What the pipeline records of the replicas while they run: how each local replica ended, the
+        supervisor's lease (hetflow.cluster.keeper), the restarts, the nodes, auto's request. Replicas see
+        this folder read-only as a whole, made before any starts: a file the pipeline renames into it
+        stays out of their reach, where a read-only bind of one file is lost when the file is replaced."""
         return self.root / "replicas"
 
     @property

@@ -18,6 +18,7 @@ and ``cluster.json`` says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -46,8 +47,9 @@ from hetflow.paths import (
     NotRegularFile,
     RunPaths,
     data_dir,
+    entries_under,
     hetflow_home,
-    not_regular,
+    planted,
     read_replica_record,
     write_record,
 )
@@ -86,18 +88,11 @@ def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Pat
 
 
 def protected_records(paths: RunPaths) -> list[Path]:
-    """What of the run directory only the pipeline writes, shown read-only to its replicas: the specs
-    (trained and requested), the dataset and cluster records, who provisioned the run, the receipts,
-    the keepers' records and the logs they write."""
-    records = [
-        paths.owner,
-        paths.spec,
-        paths.requested_spec,
-        paths.dataset,
-        paths.cluster,
-        paths.provisioned_by,
-        paths.restarts,
-    ]
+    """What of the run directory only the pipeline writes, shown read-only to its replicas: the spec,
+    the dataset and cluster records, who provisioned the run (each replaced only while no replica
+    runs), the receipts, the logs the keepers write, and ``replicas/``, where whatever the pipeline
+    rewrites while replicas run goes (see ``RunPaths.replicas``)."""
+    records = [paths.owner, paths.spec, paths.dataset, paths.cluster, paths.provisioned_by]
     return [*records, paths.replicas, paths.logs, paths.root / "attempts", *pipeline_directories(paths)]
 
 
@@ -110,23 +105,30 @@ def pipeline_directories(paths: RunPaths) -> list[Path]:
 def hand_over_writable(paths: RunPaths, owner: tuple[int, int] = sandbox.SANDBOX_OWNER) -> None:
     """What replicas write (the run directory's top, where the chief's weights and records go; the
     checkpoints) becomes the replicas' own (``owner``: their uid and gid, the sandbox's by default)
-    where root provisions."""
-    paths.checkpoints.mkdir(parents=True, exist_ok=True)
-    for parent, directories, files in os.walk(paths.checkpoints):
-        for name in [*directories, *files]:
-            sandbox.hand_over(Path(parent) / name, owner)
-    sandbox.hand_over(paths.checkpoints, owner)
+    where root provisions. Replicas of the run may be live (a restart's peers): what is under the
+    checkpoints is changed by name relative to its folder's descriptor, never through a link."""
+    with contextlib.suppress(FileExistsError):  # a replica's link there is neither followed nor entered
+        paths.checkpoints.mkdir()
+    if os.geteuid() == 0:  # as any other user the sandbox writes as that user: nothing to hand over
+        for entry in entries_under(paths.root, [paths.checkpoints.name]):
+            with contextlib.suppress(FileNotFoundError):  # moved since it was listed: it is not handed over
+                os.chown(entry.name, *owner, dir_fd=entry.directory_fd, follow_symlinks=False)
     sandbox.hand_over(paths.root, owner)
 
 
 def remove_what_replicas_planted(run_dir: Path) -> list[Path]:
     """Remove from the run directory what the pipeline would otherwise read or write through: every
     link, fifo, socket or device node (the pipeline makes none), and a replica's JSON record that is
-    not a bounded JSON object. Each is named in a warning; returns them."""
+    not a bounded JSON object. Each is named in a warning; returns them. Live replicas may swap a
+    folder for a link meanwhile: each name is removed relative to its folder's descriptor, and a
+    folder swapped for a link is not entered (``paths.entries_under``)."""
     paths = RunPaths(run_dir)
-    removed = not_regular(run_dir)
-    for path in removed:
-        path.unlink()
+    removed = []
+    for entry in entries_under(run_dir):
+        if planted(entry.mode):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # replaced since: not planted
+                os.unlink(entry.name, dir_fd=entry.directory_fd)
+                removed.append(entry.path)
     for record in (paths.training, paths.plan):
         if record.exists() and record not in removed:
             try:

@@ -10,7 +10,6 @@ streams each replica's output into this process's log, prefixed with its name.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import signal
@@ -22,13 +21,32 @@ from pathlib import Path
 from typing import Iterable, Iterator, Literal, Protocol, Sequence
 
 from hetflow.cluster.layout import ClusterLayout, Replica
-from hetflow.paths import write_record
+from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, write_record
 
 log = logging.getLogger("hetflow.cluster")
 
 
 class ReplicaFailed(RuntimeError):
     pass
+
+
+_RESTART_TEXT = ("replica", "cause", "action")  # what readers put in tags and summaries
+
+
+def read_restarts(paths: RunPaths) -> list[dict]:
+    """The restarts the supervisor recorded (``[]`` before the first). They lie in a folder replicas
+    see read-only; read bounded and typed all the same, as anything in a run directory they write into."""
+    if not paths.restarts.exists():
+        return []
+    restarts = read_replica_record(paths.restarts, list)
+    for restart in restarts:
+        if not (
+            isinstance(restart, dict)
+            and all(isinstance(restart.get(key), str) for key in _RESTART_TEXT)
+            and isinstance(restart.get("exit_code"), (int, type(None)))
+        ):
+            raise NotRegularFile(f"{paths.restarts} holds a restart the supervisor did not write: refused")
+    return restarts
 
 
 @dataclass(frozen=True)
@@ -189,8 +207,8 @@ class Supervisor:
         self.restart_policy = restart_policy
         self.backoff_limit = backoff_limit
         self.replicas = replicas
-        self.restarts_path = run_dir / "restarts.json"
-        self.restarts: list[dict] = json.loads(self.restarts_path.read_text()) if self.restarts_path.exists() else []
+        self.restarts_path = RunPaths(run_dir).restarts
+        self.restarts = read_restarts(RunPaths(run_dir))
         self.tails: dict[str, deque[str]] = {r.name: deque(maxlen=20) for r in layout.replicas}
         self._followers: dict[str, list[threading.Thread]] = {r.name: [] for r in layout.replicas}
         self._started_at = time.monotonic()

@@ -223,12 +223,12 @@ class SwarmReplicas:
         return state
 
     def _placed(self, replica_name: str, node_id: str) -> None:
-        """Record which node runs the replica (``nodes.json``: replica -> node hostname)."""
+        """Record which node runs the replica (``replicas/nodes.json``: replica -> node hostname)."""
         self.nodes[replica_name] = node_id
         node = self._node_name(node_id)
         log.info("%s runs on node %s", replica_name, node)
         placed = {name: self._node_name(node_id) for name, node_id in self.nodes.items()}
-        write_record(self.run_dir / "nodes.json", placed)
+        write_record(RunPaths(self.run_dir).nodes, placed)
 
     def stop(self, names) -> None:
         """Scale the services to nothing: their tasks get SIGTERM, then SIGKILL after the grace."""

@@ -15,9 +15,11 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.utils.time import get_current_time_millis
 
-from hetflow.paths import NotRegularFile, RunPaths, read_regular, read_replica_record
+from hetflow.cluster.supervisor import read_restarts
+from hetflow.paths import NotRegularFile, RunPaths, read_regular
 from hetflow.registry import lineage
 from hetflow.registry.store import git_commit
+from hetflow.replica.balance import measured
 from hetflow.serving import server as serving
 from hetflow.spec import RunSpec
 from mlflow import MlflowClient
@@ -140,20 +142,20 @@ def log_run_record(
         "per_replica_batch": training["per_replica_batch"],
     }
     summary = {**_summary_metrics(training, evaluation), **_export_metrics(exported)}
-    if paths.restarts.exists():  # restart_policy restarted replicas
-        restarts = json.loads(paths.restarts.read_text())
+    restarts = read_restarts(paths)
+    if restarts:  # restart_policy restarted replicas
         summary["restarts"] = len(restarts)
         tags["restarts"] = "; ".join(
             f"{r['replica']} exited {r['exit_code']} ({r['cause']}): {r['action']}" for r in restarts
         )[:5000]
-    if paths.plan.exists():  # the workers were probed (strategy=auto, or balance_batches by the workers)
-        plan = read_replica_record(paths.plan)
-        params["requested_strategy"] = plan["requested"]["strategy"]
+    plan = measured(paths, spec)  # the workers were probed (strategy=auto, or balance_batches by the workers)
+    if plan is not None:
+        params["requested_strategy"] = plan["requested"].cluster.strategy
         for probe in plan["probes"]:
             summary[f"probe_{probe['worker'].replace('-', '_')}_examples_per_second"] = probe["examples_per_second"]
-        if "decision" in plan:
+        if plan["decision"] is not None:
             tags["auto.decision"] = plan["decision"]["reason"]
-        if "worker_batches" in plan:
+        if plan["worker_batches"] is not None:
             params["worker_batches"] = plan["worker_batches"]
     now = get_current_time_millis()
     metrics = [Metric(key, value, now, 0) for key, value in summary.items()]

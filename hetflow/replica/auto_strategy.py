@@ -10,8 +10,11 @@ all-reduce would cost more than it saves.
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
+from hetflow.paths import NotRegularFile
 from hetflow.replica.batch_shares import split_batch
 from hetflow.spec import RunSpec
 
@@ -23,6 +26,37 @@ EVEN_SPREAD = 1.2
 # Beyond this spread the slowest worker's share of a balanced batch gets too small to use its
 # device well: async lets it work on full batches of its own.
 ASYNC_SPREAD = 4.0
+
+
+# What decide reads of a probe: a positive number of each (plan.json comes from a replica).
+_PROBE_NUMBERS = {
+    "examples_per_second": float,
+    "step_seconds": float,
+    "model_parameters": int,
+    "batch": int,
+    "steps": int,
+}
+
+
+def checked_probes(probes: Any, workers: int, record: Path) -> list[dict[str, Any]]:
+    """``probes`` as ``measure_workers`` writes them, one per worker in order, each field a positive
+    finite number, and nothing else kept: else NotRegularFile, one line naming the field."""
+    if not isinstance(probes, list) or len(probes) != workers:
+        raise NotRegularFile(f"{record}: probes must be a list of {workers} probes, one per worker: refused")
+    checked = []
+    for i, probe in enumerate(probes):
+        if not isinstance(probe, dict) or probe.get("worker") != f"worker-{i}":
+            raise NotRegularFile(f"{record}: probes[{i}] must be worker-{i}'s probe (an object): refused")
+        for key, kind in _PROBE_NUMBERS.items():
+            value = probe.get(key)
+            allowed = (int, float) if kind is float else int
+            if isinstance(value, bool) or not isinstance(value, allowed) or not 0 < value < math.inf:
+                raise NotRegularFile(
+                    f"{record}: probes[{i}].{key} must be a positive {'number' if kind is float else 'integer'}, "
+                    f"not {value!r:.40}: refused"
+                )
+        checked.append({"worker": f"worker-{i}", **{key: probe[key] for key in _PROBE_NUMBERS}})
+    return checked
 
 
 def decide(spec: RunSpec, probes: list[dict[str, Any]]) -> dict[str, Any]:

@@ -16,12 +16,12 @@ global batch, on the shares measured.
 
 from __future__ import annotations
 
-import json
+import os
 import time
 from typing import Any
 
-from hetflow.paths import RunPaths, write_record
-from hetflow.replica.auto_strategy import decide
+from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, write_record
+from hetflow.replica.auto_strategy import checked_probes, decide
 from hetflow.replica.batch_shares import split_batch
 from hetflow.spec import RunSpec
 
@@ -74,7 +74,7 @@ class WorkerShares:
         self.spec, self.paths, self.worker, self.is_chief = spec, paths, worker, is_chief
         self.workers = spec.cluster.worker.replicas if spec.cluster.strategy == "multi_worker_mirrored" else 1
         self.equal = split_batch(spec.training.batch_size, [1.0] * self.workers)
-        plan = json.loads(paths.plan.read_text()) if spec.cluster.worker.balance_batches and paths.plan.exists() else {}
+        plan = read_replica_record(paths.plan) if spec.cluster.worker.balance_batches and paths.plan.exists() else {}
         self.now: list[int] = plan.get("worker_batches") or self.equal
         self.to_measure = spec.cluster.worker.balance_batches and self.workers > 1 and "worker_batches" not in plan
 
@@ -123,3 +123,32 @@ class WorkerShares:
             f"{kind} batches {self.now} of {self.spec.training.batch_size}; this worker takes {self.now[self.worker]}",
             flush=True,
         )
+
+
+def measured(paths: RunPaths, spec: RunSpec) -> dict[str, Any] | None:
+    """What the pipeline takes of plan.json, which the chief replica writes (None where no worker was
+    probed): the probes and the shares, checked; the request is the pipeline's own (requested_spec.json,
+    in a folder replicas see read-only, else ``spec``) and auto's decision is made again from it by the
+    pipeline's code. A plan that is not what the chief writes raises NotRegularFile, one line."""
+    plan = read_replica_record(paths.plan) if os.path.lexists(paths.plan) else {}
+    if "probes" not in plan:
+        return None
+    requested = RunSpec.from_json(paths.requested_spec.read_text()) if paths.requested_spec.exists() else None
+    asked = requested or spec
+    probes = checked_probes(plan["probes"], asked.cluster.worker.replicas, paths.plan)
+    shares = plan.get("worker_batches")
+    if shares is not None and not (
+        isinstance(shares, list)
+        and len(shares) == len(probes)
+        and all(isinstance(share, int) and not isinstance(share, bool) and share >= 0 for share in shares)
+        and sum(shares) == asked.training.batch_size
+    ):
+        raise NotRegularFile(
+            f"{paths.plan}: worker_batches must be {len(probes)} whole shares of {asked.training.batch_size}: refused"
+        )
+    return {
+        "requested": asked,
+        "probes": probes,
+        "decision": decide(requested, probes) if requested is not None else None,
+        "worker_batches": shares,
+    }

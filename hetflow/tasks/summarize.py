@@ -7,7 +7,8 @@ import logging
 import time
 from typing import Any
 
-from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.cluster.supervisor import read_restarts
+from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, run_paths, write_record
 from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, read_record, reported
 from hetflow.pipeline.timing import PARTS
 
@@ -27,14 +28,21 @@ def _done(paths: RunPaths, stage: str, record: str, returned: dict[str, Any] | N
 
 
 def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
-    plan = read_replica_record(paths.plan) if paths.plan.exists() else {}
-    if "decision" not in plan:
+    """strategy=auto: what it chose and why, decided again from the pipeline's request and the probes
+    (plan.json, a replica's: a plan that is not what the chief writes is named, not reported)."""
+    from hetflow.replica.balance import measured
+    from hetflow.spec import RunSpec
+
+    if not paths.requested_spec.exists():
         return None
-    return {
-        "requested": plan["requested"]["strategy"],
-        "decision": plan["decision"],
-        "probes": plan["probes"],
-    }
+    try:
+        plan = measured(paths, RunSpec.from_json(paths.requested_spec.read_text()))
+    except NotRegularFile as refused:
+        log.warning("%s", refused)
+        return None
+    if plan is None:
+        return None
+    return {"requested": plan["requested"].cluster.strategy, "decision": plan["decision"], "probes": plan["probes"]}
 
 
 def _timings(paths: RunPaths, finished: tuple[str, ...], training: dict, dag_started_at: float | None) -> dict | None:
@@ -121,9 +129,9 @@ def summarize(
             "plots": sorted(str(p) for p in paths.plots.glob("*.png")),
         },
         "replicas": (read["provision_cluster"] or {}).get("replicas"),
-        "restarts": read_record(paths.restarts) if paths.restarts.exists() else [],
+        "restarts": read_restarts(paths),
         # backend=swarm: the node each replica ran on (train writes it)
-        "nodes": read_replica_record(paths.root / "nodes.json") if (paths.root / "nodes.json").exists() else None,
+        "nodes": read_replica_record(paths.nodes) if paths.nodes.exists() else None,
         "timings": _timings(paths, finished, training, dag_started_at),
         # strategy=auto: what it chose and why, from the probes (plan.json).
         "auto": _auto_decision(paths) if "provision_cluster" in finished else None,

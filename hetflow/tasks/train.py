@@ -39,7 +39,7 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         cluster = backend.replicas(spec, ClusterLayout.from_dict(read_record(paths.cluster)), paths.root)
         with _stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
             backends.supervise(spec, cluster, paths.root, spec.cluster.run_policy.timeout_seconds)
-            if paths.requested_spec.exists():
+            if paths.requested_spec.exists():  # provision_cluster's, in a folder replicas see read-only
                 spec = _carry_out_auto(spec, run_id, paths)
     return {**read_replica_record(paths.training), "attempt": receipt}
 
@@ -65,15 +65,14 @@ def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
 
 def auto_decided(paths: RunPaths) -> RunSpec:
     """The spec ``strategy=auto`` decided from the requested spec and the workers' measurements
-    (plan.json): the pipeline decides again, with the replicas' numbers but its own code."""
-    from hetflow.replica.auto_strategy import decide
+    (plan.json): the pipeline decides again, from the request it recorded, with only the replicas'
+    numbers (checked) and its own code."""
+    from hetflow.replica.balance import measured
 
-    plan = read_replica_record(paths.plan) if paths.plan.exists() else {}
-    if "probes" not in plan:
+    plan = measured(paths, load_spec(paths))
+    if plan is None:
         return load_spec(paths)  # decided without measuring (one worker), or trained before measuring enough
-    requested = parse_spec(read_record(paths.requested_spec))
-    decision = decide(requested, plan["probes"])
-    return parse_spec({**requested.flat(), **decision["settings"]})
+    return parse_spec({**plan["requested"].flat(), **plan["decision"]["settings"]})
 
 
 @contextlib.contextmanager
