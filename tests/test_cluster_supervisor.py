@@ -170,7 +170,7 @@ def test_a_restart_is_carried_out_and_recorded_with_its_cause(tmp_path):
     assert supervisor.wait(timeout=60, interval=0) == {"worker-0": 0, "worker-1": 0}
     everyone = ("worker-0", "worker-1")
     assert replicas.calls == [("stop", everyone), ("start", everyone), ("stop", ())]
-    [restart] = json.loads((tmp_path / "restarts.json").read_text())
+    [restart] = json.loads((tmp_path / "replicas" / "restarts.json").read_text())
     assert restart["replica"] == "worker-1" and restart["exit_code"] == 137
     assert restart["cause"] == "killed by SIGKILL; last error: Epoch 3/15"
     assert restart["action"] == "restarted every replica"
