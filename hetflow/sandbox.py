@@ -10,7 +10,12 @@ data). Nothing else exists there: no ``/run`` (the Docker socket), no home, no o
 HETFLOW_HOME beyond what it is shown. It dies with the process that started it
 (``--die-with-parent``).
 
-Started by root, the command first drops to ``SANDBOX_UID`` (``setpriv``): a user namespace made
+Started by root, the command first drops to an unprivileged uid (``setpriv``): each run's replicas
+to a uid of their own (``run_owner``), so that no other run's process and no host user's can
+signal, trace or write them or their files; other sandboxes (a model server) to ``SANDBOX_UID``.
+It holds no supplementary group, loads Docker's default seccomp profile (``hetflow.seccomp``:
+no ``unshare``, ``setns``, ``mount``, ``keyctl``, ``bpf``, ...) and may make no user namespace
+(``--disable-userns``). A user namespace made
 by root maps its sandbox uid to root outside, which the kernel still treats as root (such a
 process can open ``/proc/sys/kernel/core_pattern`` for writing). bwrap resolves what it shows
 as the uid it runs as, and root's files (an interpreter under /root, pytest's /tmp/pytest-of-root)
@@ -26,6 +31,7 @@ triggers a run must not be able to switch the sandbox off).
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -34,14 +40,20 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hetflow import seccomp
 from hetflow.paths import REPO_ROOT, hetflow_home
 
 log = logging.getLogger("hetflow.sandbox")
 
 ALLOW_UNISOLATED_ENV = "HETFLOW_ALLOW_UNISOLATED"
-# What root drops to: nobody owns no file, holds no group and no capability.
+# What root drops to outside a run (a model server): nobody owns no file, holds no group and no capability.
 SANDBOX_UID = SANDBOX_GID = 65534
 SANDBOX_OWNER = (SANDBOX_UID, SANDBOX_GID)
+# Where runs' uids are drawn from: above the users and the subordinate ranges of /etc/subuid, in the
+# block systemd leaves unused (0x70000000-0x7FFEFFFF); no passwd entry is needed. Two runs share one
+# with a chance of 1 in RUN_UIDS.
+RUN_UID_BASE = 0x7000_0000
+RUN_UIDS = 1 << 24
 # What root's view needs beyond the sandbox's: dropping to the sandbox uid.
 _SETPRIV_CAPABILITIES = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")
 
@@ -50,14 +62,21 @@ class SandboxUnavailable(RuntimeError):
     """No sandbox can be had here and running unisolated was not accepted."""
 
 
-def _drop_privileges() -> list[str]:
+def run_owner(run_dir: Path | str) -> tuple[int, int]:
+    """The uid and gid of a run's replicas (and of what they write), drawn from its run directory."""
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).digest()
+    uid = RUN_UID_BASE + int.from_bytes(digest[:8], "big") % RUN_UIDS
+    return uid, uid
+
+
+def _drop_privileges(owner: tuple[int, int]) -> list[str]:
     """The prefix that makes root an unprivileged uid with no capabilities and no groups."""
     if os.geteuid() != 0:
         return []
     return [
         "setpriv",
-        f"--reuid={SANDBOX_UID}",
-        f"--regid={SANDBOX_GID}",
+        f"--reuid={owner[0]}",
+        f"--regid={owner[1]}",
         "--clear-groups",
         "--inh-caps=-all",
         "--bounding-set=-all",
@@ -85,11 +104,16 @@ def unavailable() -> str | None:
         return "no `bwrap` on PATH (Debian's bubblewrap package)"
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
         return "running as root and no `setpriv` (util-linux) to drop to an unprivileged uid"
-    trial = Sandbox().command(["true"])
+    box = Sandbox()
     try:
-        done = subprocess.run(trial, capture_output=True, text=True, timeout=30)
+        trial = box.command(["true"])
+        done = subprocess.run(trial, pass_fds=box.fds, capture_output=True, text=True, timeout=30)
+    except seccomp.SeccompUnavailable as error:
+        return str(error)
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"bubblewrap did not start: {error}"
+    finally:
+        box.close()
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
         return f"bubblewrap cannot make a sandbox here: {lines[-1]}"
@@ -145,6 +169,8 @@ class Sandbox:
         the checkout); a shown directory under a hidden one is shown again.
     :param network: ``"own"`` (a network namespace of its own, only loopback) or the open
         descriptors ``(user namespace, network namespace)`` of the run's network holder to join.
+    :param owner: the uid and gid root drops to (a run's replicas: ``run_owner``; the holder of the
+        network it joins must run as the same).
     """
 
     read_write: list[str] = field(default_factory=list)
@@ -153,6 +179,7 @@ class Sandbox:
     network: str | tuple[int, int] = "own"
     working_directory: str = "/tmp"
     fds: list[int] = field(default_factory=list)
+    owner: tuple[int, int] = SANDBOX_OWNER
 
     def _shown(self) -> list[tuple[str, str]]:
         """(option, path) of every directory shown: the code and the interpreter too, wherever
@@ -173,8 +200,10 @@ class Sandbox:
             for path in self.hidden
             if os.path.isdir(path) and _under(path, shown_paths) and path not in shown_paths
         ]
-        args = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-        args += ["--unshare-net"] if self.network == "own" else []
+        args = ["bwrap", "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+        args += ["--unshare-cgroup-try", *(["--unshare-net"] if self.network == "own" else [])]
+        self.fds.append(seccomp.program_descriptor())
+        args += ["--seccomp", str(self.fds[-1])]
         args += ["--die-with-parent", *_system_view(), "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
         for option, path in sorted([*shown, *hidden], key=lambda entry: len(Path(entry[1]).parts)):
             args += [option, path] if option == "--tmpfs" else [option, path, path]
@@ -193,7 +222,7 @@ class Sandbox:
             args = [*nsenter, "--", *args]
         if os.geteuid() != 0:
             return args
-        return [*self._root_view(shown), *_drop_privileges(), *args]
+        return [*self._root_view(shown), *_drop_privileges(self.owner), *args]
 
     @staticmethod
     def _root_view(shown: list[tuple[str, str]]) -> list[str]:
@@ -222,11 +251,12 @@ class Sandbox:
         self.fds = []
 
 
-def holder_command(info_fd: int) -> list[str]:
+def holder_command(info_fd: int, owner: tuple[int, int]) -> list[str]:
     """A process that holds a fresh network namespace (only loopback up) for others to join, and
     writes ``{"child-pid": ...}`` to ``info_fd``: no ``--dev``, so that the user namespace the
-    holder runs in is the one owning its network namespace (with ``--dev`` bwrap nests a second)."""
-    args = [*_drop_privileges(), "bwrap", "--unshare-user", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
+    holder runs in is the one owning its network namespace (with ``--dev`` bwrap nests a second).
+    It runs as ``owner``, the run's replicas' uid: only they may enter it."""
+    args = [*_drop_privileges(owner), "bwrap", "--unshare-user", "--unshare-net", "--unshare-pid", "--unshare-ipc"]
     args += ["--die-with-parent", *_system_view(), "--info-fd", str(info_fd), "--", "sleep", "infinity"]
     return args
 

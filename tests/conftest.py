@@ -112,6 +112,14 @@ ATTEMPT = textwrap.dedent(
 )
 
 
+def run_sandboxed(box, argv: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    """``argv`` run in ``box`` (a ``hetflow.sandbox.Sandbox``), its output captured; the box closed."""
+    try:
+        return subprocess.run(box.command(argv), pass_fds=box.fds, capture_output=True, text=True, timeout=timeout)
+    finally:
+        box.close()
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

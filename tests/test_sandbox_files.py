@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ATTEMPT, REPO, wait_for
+from conftest import ATTEMPT, REPO, run_sandboxed, wait_for
 
 from hetflow import sandbox
 from hetflow.cluster.processes import run_replicas
@@ -39,13 +38,6 @@ _PROBE = ATTEMPT + textwrap.dedent(
 )
 
 
-def _run(box: sandbox.Sandbox, argv: list[str]) -> subprocess.CompletedProcess:
-    try:
-        return subprocess.run(box.command(argv), pass_fds=box.fds, capture_output=True, text=True, timeout=60)
-    finally:
-        box.close()
-
-
 def test_a_sandboxed_command_sees_only_what_it_is_shown_and_changes_only_what_it_may(tmp_path):
     home = tmp_path / "home"
     run, data, other = home / "runs" / "mine", home / "data", home / "runs" / "other"
@@ -56,7 +48,7 @@ def test_a_sandboxed_command_sees_only_what_it_is_shown_and_changes_only_what_it
     (home / "stack" / "compose.env").write_text("AIRFLOW_PASSWORD=secret")
     planted_in_repo = REPO / f"planted-{tmp_path.name}"
     box = sandbox.Sandbox(read_write=[str(run)], read_only=[str(data)], hidden=[str(home)])
-    done = _run(box, ["python3", "-c", _PROBE, str(home), str(run), str(data), str(planted_in_repo)])
+    done = run_sandboxed(box, ["python3", "-c", _PROBE, str(home), str(run), str(data), str(planted_in_repo)])
     assert done.returncode == 0, done.stderr
     seen = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert seen["write-run"] == "ok" and (run / "written").read_text() == "x"
@@ -137,7 +129,7 @@ def test_hiding_a_directory_that_holds_the_checkout_keeps_the_code_and_interpret
     """A HETFLOW_HOME above the checkout (here: its parent) hides it, but not what the command runs."""
     probe = "import hetflow.sandbox, os; print(os.access(hetflow.sandbox.__file__, os.W_OK))"
     box = sandbox.Sandbox(hidden=[str(REPO.parent)], working_directory=str(REPO))
-    done = _run(box, [sys.executable, "-c", probe])
+    done = run_sandboxed(box, [sys.executable, "-c", probe])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"  # the code runs, read-only
 
@@ -148,7 +140,7 @@ def test_a_directory_shown_under_tmp_stays_visible_in_the_private_tmp(tmp_path):
     checkout = tmp_path / "checkout"
     checkout.mkdir()
     (checkout / "code.txt").write_text("the checkout's code")
-    done = _run(sandbox.Sandbox(read_only=[str(checkout)]), ["cat", str(checkout / "code.txt")])
+    done = run_sandboxed(sandbox.Sandbox(read_only=[str(checkout)]), ["cat", str(checkout / "code.txt")])
     assert done.returncode == 0, done.stderr
     assert done.stdout == "the checkout's code"
 
@@ -176,7 +168,7 @@ def test_directories_hidden_and_shown_inside_each_other_nest_as_written(tmp_path
         read_only=[str(checkout)],
         hidden=[str(user), str(checkout / ".hetflow")],
     )
-    done = _run(box, ["python3", "-c", probe])
+    done = run_sandboxed(box, ["python3", "-c", probe])
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "code", "False", "['mine']", "True"]
 

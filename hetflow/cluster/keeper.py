@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hetflow import sandbox
+from hetflow import sandbox, seccomp
 from hetflow.cluster import netns
 from hetflow.cluster.lease import Supervision, supervisor_holds_lease
 from hetflow.cluster.processes import TERM_GRACE_SECONDS, signal_group
@@ -42,6 +42,7 @@ from hetflow.cluster.throttle import Throttle
 from hetflow.paths import REPO_ROOT, RunPaths
 
 _PR_SET_PDEATHSIG = 1
+_KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
 def exit_path(run_dir: Path, name: str) -> Path:
@@ -49,10 +50,15 @@ def exit_path(run_dir: Path, name: str) -> Path:
 
 
 def _replica_preexec(core: int | None):
-    """Runs in the replica before exec: die with the keeper; optionally stay on one core."""
+    """Runs in the replica before exec: die with the keeper; a session keyring of its own, empty,
+    not the keeper's (the task's, whatever it holds); optionally stay on one core."""
+    keyctl = seccomp.syscall_number("keyctl")
 
     def preexec() -> None:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if libc.syscall(keyctl, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
+            raise OSError(ctypes.get_errno(), "no session keyring of its own")
         if core is not None:
             os.sched_setaffinity(0, {core})
 
@@ -91,9 +97,17 @@ class View:
 
 
 def replica_sandbox(view: View, run_dir: Path) -> sandbox.Sandbox:
-    """The sandbox every replica of the run gets: ``view``'s files, the run's network namespace."""
+    """The sandbox every replica of the run gets: ``view``'s files, the run's network namespace, the
+    run's own uid."""
     network = netns.join(run_dir)
-    return sandbox.Sandbox(view.read_write, view.read_only, view.hidden, network, working_directory=str(REPO_ROOT))
+    return sandbox.Sandbox(
+        view.read_write,
+        view.read_only,
+        view.hidden,
+        network,
+        working_directory=str(REPO_ROOT),
+        owner=sandbox.run_owner(run_dir),
+    )
 
 
 def _launch(command: list[str], view: View | None, run_dir: Path, log_file, core: int | None):

@@ -202,7 +202,7 @@ class LocalReplicas:
         if self.sandboxed:
             network = {"isolated": True, "sandbox": "bubblewrap"}
             files = file_view(self.spec, self.run_dir)
-            hand_over_writable(self.paths)
+            hand_over_writable(self.paths, sandbox.run_owner(self.run_dir))
         else:
             reason = sandbox.unavailable()
             network = {"isolated": False, "reason": reason}

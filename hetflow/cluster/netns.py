@@ -45,7 +45,7 @@ def hold(run_dir: Path, log_file, env: dict[str, str]) -> subprocess.Popen:
     read, write = os.pipe()
     try:
         holder = subprocess.Popen(
-            sandbox.holder_command(write),
+            sandbox.holder_command(write, sandbox.run_owner(run_dir)),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
