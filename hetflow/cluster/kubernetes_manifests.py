@@ -25,6 +25,7 @@ from typing import Sequence
 
 from hetflow.cluster.containers import replica_environment, replica_spec
 from hetflow.cluster.layout import SERVICE_PORT, ClusterLayout, Replica, run_slug
+from hetflow.data.prepare import shown_to_replicas
 from hetflow.paths import data_dir
 from hetflow.spec import RunSpec
 
@@ -192,19 +193,19 @@ def _container(
 
 def volume_mounts(run_dir: Path, protected: Sequence[Path] = ()) -> list[dict]:
     """The run's own directory (read-write), the pipeline's records in it (``protected``, read-only
-    over it) and the prepared data (read-only), from the claim that holds HETFLOW_HOME, at the paths
-    they have on the supervisor; nothing else of the claim: a replica cannot touch other runs, the
-    stack's secrets or the dataset cache. The pods own their run directory: without its own mount a
-    record could be replaced by a rename there; a mount point cannot be (EBUSY)."""
+    over it) and the run's prepared dataset (read-only: its version folder alone), from the claim
+    that holds HETFLOW_HOME, at the paths they have on the supervisor; nothing else of the claim: a
+    replica cannot touch other runs, the stack's secrets, other datasets or the dataset cache. The
+    pods own their run directory: without its own mount a record could be replaced by a rename there;
+    a mount point cannot be (EBUSY)."""
     home = hetflow_home_of(run_dir)
-    records = [
+    read_only = [
         {"name": "hetflow-home", "mountPath": str(path), "subPath": str(path.relative_to(home)), "readOnly": True}
-        for path in protected
+        for path in [*protected, *shown_to_replicas(run_dir, data_dir(home))]
     ]
     return [
         {"name": "hetflow-home", "mountPath": str(run_dir), "subPath": str(run_dir.relative_to(home))},
-        *records,
-        {"name": "hetflow-home", "mountPath": str(data_dir(home)), "subPath": "data", "readOnly": True},
+        *read_only,
     ]
 
 

@@ -42,6 +42,7 @@ from hetflow.cluster.processes import (
     teardown_run,
 )
 from hetflow.cluster.supervisor import ReplicaState
+from hetflow.data.prepare import shown_to_replicas
 from hetflow.paths import (
     REPO_ROOT,
     NotRegularFile,
@@ -82,9 +83,12 @@ def visible_gpus(layout: ClusterLayout, spec: RunSpec) -> dict[str, str]:
 
 
 def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Path]]:
-    """What of HETFLOW_HOME a replica sees, on every backend: its run directory, read-write, and the
-    prepared data (the spec's data dir, or the one under ``home``), read-only."""
-    return {"read_write": [run_dir], "read_only": [Path(spec.data.data_dir) if spec.data.data_dir else data_dir(home)]}
+    """What of HETFLOW_HOME a replica sees, on every backend: its run directory, read-write, and its
+    run's prepared dataset alone (``hetflow.data.prepare.shown_to_replicas``: not every run's data),
+    read-only, at the resolved path it was prepared and checked at in the spec's data dir (or the one
+    under ``home``); refused, one line, where that path leads elsewhere now."""
+    data = Path(spec.data.data_dir) if spec.data.data_dir else data_dir(home)
+    return {"read_write": [run_dir], "read_only": shown_to_replicas(run_dir, data)}
 
 
 def protected_records(paths: RunPaths) -> list[Path]:

@@ -15,8 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from hetflow.paths import RunPaths, read_replica_record, write_record
 from hetflow.paths import data_dir as shared_data_dir
-from hetflow.paths import write_record
+from hetflow.spec.data_roots import as_checked, confined, data_roots
 
 # Builders that need no network. Importing their module registers them with TFDS. Image folders
 # (``folder:PATH``, hetflow.data.image_folder) need none either.
@@ -30,8 +31,22 @@ _CURRENT_FINGERPRINTS = "hetflow_fingerprints.json"
 
 def dataset_dir(spec) -> Path:
     """Where the run's TFDS datasets and image folders are prepared: the spec's data_dir, else the
-    data dir every run shares."""
-    return Path(spec.data.data_dir) if spec.data.data_dir else shared_data_dir()
+    data dir every run shares; resolved, and checked under the allowed roots as resolved, so that
+    what is prepared, recorded and shown to replicas is that folder, whatever a link along the spec's
+    path points at later."""
+    return confined(str(spec.data.data_dir or shared_data_dir()), "data_dir", data_roots())
+
+
+def shown_to_replicas(run_dir: Path, data_dir: Path) -> list[Path]:
+    """The prepared data a run's replicas see: the one version folder dataset.json records (what
+    ``hetflow.data.pipeline`` reads), not the other datasets and versions of the data dir, as it
+    was recorded resolved; refused (one line) when it now resolves elsewhere or lies outside
+    ``data_dir``. Nothing before prepare_data has recorded it."""
+    record = RunPaths(run_dir).dataset
+    if not record.exists():
+        return []
+    prepared = read_replica_record(record).get("prepared_dir")
+    return [as_checked(str(prepared), str(data_dir), "prepared data")]
 
 
 @contextlib.contextmanager
@@ -213,7 +228,8 @@ def prepare_dataset(name: str, data_dir: Path, image_size: str | None = None) ->
             shards = getattr(builder, "NUM_SHARDS", None)
             builder.download_and_prepare(download_config=tfds.download.DownloadConfig(num_shards=shards))
         info = builder.info
-        version_dir = Path(builder.data_dir)
+        # Recorded, and later shown to replicas, as the folder the shards were checked in.
+        version_dir = as_checked(str(builder.data_dir), str(data_dir), "prepared data")
         fingerprint = _fingerprint(info, version_dir)
     image_key, label_key = info.supervised_keys
     return {
