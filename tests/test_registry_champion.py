@@ -256,3 +256,63 @@ def test_a_registered_model_hetflow_created_is_marked_and_taken_again(hetflow_en
     assert client.get_registered_model("ours").tags == {OWNER_TAG: OWNER}
     own_registered_model(client, "ours", "ours")  # the next run registers into it: no error
     assert client.get_registered_model("ours").tags == {OWNER_TAG: OWNER}
+
+
+def _champion_whose_server_fails(name: str, tmp_path: Path) -> str:
+    """A hetflow registered model whose champion, trained on other data, is a pyfunc model whose
+    loader raises when a server loads it: no server of it ever becomes healthy. Returns a candidate."""
+    from hetflow.registry.champion import CHAMPION
+    from hetflow.registry.store import EXPERIMENT
+    from hetflow.registry.versions import own_registered_model
+    from mlflow import MlflowClient
+
+    model = tmp_path / "broken-champion"
+    (model / "code").mkdir(parents=True)
+    (model / "MLmodel").write_text(
+        "flavors:\n  python_function:\n    loader_module: never_serves\n    code: code\n    python_version: '3.11'\n"
+    )
+    (model / "code" / "never_serves.py").write_text("raise RuntimeError('this champion never serves')\n")
+    client = MlflowClient()
+    own_registered_model(client, name, name)
+    experiment = client.get_experiment_by_name(EXPERIMENT) or client.get_experiment(
+        client.create_experiment(EXPERIMENT)
+    )
+    run_id = client.create_run(experiment.experiment_id).info.run_id
+    client.log_artifacts(run_id, str(model), "model")
+    versions = [client.create_model_version(name, f"runs:/{run_id}/model", run_id=run_id).version for _ in "ab"]
+    client.set_model_version_tag(name, versions[0], "dataset.fingerprint", "other data")
+    client.set_model_version_tag(name, versions[0], "test_accuracy", "0.5")
+    client.set_registered_model_alias(name, CHAMPION, versions[0])
+    return versions[1]
+
+
+def test_a_champion_that_cannot_be_served_leaves_the_gate_undecided_not_won(hetflow_env, tmp_path):
+    """The champion was trained on other data, so the gate must serve it to score it here, and its
+    server never starts: the candidate is not promoted, the gate says in one line why, and a retry
+    of the task decides again instead of taking that as the decision."""
+    from hetflow.data.prepare import prepare_dataset
+    from hetflow.registry import champion
+    from hetflow.spec import RunSpec
+    from mlflow import MlflowClient
+
+    name = "unservable-champion"
+    candidate = _champion_whose_server_fails(name, tmp_path)
+    dataset = prepare_dataset("uci_digits", tmp_path / "data")
+    client = MlflowClient()
+    checked = Future()
+    checked.set_result({"passed": True, "start_seconds": 1.0, "agreement": 1.0, "examples": 8,
+                        "max_logit_difference": 0.0, "latency_p50_ms": 1.0, "latency_p99_ms": 1.0,
+                        "latency_requests": 100})  # fmt: skip
+    version = client.get_model_version(name, candidate)
+    spec = RunSpec.from_values({"min_improvement": 0.0})
+    model = champion.promote(client, spec, version, 0.99, dataset, {}, checked, "report", "table", tmp_path)
+
+    assert not model["promoted"] and model["aliases"] == ["candidate"], model
+    assert str(client.get_model_version_by_alias(name, champion.CHAMPION).version) == "1"
+    gate = model["gate"]
+    assert gate.startswith(f"undecided: champion v1 could not be served to score it on this test split, "
+                           f"so version {candidate} stays candidate: server exited with code"), gate  # fmt: skip
+    assert "this champion never serves" in gate and "\n" not in gate
+    assert client.get_model_version(name, candidate).tags["gate"] == gate
+    assert "- gate: undecided: champion v1 could not be served" in client.get_model_version(name, candidate).description
+    assert champion._decided(client, version) is None  # a retry serves the champion again

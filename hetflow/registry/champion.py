@@ -4,7 +4,8 @@ served check passed and it beats the champion's accuracy on this run's test spli
 
 ``champion`` moves under one lock per registered model, so that concurrent runs compare against
 the champion as it is when they set the alias; the decision is recorded on the version, so a
-retried task applies it once."""
+retried task applies it once. A champion that cannot be scored (it cannot be served) leaves the gate
+undecided: the candidate is not promoted, the reason is recorded, and a retry of the task decides again."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from mlflow import MlflowClient
 log = logging.getLogger("hetflow.registry")
 
 CANDIDATE, CHAMPION = "candidate", "champion"
+# The start of a gate that compared nothing: a serving failure of the champion is no win for the candidate.
+UNDECIDED = "undecided"
 
 
 @contextmanager
@@ -121,12 +124,14 @@ def start_served_check(
 
 
 def _decided(client: MlflowClient, version) -> str | None:
-    """The gate's decision on ``version`` when a previous try of the task applied it, else None."""
+    """The gate's decision on ``version`` when a previous try of the task applied it, else None (also
+    when that try left it undecided: the champion may be servable now)."""
     recorded = client.get_model_version(version.name, version.version).tags
     champion = version_by_alias(client, version.name, CHAMPION)
     if "gate" not in recorded and champion is not None and champion.version == version.version:
         return "already champion (task retried)"
-    return recorded.get("gate")
+    gate_recorded = recorded.get("gate")
+    return None if gate_recorded is not None and gate_recorded.startswith(UNDECIDED) else gate_recorded
 
 
 def promote(
@@ -168,14 +173,15 @@ def promote(
                     score = champion_accuracy(champion, dataset, log_dir)
                     versus = f"champion v{champion.version} {score:.4f} (margin {accuracy - score:+.4f})"
                 except (serving.ServingError, OSError) as error:
-                    unscored = (
-                        f"champion v{champion.version} could not be served to score it on this test split: {error}"
+                    unscored = " ".join(  # one line: the error may end with the server's log
+                        f"champion v{champion.version} could not be served to score it on this test split, "
+                        f"so version {version.version} stays candidate: {error}".split()
                     )
                     versus = unscored
             if not served["passed"]:
                 decision = {"promote": False, "reason": f"served check failed: {served['reason']}"}
-            elif unscored is not None:  # a champion that no server can run is no champion to defend
-                decision = {"promote": True, "reason": unscored}
+            elif unscored is not None:  # nothing was compared: a failure to decide, not a win
+                decision = {"promote": False, "reason": f"{UNDECIDED}: {unscored}"}
             else:
                 decision = gate(spec, accuracy, champion, score)
             if decision["promote"]:
