@@ -8,7 +8,8 @@ outlive the process that provisioned them (an Airflow task) and are supervised b
   (``hetflow.sandbox``: bubblewrap, joined to the run's network namespace, which the run's network
   holder keeps, see ``hetflow.cluster.netns``) and tied to the keeper (``--die-with-parent``), with an
   allow-listed environment, its output appended to ``logs/<name>.log``;
-- pins it to a core and throttles it (a simulated slower machine) as told;
+- pins it to a core and throttles it (a simulated slower machine) as told, and bounds its tasks and
+  memory (its own cgroups, ``hetflow.cluster.limits``);
 - records how it ended in ``replicas/<name>.exit`` (the exit code; negative: killed by that
   signal), which is how the supervisor, not being its parent, learns it;
 - ends it on SIGTERM (SIGTERM, then SIGKILL after the grace period: a TF worker waiting on a peer
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetflow import sandbox, seccomp
-from hetflow.cluster import netns
+from hetflow.cluster import limits, netns
 from hetflow.cluster.lease import Supervision, supervisor_holds_lease
 from hetflow.cluster.processes import TERM_GRACE_SECONDS, signal_group
 from hetflow.cluster.throttle import Throttle
@@ -49,9 +50,9 @@ def exit_path(run_dir: Path, name: str) -> Path:
     return RunPaths(run_dir).replicas / f"{name}.exit"
 
 
-def _replica_preexec(core: int | None):
+def _replica_preexec(core: int | None, cgroups: limits.ReplicaCgroups | None = None):
     """Runs in the replica before exec: die with the keeper; a session keyring of its own, empty,
-    not the keeper's (the task's, whatever it holds); optionally stay on one core."""
+    not the keeper's (the task's, whatever it holds); inside its cgroups; optionally on one core."""
     keyctl = seccomp.syscall_number("keyctl")
 
     def preexec() -> None:
@@ -59,6 +60,8 @@ def _replica_preexec(core: int | None):
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if libc.syscall(keyctl, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
             raise OSError(ctypes.get_errno(), "no session keyring of its own")
+        if cgroups is not None:
+            cgroups.enter()
         if core is not None:
             os.sched_setaffinity(0, {core})
 
@@ -110,7 +113,7 @@ def replica_sandbox(view: View, run_dir: Path) -> sandbox.Sandbox:
     )
 
 
-def _launch(command: list[str], view: View | None, run_dir: Path, log_file, core: int | None):
+def _launch(command: list[str], view: View | None, run_dir: Path, log_file, core: int | None, cgroups=None):
     """Start ``command`` in a process group of its own, sandboxed in the run's network namespace
     where ``view`` says so."""
     box = None
@@ -126,7 +129,7 @@ def _launch(command: list[str], view: View | None, run_dir: Path, log_file, core
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_replica_preexec(core),
+            preexec_fn=_replica_preexec(core, cgroups),
             pass_fds=box.fds if box else (),
         )
     finally:
@@ -142,6 +145,7 @@ def keep(
     deadline: float,
     view: View | None = None,
     network_holder: bool = False,
+    memory_mb: int = 0,
 ) -> int:
     """Run the replica ``name`` (or, with ``network_holder``, the holder of the run's network
     namespace) until it ends, is stopped, or its supervisor is gone."""
@@ -151,11 +155,14 @@ def keep(
     paths = RunPaths(run_dir)
     # The holder is no replica: its log sits with the keepers' records, not among the replicas' logs.
     log_file = open((paths.replicas if network_holder else paths.logs) / f"{name}.log", "ab")
+    cgroups = None
     if network_holder:
         replica = netns.hold(run_dir, log_file, replica_environment())
     else:
         command = [sys.executable, "-m", "hetflow.replica", "--run-dir", str(run_dir)]
-        replica = _launch(command, view, run_dir, log_file, core)
+        # Limits come with the sandbox: an unisolated replica runs as the operator allowed, unbounded.
+        cgroups = limits.make(run_dir, name, memory_mb) if view is not None and os.geteuid() == 0 else None
+        replica = _launch(command, view, run_dir, log_file, core, cgroups)
     throttle = Throttle(replica.pid, slowdown) if slowdown > 1 else None
     if throttle:
         throttle.start()
@@ -178,6 +185,8 @@ def keep(
     scratch = target.with_suffix(".exit.tmp")
     scratch.write_text(json.dumps({"exit_code": code}))
     scratch.replace(target)  # atomically: the supervisor never reads half a record
+    if cgroups is not None:
+        cgroups.remove()
     return 0
 
 
@@ -195,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name", required=True, help="the replica, e.g. worker-0")
     parser.add_argument("--core", type=int, help="pin the replica to this CPU core")
     parser.add_argument("--slowdown", type=float, default=1.0, help="give it 1/slowdown of the CPU time")
+    parser.add_argument("--memory-mb", type=int, default=0, help="its memory limit in MiB (0: none)")
     parser.add_argument("--deadline", type=float, required=True, help="stop it at this time (epoch seconds)")
     parser.add_argument("--network-holder", action="store_true", help="hold the run's network namespace instead")
     parser.add_argument("--unisolated", action="store_true", help="run the replica without a sandbox")
@@ -211,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         args.deadline,
         view,
         args.network_holder,
+        args.memory_mb,
     )
 
 

@@ -266,7 +266,7 @@ class LocalReplicas:
             netns.record_path(self.run_dir).unlink(missing_ok=True)
         else:
             slowdown = self.spec.cluster.worker_device(replica.index).slowdown if replica.role == "worker" else 1.0
-            command += ["--slowdown", repr(slowdown)]
+            command += ["--slowdown", repr(slowdown), "--memory-mb", str(self.spec.cluster.resources.memory_mb)]
             if replica.name in self.cores:
                 command += ["--core", str(self.cores[replica.name])]
                 notes.append(f"pinned to core {self.cores[replica.name]}")
