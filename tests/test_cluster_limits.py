@@ -73,3 +73,17 @@ def test_where_no_cgroup_can_be_made_the_keeper_is_told_in_one_line(tmp_path):
         limits.make(tmp_path / "run", "worker-0", memory_mb=0, root=tmp_path / "no-cgroups")
     hierarchy = tmp_path / "no-cgroups" / "pids"
     assert str(refused.value) == f"no writable cgroup v1 pids hierarchy at {hierarchy} to limit worker-0"
+
+
+def test_where_no_cgroup_can_be_made_the_replica_runs_without_limits_and_its_log_says_why(tmp_path, monkeypatch):
+    from hetflow.cluster import keeper
+
+    monkeypatch.setattr(limits, "CGROUP_ROOT", tmp_path / "cgroup-v2-only")
+    log_path = tmp_path / "worker-0.log"
+    with open(log_path, "ab") as log_file:
+        assert keeper._cgroups(tmp_path / "run", "worker-0", 0, log_file) is None
+    hierarchy = tmp_path / "cgroup-v2-only" / "pids"
+    assert log_path.read_text() == (
+        "hetflow keeper: worker-0 runs without memory and task limits: "
+        f"no writable cgroup v1 pids hierarchy at {hierarchy} to limit worker-0\n"
+    )

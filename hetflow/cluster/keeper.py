@@ -161,7 +161,7 @@ def keep(
     else:
         command = [sys.executable, "-m", "hetflow.replica", "--run-dir", str(run_dir)]
         # Limits come with the sandbox: an unisolated replica runs as the operator allowed, unbounded.
-        cgroups = limits.make(run_dir, name, memory_mb) if view is not None and os.geteuid() == 0 else None
+        cgroups = _cgroups(run_dir, name, memory_mb, log_file) if view is not None and os.geteuid() == 0 else None
         replica = _launch(command, view, run_dir, log_file, core, cgroups)
     throttle = Throttle(replica.pid, slowdown) if slowdown > 1 else None
     if throttle:
@@ -188,6 +188,17 @@ def keep(
     if cgroups is not None:
         cgroups.remove()
     return 0
+
+
+def _cgroups(run_dir: Path, name: str, memory_mb: int, log_file) -> limits.ReplicaCgroups | None:
+    """The replica's cgroups; where none can be made here (a cgroup v2 or read-only hierarchy), the
+    replica runs without them and its log's first line says why: the sandbox still holds."""
+    try:
+        return limits.make(run_dir, name, memory_mb)
+    except (limits.LimitsUnavailable, OSError) as unavailable:
+        log_file.write(f"hetflow keeper: {name} runs without memory and task limits: {unavailable}\n".encode())
+        log_file.flush()
+        return None
 
 
 def _terminate(replica: subprocess.Popen) -> None:

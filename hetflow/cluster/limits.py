@@ -5,7 +5,8 @@ memory (the kernel's OOM killer ends it past that, as Docker's ``--memory`` does
 
 Made by the keeper (root) before the replica starts and entered by the replica before exec, so that
 bubblewrap and everything it starts are inside; removed when the replica has ended. Where no cgroup
-can be made (not root, no writable v1 hierarchy), ``make`` says why in one line.
+can be made (not root, no writable v1 hierarchy: cgroup v2 is not written yet), ``make`` says why in
+one line, and the keeper runs the replica without limits, that line first in its log.
 """
 
 from __future__ import annotations
@@ -48,11 +49,11 @@ class ReplicaCgroups:
                     time.sleep(0.05)
 
 
-def make(run_dir: Path, name: str, memory_mb: int, root: Path = CGROUP_ROOT) -> ReplicaCgroups:
+def make(run_dir: Path, name: str, memory_mb: int, root: Path | None = None) -> ReplicaCgroups:
     """The replica ``name``'s cgroups, with its limits set; LimitsUnavailable, one line, where none can be made."""
     made = []
     for controller in ("pids", "memory"):
-        hierarchy = root / controller
+        hierarchy = (root or CGROUP_ROOT) / controller
         if not os.access(hierarchy, os.W_OK):
             raise LimitsUnavailable(f"no writable cgroup v1 {controller} hierarchy at {hierarchy} to limit {name}")
         directory = hierarchy / "hetflow" / f"{Path(run_dir).name}-{name}"
