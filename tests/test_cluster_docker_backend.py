@@ -20,6 +20,7 @@ def test_docker_network_is_internal_and_labelled_with_the_run():
         "name": f"hetflow-{run_slug(RUN_ID)}",
         "driver": "bridge",
         "internal": True,  # TF's gRPC servers listen on 0.0.0.0: nothing outside the run reaches them
+        "options": {"com.docker.network.bridge.inhibit_ipv4": "true"},  # nor the host (test_security_docker_network)
         "labels": {"hetflow.run": run_slug(RUN_ID), "hetflow.run-id": RUN_ID, "hetflow.run-dir": str(RUN_DIR)},
     }
 

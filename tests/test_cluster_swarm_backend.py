@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, dag_run, full_log, wait_for
 
+from hetflow.cluster import containers
 from hetflow.cluster.layout import run_slug
 from hetflow.cluster.swarm_preflight import preflight, satisfies
 from hetflow.cluster.swarm_replicas import (
@@ -60,15 +61,19 @@ def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_
     assert config["constraints"] == ["node.hostname==node-2"]
     assert config["mode"] == {"replicated": {"Replicas": 1}}
     resources = config["resources"]
-    assert resources["Limits"] == {"NanoCPUs": 1_500_000_000, "MemoryBytes": 512 * 2**20}
+    assert resources["Limits"] == {"NanoCPUs": 1_500_000_000, "MemoryBytes": 512 * 2**20, "Pids": 1024}
     assert resources["Reservations"] == {"NanoCPUs": 1_500_000_000, "MemoryBytes": 512 * 2**20}
     env = dict(entry.split("=", 1) for entry in config["env"])
     assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
     assert config["labels"]["hetflow.run"] == run_slug(layout.run_id) and config["labels"]["hetflow.role"] == "worker"
     mounts = {m["Target"]: m.get("ReadOnly", False) for m in config["mounts"]}
     assert mounts["/srv/h/runs/r"] is False and mounts["/srv/h/data"] is True
+    # Hardened as its docker container is (seen on a real node in test_a_replica_service_is_hardened_...).
     assert config["cap_drop"] == ["ALL"] and config["read_only"] is True
-    assert {"Target": "/tmp", "Source": None, "Type": "tmpfs", "ReadOnly": False} in config["mounts"]
+    assert config["command"][:2] == ["setpriv", "--no-new-privs"]
+    assert resources["Limits"]["Pids"] == containers.PIDS_LIMIT
+    tmp = {"Target": "/tmp", "Source": None, "Type": "tmpfs", "ReadOnly": False}
+    assert {**tmp, "TmpfsOptions": {"SizeBytes": containers.TMP_BYTES}} in config["mounts"]
     network = network_config(layout.run_id, Path("/srv/h/runs/r"), encrypted=True)
     assert (network["driver"], network["attachable"], network["internal"]) == ("overlay", True, True)
     assert network["options"] == {"encrypted": "true"}

@@ -24,6 +24,10 @@ from hetflow.spec import RunSpec
 # Processes a replica may run: TensorFlow's thread pools count, a fork bomb does not get far.
 PIDS_LIMIT = 1024
 
+# A replica's /tmp, on every backend: the one place it writes besides its run directory on a
+# read-only root file system (HOME is there: matplotlib and TFDS cache under it).
+TMP_BYTES = 512 * 2**20
+
 # Grace between SIGTERM and SIGKILL when stopping a replica: a TF worker waiting for a peer
 # ignores SIGTERM (see the local backend), so the engine's escalation is what ends it.
 STOP_GRACE_SECONDS = 10

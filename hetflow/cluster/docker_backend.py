@@ -2,10 +2,11 @@
 
 Each replica is a container of the replica image running the same entry point as a local replica
 (``python -m hetflow.replica --run-dir DIR``) with the same TF_CONFIG; its peers are addressed by
-container name (Docker's embedded DNS resolves names on a user-defined network). The network is
-``internal``: TensorFlow's gRPC servers listen on every interface, and an internal network with no
-published ports keeps them unreachable from outside the run. Every container and the network carry
-the run's labels, so teardown finds them by run id whatever started them.
+container name (Docker's embedded DNS resolves names on a user-defined network). TensorFlow's gRPC
+servers listen on every interface, so the network is ``internal`` (no route out, no published port)
+and its bridge has no address on the host (``network_config``): the host and its other users cannot
+connect to a replica, which the containers of the run still reach on the bridge. Every container
+and the network carry the run's labels, so teardown finds them by run id whatever started them.
 
 The configs are built by pure functions (``network_config``, ``container_config``) and passed to
 the Docker SDK as they are; ``DockerReplicas`` only starts, inspects and stops containers for the
@@ -31,6 +32,7 @@ import docker  # the Docker SDK (its docker.errors comes with it)
 from hetflow.cluster.containers import (
     PIDS_LIMIT,
     STOP_GRACE_SECONDS,
+    TMP_BYTES,
     container_user,
     lines_to_file,
     prepare_run_dir,
@@ -72,11 +74,14 @@ def run_labels(run_id: str, run_dir: Path) -> dict[str, str]:
 
 
 def network_config(run_id: str, run_dir: Path) -> dict:
-    """Keyword arguments of ``client.networks.create``."""
+    """Keyword arguments of ``client.networks.create``. ``internal`` alone still gives the bridge the
+    subnet's gateway address on the host (Docker 20.10 and current), and with it a route by which any
+    local user reaches the replicas' ports; ``inhibit_ipv4`` leaves the bridge without one."""
     return {
         "name": network_name(run_id),
         "driver": "bridge",
         "internal": True,
+        "options": {"com.docker.network.bridge.inhibit_ipv4": "true"},
         "labels": run_labels(run_id, run_dir),
     }
 
@@ -134,7 +139,7 @@ def container_config(
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges"],
         "read_only": True,
-        "tmpfs": {"/tmp": "rw,nosuid,nodev,size=512m"},
+        "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={TMP_BYTES}"},
         "pids_limit": PIDS_LIMIT,
         # The supervisor restarts replicas (restart_policy), as on every backend.
         "restart_policy": {"Name": "no"},

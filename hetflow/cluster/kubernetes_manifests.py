@@ -23,7 +23,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from hetflow.cluster.containers import replica_environment, replica_spec
+from hetflow.cluster.containers import TMP_BYTES, replica_environment, replica_spec
 from hetflow.cluster.layout import SERVICE_PORT, ClusterLayout, Replica, run_slug
 from hetflow.data.prepare import shown_to_replicas
 from hetflow.paths import data_dir
@@ -42,10 +42,8 @@ IMAGE_USER = 10001
 # died and teardown never ran (image pulls and scheduling come first).
 DEADLINE_MARGIN_SECONDS = 900
 
-# The pod's one writable place besides its run directory, as a docker container's tmpfs: the root
-# file system is read-only, and libraries cache under $HOME (matplotlib, TFDS), which is /tmp.
+# The pod's /tmp (containers.TMP_BYTES), an emptyDir: its root file system is read-only.
 TMP_VOLUME = "tmp"
-TMP_SIZE = "512Mi"
 
 # A finished TFJob stays this long for its pods' logs to be read, then the operator deletes it.
 FINISHED_JOB_TTL_SECONDS = 3600
@@ -233,7 +231,7 @@ def _pod_spec(spec: RunSpec, containers: list[dict], restart_policy: str) -> dic
         "containers": containers,
         "volumes": [
             {"name": "hetflow-home", "persistentVolumeClaim": {"claimName": spec.cluster.kubernetes.volume_claim}},
-            {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE}},
+            {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": f"{TMP_BYTES // 2**20}Mi"}},
         ],
     }
 

@@ -60,7 +60,12 @@ def check_nodes(client, spec: RunSpec, run_id: str, nodes: list[dict], home: Pat
             hostname = node["Description"]["Hostname"]
             services[hostname] = client.services.create(
                 spec.cluster.image,
-                command=["sh", "-c", f'echo "digest=$HETFLOW_SOURCE_DIGEST"; {_ESP_CHECK}; cat {marker}'],
+                # Confined as the replicas are (swarm_replicas.service_config), which also checks that
+                # the image has the setpriv they start with.
+                command=["setpriv", "--no-new-privs", "sh", "-c"]
+                + [f'echo "digest=$HETFLOW_SOURCE_DIGEST"; {_ESP_CHECK}; cat {marker}'],
+                cap_drop=["ALL"],
+                read_only=True,
                 name=f"hetflow-check-{token}-{node['ID'][:12]}",
                 labels=labels,
                 user=container_user(),

@@ -15,7 +15,9 @@ import docker
 from docker.types import EndpointSpec, Mount, Resources, RestartPolicy, ServiceMode
 
 from hetflow.cluster.containers import (
+    PIDS_LIMIT,
     STOP_GRACE_SECONDS,
+    TMP_BYTES,
     container_user,
     open_log,
     prepare_run_dir,
@@ -80,9 +82,12 @@ def service_config(
     protected: Sequence[Path] = (),
 ) -> dict:
     """Keyword arguments of ``client.services.create`` for one replica (see the docker backend's
-    ``container_config`` for what the parameters mean: the replica is the same): no capabilities,
-    a read-only root file system with a private /tmp. (Swarm services of Docker 20.10 take no
-    no-new-privileges flag nor a pids limit; a uid without capabilities has nothing to gain.)"""
+    ``container_config`` for what the parameters mean: the replica is the same), hardened as its
+    container is: no capabilities, a read-only root file system with a private /tmp, a bounded
+    process count (``Limits.Pids``, API 1.41: Docker 20.10), and no privilege to gain, which a service
+    cannot ask of Docker 20.10 (``Privileges.NoNewPrivileges`` came with a later API): ``setpriv
+    --no-new-privs`` sets the same kernel flag on the replica's first process, and every process it
+    starts inherits it."""
     view = replica_view(spec, run_dir, home)
     deadline = ATTACH_TIMEOUT_SECONDS + spec.cluster.run_policy.timeout_seconds
     # Before its deadline a replica ends once its supervisor's heartbeat stops; not on the lease,
@@ -93,7 +98,7 @@ def service_config(
     cpus, memory, gpus = needs.cpus, needs.memory_mb * 2**20, needs.gpus
     return {
         "image": needs.image,
-        "command": ["timeout", f"--kill-after={STOP_GRACE_SECONDS}", f"{deadline:.0f}"]
+        "command": ["setpriv", "--no-new-privs", "timeout", f"--kill-after={STOP_GRACE_SECONDS}", f"{deadline:.0f}"]
         + ["python", "-m", "hetflow.replica"],
         "args": ["--run-dir", str(run_dir), "--watch-supervisor", "heartbeat"],
         "name": container_name(layout.run_id, replica.name),
@@ -104,22 +109,29 @@ def service_config(
         "networks": [network_name(layout.run_id)],
         "mounts": [Mount(str(p), str(p), type="bind") for p in view["read_write"]]
         + [Mount(str(p), str(p), type="bind", read_only=True) for p in [*view["read_only"], *protected]]
-        + [Mount("/tmp", None, type="tmpfs")],
+        + [Mount("/tmp", None, type="tmpfs", tmpfs_size=TMP_BYTES)],
         "cap_drop": ["ALL"],
         "read_only": True,
         "endpoint_spec": EndpointSpec(mode="dnsrr"),
         "restart_policy": RestartPolicy(condition="none"),
         "constraints": placement(spec, replica),
-        "resources": Resources(
-            cpu_limit=round(cpus * 1e9) or None,
-            cpu_reservation=round(cpus * 1e9) or None,
-            mem_limit=memory or None,
-            mem_reservation=memory or None,
-            generic_resources={GPU_RESOURCE: gpus} if gpus else None,
-        ),
+        "resources": _resources(cpus, memory, gpus),
         "stop_grace_period": STOP_GRACE_SECONDS * 10**9,
         "mode": ServiceMode("replicated", replicas=1),
     }
+
+
+def _resources(cpus: float, memory: int, gpus: int) -> Resources:
+    """Limits and reservations; the pids limit, which docker's SDK has no argument for, by its key."""
+    resources = Resources(
+        cpu_limit=round(cpus * 1e9) or None,
+        cpu_reservation=round(cpus * 1e9) or None,
+        mem_limit=memory or None,
+        mem_reservation=memory or None,
+        generic_resources={GPU_RESOURCE: gpus} if gpus else None,
+    )
+    resources.setdefault("Limits", {})["Pids"] = PIDS_LIMIT
+    return resources
 
 
 def newest_task(client, service_name: str) -> dict | None:
