@@ -1,8 +1,9 @@
 """``make up-docker``'s env file: the secrets and settings docker/compose.yaml is started with.
 
 The compose stack takes the secrets ``make up`` generates for this HETFLOW_HOME (``devstack.secrets``:
-once, into ``$HETFLOW_HOME/stack/``, folder 0700, files 0600), plus a Fernet key that its Airflow
-containers, each with an Airflow home of its own, must share. The env file is rewritten on every
+once, into ``$HETFLOW_HOME/stack/``, folder 0700, files 0600), the MLflow server's login
+(``devstack.mlflow_auth``), plus a Fernet key that its Airflow containers, each with an Airflow home
+of its own, must share. The env file is rewritten on every
 start from those files, so the values stay the same. The admin's password stays in
 ``stack/passwords.json``, which the api-server reads through the bind-mounted HETFLOW_HOME: the
 env file names that file, and nothing prints the password. The images docker/stack-images.sh chose
@@ -20,15 +21,16 @@ import sys
 from pathlib import Path
 
 # make up's own secrets, so both stacks make and keep their secrets one way.
+from devstack import mlflow_auth
 from devstack.secrets import generated_once, password_file, stack_dir, stack_secrets, write_private
 from hetflow.paths import REPO_ROOT, hetflow_home
 from hetflow.registry.store import runs_page
 
 DOCKER_SOCKET = Path("/var/run/docker.sock")
 IMAGES_FILE = REPO_ROOT / "build" / "stack-images.env"
-# The unprivileged user of hetflow's images (docker/Dockerfile), which the stack runs as where
-# `make up-docker` is run by root.
-IMAGE_UID = 10001
+# The unprivileged user of hetflow's images (docker/Dockerfile) and its group, which the stack runs
+# as where `make up-docker` is run by root.
+IMAGE_UID = IMAGE_GID = 10001
 PROJECT = "hetflow"  # compose.yaml's name (COMPOSE_PROJECT_NAME overrides it): its volume is <project>_postgres-data
 
 
@@ -41,13 +43,14 @@ def container_uid() -> int:
     yours; never root, whose tasks could not sandbox what others wrote (bubblewrap as root needs
     capabilities a container does not get), so root's stack runs as the images' own user and is
     handed what it writes: HETFLOW_HOME's top, runs/ and stack/ (not their contents), the prepared
-    data, MLflow's artifacts and the admin's password file. Root still reads and writes all of it."""
+    data, MLflow's artifacts, the admin's password file and the MLflow login's settings. Root still
+    reads and writes all of it."""
     if os.getuid() != 0:
         return os.getuid()
     home = hetflow_home()
     for folder in (home, home / "runs", home / "data", home / "mlflow-artifacts"):
         folder.mkdir(parents=True, exist_ok=True)
-    for path in (home, home / "runs", stack_dir(), password_file()):
+    for path in (home, home / "runs", stack_dir(), password_file(), mlflow_auth.auth_config("compose")):
         os.chown(path, IMAGE_UID, -1, follow_symlinks=False)
     for tree in (home / "data", home / "mlflow-artifacts"):
         for parent, folders, files in os.walk(tree):
@@ -55,6 +58,12 @@ def container_uid() -> int:
                 os.chown(Path(parent) / name, IMAGE_UID, -1, follow_symlinks=False)
         os.chown(tree, IMAGE_UID, -1, follow_symlinks=False)
     return IMAGE_UID
+
+
+def container_gid() -> int:
+    """The group the stack's containers run as: yours, never root's (group 0 would give them
+    whatever the host's root group may read or write); the images' own where yours is root's."""
+    return os.getgid() if os.getuid() != 0 and os.getgid() != 0 else IMAGE_GID
 
 
 def write_env_file(socket: Path, login: bool = True, airflow_port: int = 8080, mlflow_port: int = 5000) -> Path:
@@ -65,9 +74,11 @@ def write_env_file(socket: Path, login: bool = True, airflow_port: int = 8080, m
     keys = stack_secrets()
     # Fernet's format: 32 random bytes, URL-safe base64.
     fernet = generated_once("fernet.json", lambda: {"fernet_key": base64.urlsafe_b64encode(os.urandom(32)).decode()})
+    mlflow_login = mlflow_auth.server_environment("compose")
     values = {
         "HETFLOW_HOME": str(hetflow_home()),
         "HETFLOW_UID": str(container_uid()),
+        "HETFLOW_GID": str(container_gid()),
         "DOCKER_GID": str(socket.stat().st_gid),  # given to the scheduler only, which starts replicas
         "POSTGRES_PASSWORD": keys["postgres_password"],
         "AIRFLOW_JWT_SECRET": keys["jwt_secret"],
@@ -75,6 +86,9 @@ def write_env_file(socket: Path, login: bool = True, airflow_port: int = 8080, m
         "AIRFLOW_FERNET_KEY": fernet["fernet_key"],
         "AIRFLOW_PASSWORDS_FILE": str(password_file()),
         "AIRFLOW_ALL_ADMINS": "False" if login else "True",
+        "MLFLOW_AUTH_CONFIG": mlflow_login["MLFLOW_AUTH_CONFIG_PATH"],
+        "MLFLOW_ADMIN_PASSWORD": mlflow_login["MLFLOW_AUTH_ADMIN_PASSWORD"],
+        "MLFLOW_FLASK_SECRET_KEY": mlflow_login["MLFLOW_FLASK_SERVER_SECRET_KEY"],
         # One line: an env file holds one variable a line.
         "AIRFLOW_UI_THEME": json.dumps(json.loads((REPO_ROOT / "plugins" / "ui_theme.json").read_text())),
         "AIRFLOW_PORT": str(airflow_port),
@@ -108,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.healthy_after is not None:
         artifacts = Path(values["HETFLOW_HOME"]) / "mlflow-artifacts"
         print(f"  MLflow   {mlflow}: PostgreSQL store, artifacts in {artifacts}")
-        # As make up's: hetflow's experiment on its runs, not MLflow's GenAI view; the store is the server.
+        print(f"           log in as admin, password (admin_password) in {mlflow_auth.credentials_file()} (yours only)")
+        # As make up's: hetflow's experiment on its runs, not MLflow's GenAI view; the store is the server,
+        # which answers its admin only.
+        os.environ.update(mlflow_auth.client_environment())
         print(f"           hetflow's runs: {runs_page(mlflow, store=mlflow)}")
         print(f"           their key metrics: {runs_page(mlflow, key_metrics=True, store=mlflow)}")
         volume = f"{os.environ.get('COMPOSE_PROJECT_NAME', PROJECT)}_postgres-data"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from devstack.mlflow_auth import server_environment
 from devstack.secrets import open_private, private_dir, stack_dir
 from hetflow.cluster.processes import environments_with, start_ticks
 from hetflow.paths import REPO_ROOT
@@ -33,7 +34,7 @@ def _log(component: str):
     return os.fdopen(open_private(logs / f"{component}.log", os.O_APPEND), "ab")
 
 
-def _sqlite_store() -> Path:
+def sqlite_store() -> Path:
     uri = tracking_uri()
     if not uri.startswith("sqlite:///"):
         raise SystemExit(f"make up serves a SQLite MLflow store; MLFLOW_TRACKING_URI={uri} is not one")
@@ -42,7 +43,7 @@ def _sqlite_store() -> Path:
 
 def _commands(airflow_port: int, mlflow_port: int) -> dict[str, list[str]]:
     airflow = [sys.executable, "-m", "airflow"]
-    store = _sqlite_store()
+    store = sqlite_store()
     return {
         "api-server": [*airflow, "api-server", "--host", "127.0.0.1", "--port", str(airflow_port)],
         # Their log servers listen on every interface ([::]:8793, :8794, host not configurable); the
@@ -50,18 +51,20 @@ def _commands(airflow_port: int, mlflow_port: int) -> dict[str, list[str]]:
         "scheduler": [*airflow, "scheduler", "--skip-serve-logs"],
         "dag-processor": [*airflow, "dag-processor"],
         "triggerer": [*airflow, "triggerer", "--skip-serve-logs"],
-        "mlflow": mlflow_server_command(store, mlflow_port),
+        "mlflow": mlflow_server_command(store, mlflow_port, login=True),
     }  # fmt: skip
 
 
-def mlflow_server_command(store: Path, port: int) -> list[str]:
-    """``mlflow server`` over the SQLite store ``store`` on 127.0.0.1:``port``."""
+def mlflow_server_command(store: Path, port: int, login: bool = False) -> list[str]:
+    """``mlflow server`` over the SQLite store ``store`` on 127.0.0.1:``port``; with ``login``, behind
+    MLflow's basic-auth app (its settings in the environment: ``devstack.mlflow_auth``)."""
     return [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", f"sqlite:///{store}",
         # Where the registry puts the hetflow experiment's artifacts for a SQLite store.
         "--default-artifact-root", (store.parent / "artifacts").as_uri(),
         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+        *(["--app-name", "basic-auth"] if login else []),
     ]  # fmt: skip
 
 
@@ -76,6 +79,12 @@ def create_time(pid: int) -> str | None:
     return f"{boot}+{ticks}"
 
 
+def component_environment(name: str, env: dict[str, str]) -> dict[str, str]:
+    """The environment of component ``name``: the stack's ``env``, plus the login's secrets for the
+    MLflow server only (Airflow's tasks write to the store directly)."""
+    return {**env, **server_environment("up")} if name == "mlflow" else env
+
+
 def start(env: dict[str, str], airflow_port: int, mlflow_port: int) -> dict[str, dict]:
     """Start every component in a session of its own, its output appended to ``stack/logs/``.
     Returns each one's pid and create time, by name."""
@@ -83,7 +92,12 @@ def start(env: dict[str, str], airflow_port: int, mlflow_port: int) -> dict[str,
     for name, command in _commands(airflow_port, mlflow_port).items():
         with _log(name) as log:
             process = subprocess.Popen(
-                command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                env=component_environment(name, env),
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         started[name] = {"pid": process.pid, "create_time": create_time(process.pid)}
     return started

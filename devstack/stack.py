@@ -4,7 +4,8 @@ The stack is five processes (``devstack.processes``) that use the same Airflow h
 (``$HETFLOW_HOME/airflow``) and MLflow store as ``hetflow run``: runs made either way show in the
 same UIs. Tasks write to the MLflow store directly (``MLFLOW_TRACKING_URI``, a SQLite file), not
 through the server, so training never depends on the server being up; the server only serves the
-UI over that same file.
+UI and the REST API over that same file, to its admin only (``devstack.mlflow_auth``), and the
+store's folder is its owner's only: the registry is not every local user's.
 
 State (pids, what was started, logs, generated secrets) lives in ``$HETFLOW_HOME/stack/``, readable
 by its owner only (``devstack.secrets``). ``down`` signals only processes ``up`` started.
@@ -24,9 +25,10 @@ from pathlib import Path
 
 import psutil
 
+from devstack.mlflow_auth import credentials_file
 from devstack.postgres import start_postgres, stop_postgres
-from devstack.processes import STACK_ID_ENV, running, start, stop
-from devstack.secrets import password_file, stack_dir, stack_secrets, write_private
+from devstack.processes import STACK_ID_ENV, running, sqlite_store, start, stop
+from devstack.secrets import password_file, private_dir, stack_dir, stack_secrets, write_private
 from hetflow.cli.dag_run import airflow_environment
 from hetflow.cluster.processes import teardown_runs_of_home
 from hetflow.paths import REPO_ROOT, hetflow_home
@@ -148,6 +150,7 @@ def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> tupl
     # A password Airflow generated before hetflow made its own: world-readable, and no longer used.
     Path(env["AIRFLOW_HOME"], "simple_auth_manager_passwords.json.generated").unlink(missing_ok=True)
     _ensure_database(env, fresh=postgres)
+    private_dir(sqlite_store().parent)  # the store and its artifacts: read around the server's login otherwise
     state = {
         "processes": start(env, airflow_port, mlflow_port),
         "stack_id": stack_id,
@@ -158,6 +161,7 @@ def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> tupl
         "database": "postgresql" if postgres else "sqlite",
         "started_postgres": started_postgres,
         "password_file": str(password_file()),
+        "mlflow_credentials": str(credentials_file()),
     }
     write_private(_state_path(), json.dumps(state, indent=2))
     wait_healthy(state)
@@ -211,6 +215,7 @@ def _print_up(state: dict, started: bool) -> None:
     else:
         print("           login off (LOGIN=off): everyone is admin — local development only")
     print(f"  MLflow   {state['mlflow_url']}   store: {tracking_uri()}")
+    print(f"           log in as admin, password (admin_password) in {credentials_file()} (yours only)")
     print(f"           hetflow's runs: {runs_page(state['mlflow_url'])}")
     print(f"           their key metrics: {runs_page(state['mlflow_url'], key_metrics=True)}")
     print("  stop with: make down")

@@ -97,7 +97,8 @@ def test_no_service_runs_as_root_or_gains_capabilities():
     leaves Docker's seccomp profile and /proc masks, so that bubblewrap can sandbox what it runs."""
     services = _services()
     for name, service in services.items():
-        assert service.get("user") in ("postgres", "${HETFLOW_UID:-10001}:0"), name
+        # Never group 0: the host's root group may read or write what the images' user may not.
+        assert service.get("user") in ("postgres", "${HETFLOW_UID:-10001}:${HETFLOW_GID:-10001}"), name
         assert not service.get("privileged") and not service.get("cap_add"), name
     confined_less = {name: s["security_opt"] for name, s in services.items() if s.get("security_opt")}
     assert confined_less == {"airflow-scheduler": ["seccomp=unconfined", "systempaths=unconfined"]}
@@ -145,7 +146,15 @@ def test_env_file_holds_every_required_variable_owner_only_generated_once_per_ho
         assert path == home / "stack" / "compose.env"
         assert _mode(home / "stack") == 0o700
         assert {p.name: _mode(p) for p in (home / "stack").iterdir()} == {
-            name: 0o600 for name in ("compose.env", "secrets.json", "passwords.json", "fernet.json")
+            name: 0o600
+            for name in (
+                "compose.env",
+                "secrets.json",
+                "passwords.json",
+                "fernet.json",
+                "mlflow.json",
+                "mlflow-auth-compose.ini",
+            )
         }
         return _env_values(path)
 
@@ -164,7 +173,10 @@ def test_env_file_holds_every_required_variable_owner_only_generated_once_per_ho
     assert first["HETFLOW_HOME"] == str(tmp_path / "a")
     # Root's stack runs as the images' user, which must read the password file and write the runs.
     uid = os.getuid() or compose_env.IMAGE_UID
-    assert first["HETFLOW_UID"] == str(uid) != "0"
+    assert first["HETFLOW_UID"] == str(uid) != "0" and first["HETFLOW_GID"] != "0"
+    assert first["MLFLOW_AUTH_CONFIG"] == str(tmp_path / "a" / "stack" / "mlflow-auth-compose.ini")
+    assert "default_permission = NO_PERMISSIONS" in Path(first["MLFLOW_AUTH_CONFIG"]).read_text()
+    assert Path(first["MLFLOW_AUTH_CONFIG"]).stat().st_uid == uid  # the MLflow container reads it
     assert {(tmp_path / "a" / name).stat().st_uid for name in ("", "runs", "data", "stack/passwords.json")} == {uid}
     assert first["DOCKER_GID"] == str(socket.stat().st_gid)
     assert first["AIRFLOW_ALL_ADMINS"] == "False"

@@ -229,3 +229,50 @@ def test_the_scheduler_and_triggerer_of_make_up_listen_on_no_interface(home):
                 process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 process.kill()
+
+
+def test_make_ups_mlflow_refuses_anyone_without_the_admins_login(home):
+    """Any local user reaches 127.0.0.1: without a login they could read the registry and move
+    ``champion`` with one REST call. The server make up starts answers 401 to an anonymous or wrong
+    login, and serves the admin whose password make up generated (stack/mlflow.json, 0600)."""
+    import requests
+
+    from devstack import mlflow_auth, processes
+    from hetflow.serving.server import free_port
+    from mlflow import MlflowClient
+
+    port = free_port()
+    command = processes._commands(airflow_port=0, mlflow_port=port)["mlflow"]
+    env = processes.component_environment("mlflow", {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    with (home / "server.log").open("w") as log:
+        server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: _answers(f"{url}/health"), timeout=180), (home / "server.log").read_text()[-3000:]
+        password = json.loads(mlflow_auth.credentials_file().read_text())["admin_password"]
+        assert _mode(mlflow_auth.credentials_file()) == 0o600 and len(password) >= 16
+        search = f"{url}/api/2.0/mlflow/experiments/search?max_results=5"
+        create = f"{url}/api/2.0/mlflow/registered-models/create"
+        assert requests.get(search, timeout=30).status_code == 401
+        assert requests.post(create, json={"name": "planted"}, timeout=30).status_code == 401
+        assert requests.get(search, auth=("admin", "not-the-password"), timeout=30).status_code == 401
+        assert requests.get(search, auth=("admin", password), timeout=30).status_code == 200
+        os.environ.update(mlflow_auth.client_environment())
+        try:  # a client with the admin's login in its environment, as the compose stack's tasks have it
+            assert MlflowClient(url).create_registered_model("behind-the-login").name == "behind-the-login"
+        finally:
+            for name in mlflow_auth.client_environment():
+                os.environ.pop(name)
+        assert password not in (home / "server.log").read_text()
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
+
+
+def _answers(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(url, timeout=5).status_code == 200
+    except requests.RequestException:
+        return False

@@ -277,3 +277,39 @@ def test_the_server_environment_is_a_users_not_the_pipelines(monkeypatch):
     assert command[-1] == "mlflow.pyfunc.scoring_server.app:app" and "5001" in command
     assert "/served/model" in " ".join(added.values())
     assert not {"TF_USE_LEGACY_KERAS", "PYTHONPATH", "MLFLOW_TRACKING_TOKEN"} & set(added)
+
+
+def test_the_served_copy_of_a_version_is_not_readable_by_other_local_users(hetflow_env, tmp_path):
+    """While its server runs, the copy of a registered version the pipeline downloaded for it is its
+    owner's only: another local user can neither list it nor read a file of it."""
+    import os
+    import stat
+
+    from hetflow.registry.store import EXPERIMENT
+    from hetflow.serving.server import ModelServer
+    from mlflow import MlflowClient
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "MLmodel").write_text("flavors:\n  python_function:\n    loader_module: mlflow.pyfunc.model\n")
+    (model / "weights.bin").write_bytes(b"the registry's weights")
+    client = MlflowClient()
+    experiment = client.get_experiment_by_name(EXPERIMENT) or client.get_experiment(
+        client.create_experiment(EXPERIMENT)
+    )
+    run_id = client.create_run(experiment.experiment_id).info.run_id
+    client.log_artifacts(run_id, str(model), "model")
+    client.create_registered_model("served-copy")
+    version = client.create_model_version("served-copy", f"runs:/{run_id}/model", run_id=run_id).version
+    server = ModelServer(f"models:/served-copy/{version}", hetflow_env["MLFLOW_TRACKING_URI"], tmp_path / "s.log")
+    try:
+        server.start()
+        [weights] = server._copy.rglob("weights.bin")
+        assert stat.S_IMODE(server._copy.stat().st_mode) == 0o700
+        if os.geteuid() == 0:  # another local user tries to read it
+            for command in (["ls", str(server._copy)], ["cat", str(weights)]):
+                other = ["setpriv", "--reuid=12345", "--regid=12345", "--clear-groups", *command]
+                tried = subprocess.run(other, capture_output=True, text=True)
+                assert tried.returncode != 0 and "Permission denied" in tried.stderr, tried
+    finally:
+        server.stop()

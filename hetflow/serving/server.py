@@ -190,11 +190,12 @@ class ModelServer:
             connection.close()
 
     def _download(self) -> Path:
-        """The version's files, copied into a temporary folder that ``stop()`` removes; nothing is loaded."""
+        """The version's files, copied into a temporary folder that ``stop()`` removes; nothing is loaded.
+        The folder is its owner's only (mkdtemp's 0700): a registered model is not every local user's
+        to read. The sandbox still reads it: root's view recreates the folders above what it shows."""
         import mlflow
 
         self._copy = Path(tempfile.mkdtemp(prefix="hetflow-served-"))
-        os.chmod(self._copy, 0o755)  # the sandbox's uid reads the copy
         (self._copy / "model").mkdir()  # beside it, the server's socket (see start)
         try:
             copy = mlflow.artifacts.download_artifacts(
