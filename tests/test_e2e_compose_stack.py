@@ -96,8 +96,11 @@ def compose(docker_client, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def browser():
-    yield from chromium()
+def browser(compose):
+    from ui_stack import MlflowLogin
+
+    for opened in chromium():
+        yield MlflowLogin(opened, f"http://127.0.0.1:{compose['ports']['mlflow']}", compose["home"])
 
 
 @pytest.mark.slow
@@ -187,9 +190,10 @@ def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_no
     assert docker_client.containers.list(all=True, filters={"label": f"hetflow.run-id={run_id}"}) == []
 
     # MLflow (PostgreSQL store) has the run, under this Airflow run, with the run's test accuracy.
-    found = requests.get(
-        f"{mlflow}/api/2.0/mlflow/runs/get", params={"run_id": run_summary["mlflow_run_id"]}, timeout=30
-    )
+    get_run = f"{mlflow}/api/2.0/mlflow/runs/get"
+    assert requests.get(get_run, params={"run_id": run_summary["mlflow_run_id"]}, timeout=30).status_code == 401
+    admin = ("admin", json.loads((compose["home"] / "stack" / "mlflow.json").read_text())["admin_password"])
+    found = requests.get(get_run, params={"run_id": run_summary["mlflow_run_id"]}, auth=admin, timeout=30)
     found.raise_for_status()
     mlflow_run = found.json()["run"]
     assert mlflow_run["info"]["status"] == "FINISHED"

@@ -125,9 +125,26 @@ def api(stack) -> Api:
     return client
 
 
+class MlflowLogin:
+    """Chromium whose pages answer the MLflow server's login (HTTP basic auth) with its admin's, sent
+    to that server only; everything else is the browser's."""
+
+    def __init__(self, browser, mlflow_url: str, home: Path):
+        self.browser = browser
+        password = json.loads((home / "stack" / "mlflow.json").read_text())["admin_password"]
+        self.credentials = {"username": "admin", "password": password, "origin": mlflow_url}
+
+    def new_page(self, **options):
+        return self.browser.new_page(http_credentials=self.credentials, **options)
+
+    def __getattr__(self, name: str):
+        return getattr(self.browser, name)
+
+
 @pytest.fixture(scope="session")
-def browser():
-    yield from chromium()
+def browser(stack):
+    for opened in chromium():
+        yield MlflowLogin(opened, stack["state"]["mlflow_url"], stack["home"])
 
 
 @pytest.fixture(scope="session")
@@ -184,7 +201,10 @@ def form_run(stack, api, browser):
 def mlflow_client(stack):
     from mlflow import MlflowClient
 
-    return MlflowClient(stack["state"]["mlflow_url"])  # through the MLflow server, as the UI reads it
+    # Through the MLflow server, as the UI reads it, logged in as its admin (anonymous gets 401).
+    password = json.loads((stack["home"] / "stack" / "mlflow.json").read_text())["admin_password"]
+    os.environ.update(MLFLOW_TRACKING_USERNAME="admin", MLFLOW_TRACKING_PASSWORD=password)
+    return MlflowClient(stack["state"]["mlflow_url"])
 
 
 @pytest.fixture(scope="session")
