@@ -17,7 +17,7 @@ from conftest import ATTEMPT, REPO, run_sandboxed, wait_for
 
 from hetflow import sandbox
 from hetflow.cluster.processes import run_replicas
-from hetflow.paths import data_dir, hetflow_home, run_paths
+from hetflow.paths import hetflow_home, run_paths
 
 # Tries each write and read, and reports what happened, one line each.
 _PROBE = ATTEMPT + textwrap.dedent(
@@ -95,11 +95,12 @@ def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     # Made before the replicas start, so that none can put a link of its own at their names.
     pipeline_folders = [paths.root / "attempts", paths.plots, paths.compressed, paths.root / "export"]
     pipeline_folders += [paths.root / "serving", paths.root / "tensorboard"]
+    prepared = json.loads(paths.dataset.read_text())["prepared_dir"]  # its own dataset's version, no other data
     assert record == {
         "confined": True,
         "hidden": sandbox.private_directories(),
         "read_write": [str(paths.root)],
-        "read_only": [str(data_dir(home)), *map(str, protected), *map(str, pipeline_folders)],
+        "read_only": [prepared, *map(str, protected), *map(str, pipeline_folders)],
     }
     assert str(home) in record["hidden"] and os.path.expanduser("~") in record["hidden"]
     assert wait_for(lambda: len(run_replicas(run_id)) == 2, timeout=60)
@@ -112,7 +113,7 @@ def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     assert options[str(paths.root)].startswith("rw")
     assert options[str(paths.spec)].startswith("ro") and options[str(paths.replicas)].startswith("ro")
     assert options[str(paths.provisioned_by)].startswith("ro")
-    assert options[str(data_dir(home))].startswith("ro")
+    assert options[prepared].startswith("ro")
     assert options["/"].startswith("ro")
     status = Path(f"/proc/{replica}/status").read_text()
     assert "CapEff:\t0000000000000000" in status and "CapBnd:\t0000000000000000" in status
