@@ -35,8 +35,9 @@ from hetflow.artifacts.tflite import SPARSE_ENCODABLE, representative_images, to
 from hetflow.data.pipeline import split_arrays, train_input
 from hetflow.models.architectures import compile_model, trained_model
 from hetflow.models.schedule import make_optimizer
-from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.replica.training_json import read_training
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
@@ -211,9 +212,8 @@ def overall_sparsity(model: tf.keras.Model) -> float:
 def compress(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     paths = run_paths(run_id)
     with attempt(paths, "compress", run_id, try_number) as receipt:
-        record = compress_model(
-            load_spec(paths), paths, read_record(paths.dataset), read_replica_record(paths.training)
-        )
+        spec, dataset = load_spec(paths), read_record(paths.dataset)
+        record = compress_model(spec, paths, dataset, read_training(paths.training, spec, dataset))
     log.info("compressed variants: %s; kernel sparsity %s", list(record["variants"]), record.get("kernel_sparsity"))
     return {**record, "attempt": receipt}
 

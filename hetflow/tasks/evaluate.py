@@ -11,8 +11,9 @@ import tensorflow as tf
 from hetflow import plots
 from hetflow.data.pipeline import split_arrays
 from hetflow.models.architectures import trained_model
-from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.replica.training_json import read_training
 
 log = logging.getLogger("hetflow.stages")
 
@@ -39,14 +40,16 @@ def confusion_counts(predicted: np.ndarray, labels: np.ndarray, num_classes: int
 
 def evaluate_model(paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
     """Score the trained model on the test split, draw the plots; writes evaluation.json."""
-    model = trained_model(load_spec(paths), dataset, paths.model)
+    spec = load_spec(paths)
+    training = read_training(paths.training, spec, dataset)  # refused before the model is loaded
+    model = trained_model(spec, dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     logits = model.predict(images, batch_size=256, verbose=0)
     result = score_logits(logits, labels)
     matrix = confusion_counts(np.argmax(logits, axis=1), labels, dataset["num_classes"])
     paths.plots.mkdir(parents=True, exist_ok=True)
     plots.confusion_matrix(matrix, result["test_accuracy"], paths.plots / "confusion_matrix.png")
-    plots.training(read_replica_record(paths.training), paths.plots)
+    plots.training(training, paths.plots)
     result |= {"test_examples": int(len(labels)), "confusion_matrix": matrix.tolist()}
     write_record(paths.evaluation, result)
     return result

@@ -23,6 +23,7 @@ from hetflow.pipeline import timing
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
 from hetflow.registry import champion, run_record, store, versions
 from hetflow.registry.training_key import TRAINING_KEY_TAG
+from hetflow.replica.training_json import read_training
 from hetflow.spec import RunSpec
 from mlflow import MlflowClient
 
@@ -58,7 +59,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     """Record the run in MLflow, register the float model and the chosen TFLite variant, serve each
     (infra validation), move the aliases; writes registry.json."""
     # Where replicas write (the run directory's top): read as data, like the training record itself.
-    training = read_replica_record(paths.training)
+    training = read_training(paths.training, spec, dataset)
     evaluation = read_replica_record(paths.evaluation)
     exported = read_replica_record(paths.export)
     compression = read_replica_record(paths.compression)

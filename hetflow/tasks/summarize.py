@@ -9,8 +9,9 @@ from typing import Any
 
 from hetflow.cluster.supervisor import read_restarts
 from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, run_paths, write_record
-from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, read_record, reported
+from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, load_spec, read_record, reported
 from hetflow.pipeline.timing import PARTS
+from hetflow.replica.training_json import read_training
 
 log = logging.getLogger("hetflow.stages")
 
@@ -94,7 +95,11 @@ def summarize(
     read = {
         stage: read_replica_record(getattr(paths, record)) if stage in finished else None
         for stage, record in STAGE_OUTPUTS
+        if stage != "train"
     }
+    read["train"] = (
+        read_training(paths.training, load_spec(paths), read["prepare_data"]) if "train" in finished else None
+    )
     training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
     exported = (read["export"] or {}).get("artifacts", {})
     dataset = read["prepare_data"] or {}

@@ -10,8 +10,9 @@ import signal
 import threading
 from typing import Any
 
-from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.replica.training_json import read_training
 from hetflow.spec import RunSpec, parse_spec
 
 log = logging.getLogger("hetflow.stages")
@@ -41,7 +42,7 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
             backends.supervise(spec, cluster, paths.root, spec.cluster.run_policy.timeout_seconds)
             if paths.requested_spec.exists():  # provision_cluster's, in a folder replicas see read-only
                 spec = _carry_out_auto(spec, run_id, paths)
-    return {**read_replica_record(paths.training), "attempt": receipt}
+    return {**read_training(paths.training, spec, read_record(paths.dataset)), "attempt": receipt}
 
 
 def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
