@@ -9,7 +9,8 @@ from typing import Any
 from hetflow.paths import run_paths, write_record
 from hetflow.pipeline import timing
 from hetflow.pipeline.attempts import attempt, load_spec, reported
-from hetflow.spec import RunSpec, SpecError, data_location_problems
+from hetflow.spec import RunSpec, SpecError, data_location_problems, data_roots
+from hetflow.spec.data_roots import confined
 
 log = logging.getLogger("hetflow.stages")
 
@@ -30,7 +31,7 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         problems = data_location_problems(spec.data)
         if problems:
             raise SpecError(problems)
-        record = prepare_dataset(spec.data.dataset, dataset_dir(spec), spec.data.image_size)
+        record = prepare_dataset(_checked_dataset(spec), dataset_dir(spec), spec.data.image_size)
         record["training_key"] = training_key(spec, record["fingerprint"])
         record["trained_before"] = _trained_before(spec, record["training_key"], run_id)
         if record["trained_before"]:  # what summarize and the DAG's skip say
@@ -46,6 +47,17 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     if record["trained_before"]:
         log.info("unchanged: %s", record["skip_reason"])
     return {**record, "attempt": receipt}
+
+
+def _checked_dataset(spec: RunSpec) -> str:
+    """The dataset to read: a folder resolved once and checked under the roots as resolved, so that
+    what is read is what was checked (the scan follows no link along it)."""
+    if not spec.data.folder:
+        return spec.data.dataset
+    try:
+        return f"folder:{confined(spec.data.folder, 'dataset', data_roots())}"
+    except ValueError as refused:
+        raise SpecError([str(refused)]) from None
 
 
 def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | None:
