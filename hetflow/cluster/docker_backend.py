@@ -42,6 +42,7 @@ from hetflow.cluster.containers import (
 from hetflow.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
 from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
 from hetflow.cluster.local import core_assignment, replica_view
+from hetflow.cluster.output_lines import cut_lines
 from hetflow.cluster.supervisor import ReplicaState
 from hetflow.paths import REPO_ROOT, RunPaths, hetflow_home
 from hetflow.spec import RunSpec
@@ -245,7 +246,7 @@ class DockerReplicas:
             container = self.client.containers.get(container_name(self.layout.run_id, name))
             stream = container.logs(stream=True, follow=True)
             log_path = self.logs_dir / f"{name}.log"
-            yield from lines_to_file(stream, log_path)
+            yield from lines_to_file(cut_lines(stream), log_path)
         except docker.errors.NotFound:  # removed while streaming: its output is in the file
             return
 

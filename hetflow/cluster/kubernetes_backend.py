@@ -54,6 +54,7 @@ from hetflow.cluster.kubernetes_manifests import (
 from hetflow.cluster.layout import ClusterLayout, plan_named_cluster, run_slug
 from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
 from hetflow.cluster.local import hand_over_writable
+from hetflow.cluster.output_lines import cut_lines
 from hetflow.cluster.supervisor import ReplicaState
 from hetflow.paths import RunPaths, hetflow_home
 from hetflow.spec import RunSpec
@@ -202,7 +203,7 @@ class KubernetesReplicas:
             time.sleep(1)
         try:
             stream = self.core.read_namespaced_pod_log(pod, self.namespace, follow=True, _preload_content=False)
-            yield from lines_to_file(stream.stream(), self.logs_dir / f"{name}.log")
+            yield from lines_to_file(cut_lines(stream.stream()), self.logs_dir / f"{name}.log")
         except ApiException:  # deleted while streaming: its output is in the file
             return
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from hetflow import sandbox
 from hetflow.cluster import netns
 from hetflow.cluster.layout import ClusterLayout, Replica, free_local_port
+from hetflow.cluster.output_lines import READ_SIZE, output_lines
 from hetflow.cluster.processes import (
     RUN_ID_ENV,
     TERM_GRACE_SECONDS,
@@ -363,17 +364,15 @@ class LocalReplicas:
         offset = self._offsets.get(name, 0) if since else 0
         with open(self.log_path(name), "rb") as log_file:
             log_file.seek(offset)
-            pending = b""
-            while True:
-                chunk = log_file.read()
-                if chunk:
-                    pending += chunk
-                    *complete, pending = pending.split(b"\n")
-                    for raw in complete:
-                        yield raw.decode("utf-8", "replace").rstrip()
-                    continue
-                if self._state(name).exit_code is not None:
-                    if pending:
-                        yield pending.decode("utf-8", "replace").rstrip()
-                    return
-                time.sleep(0.2)
+            yield from output_lines(self._appended(name, log_file))
+
+    def _appended(self, name: str, log_file):
+        """What the replica appends to its log, a bounded read at a time, until it has ended."""
+        while True:
+            chunk = log_file.read(READ_SIZE)
+            if chunk:
+                yield chunk
+                continue
+            if self._state(name).exit_code is not None:
+                return
+            time.sleep(0.2)

@@ -28,6 +28,7 @@ from hetflow.cluster.docker_backend import LABEL_INDEX, LABEL_ROLE, container_na
 from hetflow.cluster.layout import ClusterLayout, Replica, plan_named_cluster
 from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
 from hetflow.cluster.local import replica_view
+from hetflow.cluster.output_lines import cut_lines
 from hetflow.cluster.supervisor import ReplicaState
 from hetflow.paths import RunPaths, hetflow_home, write_record
 from hetflow.spec import RunSpec
@@ -263,7 +264,7 @@ class SwarmReplicas:
                     nodes = {node.id: node.attrs for node in self.client.nodes.list()}
                     ended = self._state(name, nodes, record_node=False).exit_code is not None
                     newest = _stamp_seconds(last) if last else since
-                    raw = b"".join(service.logs(stdout=True, stderr=True, timestamps=True, since=newest))
+                    raw = b"".join(cut_lines(service.logs(stdout=True, stderr=True, timestamps=True, since=newest)))
                 except docker.errors.NotFound:
                     return
                 for entry in raw.decode("utf-8", "replace").splitlines():
