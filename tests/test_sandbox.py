@@ -269,9 +269,14 @@ _UNPRIVILEGED = textwrap.dedent(
 @pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(), reason="needs root to become nobody")
 def test_the_sandbox_and_the_runs_network_work_when_hetflow_is_not_root():
     """As an unprivileged user (nobody, with the system's Python: root's interpreter is out of its
-    reach), the same sandbox and network holder: bubblewrap needs no root here."""
+    reach), the same sandbox and network holder: bubblewrap needs no root here. The user runs its own
+    copy of the code, as a non-root install must be where its user can read it: this checkout may be
+    in a directory only root can enter (a clone under /root, or in `mktemp -d`)."""
     top = Path(tempfile.mkdtemp(prefix="hetflow-unprivileged-"))  # pytest's tmp_path is root's alone
     os.chmod(top, 0o755)
+    shutil.copytree(
+        Path(sandbox.__file__).parent, top / "code" / "hetflow", ignore=shutil.ignore_patterns("__pycache__")
+    )
     run = top / "run"
     run.mkdir()
     os.chown(run, sandbox.SANDBOX_UID, sandbox.SANDBOX_GID)
@@ -285,7 +290,7 @@ def _run_as_nobody(run: Path, top: Path) -> None:
     as_nobody = ["setpriv", f"--reuid={sandbox.SANDBOX_UID}", f"--regid={sandbox.SANDBOX_GID}", "--clear-groups"]
     environment = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "HETFLOW_HOME": str(top / "home")}
     done = subprocess.run(
-        [*as_nobody, "/usr/bin/python3", "-c", _UNPRIVILEGED, str(Path(sandbox.__file__).parents[1]), str(run)],
+        [*as_nobody, "/usr/bin/python3", "-c", _UNPRIVILEGED, str(top / "code"), str(run)],
         env=environment,
         cwd="/",
         capture_output=True,
