@@ -59,7 +59,6 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     """Record the run in MLflow, register the float model and the chosen TFLite variant, serve each
     (infra validation), move the aliases; writes registry.json."""
     # Where replicas write (the run directory's top): read as data, like the training record itself.
-    training = read_training(paths.training, spec, dataset)
     evaluation = read_replica_record(paths.evaluation)
     exported = read_replica_record(paths.export)
     compression = read_replica_record(paths.compression)
@@ -70,6 +69,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     # Refused before anything is written to MLflow.
     for model_name in [name, tflite_name] if chosen is not None else [name]:
         versions.own_registered_model(client, model_name, name)
+    training = read_training(paths.training, spec, dataset)  # refused before the run, its params or a version
     started = run_record.pipeline_started(paths)
     run_id = store.find_or_create_run(client, dag_id, airflow_run_id, run_record.run_name(spec, started), started)
     images, _ = split_arrays(dataset, "test")
