@@ -10,7 +10,9 @@ The scenarios (bench/chaos_scenarios.py, one function each):
 - sigterm_local, sigterm_docker: the train task gets SIGTERM mid-training (SIGKILL 5 s later if it
   is still there, as Airflow does); how long until no replica of the run is left;
 - concurrent: two runs at the same moment on a dataset nobody has prepared;
-- clear_rerun: a run re-run after a Clear, its train failing this time.
+- clear_rerun: a run re-run after a Clear, its train failing this time;
+- swarm_node_lost (bench/chaos_swarm.py): on a swarm of two nodes, the node of one of a run's two workers
+  killed mid-training; an earlier run's records and registered version kept, a re-run once it is back.
 
 After every scenario the bench looks for what its runs left (processes, containers, networks) and
 checks their records (every JSON parses, records agree with receipts); at the end it runs
@@ -41,11 +43,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from chaos_runs import Bench, leftovers, replica_count, run_dir
-from chaos_scenarios import SCENARIOS
+from chaos_scenarios import SCENARIOS as ONE_MACHINE_SCENARIOS
+from chaos_swarm import LOST, swarm_node_lost
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 
 from hetflow.paths import RunPaths
 from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES
+
+# The swarm's last: it brings a swarm of its own up and down.
+SCENARIOS = {**ONE_MACHINE_SCENARIOS, "swarm_node_lost": swarm_node_lost}
 
 
 def record_problems(home: Path, run_id: str) -> list[str]:
@@ -132,13 +138,16 @@ def scenario_figures(result: dict) -> dict:
     expected = [r for r in result["runs"] if r["expected"] == "complete"]
     redone = [r["epochs_redone"] for r in result["runs"] if "epochs_redone" in r]
     left = result["left"].values()
+    on_swarm = result.get("left_on_swarm", {}).values()  # seen while the swarm was up
     return {
         "faults": len(result["faults"]),
         "completed": sum(r["completed"] for r in expected),
         "to_complete": len(expected),
         "checkpoints_lost": sum(redone) if redone else None,
-        "replicas_left": sum(replica_count(found) for found in left),
-        "other_leftovers": sum(len(f["networks"]) for f in left),
+        "replicas_left": sum(replica_count(found) for found in left)
+        + sum(len(names) for found in on_swarm for kind, names in found.items() if not kind.endswith("networks")),
+        "other_leftovers": sum(len(f["networks"]) for f in left)
+        + sum(len(names) for found in on_swarm for kind, names in found.items() if kind.endswith("networks")),
         "records_corrupted": sum(len(problems) for problems in result["records"].values()),
         "checks_held": sum(result["checks"].values()),
         "checks": len(result["checks"]),
@@ -158,7 +167,7 @@ def _row(name: str, f: dict) -> str:
 DEFINITIONS = """\
 What each figure counts (all computed from the results JSON):
 
-- **faults injected**: kills, signals, simultaneous starts and failing stages the bench caused.
+- **faults injected**: kills, signals, simultaneous starts, failing stages and lost swarm nodes the bench caused.
 - **runs completed**: runs that trained to the end (the Clear scenario: its first run, through summarize), of those
   meant to; a run stopped by SIGTERM or meant to fail is not counted.
 - **checkpoints lost**: epochs trained twice. Over every start of the run's watched replica (worker-0 of the sync
@@ -169,8 +178,9 @@ What each figure counts (all computed from the results JSON):
   finished before the restart minus the epoch it resumed from (the run's epochs minus training.json's `epochs_done`,
   which counts the final attempt's; in the JSON as `final_attempt_epochs`).
 - **replicas left**: right after the scenario, processes of its runs (keepers, sandboxes and replicas: the run id in
-  their environment) and containers labelled with the run. Goal: 0.
-- **other leftovers**: a run's Docker network.
+  their environment) and containers labelled with the run; on the swarm, while it is up, the run's services on the
+  manager and its task containers on each node (the lost one once it is back). Goal: 0.
+- **other leftovers**: a run's Docker network; on the swarm, its overlay network on the manager or a node.
 - **records corrupted**: under each run directory, every `*.json` that does not parse, plus every disagreement between
   records and the receipts in `attempts/`: a receipt naming another stage or run, a receipt without its record,
   receipts that are not a prefix of the stages (a later stage's outliving an earlier stage's re-run), a
@@ -196,7 +206,14 @@ def markdown(record: dict) -> str:
     lines += [f"| {name} | skipped: {s['skipped']} | | | | | | |" for name, s in scenarios.items() if s.get("skipped")]
     if totals:
         lines.append(_row("**total**", totals))
-    lines += _kill_lines(ran) + _sigterm_lines(ran) + _check_lines(ran) + _trouble_lines(ran) + _sweep_lines(record)
+    lines += (
+        _kill_lines(ran)
+        + _sigterm_lines(ran)
+        + _swarm_lines(ran)
+        + _check_lines(ran)
+        + _trouble_lines(ran)
+        + _sweep_lines(record)
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -263,6 +280,30 @@ def _sigterm_lines(ran: dict) -> list[str]:
         )
         lines.append(f"| {r['backend']} | {r['sigterm_after_seconds']:.0f} | {gone} | {ended} |")
     return lines
+
+
+def _swarm_lines(ran: dict) -> list[str]:
+    seen = ran.get("swarm_node_lost", {}).get("seen")
+    if not seen or "lost" not in seen:
+        return []
+    error = seen["lost"]["errors"].get("train", "(none)").strip().splitlines() or ["(empty)"]
+    rejoined = seen.get("rejoined_after_seconds")
+    return [
+        "",
+        "## A swarm node lost",
+        "",
+        f"Two multi_worker_mirrored workers, one named to each of two swarm nodes, `restart_policy=never`; {LOST}'s "
+        f"container killed once its worker ({seen['victim']}) had finished two epochs, "
+        f"{seen.get('lost_after_seconds', 0):.0f} s after the run started.",
+        "",
+        f"- the train task's error: `{error[0][:300]}`" + (f" (and {len(error) - 1} more lines)" if error[1:] else ""),
+        f"- nothing of the run on the manager and the surviving node after "
+        f"{seen['left_node_down']['after_seconds']:.1f} s; {LOST} ready again "
+        + (f"{rejoined:.0f} s after its start" if rejoined is not None else "**never**")
+        + f", nothing of the run on it after {seen['left_node_back']['after_seconds']:.1f} s",
+        f"- the re-run: {seen['rerun_summary'].get('status', 'no summary')}, on "
+        + (", ".join(f"{r} on {n}" for r, n in sorted(seen["rerun_nodes"].items())) or "no node"),
+    ]
 
 
 def _check_lines(ran: dict) -> list[str]:
