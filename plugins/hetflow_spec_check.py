@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import json
 
+from airflow.api_fastapi.app import get_auth_manager
+from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
 from airflow.configuration import conf
 from airflow.plugins_manager import AirflowPlugin
+from jwt import InvalidTokenError
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from hetflow.spec import SpecError, parse_spec
@@ -42,16 +46,31 @@ class SpecCheckMiddleware:
 
     def __init__(self, app):
         self.app = app
-        # Without login everyone may trigger; with it, an unauthenticated request must get
-        # Airflow's 401, not a validation answer.
+        # Without login everyone may trigger; with it, a caller must be known before its body is
+        # read, and an unknown one gets Airflow's own 401 or 403: hetflow's messages name paths.
         self.open_access = conf.getboolean("core", "simple_auth_manager_all_admins", fallback=False)
 
-    def _authenticated_or_open(self, scope) -> bool:
-        headers = dict(scope.get("headers") or [])
-        return self.open_access or b"authorization" in headers or b"_token=" in headers.get(b"cookie", b"")
+    async def _known_or_open(self, scope) -> bool:
+        """Whether login is off, or the request carries a token Airflow's auth manager accepts (a
+        bearer header, else the UI's cookie: the precedence of Airflow's own get_user)."""
+        if self.open_access:
+            return True
+        request = Request(scope)
+        scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+        token = credentials if scheme.lower() == "bearer" else request.cookies.get(COOKIE_NAME_JWT_TOKEN)
+        if not token:
+            return False
+        try:
+            await get_auth_manager().get_user_from_token(token)
+        except InvalidTokenError:  # forged or expired: Airflow refuses it itself
+            return False
+        return True
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in TRIGGER_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if not await self._known_or_open(scope):
             await self.app(scope, receive, send)
             return
         body, more = b"", True
@@ -60,7 +79,7 @@ class SpecCheckMiddleware:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         problems = conf_problems(body)
-        if problems and self._authenticated_or_open(scope):
+        if problems:
             await JSONResponse({"detail": "\n".join(problems)}, status_code=400)(scope, receive, send)
             return
 
