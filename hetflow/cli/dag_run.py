@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +40,48 @@ def ensure_airflow_db() -> None:
     migrated = home / ".hetflow-migrated"
     if migrated.exists():
         return
-    home.mkdir(parents=True, exist_ok=True)
-    with open(home / ".hetflow-migrate.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the kernel releases it when its holder dies
+    with _exclusive(home / ".hetflow-migrate.lock"):
         if migrated.exists():  # another process migrated while this one waited
             return
         print(f"creating the Airflow metadata DB in {home} ...", flush=True)
         subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, stdout=subprocess.DEVNULL)
         migrated.touch()
+
+
+def ensure_dags_in_db(dag_ids: Iterable[str]) -> None:
+    """Write the DAG folder's DAGs into Airflow's metadata DB, under an exclusive lock, unless every
+    one of ``dag_ids`` is there already.
+
+    ``dag.test`` writes them too, unlocked: two first ``hetflow run`` on one home both inserted
+    hetflow_train, and one failed ("UNIQUE constraint failed: dag.dag_id"). Once the rows exist,
+    its writes are updates, which SQLite serializes."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import BundleDagBag, sync_bag_to_db
+    from airflow.models.dag import DagModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    wanted = set(dag_ids)
+    with _exclusive(Path(os.environ["AIRFLOW_HOME"]) / ".hetflow-dag-sync.lock"), create_session() as session:
+        if set(session.scalars(select(DagModel.dag_id).where(DagModel.dag_id.in_(wanted)))) == wanted:
+            return
+        manager = DagBundlesManager()
+        manager.sync_bundles_to_db(session=session)
+        session.commit()
+        for bundle in manager.get_all_dag_bundles():
+            bundle.initialize()
+            bag = BundleDagBag(bundle.path, bundle_path=bundle.path, bundle_name=bundle.name)
+            sync_bag_to_db(bag, bundle.name, bundle.version, session=session)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive lock between processes, held while the block runs; the kernel releases it when
+    its holder dies."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
@@ -65,6 +100,7 @@ def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
             bag = DagBag(dag_folder=str(REPO_ROOT / "dags"))
             if bag.import_errors:
                 raise RuntimeError(f"DAG import errors: {bag.import_errors}")
+            ensure_dags_in_db(bag.dag_ids)
             dag_run = bag.get_dag(DAG_ID).test(run_conf=conf)
     return run_paths(dag_run.run_id).summary
 
