@@ -185,8 +185,15 @@ class RunPaths:
         return self.root / "cluster.json"
 
     @property
+    def output(self) -> Path:
+        """The one folder replicas write: every backend shows them the run directory read-only and this
+        folder alone read-write, so that nothing they make lands where the pipeline's stages write.
+        Provisioning makes it and hands it over; what is in it is read as untrusted data."""
+        return self.root / "replica_output"
+
+    @property
     def plan(self) -> Path:
-        return self.root / "plan.json"
+        return self.output / "plan.json"
 
     @property
     def requested_spec(self) -> Path:
@@ -201,7 +208,7 @@ class RunPaths:
 
     @property
     def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+        return self.output / "checkpoints"
 
     @property
     def restarts(self) -> Path:
@@ -229,11 +236,11 @@ class RunPaths:
     def model(self) -> Path:
         """The trained weights only: a replica's file is never loaded as a model (code could run);
         each stage rebuilds the architecture from the spec (``hetflow.models.architectures.trained_model``)."""
-        return self.root / "model.weights.h5"
+        return self.output / "model.weights.h5"
 
     @property
     def training(self) -> Path:
-        return self.root / "training.json"
+        return self.output / "training.json"
 
     @property
     def evaluation(self) -> Path:

@@ -122,18 +122,14 @@ def _specs():
     }
 
 
-# Records of the pipeline in the run directory, mounted read-only over it.
-PROTECTED = [RUN_DIR / "spec.json", RUN_DIR / "cluster.json", RUN_DIR / "replicas"]
-
 
 def _pod_specs(spec) -> dict[str, dict]:
     """Every pod spec the backend renders for the spec: one per replica and the TFJob's templates."""
     layout = k8s.plan(spec, RUN_ID)
     pods = {
-        f"pod {r.name}": manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5, PROTECTED)["spec"]
-        for r in layout.replicas
+        f"pod {r.name}": manifests.replica_pod(layout, r, spec, RUN_DIR, OWNER, 12.5)["spec"] for r in layout.replicas
     }
-    tfjob = manifests.tfjob_manifest(layout, spec, RUN_DIR, PROTECTED)
+    tfjob = manifests.tfjob_manifest(layout, spec, RUN_DIR)
     for kind, replicas in tfjob["spec"]["tfReplicaSpecs"].items():
         pods[f"tfjob {kind}"] = replicas["template"]["spec"]
     return pods

@@ -55,10 +55,11 @@ def test_docker_container_configs_carry_tf_config_labels_limits_and_gpus():
             "hetflow.index": str(replica.index),
         }
         assert config["network"] == dk.network_name(RUN_ID)
-        # its own run directory, and the prepared data read-only: nothing else of HETFLOW_HOME
+        # its own run directory read-only but for its output folder (a run without a prepared dataset
+        # here: its data, read-only too, in test_security_data_view): nothing else of HETFLOW_HOME
         assert config["volumes"] == {
-            str(RUN_DIR): {"bind": str(RUN_DIR), "mode": "rw"},
-            str(HOME / "data"): {"bind": str(HOME / "data"), "mode": "ro"},
+            str(RUN_DIR): {"bind": str(RUN_DIR), "mode": "ro"},
+            str(RUN_DIR / "replica_output"): {"bind": str(RUN_DIR / "replica_output"), "mode": "rw"},
         }
         assert config["user"] == "1000:1000"
         assert config["nano_cpus"] == 1_500_000_000 and config["mem_limit"] == "2048m"

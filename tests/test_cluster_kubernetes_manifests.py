@@ -75,10 +75,12 @@ def test_kubernetes_pods_resolve_as_their_tf_config_addresses_and_are_owned_by_t
         assert env["HETFLOW_RUN_ID"] == RUN_ID and env["HETFLOW_HOME"] == str(HOME)
         assert container["args"] == ["--run-dir", str(RUN_DIR)]
         assert container["ports"] == [{"name": "grpc", "containerPort": 2222}]
-        # Its own run directory and the data, read-only; not the rest of HETFLOW_HOME.
+        # Its own run directory read-only, and only its output folder writable (a run without a prepared
+        # dataset here: its data, read-only too, in test_security_data_view); not the rest of HETFLOW_HOME.
+        output = RUN_DIR / "replica_output"
         assert container["volumeMounts"] == [
-            {"name": "hetflow-home", "mountPath": str(RUN_DIR), "subPath": f"runs/{RUN_DIR.name}"},
-            {"name": "hetflow-home", "mountPath": str(HOME / "data"), "subPath": "data", "readOnly": True},
+            {"name": "hetflow-home", "mountPath": str(RUN_DIR), "subPath": f"runs/{RUN_DIR.name}", "readOnly": True},
+            {"name": "hetflow-home", "mountPath": str(output), "subPath": f"runs/{RUN_DIR.name}/replica_output"},
             {"name": "tmp", "mountPath": "/tmp"},
         ]
         assert pod["spec"]["volumes"] == [

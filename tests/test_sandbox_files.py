@@ -1,6 +1,6 @@
 """What a sandboxed process sees of the file system (``hetflow.sandbox``): local replicas see their run
-directory (read-write, less the pipeline's records) and the prepared data (read-only) of
-HETFLOW_HOME, nothing else of it, and change nothing outside their run directory and their own
+directory (read-only, but for their output folder) and the prepared data (read-only) of
+HETFLOW_HOME, nothing else of it, and change nothing outside their output folder and their own
 /tmp. Real bubblewrap sandboxes (the hostile probes are in test_sandbox.py)."""
 
 from __future__ import annotations
@@ -83,24 +83,12 @@ def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     run_id = provisioned(strategy="multi_worker_mirrored", workers=2)
     paths = run_paths(run_id)
     record = json.loads(paths.cluster.read_text())["file_isolation"]
-    protected = [
-        paths.owner,
-        paths.spec,
-        paths.dataset,
-        paths.cluster,
-        paths.provisioned_by,
-        paths.replicas,
-        paths.logs,
-    ]
-    # Made before the replicas start, so that none can put a link of its own at their names.
-    pipeline_folders = [paths.root / "attempts", paths.plots, paths.compressed, paths.root / "export"]
-    pipeline_folders += [paths.root / "serving", paths.root / "tensorboard"]
     prepared = json.loads(paths.dataset.read_text())["prepared_dir"]  # its own dataset's version, no other data
     assert record == {
         "confined": True,
         "hidden": sandbox.private_directories(),
-        "read_write": [str(paths.root)],
-        "read_only": [prepared, *map(str, protected), *map(str, pipeline_folders)],
+        "read_write": [str(paths.output)],
+        "read_only": [str(paths.root), prepared],
     }
     assert str(home) in record["hidden"] and os.path.expanduser("~") in record["hidden"]
     assert wait_for(lambda: len(run_replicas(run_id)) == 2, timeout=60)
@@ -110,15 +98,13 @@ def test_a_local_replica_sees_its_run_directory_and_the_data_only(provisioned):
     assert sorted(p.name for p in (view / home.relative_to("/")).iterdir()) == ["data", "runs"]
     assert [p.name for p in (view / home.relative_to("/") / "runs").iterdir()] == [paths.root.name]
     options = _mount_options(replica)
-    assert options[str(paths.root)].startswith("rw")
-    assert options[str(paths.spec)].startswith("ro") and options[str(paths.replicas)].startswith("ro")
-    assert options[str(paths.provisioned_by)].startswith("ro")
+    assert options[str(paths.root)].startswith("ro") and options[str(paths.output)].startswith("rw")
     assert options[prepared].startswith("ro")
     assert options["/"].startswith("ro")
     status = Path(f"/proc/{replica}/status").read_text()
     assert "CapEff:\t0000000000000000" in status and "CapBnd:\t0000000000000000" in status
     assert not status.split("Uid:")[1].split()[0] == "0"
-    # It writes into its run directory: its TF server came up and its log grows there.
+    # It runs: its TF server came up and the log its keeper writes grows.
     log = paths.logs / "worker-0.log"
     size = log.stat().st_size
     time.sleep(1)

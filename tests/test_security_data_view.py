@@ -100,6 +100,7 @@ def test_a_replica_reads_its_dataset_and_sees_no_other_data(home):
 
     other = write_digit_folder(home / "data" / "their_images", per_class=3)
     run_dir = _prepared({}, "data-probe")
+    RunPaths(run_dir).output.mkdir()  # as provisioning makes it
     view = file_view(load_spec(RunPaths(run_dir)), run_dir)
     box = sandbox.Sandbox(view["read_write"], view["read_only"], view["hidden"])
     dataset = (run_dir / "dataset.json").read_text()

@@ -96,7 +96,7 @@ def test_pods_mount_no_service_account_token_and_run_as_the_image_user(strategy)
 
 
 @pytest.mark.parametrize("strategy", list(_specs()))
-def test_pods_write_nowhere_but_their_run_directory_and_a_private_tmp(strategy):
+def test_pods_write_nowhere_but_their_output_folder_and_a_private_tmp(strategy):
     """As a docker container: the image's root file system read-only (a replica cannot rewrite the
     venv or the hetflow package that runs next), /tmp an emptyDir of the pod's own with a size limit,
     and HOME there; every other mount read-only."""
@@ -106,7 +106,7 @@ def test_pods_write_nowhere_but_their_run_directory_and_a_private_tmp(strategy):
         assert container["securityContext"]["runAsNonRoot"] is True, name
         volumes = {volume["name"]: volume for volume in pod["volumes"]}
         writable = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"] if not m.get("readOnly")}
-        assert set(writable) == {str(RUN_DIR), "/tmp"}, name
+        assert set(writable) == {str(RUN_DIR / "replica_output"), "/tmp"}, name
         assert writable["/tmp"] == {"name": manifests.TMP_VOLUME, "emptyDir": {"sizeLimit": "512Mi"}}, name
         assert {"name": "HOME", "value": "/tmp"} in container["env"], name
 
@@ -133,49 +133,44 @@ def test_no_pod_asks_the_kubelet_to_change_owners_or_modes_on_the_claim(strategy
         assert not {"fsGroup", "fsGroupChangePolicy", "supplementalGroups"} & set(context), (name, context)
         mounted = {m["subPath"] for c in pod["containers"] for m in c["volumeMounts"] if m["name"] == "hetflow-home"}
         run = str(RUN_DIR.relative_to(RUN_DIR.parents[1]))
-        assert mounted == {run, f"{run}/spec.json", f"{run}/cluster.json", f"{run}/replicas", "data"}, name
+        assert mounted == {run, f"{run}/replica_output"}, name
 
 
-def test_the_pipelines_records_are_mounted_read_only_over_the_pods_run_directory(tmp_path):
-    """The pods own their run directory (they write there), so a record the pipeline wrote in it
-    (spec.json, dataset.json, cluster.json, ...) could be replaced by a rename: as the docker
-    backend binds them, each is its own read-only mount over it, from the same claim, at the path it
-    has on the supervisor; the pods of tfjob.yaml too. What a replica planted before is removed.
-    The rendered pods still pass strict schema validation and the restricted standard."""
+def test_the_pods_see_their_run_directory_read_only_and_write_only_their_output_folder(tmp_path):
+    """The pipeline's records in the run directory (spec.json, dataset.json, cluster.json, and those it
+    renames in later) are out of the pods' reach: the run directory is one read-only mount, from the
+    claim, at the path it has on the supervisor, and the output folder the one read-write mount over
+    it; the pods of tfjob.yaml too. What a replica planted there before is removed. The rendered pods
+    still pass strict schema validation and the restricted standard."""
     home = tmp_path / "home"
     run_dir = home / "runs" / "r"
-    (run_dir / "attempts").mkdir(parents=True)
-    for record in ("run_id", "spec.json", "requested_spec.json", "dataset.json", "cluster.json"):
+    (run_dir / "replica_output").mkdir(parents=True)
+    for record in ("run_id", "spec.json", "cluster.json"):
         (run_dir / record).write_text("{}")
-    (run_dir / "training.json").symlink_to("/etc/shadow")  # planted by an earlier try's replica
+    (run_dir / "replica_output" / "training.json").symlink_to("/etc/shadow")  # an earlier try's replica's
     spec = _specs()["multi_worker_mirrored"]
     calls = []
     api = _FakeApi(calls)
     k8s.KubernetesReplicas(k8s.plan(spec, RUN_ID), spec, run_dir, core=api, networking=api).provision()
 
-    assert not (run_dir / "training.json").is_symlink()
+    assert not os.path.lexists(run_dir / "replica_output" / "training.json")
     pods = [args[1] for method, args, _ in calls if method == "create_namespaced_pod"]
     tfjob = next(yaml.safe_load_all((run_dir / "tfjob.yaml").read_text()))
     templates = [replicas["template"] for replicas in tfjob["spec"]["tfReplicaSpecs"].values()]
-    read_only = ["run_id", "spec.json", "requested_spec.json", "dataset.json", "cluster.json", "attempts", "replicas",
-                 "logs", "plots", "compressed", "export", "serving", "tensorboard"]  # fmt: skip
-    for name, pod_spec, extra in [
-        *((pod["metadata"]["name"], pod["spec"], ["tfjob.yaml"]) for pod in pods),
-        *((f"tfjob {t['spec']['containers'][0]['name']}", t["spec"], []) for t in templates),
+    for name, pod_spec in [
+        *((pod["metadata"]["name"], pod["spec"]) for pod in pods),
+        *((f"tfjob {t['spec']['containers'][0]['name']}", t["spec"]) for t in templates),
     ]:
         [container] = pod_spec["containers"]
         mounts = {m["mountPath"]: m for m in container["volumeMounts"] if m["mountPath"] != "/tmp"}
-        assert {m["name"] for m in mounts.values()} == {"hetflow-home"}, name
-        assert mounts[str(run_dir)] == {"name": "hetflow-home", "mountPath": str(run_dir), "subPath": "runs/r"}, name
-        records = {path: m for path, m in mounts.items() if path.startswith(f"{run_dir}/")}
-        assert sorted(records) == sorted(str(run_dir / record) for record in read_only + extra), name
-        for path, mount in records.items():
-            assert mount == {
+        assert mounts == {
+            str(run_dir): {"name": "hetflow-home", "mountPath": str(run_dir), "subPath": "runs/r", "readOnly": True},
+            str(run_dir / "replica_output"): {
                 "name": "hetflow-home",
-                "mountPath": path,
-                "subPath": f"runs/r/{Path(path).name}",
-                "readOnly": True,
-            }, name
+                "mountPath": str(run_dir / "replica_output"),
+                "subPath": "runs/r/replica_output",
+            },
+        }, name
         assert restricted_violations(pod_spec) == [], name
     assert len(pods) == 2
 
@@ -197,17 +192,18 @@ def _as_the_pods_uid(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: the supervisor hands the run directory over as root")
 def test_provisioning_gives_the_pods_uid_its_run_directory_and_nothing_else_of_the_home():
-    """Without fsGroup the pods write only because the supervisor made their run directory (its top
-    and checkpoints) theirs; tried as their uid on real directories: writes there and reads the
-    data succeed, the stack's secrets, another run and the logs stay out of reach."""
+    """Without fsGroup the pods write only because the supervisor made their output folder (and its
+    checkpoints) theirs; tried as their uid on real directories: writes there and reads the data
+    succeed, the run directory's top, the stack's secrets, another run and the logs stay out of reach."""
     top = Path(tempfile.mkdtemp(prefix="hetflow-pods-"))  # pytest's tmp_path is root's alone
     os.chmod(top, 0o755)  # a pod reaches its mounts directly; here it goes through the parents
     try:
         home = top / "home"
         run_dir, other_run, stack, data = home / "runs" / "mine", home / "runs" / "other", home / "stack", home / "data"
-        for directory in (run_dir / "checkpoints" / "earlier", other_run, stack, data):
+        output = run_dir / "replica_output"
+        for directory in (output / "checkpoints" / "earlier", other_run, stack, data):
             directory.mkdir(parents=True)
-        (run_dir / "checkpoints" / "earlier" / "ckpt-1.index").write_text("an earlier try's")
+        (output / "checkpoints" / "earlier" / "ckpt-1.index").write_text("an earlier try's")
         (data / "shard").write_text("examples")
         (stack / "secrets.json").write_text("{}")
         stack.chmod(0o700)
@@ -216,18 +212,19 @@ def test_provisioning_gives_the_pods_uid_its_run_directory_and_nothing_else_of_t
         k8s.KubernetesReplicas(k8s.plan(spec, RUN_ID), spec, run_dir, core=api, networking=api).provision()
 
         pods = (manifests.IMAGE_USER, manifests.IMAGE_USER)
-        for path in (run_dir, run_dir / "checkpoints", run_dir / "checkpoints" / "earlier" / "ckpt-1.index"):
+        for path in (output, output / "checkpoints", output / "checkpoints" / "earlier" / "ckpt-1.index"):
             assert (path.stat().st_uid, path.stat().st_gid) == pods, path
         untouched = [home, home / "runs", other_run, stack, stack / "secrets.json", data, data / "shard"]
-        for path in [*untouched, run_dir / "logs"]:
+        for path in [*untouched, run_dir, run_dir / "logs"]:
             assert (path.stat().st_uid, path.stat().st_gid) == (0, 0), path
         assert stat.S_IMODE(stack.stat().st_mode) == 0o700
 
-        for target in (run_dir / "training.json", run_dir / "checkpoints" / "ckpt-2.index"):
+        for target in (output / "training.json", output / "checkpoints" / "ckpt-2.index"):
             done = _as_the_pods_uid("touch", str(target))
             assert done.returncode == 0, done.stderr
         assert _as_the_pods_uid("cat", str(data / "shard")).stdout == "examples"
-        for refused in (stack / "secrets.json", other_run / "planted", run_dir / "logs" / "worker-0.log"):
+        refused_paths = (run_dir / "evaluation.json", stack / "secrets.json", other_run / "planted")
+        for refused in (*refused_paths, run_dir / "logs" / "worker-0.log"):
             assert _as_the_pods_uid("touch", str(refused)).returncode != 0, refused
     finally:
         shutil.rmtree(top)

@@ -45,7 +45,7 @@ _HOSTILE = ATTEMPT + textwrap.dedent(
 @pytest.mark.skipif(os.geteuid() != 0, reason="hands the run directory to the sandbox's uid as provisioning does")
 def test_a_replica_can_neither_make_a_run_auto_nor_touch_what_the_pipeline_rewrites(hetflow_env):
     from hetflow import sandbox
-    from hetflow.cluster.local import file_view, hand_over_writable, pipeline_directories
+    from hetflow.cluster.local import file_view, hand_over_writable, provisioned_directories
     from hetflow.cluster.supervisor import read_restarts
     from hetflow.spec import parse_spec
 
@@ -54,11 +54,12 @@ def test_a_replica_can_neither_make_a_run_auto_nor_touch_what_the_pipeline_rewri
     spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
     paths = create_run_dir("test_replica_writes")
     write_record(paths.spec, spec.model_dump(mode="json"))
-    for directory in (paths.logs, paths.replicas, *pipeline_directories(paths)):
+    for directory in provisioned_directories(paths):
         directory.mkdir(parents=True, exist_ok=True)
-    hand_over_writable(paths)  # as provisioning does: the run directory is the replicas' to write
+    hand_over_writable(paths)  # as provisioning does: the output folder is the replicas' to write
     restart = {"replica": "worker-1", "exit_code": 137, "cause": "killed by SIGKILL", "action": "restarted worker-1"}
-    targets = {"root": str(paths.root), **{k: str(getattr(paths, k)) for k in ("requested_spec", "nodes", "restarts")}}
+    records = {k: str(getattr(paths, k)) for k in ("requested_spec", "nodes", "restarts")}
+    targets = {"root": str(paths.output), **records}  # "root": where it may write
     view = file_view(spec, paths.root)
     box = sandbox.Sandbox(view["read_write"], view["read_only"], view["hidden"])  # a replica's, less its network
     try:
@@ -150,7 +151,7 @@ def test_the_clean_up_never_follows_a_folder_a_live_replica_swaps_for_a_link(tmp
     os.mkfifo(victim / "fifo")
     (victim / "data").write_text("the host's")
     before = {path.name: os.lstat(path) for path in victim.iterdir()}
-    folder, parked, link = paths.root / swapped, tmp_path / "parked", tmp_path / "link"
+    folder, parked, link = paths.output / swapped, tmp_path / "parked", tmp_path / "link"
     stop = threading.Event()
 
     def replica():  # the folder and a link to the host's folder change places, each step atomic

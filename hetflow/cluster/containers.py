@@ -11,12 +11,7 @@ from typing import Iterable, Iterator, Literal
 
 from hetflow import sandbox
 from hetflow.cluster.layout import ClusterLayout, Replica
-from hetflow.cluster.local import (
-    hand_over_writable,
-    pipeline_directories,
-    protected_records,
-    remove_what_replicas_planted,
-)
+from hetflow.cluster.local import hand_over_writable, provisioned_directories, remove_what_replicas_planted
 from hetflow.cluster.processes import RUN_ID_ENV
 from hetflow.paths import RunPaths
 from hetflow.spec import RunSpec
@@ -24,7 +19,7 @@ from hetflow.spec import RunSpec
 # Processes a replica may run: TensorFlow's thread pools count, a fork bomb does not get far.
 PIDS_LIMIT = 1024
 
-# A replica's /tmp, on every backend: the one place it writes besides its run directory on a
+# A replica's /tmp, on every backend: the one place it writes besides its output folder on a
 # read-only root file system (HOME is there: matplotlib and TFDS cache under it).
 TMP_BYTES = 512 * 2**20
 
@@ -77,16 +72,14 @@ def container_user() -> str:
     return f"{os.getuid()}:{os.getgid()}"
 
 
-def prepare_run_dir(paths: RunPaths, owner: tuple[int, int] = sandbox.SANDBOX_OWNER) -> list[Path]:
-    """Before container replicas start: remove what an earlier try's replicas planted, make the
-    folders later stages write into (so no replica puts a link at their names), hand what replicas
-    write to their uid and gid (``owner``). Returns what of the run directory a container sees
-    read-only over its writable run directory: the pipeline's records that exist."""
+def prepare_run_dir(paths: RunPaths, owner: tuple[int, int] = sandbox.SANDBOX_OWNER) -> None:
+    """Before container replicas start: remove what an earlier try's replicas planted in their output
+    folder, make the folders their mounts need (an engine would make a missing one as root), and hand
+    the output folder to their uid and gid (``owner``)."""
     remove_what_replicas_planted(paths.root)
-    for directory in (paths.logs, paths.replicas, *pipeline_directories(paths)):
+    for directory in provisioned_directories(paths):
         directory.mkdir(parents=True, exist_ok=True)
     hand_over_writable(paths, owner)
-    return [path for path in protected_records(paths) if path.exists()]
 
 
 def replica_environment(layout: ClusterLayout, replica: Replica, home: Path, launched_at: float) -> dict[str, str]:

@@ -12,10 +12,10 @@ The configs are built by pure functions (``network_config``, ``container_config`
 the Docker SDK as they are; ``DockerReplicas`` only starts, inspects and stops containers for the
 one supervisor (``hetflow.cluster.supervisor``). A worker's slowdown is a CPU quota on its container.
 
-A replica mounts its run directory (read-write) and the prepared data (read-only) at the same paths
-as on the supervisor, so the supervisor and the Docker engine must share a filesystem (the engine
-runs on the Airflow worker's host, or the compose stack's volume). Nothing else of HETFLOW_HOME is
-visible to it.
+A replica mounts its run directory (read-only, but for its output folder: read-write) and the prepared
+data (read-only) at the same paths as on the supervisor, so the supervisor and the Docker engine must
+share a filesystem (the engine runs on the Airflow worker's host, or the compose stack's volume).
+Nothing else of HETFLOW_HOME is visible to it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 import docker  # the Docker SDK (its docker.errors comes with it)
 
@@ -95,7 +94,6 @@ def container_config(
     run_dir: Path,
     user: str,
     launched_at: float,
-    protected: Sequence[Path] = (),
 ) -> dict:
     """Keyword arguments of ``client.containers.run`` for one replica: no capabilities, no
     privilege to gain, a read-only root file system with a private /tmp, a bounded process count.
@@ -105,7 +103,6 @@ def container_config(
     :param run_dir: the run directory (under ``home``).
     :param user: ``uid:gid`` the replica runs as (``containers.container_user``).
     :param launched_at: when the supervisor launched the run (for time to first step).
-    :param protected: what of the run directory the replica sees read-only (the pipeline's records).
     """
     view = replica_view(spec, run_dir, home)
     needs = replica_spec(spec, replica)
@@ -135,7 +132,7 @@ def container_config(
         "network": network_name(layout.run_id),
         "volumes": {
             **{str(path): {"bind": str(path), "mode": "rw"} for path in view["read_write"]},
-            **{str(path): {"bind": str(path), "mode": "ro"} for path in [*view["read_only"], *protected]},
+            **{str(path): {"bind": str(path), "mode": "ro"} for path in view["read_only"]},
         },
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges"],
@@ -183,7 +180,7 @@ class DockerReplicas:
         self.start(self.layout.replicas)
 
     def start(self, replicas) -> None:
-        protected = prepare_run_dir(RunPaths(self.run_dir))
+        prepare_run_dir(RunPaths(self.run_dir))
         launched_at = time.time()
         for replica in replicas:
             config = container_config(
@@ -194,7 +191,6 @@ class DockerReplicas:
                 self.run_dir,
                 container_user(),
                 launched_at,
-                protected,
             )
             try:  # a restart: the container that exited gives way to a new one of the same name
                 self.client.containers.get(config["name"]).remove(force=True)

@@ -10,23 +10,21 @@ capabilities, seccomp ``RuntimeDefault``), get a read-only root file system with
 whoever filled in the trigger form and has no business with the API. A pod's process count cannot be
 bounded in its manifest: that is the kubelet's ``podPidsLimit`` (KubeletConfiguration), the
 operator's to set. Every pod mounts only the run's
-directory (read-write), the pipeline's records in it (read-only over it, as the docker backend binds
-them) and the prepared data (read-only) from the PersistentVolumeClaim ``kubernetes_volume_claim``
-that holds HETFLOW_HOME, and sets no ``fsGroup``, so the kubelet changes no owner or mode on the
-claim: the supervisor has made the run directory the pods' uid's, and the prepared data is readable
-by all.
+directory (read-only), its output folder in it (read-write, as the docker backend binds it) and the
+prepared data (read-only) from the PersistentVolumeClaim ``kubernetes_volume_claim`` that holds
+HETFLOW_HOME, and sets no ``fsGroup``, so the kubelet changes no owner or mode on the claim: the
+supervisor has made the output folder the pods' uid's, and the rest is readable by all.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
 
 from hetflow.cluster.containers import TMP_BYTES, replica_environment, replica_spec
 from hetflow.cluster.layout import SERVICE_PORT, ClusterLayout, Replica, run_slug
 from hetflow.data.prepare import shown_to_replicas
-from hetflow.paths import data_dir
+from hetflow.paths import RunPaths, data_dir
 from hetflow.spec import RunSpec
 
 LABEL_RUN = "hetflow.dev/run"  # the run's slug: what teardown selects on
@@ -164,16 +162,14 @@ def _resources(spec: RunSpec, replica: Replica) -> dict:
     return {"requests": dict(limits), "limits": limits} if limits else {}
 
 
-def _container(
-    spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, str], name: str, protected: Sequence[Path]
-) -> dict:
+def _container(spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, str], name: str) -> dict:
     container = {
         "name": name,
         "image": replica_spec(spec, replica).image,
         "args": ["--run-dir", str(run_dir)],
         "env": [{"name": key, "value": value} for key, value in {**env, "HOME": "/tmp"}.items()],
         "ports": [{"name": "grpc", "containerPort": SERVICE_PORT}],
-        "volumeMounts": [*volume_mounts(run_dir, protected), {"name": TMP_VOLUME, "mountPath": "/tmp"}],
+        "volumeMounts": [*volume_mounts(run_dir), {"name": TMP_VOLUME, "mountPath": "/tmp"}],
         # As a docker container's: nothing of the image is writable, so a replica cannot plant code
         # that the image runs (its venv, its hetflow package) for whoever runs next in the pod.
         "securityContext": {
@@ -189,22 +185,19 @@ def _container(
     return container
 
 
-def volume_mounts(run_dir: Path, protected: Sequence[Path] = ()) -> list[dict]:
-    """The run's own directory (read-write), the pipeline's records in it (``protected``, read-only
-    over it) and the run's prepared dataset (read-only: its version folder alone), from the claim
-    that holds HETFLOW_HOME, at the paths they have on the supervisor; nothing else of the claim: a
-    replica cannot touch other runs, the stack's secrets, other datasets or the dataset cache. The
-    pods own their run directory: without its own mount a record could be replaced by a rename there;
-    a mount point cannot be (EBUSY)."""
+def volume_mounts(run_dir: Path) -> list[dict]:
+    """The run's own directory (read-only as a whole), its output folder (``RunPaths.output``, the one
+    the pods write and own) and the run's prepared dataset (read-only: its version folder alone), from
+    the claim that holds HETFLOW_HOME, at the paths they have on the supervisor; nothing else of the
+    claim: a replica cannot touch other runs, the stack's secrets, other datasets or the dataset cache,
+    nor any record of the pipeline's, including those it renames into the run directory later."""
     home = hetflow_home_of(run_dir)
     read_only = [
         {"name": "hetflow-home", "mountPath": str(path), "subPath": str(path.relative_to(home)), "readOnly": True}
-        for path in [*protected, *shown_to_replicas(run_dir, data_dir(home))]
+        for path in [run_dir, *shown_to_replicas(run_dir, data_dir(home))]
     ]
-    return [
-        {"name": "hetflow-home", "mountPath": str(run_dir), "subPath": str(run_dir.relative_to(home))},
-        *read_only,
-    ]
+    output = RunPaths(run_dir).output
+    return [*read_only, {"name": "hetflow-home", "mountPath": str(output), "subPath": str(output.relative_to(home))}]
 
 
 def hetflow_home_of(run_dir: Path) -> Path:
@@ -218,7 +211,7 @@ def _pod_spec(spec: RunSpec, containers: list[dict], restart_policy: str) -> dic
         # No fsGroup: the kubelet would give the whole volume, not the mounted sub-paths, to that
         # group, group-writable (every run, the stack's secrets, MLflow's files), and
         # fsGroupChangePolicy OnRootMismatch only skips that when the claim's root already matches.
-        # The supervisor makes the run directory IMAGE_USER's instead (hand_over_to_pods).
+        # The supervisor makes the output folder IMAGE_USER's instead (hand_over_to_pods).
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": IMAGE_USER,
@@ -247,13 +240,11 @@ def replica_pod(
     run_dir: Path,
     owner: dict,
     launched_at: float,
-    protected: Sequence[Path] = (),
 ) -> dict:
-    """:param protected: the pipeline's records in the run directory, mounted read-only (``volume_mounts``)."""
     run_id = layout.run_id
     labels = {LABEL_ROLE: replica.role, LABEL_INDEX: str(replica.index)}
     env = replica_environment(layout, replica, hetflow_home_of(run_dir), launched_at)
-    container = _container(spec, replica, run_dir, env, "replica", protected)
+    container = _container(spec, replica, run_dir, env, "replica")
     pod_spec = _pod_spec(spec, [container], restart_policy(spec))
     return {
         "apiVersion": "v1",
@@ -270,11 +261,11 @@ def replica_pod(
     }
 
 
-def tfjob_manifest(layout: ClusterLayout, spec: RunSpec, run_dir: Path, protected: Sequence[Path] = ()) -> dict:
+def tfjob_manifest(layout: ClusterLayout, spec: RunSpec, run_dir: Path) -> dict:
     """The same run as a Kubeflow TFJob (kubeflow.org/v1), for clusters that run the training
     operator: it sets TF_CONFIG itself (same roles, its own service names) and, with
     ``cleanPodPolicy: Running``, deletes the ps pods still running when the job ends. Its pods
-    mount the records in ``protected`` read-only, as ``replica_pod``'s do."""
+    mount what ``replica_pod``'s do (``volume_mounts``)."""
     kinds = {"chief": "Chief", "worker": "Worker", "ps": "PS"}
     replica_specs = {}
     for role, kind in kinds.items():
@@ -284,7 +275,7 @@ def tfjob_manifest(layout: ClusterLayout, spec: RunSpec, run_dir: Path, protecte
         env = replica_environment(layout, replicas[0], hetflow_home_of(run_dir), launched_at=0)
         del env["TF_CONFIG"], env["HETFLOW_LAUNCH_TIME"]  # the operator sets TF_CONFIG; no launch time is known
         # The operator requires the container to be named "tensorflow".
-        container = _container(spec, replicas[0], run_dir, env, "tensorflow", protected)
+        container = _container(spec, replicas[0], run_dir, env, "tensorflow")
         replica_specs[kind] = {
             "replicas": len(replicas),
             "restartPolicy": restart_policy(spec),

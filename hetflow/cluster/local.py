@@ -7,9 +7,9 @@ does. Their output goes to ``logs/<role>-<index>.log`` in the run directory; tea
 process of a run by the run id in its environment.
 
 Every keeper starts its replica sandboxed (``hetflow.sandbox``: bubblewrap, an unprivileged uid, no
-capabilities): it sees its run directory (read-write, less the pipeline's own records, which it
-sees read-only), the prepared data (read-only), the code and the interpreter, and nothing else of
-this host; it listens in the run's network namespace (``hetflow.cluster.netns``), with only loopback
+capabilities): it sees its run directory read-only but for its output folder (``RunPaths.output``,
+read-write), the prepared data (read-only), the code and the interpreter, and nothing else of this
+host; it listens in the run's network namespace (``hetflow.cluster.netns``), with only loopback
 up, which the run's replicas share and nothing outside reaches (TensorFlow's gRPC servers listen
 on every interface, unauthenticated). Where no sandbox can be had, provisioning refuses the run
 unless the operator set ``HETFLOW_ALLOW_UNISOLATED=1``; then replicas listen on this host's ports,
@@ -84,52 +84,48 @@ def visible_gpus(layout: ClusterLayout, spec: RunSpec) -> dict[str, str]:
 
 
 def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Path]]:
-    """What of HETFLOW_HOME a replica sees, on every backend: its run directory, read-write, and its
-    run's prepared dataset alone (``hetflow.data.prepare.shown_to_replicas``: not every run's data),
-    read-only, at the resolved path it was prepared and checked at in the spec's data dir (or the one
-    under ``home``); refused, one line, where that path leads elsewhere now."""
+    """What of HETFLOW_HOME a replica sees, on every backend: its run directory read-only as a whole,
+    its output folder (``RunPaths.output``) alone read-write, and its run's prepared dataset alone
+    (``hetflow.data.prepare.shown_to_replicas``: not every run's data), read-only, at the resolved path
+    it was prepared and checked at in the spec's data dir (or the one under ``home``); refused, one
+    line, where that path leads elsewhere now. A folder read-only as a whole stays so for what the
+    pipeline renames into it later, where a read-only bind of one file is lost with the file."""
     data = Path(spec.data.data_dir) if spec.data.data_dir else data_dir(home)
-    return {"read_write": [run_dir], "read_only": shown_to_replicas(run_dir, data)}
+    return {"read_write": [RunPaths(run_dir).output], "read_only": [run_dir, *shown_to_replicas(run_dir, data)]}
 
 
-def protected_records(paths: RunPaths) -> list[Path]:
-    """What of the run directory only the pipeline writes, shown read-only to its replicas: the spec,
-    the dataset and cluster records, who provisioned the run (each replaced only while no replica
-    runs), the receipts, the logs the keepers write, and ``replicas/``, where whatever the pipeline
-    rewrites while replicas run goes (see ``RunPaths.replicas``)."""
-    records = [paths.owner, paths.spec, paths.dataset, paths.cluster, paths.provisioned_by]
-    return [*records, paths.replicas, paths.logs, paths.root / "attempts", *pipeline_directories(paths)]
-
-
-def pipeline_directories(paths: RunPaths) -> list[Path]:
-    """The folders later stages write into, made before any replica starts, so that a replica can
-    put no link of its own at their names (it sees them read-only)."""
-    return [paths.plots, paths.compressed, paths.saved_model.parent, paths.root / "serving", paths.root / "tensorboard"]
+def provisioned_directories(paths: RunPaths) -> list[Path]:
+    """The folders made before any replica starts: where the pipeline writes how they run (their logs,
+    ``replicas/``) and the replicas' output folder, which their mounts need to exist."""
+    return [paths.logs, paths.replicas, paths.output]
 
 
 def hand_over_writable(paths: RunPaths, owner: tuple[int, int] = sandbox.SANDBOX_OWNER) -> None:
-    """What replicas write (the run directory's top, where the chief's weights and records go; the
-    checkpoints) becomes the replicas' own (``owner``: their uid and gid, the sandbox's by default)
-    where root provisions. Replicas of the run may be live (a restart's peers): what is under the
-    checkpoints is changed by name relative to its folder's descriptor, never through a link."""
+    """The output folder (``RunPaths.output``: the chief's weights and records, the checkpoints) and
+    what it holds become the replicas' own (``owner``: their uid and gid, the sandbox's by default)
+    where root provisions; the run directory stays the pipeline's. Replicas of the run may be live (a
+    restart's peers): what is in the folder is changed by name relative to its folder's descriptor,
+    never through a link."""
+    paths.output.mkdir(exist_ok=True)  # in the pipeline's read-only folder: no replica put a link here
     with contextlib.suppress(FileExistsError):  # a replica's link there is neither followed nor entered
         paths.checkpoints.mkdir()
     if os.geteuid() == 0:  # as any other user the sandbox writes as that user: nothing to hand over
-        for entry in entries_under(paths.root, [paths.checkpoints.name]):
+        for entry in entries_under(paths.output):
             with contextlib.suppress(FileNotFoundError):  # moved since it was listed: it is not handed over
                 os.chown(entry.name, *owner, dir_fd=entry.directory_fd, follow_symlinks=False)
-    sandbox.hand_over(paths.root, owner)
+    sandbox.hand_over(paths.output, owner)
 
 
 def remove_what_replicas_planted(run_dir: Path) -> list[Path]:
-    """Remove from the run directory what the pipeline would otherwise read or write through: every
-    link, fifo, socket or device node (the pipeline makes none), and a replica's JSON record that is
-    not a bounded JSON object. Each is named in a warning; returns them. Live replicas may swap a
-    folder for a link meanwhile: each name is removed relative to its folder's descriptor, and a
-    folder swapped for a link is not entered (``paths.entries_under``)."""
+    """Remove from the replicas' output folder (the only one they write) what the pipeline would
+    otherwise read through: every link, fifo, socket or device node (TensorFlow and the replica code
+    make none), and a replica's JSON record that is not a bounded JSON object. Each is named in a
+    warning; returns them. Live replicas may swap a folder for a link meanwhile: each name is removed
+    relative to its folder's descriptor, and a folder swapped for a link is not entered
+    (``paths.entries_under``)."""
     paths = RunPaths(run_dir)
     removed = []
-    for entry in entries_under(run_dir):
+    for entry in entries_under(paths.output):
         if planted(entry.mode):
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # replaced since: not planted
                 os.unlink(entry.name, dir_fd=entry.directory_fd)
@@ -151,12 +147,11 @@ def file_view(spec: RunSpec, run_dir: Path) -> dict:
     """What a sandboxed replica sees of this host's files: ``{"confined": true, "hidden": [...],
     "read_write": [...], "read_only": [...]}`` (see ``hetflow.sandbox.Sandbox``)."""
     view = replica_view(spec, run_dir, hetflow_home())
-    protected = [path for path in protected_records(RunPaths(run_dir)) if path.exists()]
     return {
         "confined": True,
         "hidden": sandbox.private_directories(),
         "read_write": [str(path) for path in view["read_write"]],
-        "read_only": [str(path) for path in [*view["read_only"], *protected]],
+        "read_only": [str(path) for path in view["read_only"]],
     }
 
 
@@ -202,7 +197,7 @@ class LocalReplicas:
         unisolated (see the module), every replica on host ports still free. ``cluster.json`` records
         which (``network_isolation``, ``file_isolation``)."""
         remove_what_replicas_planted(self.run_dir)  # an earlier try's, which no detach cleaned
-        for directory in (self.paths.logs, self.paths.replicas, *pipeline_directories(self.paths)):
+        for directory in provisioned_directories(self.paths):
             directory.mkdir(parents=True, exist_ok=True)
         if self.sandboxed:
             network = {"isolated": True, "sandbox": "bubblewrap"}

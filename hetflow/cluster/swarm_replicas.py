@@ -9,7 +9,6 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Sequence
 
 import docker
 from docker.types import EndpointSpec, Mount, Resources, RestartPolicy, ServiceMode
@@ -80,7 +79,6 @@ def service_config(
     run_dir: Path,
     user: str,
     launched_at: float,
-    protected: Sequence[Path] = (),
 ) -> dict:
     """Keyword arguments of ``client.services.create`` for one replica (see the docker backend's
     ``container_config`` for what the parameters mean: the replica is the same), hardened as its
@@ -109,7 +107,7 @@ def service_config(
         "labels": {**run_labels(layout.run_id, run_dir), LABEL_ROLE: replica.role, LABEL_INDEX: str(replica.index)},
         "networks": [network_name(layout.run_id)],
         "mounts": [Mount(str(p), str(p), type="bind") for p in view["read_write"]]
-        + [Mount(str(p), str(p), type="bind", read_only=True) for p in [*view["read_only"], *protected]]
+        + [Mount(str(p), str(p), type="bind", read_only=True) for p in view["read_only"]]
         + [Mount("/tmp", None, type="tmpfs", tmpfs_size=TMP_BYTES)],
         "cap_drop": ["ALL"],
         "read_only": True,
@@ -181,7 +179,7 @@ class SwarmReplicas:
         self.start(self.layout.replicas)
 
     def start(self, replicas) -> None:
-        protected = prepare_run_dir(RunPaths(self.run_dir))
+        prepare_run_dir(RunPaths(self.run_dir))
         launched_at = time.time()
         for replica in replicas:
             config = service_config(
@@ -192,7 +190,6 @@ class SwarmReplicas:
                 self.run_dir,
                 container_user(),
                 launched_at,
-                protected,
             )
             try:  # a restart: the service whose task ended gives way to a new one of the same name
                 self.client.services.get(config["name"]).remove()
