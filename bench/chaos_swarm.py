@@ -154,7 +154,7 @@ def wait_for_loss_point(started: tuple, paths: RunPaths) -> str | None:
     process, header = started[1], f"Epoch {EPOCHS_DONE_AT_LOSS + 1}/"
     deadline = time.monotonic() + PASS_TIMEOUT_SECONDS
     while process.poll() is None and time.monotonic() < deadline:
-        nodes = json.loads(paths.nodes.read_text()) if paths.nodes.exists() else {}
+        nodes = _nodes_of(paths)
         victim = next((name for name, node in nodes.items() if node == LOST), None)
         log = paths.logs / f"{victim}.log"
         if victim and log.exists() and header in log.read_text(errors="replace"):
@@ -207,14 +207,16 @@ def node_lost_checks(seen: dict) -> dict[str, bool]:
     }
 
 
-def _summary(home: Path, run_id: str) -> dict:
-    path = RunPaths(run_dir(home, run_id)).summary
-    return json.loads(path.read_text()) if path.exists() else {}
+def _summary(paths: RunPaths) -> dict:
+    return json.loads(paths.summary.read_text()) if paths.summary.exists() else {}
 
 
-def _nodes(home: Path, run_id: str) -> dict:
-    path = RunPaths(run_dir(home, run_id)).nodes
-    return json.loads(path.read_text()) if path.exists() else {}
+def _nodes_of(paths: RunPaths) -> dict:
+    """replicas/nodes.json: replica -> node; empty before it is written."""
+    try:
+        return json.loads(paths.nodes.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _on_swarm(bench: Bench, env: dict, home: Path, seen: dict) -> None:
@@ -223,29 +225,29 @@ def _on_swarm(bench: Bench, env: dict, home: Path, seen: dict) -> None:
 
     earlier_id, lost_id = bench.run_id("swarm-earlier"), bench.run_id("swarm-node-lost")
     model = f"chaos-{bench.token}-swarm"
+    spec = {**SPEC, "image": bench.image, "registered_model": model}
     manager = docker.DockerClient(base_url=env["DOCKER_HOST"])
     survivors = {node: node_client(node) for node in ("node-1",)}
-    seen["earlier"] = finish_pass(
-        bench, start_pass(bench, env, earlier_id, {**SPEC, "epochs": 3, "registered_model": model}, 1, {})
-    )
-    seen["earlier_summary"], seen["earlier_nodes"] = _summary(home, earlier_id), _nodes(home, earlier_id)
-    earlier_dir = run_dir(home, earlier_id)
+    seen["earlier"] = finish_pass(bench, start_pass(bench, env, earlier_id, {**spec, "epochs": 3}, 1, {}))
+    earlier, lost = RunPaths(run_dir(home, earlier_id)), RunPaths(run_dir(home, lost_id))
+    seen["earlier_summary"], seen["earlier_nodes"] = _summary(earlier), _nodes_of(earlier)
+    earlier_dir = earlier.root
     seen["earlier_files_before"], seen["registry_before"] = files_of(earlier_dir), registry_of(home, model)
-    values = {**SPEC, "epochs": 10, "registered_model": model}
+    values = {**spec, "epochs": 10}
     started_at = time.monotonic()
     running = start_pass(bench, env, lost_id, values, 1, {})
-    seen["victim"] = wait_for_loss_point(running, RunPaths(run_dir(home, lost_id)))
+    seen["victim"] = wait_for_loss_point(running, lost)
     if seen["victim"]:
         bench.docker.containers.get(f"{PREFIX}-{LOST}").kill()
         seen["lost_after_seconds"] = round(time.monotonic() - started_at, 1)
     seen["lost"] = finish_pass(bench, running)
-    seen["lost_summary"] = _summary(home, lost_id)
+    seen["lost_summary"] = _summary(lost)
     seen["left_node_down"] = settled(lost_id, manager, survivors)
     seen["earlier_files_after_loss"], seen["registry_after_loss"] = files_of(earlier_dir), registry_of(home, model)
     seen["rejoined_after_seconds"] = revive(bench.docker, manager, LOST) if seen["victim"] else 0.0
     seen["left_node_back"] = settled(lost_id, manager, {LOST: node_client(LOST)})
     seen["rerun"] = finish_pass(bench, start_pass(bench, env, lost_id, values, 2, seen["lost"]["returned"]))
-    seen["rerun_summary"], seen["rerun_nodes"] = _summary(home, lost_id), _nodes(home, lost_id)
+    seen["rerun_summary"], seen["rerun_nodes"] = _summary(lost), _nodes_of(lost)
     seen["earlier_files_after_rerun"], seen["registry_after_rerun"] = files_of(earlier_dir), registry_of(home, model)
 
 
@@ -261,7 +263,7 @@ def swarm_node_lost(bench: Bench) -> dict:
     home = bench.home("swarm")
     seen: dict = {"swarm_left": None}
     try:
-        with swarm(environment(home), NODES) as env:
+        with swarm({**environment(home), "IMAGE": bench.image}, NODES) as env:  # IMAGE: what swarm.sh loads
             _on_swarm(bench, env, home, seen)
     except Exception:  # swarm.sh up or down failed, or an engine stopped answering: reported as a crash
         seen["crashed"] = traceback.format_exc()[-3000:]
