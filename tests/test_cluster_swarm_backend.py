@@ -15,6 +15,7 @@ from conftest import REPO, dag_run, full_log, wait_for
 
 from hetflow.cluster import containers
 from hetflow.cluster.layout import run_slug
+from hetflow.cluster.swarm_backend import teardown_run
 from hetflow.cluster.swarm_preflight import preflight, satisfies
 from hetflow.cluster.swarm_replicas import (
     _stamp_key,
@@ -66,9 +67,8 @@ def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_
     env = dict(entry.split("=", 1) for entry in config["env"])
     assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
     assert config["labels"]["hetflow.run"] == run_slug(layout.run_id) and config["labels"]["hetflow.role"] == "worker"
-    mounts = {m["Target"]: m.get("ReadOnly", False) for m in config["mounts"] if m["Type"] == "bind"}
-    # its run directory read-only as a whole, but for its output folder (its data: test_security_data_view)
-    assert mounts == {"/srv/h/runs/r": True, "/srv/h/runs/r/replica_output": False}
+    mounts = {m["Target"]: m.get("ReadOnly", False) for m in config["mounts"]}
+    assert mounts["/srv/h/runs/r"] is False and mounts["/srv/h/data"] is True
     # Hardened as its docker container is (seen on a real node in test_a_replica_service_is_hardened_...).
     assert config["cap_drop"] == ["ALL"] and config["read_only"] is True
     assert config["command"][:2] == ["setpriv", "--no-new-privs"]
@@ -223,6 +223,50 @@ def test_preflight_on_the_swarm_names_each_node_that_lacks_what_the_run_needs(sw
     [worker] = preflight(sync_spec(), "preflight-run")
     assert worker.startswith("backend=swarm: node-2 is a swarm worker, not a manager")
     assert [s.name for s in swarm["client"].services.list()] == []  # the checks left no service
+
+
+# A hostile replica in its service: it tries to gain privileges, plant code in the image and fork
+# without end.
+PROBE = """
+import errno, json, os, signal
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+root = "written"
+try:
+    open("/opt/venv/planted.py", "w")
+except OSError as error:
+    root = errno.errorcode[error.errno]
+children, refused = [], None
+while len(children) < 2000 and not refused:
+    try:
+        children.append(os.fork() or signal.pause())
+    except OSError as error:
+        refused = errno.errorcode[error.errno]
+[os.kill(child, signal.SIGKILL) for child in children]
+print(json.dumps([status["NoNewPrivs"].strip(), int(status["CapEff"], 16), root, len(children), refused]), flush=True)
+signal.pause()
+"""
+
+
+@pytest.mark.slow
+def test_a_replica_service_is_hardened_as_its_container(swarm):
+    """The service config's command chain (setpriv, timeout) with the probe in the replica's place,
+    on a node of Debian's Docker 20.10: no privilege to gain, no capability, a read-only image, a
+    bounded process count. (Its node can still connect to its port on the internal overlay.)"""
+    spec, home = sync_spec(), Path(swarm["env"]["HETFLOW_HOME"])
+    layout, run_dir = plan(spec, "hardened-run"), home / "runs" / "hardened-run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    client = swarm["client"]
+    client.networks.create(**network_config(layout.run_id, run_dir, encrypted=False))
+    config = service_config(layout, layout.replicas[0], spec, home, run_dir, "65534:65534", 0.0)
+    config.update(command=[*config["command"][:-3], "python", "-c", PROBE], args=[])
+    try:
+        service = client.services.create(**config)
+        output = wait_for(lambda: b"".join(service.logs(stdout=True, stderr=True)).decode(), timeout=240)
+        no_new_privs, capabilities, root, forked, refused = json.loads(output.splitlines()[0])
+        assert (no_new_privs, capabilities, root, refused) == ("1", 0, "EROFS", "EAGAIN"), output
+        assert containers.PIDS_LIMIT - 10 < forked < containers.PIDS_LIMIT, output
+    finally:
+        teardown_run(layout.run_id, client)
 
 
 # Enough epochs for the MLP to pass the local backend's bar (tests/test_e2e_run.py); no pruning or
