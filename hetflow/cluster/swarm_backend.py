@@ -4,9 +4,11 @@ hetflow talks to a manager's engine (``DOCKER_HOST``). Every replica's service r
 image's entry point with the same TF_CONFIG as on every backend; peers are addressed by service
 name, which the swarm's DNS resolves to the service's task wherever it runs and after it is placed
 again (``endpoint_mode=dnsrr``: virtual IPs need IPVS, which not every node has). The services sit on
-an attachable, internal overlay network of the run's own (``network_config``), so no replica is
-reachable from outside the run, encrypted between nodes unless ``encrypt_network=false`` (preflight
-refuses encryption where a node's kernel says it has no IPsec ESP).
+an attachable, internal overlay network of the run's own (``network_config``): no route out and no
+published port, encrypted between nodes unless ``encrypt_network=false`` (preflight refuses encryption
+where a node's kernel says it has no IPsec ESP). The node a task runs on can still connect to the
+task's port (measured on Docker 20.10 nodes): a node's other users are not kept out as the docker
+backend keeps the host's out.
 
 Placement is from node labels: a worker with ``device=gpu`` goes to a node labelled
 ``hetflow.device=gpu``; a CPU worker to any node not labelled so; ``worker_devices[i].node`` names its
