@@ -21,7 +21,7 @@ from conftest import REPO, hetflow, listening, wait_for
 from hetflow.cluster import netns
 from hetflow.cluster.local import LocalReplicas
 from hetflow.cluster.processes import RUN_ID_ENV, environments_with, run_processes, teardown_runs_of_home
-from hetflow.paths import hetflow_home, run_paths
+from hetflow.paths import RunPaths, hetflow_home, run_paths
 
 
 def _connects(host: str, port: int) -> bool:
@@ -142,8 +142,8 @@ def test_a_short_training_run_succeeds_inside_its_namespace(hetflow_env):
     args += ["train_timeout_seconds=180"]  # workers that cannot reach each other hang until then
     done = hetflow(hetflow_env, "train", *[token for key in args for token in ("--set", key)])
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    run_dir = Path(done.stdout.strip().splitlines()[-1]).parent
-    record = json.loads((run_dir / "training.json").read_text())
+    run_dir = Path(done.stdout.strip().splitlines()[-1]).parents[1]  # training.json is in its output folder
+    record = json.loads(RunPaths(run_dir).training.read_text())
     assert record["replicas_in_sync"] == 2 and sorted(record["per_worker"]) == ["worker-0", "worker-1"]
     isolation = json.loads((run_dir / "cluster.json").read_text())["network_isolation"]
     assert isolation == {"isolated": True, "sandbox": "bubblewrap"}

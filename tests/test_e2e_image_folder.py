@@ -11,6 +11,8 @@ import pytest
 from conftest import hetflow
 from digit_folders import DIGITS_PER_CLASS, write_digit_folder
 
+from hetflow.paths import RunPaths
+
 
 @pytest.mark.slow
 class TestTrainingOnAnImageFolder:
@@ -52,7 +54,6 @@ class TestTrainingOnAnImageFolder:
 
     def test_the_folder_trains_the_784_128_10_mlp_and_is_registered_served_and_promoted(self, first):
         from hetflow.models.architectures import build_model, read_weights
-        from hetflow.paths import RunPaths
 
         done, summary = first
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -78,7 +79,7 @@ class TestTrainingOnAnImageFolder:
         assert image_spec == {"dtype": "uint8", "shape": [-1, 28, 28, 1]}
         assert [tag.value for tag in logged.tags if tag.key == "mlflow.data.context"] == ["training"]
 
-        training = json.loads((Path(summary["run_dir"]) / "training.json").read_text())
+        training = json.loads(RunPaths(Path(summary["run_dir"])).training.read_text())
         events = Path(client.download_artifacts(run.info.run_id, "tensorboard", str(Path(summary["run_dir"]) / "dl")))
         curves: dict[str, dict[int, float]] = {}
         for event_file in events.glob("validation/events.out.tfevents.*"):
@@ -97,7 +98,7 @@ class TestTrainingOnAnImageFolder:
         assert summary["status"] == "skipped" and summary["failed_stage"] is None
         assert f"{self.MODEL} v1 was trained from this spec" in summary["skipped_because"]
         assert summary["registry"]["version"] == 1 and summary["artifacts"]["model"] is None
-        assert not (Path(summary["run_dir"]) / "training.json").exists()
+        assert not RunPaths(Path(summary["run_dir"])).training.exists()
         assert [int(v.version) for v in client.search_model_versions(f"name='{self.MODEL}'")] == [1]
 
     def test_bad_data_is_refused_before_anything_starts_and_the_champion_stays(

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from hetflow.paths import RunPaths
+
 PARTS = ("mlflow_io", "work")
 # The interpreter's own, taken before any hetflow module is imported.
 _ORIGINAL_IMPORT, _ORIGINAL_IMPORT_MODULE = builtins.__import__, importlib.import_module
@@ -87,7 +89,7 @@ def test_every_stage_says_where_its_time_went(e2e_first_run):
 def test_the_dag_time_is_the_stages_airflow_and_the_training_beside_them(e2e_first_run):
     _, summary = e2e_first_run
     timings = summary["timings"]
-    training = json.loads((Path(summary["run_dir"]) / "training.json").read_text())
+    training = json.loads(RunPaths(Path(summary["run_dir"])).training.read_text())
     assert timings["training_seconds"] == training["whole_job_seconds"]
     assert timings["fixed_overhead_seconds"] == pytest.approx(timings["dag_seconds"] - training["whole_job_seconds"])
     in_stages = sum(timing["wall"] for timing in timings["stages"].values())

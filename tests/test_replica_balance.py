@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import hetflow
 
+from hetflow.paths import RunPaths
 from hetflow.replica.auto_strategy import ASYNC_SPREAD, decide
 from hetflow.replica.batch_shares import split_batch
 from hetflow.spec import parse_spec
@@ -174,7 +175,7 @@ def _train(env, *sets: str) -> tuple[dict, object]:
     from pathlib import Path
 
     record = Path(done.stdout.strip().splitlines()[-1])
-    return json.loads(record.read_text()), record.parent
+    return json.loads(record.read_text()), record.parents[1]  # the run directory: training.json is in its output
 
 
 @pytest.mark.slow
@@ -195,7 +196,7 @@ def test_balanced_update_on_unequal_shards_equals_the_single_replica_update(hetf
     # The workers measured themselves inside the training processes, before the first step.
     worker_log = (balanced / "logs/worker-1.log").read_text()
     assert worker_log.index("probe worker-1:") < worker_log.index("balanced batches") < worker_log.index("Epoch 1/")
-    plan = json.loads((balanced / "plan.json").read_text())
+    plan = json.loads(RunPaths(balanced).plan.read_text())
     speeds = [p["examples_per_second"] for p in plan["probes"]]
     assert speeds[0] > 1.5 * speeds[1]  # the throttled worker measured slower
     assert record["worker_batches"] == plan["worker_batches"] and sum(record["worker_batches"]) == 32
@@ -223,7 +224,7 @@ def test_plain_sync_runs_the_balanced_loop_with_equal_shares_without_probing(het
         "batch_size=32",
     )
     assert record["worker_batches"] == [16, 16] and record["per_replica_batch"] == 16
-    assert record["balanced"] is False and not (run_dir / "plan.json").exists()
+    assert record["balanced"] is False and not RunPaths(run_dir).plan.exists()
     assert "probe worker-1:" not in (run_dir / "logs/worker-1.log").read_text()
     assert "batches [16, 16] of 32; this worker takes 16" in (run_dir / "logs/worker-0.log").read_text()
 
@@ -258,14 +259,14 @@ def test_auto_through_the_dag_logs_its_decision(hetflow_env):
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
-    plan = json.loads((Path(summary["run_dir"]) / "plan.json").read_text())
+    plan = json.loads(RunPaths(Path(summary["run_dir"])).plan.read_text())
     # The workers started as sync all-reduce, measured themselves over their first steps and found
     # the digits MLP's steps far under 20 ms (a few ms of computation here): auto relaunched the run
     # on the fastest worker alone. decide() itself is tested on fixed probes above.
     assert plan["decision"]["strategy"] == "one_device", plan["decision"]
     assert plan["decision"]["reason"].startswith("auto chose") and plan["decision"]["reason"] in done.stdout
     assert "relaunching the replicas as one_device" in done.stdout
-    training = json.loads((Path(summary["run_dir"]) / "training.json").read_text())
+    training = json.loads(RunPaths(Path(summary["run_dir"])).training.read_text())
     assert training["replicas_in_sync"] == 1 and training["epochs_done"] == 5
     assert summary["auto"]["requested"] == "auto" and summary["auto"]["decision"] == plan["decision"]
     assert [probe["worker"] for probe in summary["auto"]["probes"]] == ["worker-0", "worker-1"]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import full_log, hetflow, replica_listening
 
+from hetflow.paths import RunPaths
 from hetflow.spec import parse_spec
 
 CASES = {
@@ -48,7 +49,7 @@ def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
 
     run = client.get_run(summary["mlflow_run_id"])
     assert run.data.params["strategy"] == strategy and run.data.tags["strategy"] == strategy
-    training = json.loads((Path(summary["run_dir"]) / "training.json").read_text())
+    training = json.loads(RunPaths(Path(summary["run_dir"])).training.read_text())
     workers = sorted(training["per_worker"])
     for worker in workers:
         key = worker.replace("-", "_")
