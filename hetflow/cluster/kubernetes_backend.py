@@ -95,7 +95,7 @@ POD_OWNER = (IMAGE_USER, IMAGE_USER)
 
 
 def hand_over_to_pods(paths: RunPaths) -> None:
-    """What the pods write (the run directory's top and its checkpoints) becomes IMAGE_USER's where
+    """What the pods write (the run directory's output folder and all in it) becomes IMAGE_USER's where
     the supervisor is root; a supervisor running as IMAGE_USER already owns it. Only this directory:
     the pods set no fsGroup, which would have the kubelet hand them the whole claim."""
     hand_over_writable(paths, POD_OWNER)
@@ -110,7 +110,7 @@ def pod_access_problems(spec: RunSpec) -> list[str]:
         runs.mkdir(parents=True, exist_ok=True)
         scratch = RunPaths(Path(tempfile.mkdtemp(prefix=".pod-access-", dir=runs)))
         hand_over_to_pods(scratch)
-        owner = scratch.root.stat().st_uid
+        owner = scratch.output.stat().st_uid
         why = f"it stays uid {owner}'s"
     except PermissionError as error:
         owner, why = None, f"{error.strerror}: {error.filename}"
@@ -153,25 +153,23 @@ class KubernetesReplicas:
         self.core = core or kubernetes.client.CoreV1Api()
         self.networking = networking or kubernetes.client.NetworkingV1Api()
         self._owner = None
-        self._protected: list[Path] = []
 
     def provision(self) -> None:
-        """The run's directory cleared of what replicas planted and handed to the pods (the
-        pipeline's records in it to be mounted read-only), then its ConfigMap, its NetworkPolicy,
-        its headless service and every replica's pod."""
-        self._protected = prepare_run_dir(RunPaths(self.run_dir), POD_OWNER)
+        """The run's output folder cleared of what replicas planted and handed to the pods (the rest
+        of the run directory they see read-only), then its ConfigMap, its NetworkPolicy, its headless
+        service and every replica's pod."""
+        prepare_run_dir(RunPaths(self.run_dir), POD_OWNER)
         # For clusters with the training operator: the same run, to `kubectl apply` instead. A person
         # applies it: this run's pods see it read-only too.
         tfjob = self.run_dir / "tfjob.yaml"
         tfjob.write_text(
             yaml.safe_dump_all(
                 [
-                    tfjob_manifest(self.layout, self.spec, self.run_dir, self._protected),
+                    tfjob_manifest(self.layout, self.spec, self.run_dir),
                     run_network_policy(self.layout, self.namespace, None),
                 ]
             )
         )
-        self._protected.append(tfjob)
         run = self.core.create_namespaced_config_map(
             self.namespace, run_configmap(self.layout, self.spec, self.namespace, self.run_dir)
         )
@@ -186,7 +184,7 @@ class KubernetesReplicas:
     def start(self, replicas) -> None:
         launched_at = time.time()
         for replica in replicas:
-            pod = replica_pod(self.layout, replica, self.spec, self.run_dir, self._owner, launched_at, self._protected)
+            pod = replica_pod(self.layout, replica, self.spec, self.run_dir, self._owner, launched_at)
             self.core.create_namespaced_pod(self.namespace, pod)
             log.info("created %s (pod %s) at %s", replica.name, pod["metadata"]["name"], replica.address)
 
