@@ -74,6 +74,22 @@ def ensure_dags_in_db(dag_ids: Iterable[str]) -> None:
             sync_bag_to_db(bag, bundle.name, bundle.version, session=session)
 
 
+def ensure_mlflow_store() -> None:
+    """Where the MLflow store is a SQLite file, create its tables and hetflow's experiment before the
+    DAG runs, under an exclusive lock beside it: two first runs on an empty store both created them
+    in their register stages, and one failed ("table evaluation_datasets already exists")."""
+    from hetflow.registry.store import _experiment_id, tracking_uri
+
+    uri = tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        return  # a tracking server serves concurrent clients itself
+    from mlflow import MlflowClient
+
+    database = Path(uri.removeprefix("sqlite:///"))
+    with _exclusive(database.with_name(f"{database.name}.hetflow-lock")):
+        _experiment_id(MlflowClient(uri))
+
+
 @contextlib.contextmanager
 def _exclusive(lock_path: Path):
     """An exclusive lock between processes, held while the block runs; the kernel releases it when
@@ -93,6 +109,7 @@ def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
     for key, value in airflow_environment().items():
         os.environ.setdefault(key, value)
     ensure_airflow_db()
+    ensure_mlflow_store()
     with _output_to(log_file) if log_file else contextlib.nullcontext() as terminal:
         from airflow.dag_processing.dagbag import DagBag  # sets up Airflow's logging: the view comes after
 

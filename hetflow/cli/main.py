@@ -51,7 +51,9 @@ def _cmd_run(args) -> int:
     if problems:
         raise SpecError(problems)
     started = time.monotonic()
-    log_file = None if args.verbose else hetflow_home() / "logs" / f"hetflow-run-{time.strftime('%Y%m%dT%H%M%S')}.log"
+    # The process id too: two runs started in the same second wrote one log.
+    log_name = f"hetflow-run-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
+    log_file = None if args.verbose else hetflow_home() / "logs" / log_name
     try:
         summary_path = run_dag(flat_values(values), log_file)  # the conf: short names, as the form's Params
     except KeyboardInterrupt:
