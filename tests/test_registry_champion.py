@@ -262,7 +262,6 @@ def _champion_whose_server_fails(name: str, tmp_path: Path) -> str:
     """A hetflow registered model whose champion, trained on other data, is a pyfunc model whose
     loader raises when a server loads it: no server of it ever becomes healthy. Returns a candidate."""
     from hetflow.registry.champion import CHAMPION
-    from hetflow.registry.store import EXPERIMENT
     from hetflow.registry.versions import own_registered_model
     from mlflow import MlflowClient
 
@@ -274,10 +273,9 @@ def _champion_whose_server_fails(name: str, tmp_path: Path) -> str:
     (model / "code" / "never_serves.py").write_text("raise RuntimeError('this champion never serves')\n")
     client = MlflowClient()
     own_registered_model(client, name, name)
-    experiment = client.get_experiment_by_name(EXPERIMENT) or client.get_experiment(
-        client.create_experiment(EXPERIMENT)
-    )
-    run_id = client.create_run(experiment.experiment_id).info.run_id
+    # Its artifacts under the test's directory, not MLflow's default ./mlruns in the working directory.
+    experiment = client.create_experiment(name, artifact_location=(tmp_path / "artifacts").as_uri())
+    run_id = client.create_run(experiment).info.run_id
     client.log_artifacts(run_id, str(model), "model")
     versions = [client.create_model_version(name, f"runs:/{run_id}/model", run_id=run_id).version for _ in "ab"]
     client.set_model_version_tag(name, versions[0], "dataset.fingerprint", "other data")
