@@ -128,12 +128,12 @@ class Resources(Section):
     )
     memory_mb: int = spec_field(
         0,
-        "Memory limit of each replica container, service or pod in MiB (docker, swarm, kubernetes); 0 = no limit.",
+        "Memory limit of each replica in MiB: its container's, service's or pod's; on local, a cgroup of its own "
+        "(where hetflow runs as root on cgroup v1; elsewhere the replica's log says it runs without); 0 = no limit.",
         short="replica_memory_mb",
-        backends=CONTAINERS,
         ge=0,
         le=4_194_304,
-        title="Memory per replica, MiB (docker, swarm, kubernetes)",
+        title="Memory per replica, MiB",
     )
     request_gpus: bool = spec_field(
         False,
