@@ -82,7 +82,7 @@ bench-peer: setup
 	$(BIN)/python bench/run.py --cases baseline,one_worker,mwms_2,two_apart,ray_2w $(ARGS)
 
 ## runs that lose a random replica at a random time (bench/CHAOS.md)
-chaos: setup
+chaos: setup image
 	$(BIN)/python bench/chaos.py $(ARGS)
 
 ## docs/spec.md, the spec reference, generated from RunSpec (tests/test_spec_reference.py fails when it is stale)

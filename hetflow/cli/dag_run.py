@@ -78,7 +78,7 @@ def ensure_mlflow_store() -> None:
     """Where the MLflow store is a SQLite file, create its tables and hetflow's experiment before the
     DAG runs, under an exclusive lock beside it: two first runs on an empty store both created them
     in their register stages, and one failed ("table evaluation_datasets already exists")."""
-    from hetflow.registry.store import _experiment_id, tracking_uri
+    from hetflow.registry.store import ensure_experiment, tracking_uri
 
     uri = tracking_uri()
     if not uri.startswith("sqlite:///"):
@@ -87,7 +87,7 @@ def ensure_mlflow_store() -> None:
 
     database = Path(uri.removeprefix("sqlite:///"))
     with _exclusive(database.with_name(f"{database.name}.hetflow-lock")):
-        _experiment_id(MlflowClient(uri))
+        ensure_experiment(MlflowClient(uri))
 
 
 @contextlib.contextmanager

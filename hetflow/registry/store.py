@@ -24,7 +24,8 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow' / 'mlflow.db'}"
 
 
-def _experiment_id(client: MlflowClient) -> str:
+def ensure_experiment(client: MlflowClient) -> str:
+    """hetflow's experiment, created where missing and its tags made current; returns its id."""
     experiment = client.get_experiment_by_name(EXPERIMENT)
     if experiment:  # made by an earlier hetflow, maybe without these tags
         if experiment.tags.get(EXPERIMENT_KIND_TAG) != MODEL_TRAINING:
@@ -52,7 +53,7 @@ def runs_page(server_url: str, key_metrics: bool = False, store: str | None = No
     :param store: the tracking URI the experiment is in; None: ``tracking_uri()``.
     """
     try:
-        experiment_id = _experiment_id(MlflowClient(store or tracking_uri()))
+        experiment_id = ensure_experiment(MlflowClient(store or tracking_uri()))
     except MlflowException:  # a store that does not answer yet: the experiments' list, in the same view
         return f"{server_url}/#/experiments?workflowType=machine_learning"
     page = f"{server_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
@@ -76,7 +77,7 @@ def find_or_create_run(
     :param started: when the pipeline started (unix time): the run's start in MLflow, so that its
         duration covers the stages and not only the logging; None: now.
     """
-    experiment_id = _experiment_id(client)
+    experiment_id = ensure_experiment(client)
     found = client.search_runs(
         [experiment_id],
         filter_string=f"tags.`airflow.dag_id` = '{dag_id}' and tags.`airflow.run_id` = '{airflow_run_id}'",
