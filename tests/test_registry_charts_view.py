@@ -25,7 +25,7 @@ def _view(client: MlflowClient) -> dict:
 
 
 def test_the_experiment_holds_the_key_metrics_view_in_the_uis_saved_view_form(client):
-    store._experiment_id(client)
+    store.ensure_experiment(client)
     view = _view(client)
     assert view["name"] == "Key metrics first" and view["createdAt"] == view["updatedAt"] > 0
     state = json.loads(view["state"])
@@ -49,18 +49,18 @@ def test_the_experiment_holds_the_key_metrics_view_in_the_uis_saved_view_form(cl
 
 def test_an_older_experiment_gets_the_view_and_a_current_one_is_left_as_it_is(client):
     experiment_id = client.create_experiment("hetflow")  # as a hetflow before the view made it
-    assert store._experiment_id(client) == experiment_id
+    assert store.ensure_experiment(client) == experiment_id
     written = _view(client)
-    store._experiment_id(client)
+    store.ensure_experiment(client)
     assert _view(client) == written  # not written again
     stale = {**written, "state": json.dumps({"compareRunCharts": []})}
     client.set_experiment_tag(experiment_id, VIEW_TAG, json.dumps(stale))
-    store._experiment_id(client)
+    store.ensure_experiment(client)
     assert json.loads(_view(client)["state"]) == json.loads(written["state"])
 
 
 def test_runs_page_links_the_view_in_the_chart_view(client):
-    experiment_id = store._experiment_id(client)
+    experiment_id = store.ensure_experiment(client)
     page = f"http://mlflow/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
     assert store.runs_page("http://mlflow") == page
     assert store.runs_page("http://mlflow", key_metrics=True) == (
