@@ -46,7 +46,8 @@ def train(model: str, seed: int, env: dict[str, str]) -> Path:
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{shlex.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    return Path(done.stdout.strip().splitlines()[-1]).parent  # the last line is training.json
+    # The last line is training.json, in the run's replica_output/.
+    return Path(done.stdout.strip().splitlines()[-1]).parents[1]
 
 
 def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:

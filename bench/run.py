@@ -86,6 +86,8 @@ from throughput_cases import (
 )
 from throughput_report import markdown
 
+from hetflow.paths import RunPaths
+
 
 def prepare_dataset(env: dict[str, str]) -> None:
     """Prepare the dataset in the bench's home before the first case, so no case's time to first
@@ -165,7 +167,7 @@ def _record(case: Case, process: subprocess.Popen, timeout: float) -> dict[str, 
     training = Path(last_line)
     record = {k: v for k, v in json.loads(training.read_text()).items() if k != "history"}
     # Which replicas ran, from the run's cluster.json: evidence the case ran what it says it did.
-    cluster = json.loads((training.parent / "cluster.json").read_text())
+    cluster = json.loads(RunPaths(training.parents[1]).cluster.read_text())  # training.json is in replica_output/
     record["cluster"] = [f"{r['role']}-{r['index']}" for r in cluster["replicas"]]
     return record
 

@@ -42,6 +42,7 @@ from report import BENCH_DIR, save  # bench/report.py: the scripts run as bench/
 from run import machine_facts, prepare_dataset
 from swarm_nodes import left_on_engine, node_cpus, swarm
 
+from hetflow.paths import RunPaths
 from hetflow.replica.balance import MEASURE_SECONDS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -127,9 +128,10 @@ def run_case(scenario: str, name: str, args: argparse.Namespace, env: dict[str, 
         return run | {"failed": done.stderr[-2000:]}
     record_path = Path(done.stdout.strip().splitlines()[-1])
     record = json.loads(record_path.read_text())
-    plan_path = record_path.parent / "plan.json"
+    paths = RunPaths(record_path.parents[1])  # training.json lies in the run's replica_output/
+    plan_path = paths.plan
     plan = json.loads(plan_path.read_text()) if plan_path.exists() else {}
-    nodes_path = record_path.parent / "nodes.json"  # backend=swarm: where each replica ran
+    nodes_path = paths.nodes  # backend=swarm: where each replica ran
     reached_at = record["target_reached_at"]
     launch_to_target = reached_at - launched_at if reached_at else None
     return run | {
