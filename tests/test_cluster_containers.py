@@ -15,6 +15,7 @@ from hetflow.cluster import docker_backend as dk
 from hetflow.cluster import kubernetes_backend as k8s
 from hetflow.cluster.containers import lines_to_file
 from hetflow.cluster.layout import plan_cluster, run_slug
+from hetflow.paths import RunPaths
 from hetflow.spec import SpecError, parse_spec
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -127,12 +128,13 @@ def test_a_replica_container_runs_unprivileged_on_a_read_only_root_and_sees_the_
 
     spec = parse_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2})
     layout = dk.plan(spec, RUN_ID)
-    record = RUN_DIR / "spec.json"
-    config = dk.container_config(layout, layout.replicas[0], spec, HOME, RUN_DIR, "65534:65534", 0.0, [record])
+    config = dk.container_config(layout, layout.replicas[0], spec, HOME, RUN_DIR, "65534:65534", 0.0)
     assert config["cap_drop"] == ["ALL"] and config["security_opt"] == ["no-new-privileges"]
     assert config["read_only"] is True and "/tmp" in config["tmpfs"] and config["pids_limit"] == containers.PIDS_LIMIT
-    assert config["volumes"][str(record)] == {"bind": str(record), "mode": "ro"}
-    assert config["volumes"][str(RUN_DIR)] == {"bind": str(RUN_DIR), "mode": "rw"}
+    # The run directory, its records included, read-only as a whole; only the output folder writable.
+    output = str(RunPaths(RUN_DIR).output)
+    assert config["volumes"][str(RUN_DIR)] == {"bind": str(RUN_DIR), "mode": "ro"}
+    assert config["volumes"][output] == {"bind": output, "mode": "rw"}
     monkeypatch.setattr(containers.os, "geteuid", lambda: 0)
     assert containers.container_user() == "65534:65534"  # never root, even where the supervisor is
 

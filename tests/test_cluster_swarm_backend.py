@@ -68,7 +68,9 @@ def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_
     assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
     assert config["labels"]["hetflow.run"] == run_slug(layout.run_id) and config["labels"]["hetflow.role"] == "worker"
     mounts = {m["Target"]: m.get("ReadOnly", False) for m in config["mounts"]}
-    assert mounts["/srv/h/runs/r"] is False and mounts["/srv/h/data"] is True
+    # The run directory read-only as a whole, only the replicas' output folder writable; no data is
+    # shown before dataset.json names the run's own (tests/test_security_data_view.py).
+    assert mounts == {"/srv/h/runs/r": True, "/srv/h/runs/r/replica_output": False, "/tmp": False}
     # Hardened as its docker container is (seen on a real node in test_a_replica_service_is_hardened_...).
     assert config["cap_drop"] == ["ALL"] and config["read_only"] is True
     assert config["command"][:2] == ["setpriv", "--no-new-privs"]

@@ -128,6 +128,7 @@ def test_a_stage_that_starts_removes_its_own_and_later_records(prepared_run, hom
     from hetflow.tasks.summarize import summarize
 
     paths = run_paths("rerun")
+    paths.output.mkdir()  # as provisioning makes it
     # An earlier attempt got further: its records of later stages, with their receipts, are there.
     for stage, record in (("train", paths.training), ("evaluate", paths.evaluation)):
         record.write_text(json.dumps({"test_accuracy": 0.97, "train_seconds": 12.0}))
@@ -224,6 +225,7 @@ def test_later_stages_refuse_a_training_record_linked_out_of_the_run_directory(p
     paths.cluster.write_text(json.dumps({"replicas": []}))
     for stage in ("provision_cluster", "train"):
         paths.attempt(stage).write_text(json.dumps({"stage": stage, "run_id": "rerun", "id": stage}))
+    paths.output.mkdir()  # as provisioning makes it
     paths.training.symlink_to(secret)
     refused = f"{paths.training} is a symbolic link: refused (the pipeline reads regular files only)"
     for stage in (summarize, compress):

@@ -210,7 +210,7 @@ def test_a_worse_candidate_that_read_the_champion_first_does_not_take_it_from_a_
 
 def _write_run_records(paths, chosen_tflite: str | None) -> None:
     """What the stages before register leave, as far as register reads before it touches MLflow."""
-    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.output.mkdir(parents=True, exist_ok=True)
     for path in (paths.training, paths.evaluation, paths.compression):
         path.write_text("{}")
     paths.export.write_text(json.dumps({"chosen_tflite": chosen_tflite}))

@@ -109,7 +109,7 @@ def _trained_run(tmp_path, **values):
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
     spec = RunSpec.from_values({"seed": 1, "target_sparsity": 0.8, "export_formats": ["tflite"], **values})
     paths = RunPaths(tmp_path / "run")
-    paths.root.mkdir()
+    paths.output.mkdir(parents=True)  # as provisioning makes it: the replicas' weights go there
     model = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
     compile_model(model, tf.keras.optimizers.Adam(spec.training.learning_rate))
     steps = steps_per_epoch(spec, dataset)
