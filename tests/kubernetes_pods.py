@@ -122,7 +122,6 @@ def _specs():
     }
 
 
-
 def _pod_specs(spec) -> dict[str, dict]:
     """Every pod spec the backend renders for the spec: one per replica and the TFJob's templates."""
     layout = k8s.plan(spec, RUN_ID)
