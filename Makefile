@@ -17,10 +17,12 @@ $(INSTALLED): requirements.lock pyproject.toml
 
 setup: $(INSTALLED)
 
-## the sandbox of local replicas and model servers (hetflow/sandbox.py): Debian's bubblewrap; setpriv drops root
+## the sandbox of local replicas and model servers (hetflow/sandbox.py): Debian's bubblewrap; setpriv drops root;
+## the container tools' default seccomp profile (hetflow/seccomp.py), as Debian's golang-github-containers-common ships it
 sandbox:
-	@command -v bwrap >/dev/null && command -v setpriv >/dev/null || { $(SUDO) apt-get update -qq && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap util-linux; }
+	@command -v bwrap >/dev/null && command -v setpriv >/dev/null && [ -f /usr/share/containers/seccomp.json ] || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		bubblewrap util-linux golang-github-containers-common; }
 
 # make run's job: a real cluster of two sync workers (local processes) on the embedded data.
 RUN_SPEC ?= --set strategy=multi_worker_mirrored --set workers=2

@@ -13,7 +13,7 @@ HETFLOW_HOME beyond what it is shown. It dies with the process that started it
 Started by root, the command first drops to an unprivileged uid (``setpriv``): each run's replicas
 to a uid of their own (``run_owner``), so that no other run's process and no host user's can
 signal, trace or write them or their files; other sandboxes (a model server) to ``SANDBOX_UID``.
-It holds no supplementary group, loads Docker's default seccomp profile (``hetflow.seccomp``:
+It holds no supplementary group, loads the container tools' default seccomp profile (``hetflow.seccomp``:
 no ``unshare``, ``setns``, ``mount``, ``keyctl``, ``bpf``, ...) and may make no user namespace
 (``--disable-userns``). A user namespace made
 by root maps its sandbox uid to root outside, which the kernel still treats as root (such a

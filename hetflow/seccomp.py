@@ -1,26 +1,31 @@
-"""The system calls a sandboxed process may make: Docker's default seccomp profile, unchanged
-(``seccomp_default.json``: moby/profiles' ``seccomp/default.json`` at commit 3c28324, 2026-05-06,
-Apache-2.0), compiled with libseccomp into the BPF program that bubblewrap's ``--seccomp`` loads.
+"""The system calls a sandboxed process may make: the default seccomp profile of the container
+tools, as Debian ships it (``/usr/share/containers/seccomp.json``, package
+golang-github-containers-common: containers/common's profile, Docker's default kept for podman and
+its kin, in Docker's format), compiled with libseccomp into the BPF program that bubblewrap's
+``--seccomp`` loads.
 
 A well-kept profile rather than a list of our own: it refuses what containers never need and what
 kernel exploits reach for (``unshare``, ``setns``, ``mount``, ``keyctl``, ``bpf``, ``userfaultfd``,
-``io_uring``, clone with namespace flags, ...), and allows what TensorFlow and MLflow's server use.
-Its rules are read as moby reads them (``setupSeccomp``) for this machine's architecture and a
-process holding no capability, the state of every sandboxed process; conditions on one argument
-become one rule each, as runc adds them. To update: copy a newer ``default.json`` over it.
+``io_uring``, clone with namespace flags, ...), and allows what TensorFlow and MLflow's server use;
+a system call it does not name gets ENOSYS, as newer ones should. Its rules are read as moby reads
+them (``setupSeccomp``) for this machine's architecture and a process holding no capability, the
+state of every sandboxed process; conditions on one argument become one rule each, as runc adds them.
+``make sandbox`` installs it; Debian's updates keep it current.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import json
 import os
 import platform
 from pathlib import Path
 
-PROFILE = Path(__file__).with_name("seccomp_default.json")
+PROFILE = Path("/usr/share/containers/seccomp.json")
+PROFILE_PACKAGE = "golang-github-containers-common"
 
 # This machine as the profile names it (Go's architecture names) and as libseccomp does.
 _ARCHITECTURES = {"x86_64": ("amd64", "SCMP_ARCH_X86_64"), "aarch64": ("arm64", "SCMP_ARCH_AARCH64")}
@@ -97,7 +102,8 @@ def _add(lib, context, rule: dict, action: int) -> None:
                 *(_Condition(c["index"], _OPERATORS[c["op"]], c["value"], c.get("valueTwo", 0)) for c in conditions)
             )
             failed = lib.seccomp_rule_add_array(context, action, number, len(conditions), array)
-            if failed:
+            # -EEXIST: a rule the profile states twice (its socket rules do) is in already.
+            if failed and failed != -errno.EEXIST:
                 raise SeccompUnavailable(f"libseccomp refused the profile's rule for {name}: {os.strerror(-failed)}")
 
 
@@ -116,7 +122,10 @@ def program() -> bytes:
     if machine not in _ARCHITECTURES:
         raise SeccompUnavailable(f"the seccomp profile is not compiled for this machine ({machine})")
     arch, native = _ARCHITECTURES[machine]
-    profile = json.loads(PROFILE.read_text())
+    try:
+        profile = json.loads(PROFILE.read_text())
+    except FileNotFoundError:
+        raise SeccompUnavailable(f"no seccomp profile at {PROFILE} (Debian's {PROFILE_PACKAGE})") from None
     lib = _libseccomp()
     context = lib.seccomp_init(_action({"action": profile["defaultAction"]}, profile))
     if not context:

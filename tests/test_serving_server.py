@@ -285,7 +285,7 @@ def test_the_served_copy_of_a_version_is_not_readable_by_other_local_users(hetfl
     import os
     import stat
 
-    from hetflow.registry.store import EXPERIMENT
+    from hetflow.registry.store import ensure_experiment
     from hetflow.serving.server import ModelServer
     from mlflow import MlflowClient
 
@@ -294,10 +294,7 @@ def test_the_served_copy_of_a_version_is_not_readable_by_other_local_users(hetfl
     (model / "MLmodel").write_text("flavors:\n  python_function:\n    loader_module: mlflow.pyfunc.model\n")
     (model / "weights.bin").write_bytes(b"the registry's weights")
     client = MlflowClient()
-    experiment = client.get_experiment_by_name(EXPERIMENT) or client.get_experiment(
-        client.create_experiment(EXPERIMENT)
-    )
-    run_id = client.create_run(experiment.experiment_id).info.run_id
+    run_id = client.create_run(ensure_experiment(client)).info.run_id  # artifacts beside the test's store
     client.log_artifacts(run_id, str(model), "model")
     client.create_registered_model("served-copy")
     version = client.create_model_version("served-copy", f"runs:/{run_id}/model", run_id=run_id).version
