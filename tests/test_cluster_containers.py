@@ -135,8 +135,28 @@ def test_a_replica_container_runs_unprivileged_on_a_read_only_root_and_sees_the_
     output = str(RunPaths(RUN_DIR).output)
     assert config["volumes"][str(RUN_DIR)] == {"bind": str(RUN_DIR), "mode": "ro"}
     assert config["volumes"][output] == {"bind": output, "mode": "rw"}
+    # Never root, even where the supervisor is: a uid of the run's own, not nobody's, another run's
+    # another's.
     monkeypatch.setattr(containers.os, "geteuid", lambda: 0)
-    assert containers.container_user() == "65534:65534"  # never root, even where the supervisor is
+    users = {containers.container_user(RUN_DIR), containers.container_user(RUN_DIR.with_name("other-run"))}
+    assert len(users) == 2 and "65534:65534" not in users and not any(user.startswith("0:") for user in users)
+
+
+def test_container_replicas_own_their_output_folder_under_their_runs_uid_and_nothing_else(tmp_path):
+    """Where root provisions, a container run's output folder is handed to the uid its containers
+    run as (the run's own), and the run directory stays root's."""
+    import os
+
+    from hetflow.cluster import containers
+
+    if os.geteuid() != 0:
+        pytest.skip("hands folders over only where root provisions")
+    paths = RunPaths(tmp_path / "run")
+    paths.root.mkdir()
+    containers.prepare_run_dir(paths)
+    uid, gid = map(int, containers.container_user(paths.root).split(":"))
+    assert (paths.output.stat().st_uid, paths.output.stat().st_gid) == (uid, gid) != (65534, 65534)
+    assert paths.root.stat().st_uid == 0
 
 
 def test_log_chunks_become_lines_and_the_log_file(tmp_path):

@@ -312,7 +312,7 @@ def test_a_container_sees_its_supervisor_go_through_a_read_only_mount_as_an_unpr
         container = docker_client.containers.run(
             IMAGE,
             entrypoint=["python", "-c", watch, str(run_dir), watched],
-            user=container_user(),
+            user=container_user(run_dir),
             volumes={str(run_dir / "replicas"): {"bind": str(run_dir / "replicas"), "mode": "ro"}},
             cap_drop=["ALL"],
             read_only=True,

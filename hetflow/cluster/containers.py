@@ -64,22 +64,24 @@ def replica_spec(spec: RunSpec, replica: Replica) -> ReplicaSpec:
     )
 
 
-def container_user() -> str:
-    """``uid:gid`` a container replica runs as: the supervisor's own, so that what it writes is the
-    reader's; where the supervisor is root, the sandbox's unprivileged uid (``hetflow.sandbox``)."""
+def container_user(run_dir: Path) -> str:
+    """``uid:gid`` the container replicas of the run in ``run_dir`` run as: the supervisor's own, so
+    that what they write is the reader's; where the supervisor is root, the run's own unprivileged uid
+    (``sandbox.run_owner``, as its local replicas would have), so that no other run's replicas and no
+    host process running as ``nobody`` own its files."""
     if os.geteuid() == 0:
-        return f"{sandbox.SANDBOX_UID}:{sandbox.SANDBOX_GID}"
+        return "{}:{}".format(*sandbox.run_owner(run_dir))
     return f"{os.getuid()}:{os.getgid()}"
 
 
-def prepare_run_dir(paths: RunPaths, owner: tuple[int, int] = sandbox.SANDBOX_OWNER) -> None:
+def prepare_run_dir(paths: RunPaths, owner: tuple[int, int] | None = None) -> None:
     """Before container replicas start: remove what an earlier try's replicas planted in their output
     folder, make the folders their mounts need (an engine would make a missing one as root), and hand
-    the output folder to their uid and gid (``owner``)."""
+    the output folder to their uid and gid (``owner``; the run's own by default)."""
     remove_what_replicas_planted(paths.root)
     for directory in provisioned_directories(paths):
         directory.mkdir(parents=True, exist_ok=True)
-    hand_over_writable(paths, owner)
+    hand_over_writable(paths, owner or sandbox.run_owner(paths.root))
 
 
 def replica_environment(layout: ClusterLayout, replica: Replica, home: Path, launched_at: float) -> dict[str, str]:

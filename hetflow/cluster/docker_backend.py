@@ -189,7 +189,7 @@ class DockerReplicas:
                 self.spec,
                 hetflow_home(),
                 self.run_dir,
-                container_user(),
+                container_user(self.run_dir),
                 launched_at,
             )
             try:  # a restart: the container that exited gives way to a new one of the same name

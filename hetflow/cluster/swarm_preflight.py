@@ -68,7 +68,7 @@ def check_nodes(client, spec: RunSpec, run_id: str, nodes: list[dict], home: Pat
                 read_only=True,
                 name=f"hetflow-check-{token}-{node['ID'][:12]}",
                 labels=labels,
-                user=container_user(),
+                user=container_user(run_paths(run_id).root),
                 # The marker's folder alone: as the replicas, the check sees only what it is shown.
                 mounts=[Mount(str(marker.parent), str(marker.parent), type="bind", read_only=True)],
                 restart_policy=RestartPolicy(condition="none"),

@@ -188,7 +188,7 @@ class SwarmReplicas:
                 self.spec,
                 hetflow_home(),
                 self.run_dir,
-                container_user(),
+                container_user(self.run_dir),
                 launched_at,
             )
             try:  # a restart: the service whose task ended gives way to a new one of the same name
