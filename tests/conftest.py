@@ -120,6 +120,25 @@ def run_sandboxed(box, argv: list[str], timeout: float = 60) -> subprocess.Compl
         box.close()
 
 
+def run_sandboxed_around(box, argv: list[str], meanwhile, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``argv`` run in ``box`` until it prints ``ready ok``; then ``meanwhile()`` runs (what the
+    pipeline writes while a replica lives) and the process goes on once sent a line; its whole output
+    captured, the box closed."""
+    try:
+        process = subprocess.Popen(
+            box.command(argv), pass_fds=box.fds, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        before = []
+        while (line := process.stdout.readline()) not in ("", "ready ok\n"):  # "": it ended early
+            before.append(line)
+        meanwhile()
+        out, err = process.communicate("go\n", timeout=timeout)
+    finally:
+        box.close()
+    return subprocess.CompletedProcess(argv, process.returncode, "".join([*before, out]), err)
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 
 import pytest
-from conftest import ATTEMPT
+from conftest import ATTEMPT, run_sandboxed_around
 
 from hetflow.paths import create_run_dir, write_record
 
@@ -98,25 +97,13 @@ def test_a_replica_writes_its_output_folder_and_nothing_else_of_its_run_director
     output = paths.training.parent
     view = file_view(spec, paths.root)
     box = sandbox.Sandbox(view["read_write"], view["read_only"], view["hidden"])  # a replica's, less its network
-    try:
-        targets = json.dumps([str(paths.root), str(output), str(paths.checkpoints)])
-        hostile = subprocess.Popen(
-            box.command([sys.executable, "-c", _HOSTILE, targets]),
-            pass_fds=box.fds,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        lines = []
-        while (line := hostile.stdout.readline()) not in ("", "ready ok\n"):  # "": it ended early
-            lines.append(line)
-        write_record(paths.evaluation, {"accuracy": 0.9})  # evaluate's rename, while the replica runs
-        out, err = hostile.communicate("go\n", timeout=60)
-    finally:
-        box.close()
-    assert hostile.returncode == 0, err
-    outcome = dict(_outcome(line) for line in "".join([*lines, out]).splitlines())
+    targets = json.dumps([str(paths.root), str(output), str(paths.checkpoints)])
+    # Meanwhile evaluate renames its record in.
+    hostile = run_sandboxed_around(
+        box, [sys.executable, "-c", _HOSTILE, targets], lambda: write_record(paths.evaluation, {"accuracy": 0.9})
+    )
+    assert hostile.returncode == 0, hostile.stderr
+    outcome = dict(_outcome(line) for line in hostile.stdout.splitlines())
     assert {label: outcome[label] for label in _REFUSED if outcome[label] == "ok"} == {}
     for written in ("write training.json", "write model.weights.h5", "write checkpoint"):
         assert outcome[written] == "ok", f"{written}: {outcome[written]}"

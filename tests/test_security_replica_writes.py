@@ -9,13 +9,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import threading
 
 import pytest
-from conftest import ATTEMPT
+from conftest import ATTEMPT, run_sandboxed_around
 
 from hetflow.paths import NotRegularFile, RunPaths, create_run_dir, write_record
 
@@ -62,20 +61,12 @@ def test_a_replica_can_neither_make_a_run_auto_nor_touch_what_the_pipeline_rewri
     targets = {"root": str(paths.output), **records}  # "root": where it may write
     view = file_view(spec, paths.root)
     box = sandbox.Sandbox(view["read_write"], view["read_only"], view["hidden"])  # a replica's, less its network
-    try:
-        command = box.command([sys.executable, "-c", _HOSTILE, json.dumps(targets)])
-        hostile = subprocess.Popen(
-            command, pass_fds=box.fds, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        lines = []
-        while (line := hostile.stdout.readline()) not in ("", "ready ok\n"):  # "": it ended early
-            lines.append(line)
-        write_record(paths.restarts, [restart])  # the supervisor's rename, while the replica runs
-        out, err = hostile.communicate("go\n", timeout=60)
-    finally:
-        box.close()
-    assert hostile.returncode == 0, err
-    seen = dict(line.split(" ", 1) for line in "".join([*lines, out]).splitlines())
+    # Meanwhile the supervisor renames a new restarts.json into place.
+    hostile = run_sandboxed_around(
+        box, [sys.executable, "-c", _HOSTILE, json.dumps(targets)], lambda: write_record(paths.restarts, [restart])
+    )
+    assert hostile.returncode == 0, hostile.stderr
+    seen = dict(line.split(" ", 1) for line in hostile.stdout.splitlines())
     attacks = ("create-requested", "create-nodes", "plant-restarts", "rewrite-restarts", "swap-restarts")
     for attack in (*attacks, "remove-restarts"):
         assert seen[attack] != "ok", f"{attack}: {seen[attack]}"
