@@ -14,6 +14,7 @@ import json
 
 from airflow.api_fastapi.app import get_auth_manager
 from airflow.api_fastapi.auth.managers.base_auth_manager import COOKIE_NAME_JWT_TOKEN
+from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity, DagDetails
 from airflow.configuration import conf
 from airflow.plugins_manager import AirflowPlugin
 from jwt import InvalidTokenError
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse
 from hetflow.spec import SpecError, parse_spec
 
 TRIGGER_PATHS = {"/api/v2/dags/hetflow_train/dagRuns"}
+DAG_ID = "hetflow_train"
 
 
 def conf_problems(body: bytes) -> list[str]:
@@ -46,13 +48,15 @@ class SpecCheckMiddleware:
 
     def __init__(self, app):
         self.app = app
-        # Without login everyone may trigger; with it, a caller must be known before its body is
-        # read, and an unknown one gets Airflow's own 401 or 403: hetflow's messages name paths.
+        # Without login everyone may trigger; with it, a caller must be known and allowed to trigger
+        # before its body is read, and any other gets Airflow's own 401 or 403: hetflow's messages
+        # name paths.
         self.open_access = conf.getboolean("core", "simple_auth_manager_all_admins", fallback=False)
 
-    async def _known_or_open(self, scope) -> bool:
+    async def _may_trigger(self, scope) -> bool:
         """Whether login is off, or the request carries a token Airflow's auth manager accepts (a
-        bearer header, else the UI's cookie: the precedence of Airflow's own get_user)."""
+        bearer header, else the UI's cookie: the precedence of Airflow's own get_user) of a user it
+        lets trigger the DAG (the check Airflow's trigger endpoint makes)."""
         if self.open_access:
             return True
         request = Request(scope)
@@ -60,17 +64,20 @@ class SpecCheckMiddleware:
         token = credentials if scheme.lower() == "bearer" else request.cookies.get(COOKIE_NAME_JWT_TOKEN)
         if not token:
             return False
+        auth_manager = get_auth_manager()
         try:
-            await get_auth_manager().get_user_from_token(token)
+            user = await auth_manager.get_user_from_token(token)
         except InvalidTokenError:  # forged or expired: Airflow refuses it itself
             return False
-        return True
+        return auth_manager.is_authorized_dag(
+            method="POST", access_entity=DagAccessEntity.RUN, details=DagDetails(id=DAG_ID), user=user
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in TRIGGER_PATHS:
             await self.app(scope, receive, send)
             return
-        if not await self._known_or_open(scope):
+        if not await self._may_trigger(scope):
             await self.app(scope, receive, send)
             return
         body, more = b"", True

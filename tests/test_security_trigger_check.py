@@ -82,3 +82,14 @@ def test_a_logged_in_caller_gets_hetflows_lines(middleware):
     status, body, body_read = _post(middleware, [(b"authorization", f"Bearer {token}".encode())])
     assert (status, body_read) == (400, True)
     assert json.loads(body)["detail"].startswith("invalid spec: data_dir=/etc/secret-place is invalid")
+
+
+def test_a_logged_in_caller_who_may_not_trigger_gets_airflows_answer_and_no_path(middleware):
+    """A viewer is logged in but may not trigger the DAG: its body is not read either."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    token = get_auth_manager().generate_jwt(SimpleAuthManagerUser(username="reader", role="viewer"))
+    status, body, body_read = _post(middleware, [(b"authorization", f"Bearer {token}".encode())])
+    assert (status, body_read) == (401, False)  # what the stand-in for Airflow answers
+    assert "/etc" not in body and "data_dir" not in body
