@@ -26,6 +26,7 @@ from hetflow.cluster.swarm_replicas import (
     service_config,
     task_state,
 )
+from hetflow.paths import RunPaths
 from hetflow.spec import SpecError, parse_spec
 
 PREFIX = "hetflow-swarm-test"
@@ -256,7 +257,7 @@ def test_a_replica_service_is_hardened_as_its_container(swarm):
     bounded process count. (Its node can still connect to its port on the internal overlay.)"""
     spec, home = sync_spec(), Path(swarm["env"]["HETFLOW_HOME"])
     layout, run_dir = plan(spec, "hardened-run"), home / "runs" / "hardened-run"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    RunPaths(run_dir).output.mkdir(parents=True, exist_ok=True)  # as provisioning makes it: the service mounts it
     client = swarm["client"]
     client.networks.create(**network_config(layout.run_id, run_dir, encrypted=False))
     config = service_config(layout, layout.replicas[0], spec, home, run_dir, "65534:65534", 0.0)
@@ -313,11 +314,9 @@ def _kill_node_when(docker_client, run_dir_of, log_line: str, killed: list) -> N
 
     def ready():
         run_dir = run_dir_of()
-        if run_dir is None or not (run_dir / "nodes.json").exists():
+        if run_dir is None or not RunPaths(run_dir).nodes.exists():
             return None
-        on_node_2 = [
-            name for name, node in json.loads((run_dir / "nodes.json").read_text()).items() if node == "node-2"
-        ]
+        on_node_2 = [name for name, node in json.loads(RunPaths(run_dir).nodes.read_text()).items() if node == "node-2"]
         log = run_dir / "logs" / f"{on_node_2[0]}.log" if on_node_2 else None
         return log is not None and log.exists() and log_line in log.read_text() and on_node_2[0]
 
@@ -377,7 +376,7 @@ def test_a_node_killed_mid_run_fails_it_naming_the_node_or_places_its_replicas_a
             [restart] = summary["restarts"]
             assert restart["replica"] == victim and restart["action"] == "restarted every replica"
             assert restart["cause"].startswith(f"killed by SIGKILL (its node {node} went down)")
-            assert set(json.loads((Path(summary["run_dir"]) / "nodes.json").read_text()).values()) == {"node-1"}
+            assert set(json.loads(RunPaths(Path(summary["run_dir"])).nodes.read_text()).values()) == {"node-1"}
         assert _run_objects(swarm["client"], summary["run_id"]) == []  # nothing of the run on any node
     finally:
         for name, _ in killed:
