@@ -95,8 +95,8 @@ def compose(docker_client, tmp_path):
         run("down", "--remove-orphans", "--volumes", timeout=300)
 
 
-@pytest.fixture(scope="module")
-def browser(compose):
+@pytest.fixture
+def browser(compose):  # of the test's compose project, as its stack is
     from ui_stack import MlflowLogin
 
     for opened in chromium():
