@@ -20,7 +20,7 @@ def train(env, *sets: str) -> tuple[dict, Path]:
     done = hetflow(env, *args)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     record_path = Path(done.stdout.strip().splitlines()[-1])
-    return json.loads(record_path.read_text()), record_path.parent
+    return json.loads(record_path.read_text()), record_path.parents[1]  # training.json is in replica_output/
 
 
 def model_weights(run_dir: Path) -> list[np.ndarray]:
