@@ -1,6 +1,6 @@
 """What a replica writes is data, and the pipeline's own records are out of its reach: a hostile
 process in a replica's sandbox tries to rewrite cluster.json, dataset.json and its keeper's pid
-file, and plants links and a fifo where later stages read and write; the run keeps its records, the
+file, and plants links and a fifo where stages read and write; the run keeps its records, the
 supervisor's detach removes what was planted (each named in a warning), and uploads to MLflow take
 regular files only. Real replicas, real sandboxes, a real MLflow store."""
 
@@ -37,7 +37,8 @@ _HOSTILE = ATTEMPT + textwrap.dedent(
     attempt("plant-plot", lambda: os.symlink(paths["secret"], paths["plot"]))
     attempt("plant-training", lambda: os.symlink(paths["secret"], paths["training"]))
     attempt("plant-evaluation", lambda: os.symlink(paths["victim"], paths["evaluation"]))
-    attempt("plant-fifo", lambda: os.mkfifo(paths["summary"]))
+    attempt("plant-summary", lambda: os.mkfifo(paths["summary"]))
+    attempt("plant-fifo", lambda: os.mkfifo(paths["plan"]))
     """
 )
 
@@ -68,6 +69,7 @@ def test_a_replica_that_plants_links_and_rewrites_records_steers_nothing(provisi
         "log": str(paths.logs / "planted.log"),
         "plot": str(paths.plots / "planted.png"),
         "training": str(paths.training),
+        "plan": str(paths.plan),
         "evaluation": str(paths.evaluation),
         "summary": str(paths.summary),
     }
@@ -80,12 +82,13 @@ def test_a_replica_that_plants_links_and_rewrites_records_steers_nothing(provisi
         box.close()
     assert done.returncode == 0, done.stderr
     seen = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    for attack in ("rewrite-cluster", "swap-cluster", "swap-dataset", "rewrite-pid", "plant-log", "plant-plot"):
+    refused = ("rewrite-cluster", "swap-cluster", "swap-dataset", "rewrite-pid", "plant-log", "plant-plot")
+    for attack in (*refused, "plant-evaluation", "plant-summary"):
         assert seen[attack] != "ok", f"{attack}: {seen[attack]}"
     assert {path: path.read_bytes() for path in records} == records  # the pipeline's records are whole
-    # What it could plant (its run directory is where it writes): links and a fifo at the names of
-    # records it or later stages write.
-    assert seen["plant-training"] == seen["plant-evaluation"] == seen["plant-fifo"] == "ok"
+    # What it could plant (its output folder is where it writes): a link and a fifo at the names of
+    # records it writes and the pipeline reads.
+    assert seen["plant-training"] == seen["plant-fifo"] == "ok"
 
     # The supervisor's detach (the train task's end) removes them, naming each.
     layout = ClusterLayout.from_dict(json.loads(paths.cluster.read_text()))
@@ -93,7 +96,7 @@ def test_a_replica_that_plants_links_and_rewrites_records_steers_nothing(provisi
     supervisor.attach()
     with caplog.at_level(logging.WARNING, logger="hetflow.cluster"):
         supervisor.detach()
-    for planted in (paths.training, paths.evaluation, paths.summary):
+    for planted in (paths.training, paths.plan):
         assert not os.path.lexists(planted)
         assert f"removed {planted}, which a replica left" in caplog.text
     assert run_replicas(run_id) == {}  # detach stopped the run
