@@ -7,6 +7,7 @@ folder. Real runs, real replicas; the attacks are processes with run A's uid."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -53,22 +54,24 @@ def test_a_replica_of_one_run_cannot_signal_trace_enter_or_write_another_run(pro
     uid_a, uid_b = _uid(replica_a), _uid(replica_b)
     assert (uid_a, uid_b) == (sandbox.run_owner(paths_a.root)[0], sandbox.run_owner(paths_b.root)[0])
     assert uid_a != uid_b and sandbox.SANDBOX_UID not in (uid_a, uid_b)
-    for paths, uid in ((paths_a, uid_a), (paths_b, uid_b)):
-        assert (paths.root.stat().st_uid, paths.root.stat().st_gid) == (uid, uid)
+    for paths, uid in ((paths_a, uid_a), (paths_b, uid_b)):  # what a run's replicas write is their uid's
+        assert (paths.output.stat().st_uid, paths.output.stat().st_gid) == (uid, uid)
         assert (paths.checkpoints.stat().st_uid, paths.checkpoints.stat().st_gid) == (uid, uid)
+        assert paths.root.stat().st_uid == os.geteuid()  # the rest the pipeline's
     holder_b = json.loads(netns.record_path(paths_b.root).read_text())["pid"]
     assert _uid(holder_b) == uid_b
 
-    # Inside run A's sandbox, shown run B's folder (as if a view let it through): it cannot write there.
-    box = sandbox.Sandbox(read_write=[str(paths_b.root)], owner=sandbox.run_owner(paths_a.root))
-    probe = ATTEMPT + f"attempt('write-run', lambda: open({str(paths_b.root / 'planted.json')!r}, 'w').write('{{}}'))"
+    # Inside run A's sandbox, shown run B's output folder (as if a view let it through): it cannot write there.
+    box = sandbox.Sandbox(read_write=[str(paths_b.output)], owner=sandbox.run_owner(paths_a.root))
+    planted = paths_b.output / "planted.json"
+    probe = ATTEMPT + f"attempt('write-run', lambda: open({str(planted)!r}, 'w').write('{{}}'))"
     done = run_sandboxed(box, [sys.executable, "-c", probe])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "write-run PermissionError 13"
 
     # Escaped from its namespaces with run A's credentials (no capability, no group): still nothing of B.
     as_a = ["setpriv", f"--reuid={uid_a}", f"--regid={uid_a}", "--clear-groups", "--inh-caps=-all", "--"]
-    target = {"replica": replica_b, "holder": holder_b, "run": str(paths_b.root)}
+    target = {"replica": replica_b, "holder": holder_b, "run": str(paths_b.output)}
     done = subprocess.run(
         [*as_a, "/usr/bin/python3", "-c", _ESCAPED, json.dumps(target)],
         cwd="/",
@@ -85,5 +88,5 @@ def test_a_replica_of_one_run_cannot_signal_trace_enter_or_write_another_run(pro
         "enter-network": "PermissionError 13",
         "write-run": "PermissionError 13",
     }
-    assert not (paths_b.root / "planted.json").exists()
+    assert not planted.exists()
     assert run_replicas(run_b)["worker-0"] == replica_b  # run B's replica runs on, untouched
