@@ -106,7 +106,7 @@ def test_a_hostile_process_in_a_replicas_sandbox_reaches_nothing_but_its_peers(p
         "peer_port": peer_port,
         "spec": str(paths.spec),
         "cluster": str(paths.cluster),
-        "forged": str(paths.root / "forged.json"),
+        "forged": str(paths.output / "forged.json"),
         "repo_file": str(Path(keeper.__file__).parent / "planted.py"),
         "home": os.path.expanduser("~"),
     }
@@ -129,7 +129,7 @@ def test_a_hostile_process_in_a_replicas_sandbox_reaches_nothing_but_its_peers(p
     assert _refused(seen["host-listener"])  # its network is the run's, not the host's
     assert seen["peer-replica"] == "ok", "the run's replicas must reach each other"
     assert _refused(seen["write-spec"]) and _refused(seen["replace-cluster"]) and _refused(seen["write-repo"])
-    assert seen["write-run"] == "ok"  # its own run directory is where it writes
+    assert seen["write-run"] == "ok"  # its run's output folder is where it writes
     assert json.loads(paths.cluster.read_text()) == cluster
     assert not Path(targets["repo_file"]).exists()
     host_init = Path("/proc/1/cmdline").read_bytes().split(b"\0")[0].decode()
