@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import REPO
@@ -34,7 +35,10 @@ def _post(middleware, headers: list[tuple[bytes, bytes]]) -> tuple[int, str, boo
             answer["body"] = answer.get("body", "") + message.get("body", b"").decode()
 
     scope = {"type": "http", "method": "POST", "path": TRIGGER, "headers": headers, "query_string": b""}
-    asyncio.run(middleware(scope, receive, send))
+    # A loop of its own, in a thread of its own: the UI tests' Playwright (session-scoped) keeps an
+    # event loop running in this thread, where asyncio.run refuses to start another.
+    with ThreadPoolExecutor(1) as thread:
+        thread.submit(asyncio.run, middleware(scope, receive, send)).result()
     return answer["status"], answer["body"], "middleware" in read_by
 
 
