@@ -8,10 +8,12 @@ ARG RUNTIME_IMAGE=hetflow-replica-runtime:0.1.0
 FROM ${RUNTIME_IMAGE}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONPATH=/opt/hetflow
 # The tasks run what others wrote (register's served check starts a registered model's server)
-# under bubblewrap, as on the host (hetflow/sandbox.py).
+# under bubblewrap, as on the host (hetflow/sandbox.py), with the container tools' seccomp profile
+# (hetflow/seccomp.py: /usr/share/containers/seccomp.json).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap \
+        golang-github-containers-common \
     && rm -rf /var/lib/apt/lists/*
 COPY requirements.lock /tmp/
 COPY wheelhouse /tmp/wheelhouse
