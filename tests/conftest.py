@@ -120,6 +120,25 @@ def run_sandboxed(box, argv: list[str], timeout: float = 60) -> subprocess.Compl
         box.close()
 
 
+def replica_sandbox(run_id: str, *folders: str):
+    """A 2-worker sync run's directory set up as provisioning leaves it (the spec, its folders and
+    ``folders`` besides, the output folder handed over) and a sandbox with a replica's view of it,
+    less its network: ``(paths, box)``."""
+    from hetflow import sandbox
+    from hetflow.cluster.local import file_view, hand_over_writable, provisioned_directories
+    from hetflow.paths import create_run_dir, write_record
+    from hetflow.spec import parse_spec
+
+    spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
+    paths = create_run_dir(run_id)
+    write_record(paths.spec, spec.model_dump(mode="json"))
+    for directory in [*provisioned_directories(paths), *(paths.root / folder for folder in folders)]:
+        directory.mkdir(parents=True, exist_ok=True)
+    hand_over_writable(paths)
+    view = file_view(spec, paths.root)
+    return paths, sandbox.Sandbox(view["read_write"], view["read_only"], view["hidden"])
+
+
 def run_sandboxed_around(box, argv: list[str], meanwhile, timeout: float = 60) -> subprocess.CompletedProcess:
     """``argv`` run in ``box`` until it prints ``ready ok``; then ``meanwhile()`` runs (what the
     pipeline writes while a replica lives) and the process goes on once sent a line; its whole output

@@ -12,9 +12,9 @@ import sys
 import textwrap
 
 import pytest
-from conftest import ATTEMPT, run_sandboxed_around
+from conftest import ATTEMPT, replica_sandbox, run_sandboxed_around
 
-from hetflow.paths import create_run_dir, write_record
+from hetflow.paths import write_record
 
 _HOSTILE = ATTEMPT + textwrap.dedent(
     """
@@ -82,21 +82,12 @@ def _outcome(line: str) -> tuple[str, str]:
 @pytest.mark.skipif(os.geteuid() != 0, reason="hands the output folder to the sandbox's uid as provisioning does")
 def test_a_replica_writes_its_output_folder_and_nothing_else_of_its_run_directory(hetflow_env):
     from hetflow import sandbox
-    from hetflow.cluster.local import file_view, hand_over_writable
-    from hetflow.spec import parse_spec
 
     if sandbox.unavailable():
         pytest.skip(sandbox.unavailable())
-    spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
-    paths = create_run_dir("test_output_folder")
-    write_record(paths.spec, spec.model_dump(mode="json"))
-    for folder in (paths.logs, paths.replicas, paths.root / "attempts", paths.plots):
-        folder.mkdir(parents=True, exist_ok=True)
-    hand_over_writable(paths)  # as provisioning does
+    paths, box = replica_sandbox("test_output_folder", "attempts", "plots")
     assert os.lstat(paths.root).st_uid == os.geteuid()  # the run directory stays the pipeline's
     output = paths.training.parent
-    view = file_view(spec, paths.root)
-    box = sandbox.Sandbox(view["read_write"], view["read_only"], view["hidden"])  # a replica's, less its network
     targets = json.dumps([str(paths.root), str(output), str(paths.checkpoints)])
     # Meanwhile evaluate renames its record in.
     hostile = run_sandboxed_around(

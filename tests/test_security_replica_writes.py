@@ -14,7 +14,7 @@ import textwrap
 import threading
 
 import pytest
-from conftest import ATTEMPT, run_sandboxed_around
+from conftest import ATTEMPT, replica_sandbox, run_sandboxed_around
 
 from hetflow.paths import NotRegularFile, RunPaths, create_run_dir, write_record
 
@@ -44,23 +44,14 @@ _HOSTILE = ATTEMPT + textwrap.dedent(
 @pytest.mark.skipif(os.geteuid() != 0, reason="hands the run directory to the sandbox's uid as provisioning does")
 def test_a_replica_can_neither_make_a_run_auto_nor_touch_what_the_pipeline_rewrites(hetflow_env):
     from hetflow import sandbox
-    from hetflow.cluster.local import file_view, hand_over_writable, provisioned_directories
     from hetflow.cluster.supervisor import read_restarts
-    from hetflow.spec import parse_spec
 
     if sandbox.unavailable():
         pytest.skip(sandbox.unavailable())
-    spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
-    paths = create_run_dir("test_replica_writes")
-    write_record(paths.spec, spec.model_dump(mode="json"))
-    for directory in provisioned_directories(paths):
-        directory.mkdir(parents=True, exist_ok=True)
-    hand_over_writable(paths)  # as provisioning does: the output folder is the replicas' to write
+    paths, box = replica_sandbox("test_replica_writes")  # the output folder is the replicas' to write
     restart = {"replica": "worker-1", "exit_code": 137, "cause": "killed by SIGKILL", "action": "restarted worker-1"}
     records = {k: str(getattr(paths, k)) for k in ("requested_spec", "nodes", "restarts")}
     targets = {"root": str(paths.output), **records}  # "root": where it may write
-    view = file_view(spec, paths.root)
-    box = sandbox.Sandbox(view["read_write"], view["read_only"], view["hidden"])  # a replica's, less its network
     # Meanwhile the supervisor renames a new restarts.json into place.
     hostile = run_sandboxed_around(
         box, [sys.executable, "-c", _HOSTILE, json.dumps(targets)], lambda: write_record(paths.restarts, [restart])
