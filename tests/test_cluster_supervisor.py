@@ -22,6 +22,7 @@ from hetflow.spec import parse_spec
 
 PS = parse_spec({"strategy": "parameter_server", "workers": 2, "ps": 1})
 SYNC = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
+STAGES = parse_spec({"strategy": "model_parallel", "workers": 2})
 
 
 def _layout(spec):
@@ -77,6 +78,12 @@ def test_restarts_whom_and_up_to_the_backoff_limit():
     # the killed worker took its peer down with an error: the killed one is the cause
     assert decide(sync, _states(sync, worker_0=1, worker_1=137), "on_failure", 1, 0).cause == "worker-1"
     assert decide(sync, _states(sync, worker_0=1, worker_1=2), "never", 1, 0).cause == "worker-0"
+    # a model_parallel stage held its layers' variables: the chief restarts with every stage
+    stages = _layout(STAGES)
+    assert [replica.name for replica in stages.replicas] == ["chief-0", "worker-0", "worker-1"]
+    lost = decide(stages, _states(stages, worker_1=-9), "on_failure", 1, 0)
+    assert (lost.outcome, lost.replicas, lost.cause) == ("restart", ("chief-0", "worker-0", "worker-1"), "worker-1")
+    assert decide(stages, _states(stages, chief_0=0), "never", 1, 0).replicas == ("worker-0", "worker-1")
 
 
 def test_where_the_engine_restarts_in_place_the_supervisor_only_counts():

@@ -64,6 +64,32 @@ def test_model_parallel_places_layer_groups_and_their_variables_on_different_dev
     assert record["history"]["val_accuracy"][-1] > record["history"]["val_accuracy"][0]
 
 
+def test_model_parallel_across_two_workers_pipelined_takes_the_one_device_steps(hetflow_env):
+    """Two stage replicas, three unequal micro-batches (11, 11, 10 of 32): the same weights as one
+    device stepping through the whole batch; each stage's variables and slots on its worker."""
+    same = ["optimizer=sgd", "learning_rate=0.1", "shuffle=false", "epochs=1", "steps_per_epoch=8", "batch_size=32"]
+    _, single = train(hetflow_env, "strategy=one_device", *same)
+    record, staged = train(hetflow_env, "strategy=model_parallel", "workers=2", "micro_batches=3", *same)
+    assert record["micro_batches"] == 3
+    single_weights, staged_weights = model_weights(single), model_weights(staged)
+    difference = max(float(np.max(np.abs(a - b))) for a, b in zip(single_weights, staged_weights))
+    assert difference <= 1e-5
+    from hetflow.models.architectures import build_model
+
+    initial = build_model("mlp", [8, 8, 1], 10, seed=42).get_weights()
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(single_weights, initial))
+    assert moved > 100 * difference and moved > 1e-3
+    # The MLP: 64 inputs -> dense 128 -> logits 10, float32.
+    workers = record["per_worker"]
+    assert workers["worker-0"]["layers"][-1].startswith("dense") and workers["worker-1"]["layers"] == ["logits"]
+    assert workers["worker-0"]["variable_bytes"] == 4 * (64 * 128 + 128)
+    assert workers["worker-1"]["variable_bytes"] == 4 * (128 * 10 + 10)
+    # Keras's SGD keeps a momentum slot per variable (even at momentum 0), beside its variable.
+    assert all(workers[name]["slot_bytes"] == workers[name]["variable_bytes"] for name in workers)
+    logits = next(entry for entry in record["layer_placement"] if entry["layer"] == "logits")
+    assert logits["variables"] == ["/job:worker/replica:0/task:1/device:CPU:0"]
+
+
 def test_parameter_server_shards_variables_measures_staleness_per_worker_and_communication(hetflow_env):
     record, _ = train(hetflow_env, "strategy=parameter_server", "workers=2", "ps=2", "epochs=2", "steps_per_epoch=300")
     from hetflow.models.architectures import build_model

@@ -32,6 +32,7 @@ def test_defaults_are_valid():
         {"strategy": "multi_worker_mirrored", "workers": 2, "devices_per_worker": 2, "batch_size": 64},
         {"strategy": "parameter_server", "workers": 2, "ps": 2},
         {"strategy": "model_parallel", "devices_per_worker": 2},
+        {"strategy": "model_parallel", "workers": 3, "micro_batches": 8, "batch_size": 8},
     ],
 )
 def test_valid_cluster_shapes(values):
@@ -68,7 +69,24 @@ def test_valid_cluster_shapes(values):
             {"strategy": "parameter_server", "ps": 1, "shuffle": False},
             "shuffle=false is invalid with strategy=parameter_server: expected true",
         ),
-        ({"strategy": "model_parallel"}, "devices_per_worker=1 is invalid with strategy=model_parallel: expected 2"),
+        (
+            {"strategy": "model_parallel"},
+            "devices_per_worker=1 is invalid with strategy=model_parallel and workers=1: expected 2 or more",
+        ),
+        (
+            {"strategy": "model_parallel", "workers": 2, "devices_per_worker": 2},
+            "devices_per_worker=2 is invalid with strategy=model_parallel and workers=2: expected 1",
+        ),
+        (
+            {"strategy": "model_parallel", "workers": 2, "worker_devices": [{"count": 1}, {"count": 2}]},
+            "devices_per_worker=2 is invalid with strategy=model_parallel and workers=2: expected 1",
+        ),
+        (
+            {"strategy": "model_parallel", "workers": 2, "micro_batches": 9, "batch_size": 8},
+            "micro_batches=9 is invalid with batch_size=8: expected at most 8",
+        ),
+        ({"micro_batches": 8}, "micro_batches=8 is invalid with strategy=one_device: expected 4, the default"),
+        ({"micro_batches": 0}, "micro_batches=0 is invalid: expected an integer >= 1 and <= 64"),
         ({"devices_per_worker": 2}, "devices_per_worker=2 is invalid with strategy=one_device: expected 1"),
         ({"backend": "slurm"}, 'backend="slurm" is invalid: expected one of local'),
         ({"model": "resnet"}, 'model="resnet" is invalid: expected one of mlp, cnn, convnet'),

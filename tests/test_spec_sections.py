@@ -61,6 +61,7 @@ PATHS = {
     "export_formats": ("export.formats", ["tflite"]),
     "registered_model": ("registry.model_name", "other-model"),
     "min_improvement": ("registry.min_improvement", 0.01),
+    "micro_batches": ("cluster.micro_batches", 8),
 }
 
 
@@ -133,7 +134,8 @@ def test_a_flat_and_a_nested_spec_json_load_alike(tmp_path):
     assert json.loads(nested_text)["cluster"]["worker"]["replicas"] == 2  # written in sections
     assert RunSpec.from_json(nested_text) == flat
     assert flat.cluster.worker.each[1].slowdown == 2.0 and flat.cluster.resources.cpus == 1.5
-    assert flat.flat(mode="json") == FLAT_RECORD  # MLflow params: the same names and values as before
+    # MLflow params: the same names and values as before, and a key added since at its default
+    assert flat.flat(mode="json") == {**FLAT_RECORD, "micro_batches": 4}
 
 
 def test_the_training_key_is_the_one_recorded_before_the_sections():
@@ -148,6 +150,10 @@ def test_the_training_key_is_the_one_recorded_before_the_sections():
     assert (
         training_key(RunSpec.from_values(FLAT_RECORD), "cd" * 32)
         == "04b32342542206b4f193f4faff0467112e9f8937f4b637dd9a3029beb729538b"
+    )
+    staged = {"strategy": "model_parallel", "workers": 2}
+    assert training_key(parse_spec(staged), "0" * 64) != training_key(
+        parse_spec({**staged, "micro_batches": 8}), "0" * 64
     )
 
 

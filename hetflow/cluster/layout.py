@@ -70,9 +70,10 @@ def replica_roles(spec: RunSpec) -> list[tuple[str, int, bool]]:
 
     Sync strategies run only workers, worker 0 being the chief (TensorFlow's convention when the
     cluster has no ``chief`` role); one replica even for one device, so the Airflow task only
-    supervises. ``parameter_server`` runs a coordinating chief, workers and ps.
+    supervises. ``parameter_server`` runs a coordinating chief, workers and ps; ``model_parallel``
+    across workers a chief driving workers that each hold a layer group.
     """
-    if spec.cluster.strategy == "parameter_server":
+    if spec.cluster.chief_coordinates:
         return (
             [("chief", 0, False)]
             + [("worker", i, True) for i in range(spec.cluster.worker.replicas)]

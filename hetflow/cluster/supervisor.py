@@ -123,11 +123,12 @@ def decide(
     """What to do, given every replica's state.
 
     - A training replica that exited non-zero, or a server replica (ps; a worker under
-      parameter_server) that exited at all, is restarted while the policy allows it and fewer
-      than ``backoff_limit`` restarts were made; otherwise it fails the run. An async worker is
-      restarted alone (the coordinator goes on with the others and it rejoins on its address);
-      anything else restarts the whole group (sync workers cannot go on without a peer; without
-      its ps the chief fails), which resumes from the last checkpoint.
+      parameter_server, a stage under model_parallel across workers) that exited at all, is
+      restarted while the policy allows it and fewer than ``backoff_limit`` restarts were made;
+      otherwise it fails the run. An async worker is restarted alone (the coordinator goes on with
+      the others and it rejoins on its address); anything else restarts the whole group (sync
+      workers cannot go on without a peer; without its ps, or a stage and the variables it held,
+      the chief fails), which resumes from the last checkpoint.
     - Where the engine restarts in place, a replica it is restarting counts as running.
     - When every training replica has exited 0, the run succeeded and the server replicas still
       running are stopped: without that, ps outlive the job (the classic TFJob complaint).
@@ -149,7 +150,9 @@ def decide(
         replica = next((r for r in ended if _killed(states[r.name].exit_code)), ended[0])
         exit_code = states[replica.name].exit_code
         if not restarts_in_place and restartable(restart_policy, exit_code) and restarts_done < backoff_limit:
-            alone = replica.serves_until_stopped and replica.role == "worker"
+            # Only an async worker holds nothing: a model_parallel stage held its layers' variables.
+            asynchronous = any(r.role == "ps" for r in layout.replicas)
+            alone = asynchronous and replica.serves_until_stopped and replica.role == "worker"
             return Decision("restart", (replica.name,) if alone else everyone, replica.name)
         return Decision("failed", everyone, replica.name)
     training = [r.name for r in layout.replicas if not r.serves_until_stopped]

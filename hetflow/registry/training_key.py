@@ -7,13 +7,22 @@ import hashlib
 import json
 
 from hetflow.spec import RunSpec
+from hetflow.spec.cluster import MICRO_BATCHES
 from mlflow import MlflowClient
+
+# Keys added after versions were registered, at their defaults: left out, so that a spec which
+# does not set them names the same training as it did before they existed.
+ADDED_LATER = {"micro_batches": MICRO_BATCHES}
 
 
 def training_key(spec: RunSpec, fingerprint: str) -> str:
     """Names one training: the requested spec (less the switch that asks whether to repeat it) and
     the fingerprint of the data. Two runs with the same key would train the same model."""
-    requested = {key: value for key, value in spec.flat(mode="json").items() if key != "skip_unchanged"}
+    requested = {
+        key: value
+        for key, value in spec.flat(mode="json").items()
+        if key != "skip_unchanged" and not (key in ADDED_LATER and value == ADDED_LATER[key])
+    }
     text = json.dumps({"spec": requested, "data_fingerprint": fingerprint}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -52,17 +52,18 @@ def main(args: argparse.Namespace) -> None:
 
 
 def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
-    """This replica's part: serving variables and steps (parameter_server's ps and workers), or
-    training with the spec's strategy and writing its results."""
-    from hetflow.replica.runtime import configure_runtime
+    """This replica's part: serving variables and steps (parameter_server's ps and workers,
+    model_parallel's stages across workers), or training with the spec's strategy and writing its
+    results."""
+    from hetflow.replica.runtime import configure_runtime, serve
 
     configure_runtime(spec, task)
     from hetflow.replica import model_parallel, parameter_server, sync
     from hetflow.replica.balance import Relaunch
     from hetflow.replica.record import finish
 
-    if spec.cluster.strategy == "parameter_server" and task["type"] != "chief":
-        parameter_server.serve(task)
+    if spec.cluster.chief_coordinates and task["type"] != "chief":
+        serve(task)
         return
     train = {"parameter_server": parameter_server.train, "model_parallel": model_parallel.train}.get(
         spec.cluster.strategy, sync.train

@@ -1,18 +1,32 @@
-"""Model parallelism inside one replica: consecutive layer groups on different devices.
+"""Model parallelism: consecutive layer groups (stages) on different devices, pipelined.
 
-Each group's variables live on its device and its ops run there; activations flow from device to
-device, forward then backward. That is what lets a model larger than one device's memory train at
-all, and why it is slower than data parallelism when the model does fit: the devices wait on each
-other instead of working side by side. Parameter-server sharding is the other way to spread a
-model's *variables* over machines (``parameter_server`` with several ps); the compute there stays
-whole on each worker.
+Each stage's variables and optimizer slots live on its device and its ops run there; activations
+flow from stage to stage, forward then backward. That is what lets a model larger than one
+replica's memory train at all, and why it is slower than data parallelism when the model does fit:
+stages wait on each other instead of working side by side.
 
-A custom loop serves this mode: the forward pass must be run group by group under each group's
-device scope, which ``model.fit`` would not do.
+The stages are either one replica's devices (workers=1, devices_per_worker >= 2) or, with
+workers >= 2, one worker replica each: the workers only run TensorFlow servers, and the chief
+connects to them (``tf.config.experimental_connect_to_cluster``) and runs one ``tf.function``
+spanning them all; TensorFlow partitions it by device and moves activations and gradients between
+the replicas over gRPC itself.
+
+Pipelining (GPipe's schedule): a step splits the global batch into ``micro_batches``, runs every
+micro-batch forward through the stages, then every one backward, and applies one update from the
+summed gradients. Each micro-batch's loss is its summed example losses over the *global* batch, so
+the sum of the micro-batches' gradients is exactly the unsplit batch's mean-loss gradient. Nothing
+orders one micro-batch after another, so TensorFlow's executor runs stage 1 on micro-batch k while
+stage 2 runs micro-batch k-1. Layers with batch statistics (batch normalization) would see
+micro-batches, not the batch: hetflow's models have none (``hetflow.models.architectures``).
+
+A custom loop serves this mode: the forward and backward passes must run stage by stage under each
+stage's device scope, which ``model.fit`` would not do.
 """
 
 from __future__ import annotations
 
+import socket
+import time
 from typing import Any
 
 import tensorflow as tf
@@ -23,13 +37,128 @@ from hetflow.models.schedule import make_optimizer, steps_per_epoch
 from hetflow.paths import RunPaths
 from hetflow.replica.checkpoint import EpochCheckpoint
 from hetflow.replica.loop import EpochLoop, validation_sums
-from hetflow.replica.record import Trained, worker_rate
+from hetflow.replica.record import Trained, tensor_bytes, worker_rate
 from hetflow.replica.runtime import local_devices
 from hetflow.spec import RunSpec
 
+# How long the chief waits for every stage's server to listen: replicas start together, and a
+# container's name resolves only once the engine has started it.
+SERVERS_UP_SECONDS = 300
+
+
+def micro_batch_sizes(batch: int, parts: int) -> list[int]:
+    """``batch`` examples in ``parts`` micro-batches as equal as whole examples allow."""
+    return [batch // parts + (1 if index < batch % parts else 0) for index in range(parts)]
+
+
+def wait_for_servers(addresses: list[str], seconds: float = SERVERS_UP_SECONDS) -> None:
+    """Return once every ``host:port`` accepts a connection; TimeoutError naming the first that
+    does not within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    for address in addresses:
+        host, port = address.rsplit(":", 1)
+        while True:
+            try:
+                socket.create_connection((host, int(port)), timeout=5).close()
+                break
+            except OSError as refused:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"stage server {address} did not listen within {seconds:.0f} s: {refused}")
+                time.sleep(0.5)
+
+
+def connect_stage_workers() -> list[str]:
+    """Connect this chief to the run's worker replicas; returns each worker's device, in order."""
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    cluster = resolver.cluster_spec()
+    workers = cluster.job_tasks("worker")
+    wait_for_servers(workers)
+    tf.config.experimental_connect_to_cluster(cluster, job_name="chief", task_index=0, protocol="grpc")
+    return [f"/job:worker/replica:0/task:{index}/device:CPU:0" for index in range(len(workers))]
+
+
+def pipelined_step(groups, optimizer, global_batch: int, micro_batches: int):
+    """One training step over the stages ``groups`` [(device, layers)], in ``micro_batches``;
+    returns the batch's mean loss and its correctly classified examples."""
+    sizes = micro_batch_sizes(global_batch, micro_batches)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    stage_variables = [[w for layer in layers for w in layer.trainable_weights] for _, layers in groups]
+    last = len(groups) - 1
+
+    @tf.function
+    def step(images, labels):
+        image_parts, label_parts = tf.split(images, sizes), tf.split(labels, sizes)
+        # Forward, every micro-batch: each stage under its own tape, so its backward runs on its device.
+        passes, loss, correct = [], 0.0, 0.0
+        for micro_images, micro_labels in zip(image_parts, label_parts):
+            tapes, inputs, x = [], [], micro_images
+            for index, (device, layers) in enumerate(groups):
+                with tf.device(device), tf.GradientTape() as tape:
+                    if index:
+                        tape.watch(x)
+                    inputs.append(x)
+                    for layer in layers:
+                        x = layer(x, training=True)
+                    if index == last:
+                        micro_loss = tf.reduce_sum(loss_fn(micro_labels, x)) / global_batch
+                        hits = tf.reduce_sum(tf.cast(tf.argmax(x, axis=1) == micro_labels, tf.float32))
+                tapes.append(tape)
+            passes.append((tapes, inputs, micro_loss))
+            loss += micro_loss
+            correct += hits
+        # Backward, every micro-batch, last stage first; gradients summed on each stage's device.
+        summed = [None] * len(groups)
+        for tapes, inputs, micro_loss in passes:
+            target, upstream = micro_loss, None
+            for index in reversed(range(len(groups))):
+                with tf.device(groups[index][0]):
+                    sources = stage_variables[index] + ([inputs[index]] if index else [])
+                    gradients = tapes[index].gradient(target, sources, output_gradients=upstream)
+                    weights = gradients[: len(stage_variables[index])]
+                    summed[index] = (
+                        weights if summed[index] is None else [a + b for a, b in zip(summed[index], weights)]
+                    )
+                    if index:
+                        target, upstream = inputs[index], gradients[-1]
+        pairs = [pair for index in range(len(groups)) for pair in zip(summed[index], stage_variables[index])]
+        optimizer.apply_gradients(pairs)
+        return loss, correct
+
+    return step
+
+
+def on_device(placed: str, device: str) -> bool:
+    """Whether a variable placed at ``placed`` (TensorFlow's full name) is on ``device`` (as short
+    as ``/device:CPU:1`` in one process)."""
+    wanted, actual = tf.DeviceSpec.from_string(device), tf.DeviceSpec.from_string(placed)
+    fields = ("job", "replica", "task", "device_type", "device_index")
+    return all(getattr(wanted, field) in (None, getattr(actual, field)) for field in fields)
+
+
+def stage_record(groups, optimizer) -> list[dict[str, Any]]:
+    """Per stage: its device, its layers, and the bytes of its variables and optimizer slots, read
+    back from where TensorFlow placed them; RuntimeError if a layer's variable is elsewhere."""
+    slots = [variable for variable in optimizer.variables() if variable.shape.rank]  # not the step counter
+    stages = []
+    for device, layers in groups:
+        variables = [w for layer in layers for w in layer.weights]
+        misplaced = sorted({v.device for v in variables if not on_device(v.device, device)})
+        if misplaced:
+            raise RuntimeError(f"variables of the stage on {device} were placed on {', '.join(misplaced)}")
+        stages.append(
+            {
+                "device": device,
+                "layers": [layer.name for layer in layers],
+                "variable_bytes": tensor_bytes(variables),
+                "slot_bytes": tensor_bytes(slot for slot in slots if on_device(slot.device, device)),
+            }
+        )
+    return stages
+
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
-    devices = local_devices(spec.cluster.worker_device(0).count)
+    across_workers = spec.cluster.chief_coordinates
+    devices = connect_stage_workers() if across_workers else local_devices(spec.cluster.worker_device(0).count)
     model, groups = build_model_parallel(
         spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed, devices
     )
@@ -37,32 +166,19 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         print(f"{device}: {', '.join(layer.name for layer in layers)}", flush=True)
     loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
     optimizer = make_optimizer(spec, loop.schedule)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    batch, micro_batches = spec.training.batch_size, spec.cluster.micro_batches
+    train_step = pipelined_step(groups, optimizer, batch, micro_batches)
 
-    def forward(images, training: bool):
+    def forward(images):
         x = images
         for device, layers in groups:
             with tf.device(device):
                 for layer in layers:
-                    x = layer(x, training=training)
+                    x = layer(x, training=False)
         return x
 
-    @tf.function
-    def train_step(images, labels):
-        with tf.GradientTape() as tape:
-            logits = forward(images, training=True)
-            loss = loss_fn(labels, logits)
-        gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
-        correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
-        return loss, correct
-
-    predict = tf.function(lambda images: forward(images, training=False))
-    batches = iter(
-        train_input(
-            dataset, per_worker_batch=spec.training.batch_size, shuffle=spec.training.shuffle, seed=spec.training.seed
-        )
-    )
+    predict = tf.function(forward)
+    batches = iter(train_input(dataset, per_worker_batch=batch, shuffle=spec.training.shuffle, seed=spec.training.seed))
     checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer)
     validation = eval_input(dataset, "validation")
     loop.run(
@@ -70,12 +186,24 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         lambda: validation_sums(predict, validation),
         checkpoint,
     )
+    stages = stage_record(groups, optimizer)
     placement = [
         {"layer": layer.name, "device": device, "variables": sorted({v.device for v in layer.weights})}
         for device, layers in groups
         for layer in layers
     ]
-    worker = worker_rate(spec.training.batch_size, loop.clock.epochs_done * loop.steps, loop.train_seconds)
-    return Trained(
-        loop, model, {"replicas_in_sync": 1, "per_worker": {"worker-0": worker}, "layer_placement": placement}
-    )
+    rate = worker_rate(batch, loop.clock.epochs_done * loop.steps, loop.train_seconds)
+    if across_workers:  # every stage takes part in every step
+        per_worker = {
+            f"worker-{index}": {**rate, **{key: stage[key] for key in ("layers", "variable_bytes", "slot_bytes")}}
+            for index, stage in enumerate(stages)
+        }
+    else:
+        per_worker = {"worker-0": rate}
+    fields = {
+        "replicas_in_sync": 1,
+        "per_worker": per_worker,
+        "layer_placement": placement,
+        "micro_batches": micro_batches,
+    }
+    return Trained(loop, model, fields)

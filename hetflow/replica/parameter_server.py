@@ -12,7 +12,6 @@ schedule costs a round trip (the same idea as ``steps_per_execution``).
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Any
 
@@ -32,27 +31,6 @@ from hetflow.spec import RunSpec
 STEPS_PER_CLOSURE = 10
 # Variables above this size are split over the ps (at most one shard per ps).
 MIN_SHARD_BYTES = 16 << 10
-
-
-def serve(task: dict[str, Any]) -> None:
-    """A worker or ps: run a TF server until the supervisor stops this process."""
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    # TensorFlow sizes a server's inter-op pool by the cores the process may use: one thread for a
-    # replica pinned to a core, with which the chief was seen to wait without end for the first
-    # functions it sent (a function's ops can block until another of them has run: a receive, for
-    # its send). At least two.
-    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=max(2, len(os.sched_getaffinity(0))))
-    server = tf.distribute.Server(
-        resolver.cluster_spec(),
-        job_name=task["type"],
-        task_index=task["index"],
-        protocol="grpc",
-        config=config,
-        start=True,
-    )
-    address = resolver.cluster_spec().task_address(task["type"], task["index"])
-    print(f"{task['type']}-{task['index']} serving at {address}", flush=True)
-    server.join()
 
 
 def _per_worker_ids(coordinator):

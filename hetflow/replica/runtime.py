@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import tensorflow as tf
@@ -44,3 +45,25 @@ def local_devices(count: int) -> list[str]:
     if len(devices) < count:
         raise RuntimeError(f"devices_per_worker={count} but this replica has {len(devices)} devices")
     return [d.name for d in devices[:count]]
+
+
+def serve(task: dict[str, Any]) -> None:
+    """A replica a chief drives (a ps, a worker under parameter_server, a stage of model_parallel
+    across workers): run a TF server until the supervisor stops this process."""
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    # TensorFlow sizes a server's inter-op pool by the cores the process may use: one thread for a
+    # replica pinned to a core, with which the chief was seen to wait without end for the first
+    # functions it sent (a function's ops can block until another of them has run: a receive, for
+    # its send). At least two.
+    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=max(2, len(os.sched_getaffinity(0))))
+    server = tf.distribute.Server(
+        resolver.cluster_spec(),
+        job_name=task["type"],
+        task_index=task["index"],
+        protocol="grpc",
+        config=config,
+        start=True,
+    )
+    address = resolver.cluster_spec().task_address(task["type"], task["index"])
+    print(f"{task['type']}-{task['index']} serving at {address}", flush=True)
+    server.join()

@@ -79,6 +79,9 @@ class WorkerPart(Strict):
     batch: Batch | None = None  # sync
     staleness_mean: Annotated[float, Field(ge=0, le=MAX_COUNT)] | None = None  # parameter_server
     staleness_max: Count | None = None
+    layers: Annotated[list[Name], Field(max_length=MAX_LAYERS)] | None = None  # model_parallel across workers
+    variable_bytes: Count | None = None
+    slot_bytes: Count | None = None
 
 
 class Collectives(Strict):
@@ -161,6 +164,7 @@ class TrainingRecord(Strict):
     communication: Communication | None = None
     # model_parallel
     layer_placement: Annotated[list[Placement], Field(max_length=MAX_LAYERS)] | None = None
+    micro_batches: Annotated[int, Field(ge=1, le=64)] | None = None
 
 
 def planned_steps(spec: RunSpec, dataset: dict[str, Any]) -> int:
@@ -210,6 +214,14 @@ def _as_spec_says(record: TrainingRecord, spec: RunSpec, dataset: dict[str, Any]
     if record.worker_batches is not None:
         fits = len(record.worker_batches) == workers and sum(record.worker_batches) == batch
         checks.append(("worker_batches", f"{workers} shares summing to global_batch ({batch})", fits))
+    if record.micro_batches is not None:
+        checks.append(
+            (
+                "micro_batches",
+                f"the spec's {spec.cluster.micro_batches}",
+                record.micro_batches == spec.cluster.micro_batches,
+            )
+        )
     if record.staleness is not None:
         applied = sum(record.staleness.histogram.values())
         checks.append(("staleness.histogram", f"at most the {trained} updates applied", applied <= trained))

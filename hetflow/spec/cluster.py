@@ -12,6 +12,9 @@ from pydantic import ConfigDict, Field
 
 from hetflow.spec.sections import Section, SpecModel, short_name, spec_field
 
+# Enough to keep 2 stages busy most of a step ((N-1)/(M+N-1): a third idle at N=2), few enough
+# that each micro-batch's matrices stay large.
+MICRO_BATCHES = 4
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
 CONTAINERS = ("docker", "swarm", "kubernetes")
 
@@ -43,7 +46,7 @@ class WorkerReplicas(Section):
 
     replicas: int = spec_field(
         1,
-        "Training workers (several only with multi_worker_mirrored or parameter_server).",
+        "Training workers (several only with multi_worker_mirrored, parameter_server, model_parallel or auto).",
         short="workers",
         ge=1,
         le=16,
@@ -194,8 +197,9 @@ class ClusterSpec(Section):
         "balanced batches, or relaunch as one_device or async (the decision and its numbers are logged). "
         "`one_device`: one replica, one device. `mirrored`: one replica, several devices, sync all-reduce. "
         "`multi_worker_mirrored`: several workers, sync all-reduce (worker 0 is chief). `parameter_server`: "
-        "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: one "
-        "replica, the model's layer groups placed on different devices.",
+        "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: the "
+        "model's consecutive layer groups on different workers (workers >= 2: a chief drives them, pipelined in "
+        "micro_batches) or on one worker's devices (workers=1, devices_per_worker >= 2).",
         title="Distribution strategy",
     )
     backend: Literal["local", "docker", "swarm", "kubernetes"] = spec_field(
@@ -208,6 +212,15 @@ class ClusterSpec(Section):
         title="Where replicas run",
     )
     worker: WorkerReplicas = Field(default_factory=WorkerReplicas)
+    micro_batches: int = spec_field(
+        MICRO_BATCHES,
+        "model_parallel only: each step's global batch is split into this many micro-batches, so that "
+        "layer groups work at the same time (every micro-batch forward, then every one backward, one update "
+        "from their summed gradients: the same update as the unsplit batch). 1: no pipelining.",
+        ge=1,
+        le=64,
+        title="Micro-batches (model_parallel)",
+    )
     ps: PsReplicas = Field(default_factory=PsReplicas)
     replica_threads: int = spec_field(
         0,
@@ -234,6 +247,12 @@ class ClusterSpec(Section):
     kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
 
     @property
+    def chief_coordinates(self) -> bool:
+        """Whether a chief drives worker replicas that only serve: parameter_server's workers and
+        ps, and model_parallel's stages when its layer groups span workers."""
+        return self.strategy == "parameter_server" or (self.strategy == "model_parallel" and self.worker.replicas > 1)
+
+    @property
     def replicas_in_sync(self) -> int:
         """Model replicas whose gradients are averaged into one update (1 for async and model parallel)."""
         if self.strategy in ("mirrored", "multi_worker_mirrored"):
@@ -253,10 +272,10 @@ class ClusterSpec(Section):
         strategy, workers, ps = self.strategy, self.worker.replicas, self.ps.replicas
         devices, each = self.worker.devices, self.worker.each
         problems = []
-        if workers > 1 and strategy not in ("auto", "multi_worker_mirrored", "parameter_server"):
+        if workers > 1 and strategy not in ("auto", "multi_worker_mirrored", "parameter_server", "model_parallel"):
             problems.append(
                 f"workers={workers} is invalid with strategy={strategy}: expected 1 "
-                "(several workers need multi_worker_mirrored, parameter_server or auto)"
+                "(several workers need multi_worker_mirrored, parameter_server, model_parallel or auto)"
             )
         if strategy == "parameter_server" and ps < 1:
             problems.append("ps=0 is invalid with strategy=parameter_server: expected an integer >= 1 and <= 8")
@@ -267,10 +286,21 @@ class ClusterSpec(Section):
             )
         if devices > 1 and strategy in ("one_device", "parameter_server"):
             problems.append(f"devices_per_worker={devices} is invalid with strategy={strategy}: expected 1")
-        if strategy == "model_parallel" and devices < 2:
+        if strategy == "model_parallel" and workers == 1 and devices < 2:
             problems.append(
-                f"devices_per_worker={devices} is invalid with strategy=model_parallel: "
-                "expected 2 or more (one device per layer group)"
+                f"devices_per_worker={devices} is invalid with strategy=model_parallel and workers=1: "
+                "expected 2 or more (one device per layer group), or workers >= 2 (one layer group per worker)"
+            )
+        stage_devices = sorted({d.count for d in each} | {devices})
+        if strategy == "model_parallel" and workers > 1 and stage_devices != [1]:
+            problems.append(
+                f"devices_per_worker={max(stage_devices)} is invalid with strategy=model_parallel and "
+                f"workers={workers}: expected 1 (one layer group per worker; several devices serve workers=1)"
+            )
+        if strategy != "model_parallel" and self.micro_batches != MICRO_BATCHES:
+            problems.append(
+                f"micro_batches={self.micro_batches} is invalid with strategy={strategy}: expected {MICRO_BATCHES}, "
+                "the default (micro-batches pipeline model_parallel's layer groups only)"
             )
         if each and len(each) != workers:
             problems.append(

@@ -93,6 +93,11 @@ class RunSpec(BaseModel):
                 f"batch_size={training.batch_size} is invalid with {cluster.replicas_in_sync} replicas in sync: "
                 f"expected a multiple of {cluster.replicas_in_sync} (every replica gets an equal share)"
             )
+        if cluster.strategy == "model_parallel" and cluster.micro_batches > training.batch_size:
+            problems.append(
+                f"micro_batches={cluster.micro_batches} is invalid with batch_size={training.batch_size}: "
+                f"expected at most {training.batch_size} (every micro-batch holds at least one example)"
+            )
         if cluster.backend == "kubernetes" and (self.data.data_dir or self.data.folder):
             problems.append(
                 "data_dir and dataset=folder:PATH are invalid with backend=kubernetes: expected data_dir empty and "
