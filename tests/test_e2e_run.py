@@ -23,8 +23,8 @@ def first(e2e_first_run):
 
 @pytest.fixture(scope="module")
 def second(hetflow_env, first):
-    """A later run that cannot pass the gate (min_improvement=1)."""
-    return run_dag(hetflow_env, "epochs=2", "min_improvement=1")
+    """A later run that cannot pass the gate (min_improvement=1), its layers on two stage replicas."""
+    return run_dag(hetflow_env, "epochs=2", "min_improvement=1", "strategy=model_parallel", "workers=2")
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +143,8 @@ from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 from pathlib import Path
 exported, dataset = json.loads(Path(sys.argv[1]).read_text()), json.loads(Path(sys.argv[2]).read_text())
 images, labels = split_arrays(dataset, "test")
+import tensorflow as tf
+assert [d.name for d in tf.config.list_logical_devices()] == ["/device:CPU:0"]  # one device, no cluster
 scores = {}
 for name, artifact in exported["artifacts"].items():
     load = saved_model_predictor if artifact["format"] == "saved_model" else tflite_predictor
@@ -151,12 +153,25 @@ print(json.dumps(scores))
 """
 
 
-def test_every_exported_artifact_rescored_in_a_fresh_process_matches_the_report(first, hetflow_env):
+def _rescored(run_dir: Path, env: dict[str, str]) -> dict[str, float]:
+    """Each exported artifact's test accuracy, scored again in a fresh process with one CPU device."""
     import subprocess
     import sys
 
     from conftest import REPO
 
+    done = subprocess.run(
+        [sys.executable, "-c", _RESCORE, str(run_dir / "export.json"), str(run_dir / "dataset.json")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_every_exported_artifact_rescored_in_a_fresh_process_matches_the_report(first, hetflow_env):
     _, summary = first
     run_dir = Path(summary["run_dir"])
     exported = json.loads((run_dir / "export.json").read_text())
@@ -167,21 +182,29 @@ def test_every_exported_artifact_rescored_in_a_fresh_process_matches_the_report(
         "tflite_float_int8",
         "tflite_pruned_int8",
     }
-    done = subprocess.run(
-        [sys.executable, "-c", _RESCORE, str(run_dir / "export.json"), str(run_dir / "dataset.json")],
-        cwd=REPO,
-        env=hetflow_env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    rescored = json.loads(done.stdout.strip().splitlines()[-1])
+    rescored = _rescored(run_dir, hetflow_env)
     for name, artifact in exported["artifacts"].items():
         assert rescored[name] == pytest.approx(artifact["test_accuracy"], abs=1e-9), name
     assert exported["artifacts"]["saved_model"]["test_accuracy"] == summary["metrics"]["test_accuracy"]
     assert summary["artifacts"]["exported"]["tflite_float_int8"]["bytes"] < (
         0.4 * summary["artifacts"]["exported"]["tflite_float"]["bytes"]
     )
+
+
+def test_a_model_trained_on_two_stage_replicas_is_one_ordinary_model(second, hetflow_env):
+    _, summary = second
+    run_dir = Path(summary["run_dir"])
+    training = json.loads((run_dir / "replica_output" / "training.json").read_text())
+    stages = training["per_worker"]
+    assert stages["worker-0"]["layers"][-1].startswith("dense") and stages["worker-1"]["layers"] == ["logits"]
+    assert all(stage["variable_bytes"] > 0 and stage["slot_bytes"] > 0 for stage in stages.values())
+    exported = json.loads((run_dir / "export.json").read_text())
+    saved_model = Path(exported["artifacts"]["saved_model"]["path"])
+    assert b"/job:worker" not in (saved_model / "saved_model.pb").read_bytes()  # no stage's device baked in
+    rescored = _rescored(run_dir, hetflow_env)
+    for name, artifact in exported["artifacts"].items():
+        assert rescored[name] == pytest.approx(artifact["test_accuracy"], abs=1e-9), name
+    assert exported["artifacts"]["saved_model"]["test_accuracy"] == summary["metrics"]["test_accuracy"] > 0.5
 
 
 def test_pruning_reaches_the_target_sparsity(first):

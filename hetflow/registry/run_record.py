@@ -82,7 +82,8 @@ def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
     }
     for worker, numbers in training["per_worker"].items():
         for key, value in numbers.items():
-            metrics[f"{worker.replace('-', '_')}_{key}"] = value
+            if not isinstance(value, list):  # a model_parallel stage's layers are in training.json
+                metrics[f"{worker.replace('-', '_')}_{key}"] = value
     if training.get("seconds_to_target") is not None:
         metrics["seconds_to_target_accuracy"] = training["seconds_to_target"]
     if training.get("staleness"):
