@@ -91,6 +91,8 @@ def test_docker_container_state_from_inspect():
     assert dk.replica_state({"State": {"Status": "running", "ExitCode": 0}}) == ReplicaState()
     assert dk.replica_state({"State": {"Status": "exited", "ExitCode": 137}}) == ReplicaState(137)
     assert dk.replica_state({"State": {"Status": "created", "ExitCode": 0}}) == ReplicaState()
+    killed = dk.replica_state({"State": {"Status": "exited", "ExitCode": 137, "OOMKilled": True}})
+    assert killed.exit_code == 137 and killed.note.startswith("ran out of memory")
 
 
 def test_a_slower_worker_is_a_container_with_a_smaller_cpu_quota_and_pinning_is_a_cpuset():

@@ -196,8 +196,18 @@ def test_a_model_trained_on_two_stage_replicas_is_one_ordinary_model(second, het
     run_dir = Path(summary["run_dir"])
     training = json.loads((run_dir / "replica_output" / "training.json").read_text())
     stages = training["per_worker"]
-    assert stages["worker-0"]["layers"][-1].startswith("dense") and stages["worker-1"]["layers"] == ["logits"]
-    assert all(stage["variable_bytes"] > 0 and stage["slot_bytes"] > 0 for stage in stages.values())
+    layers = [entry["layer"] for entry in training["layer_placement"]]
+    assert stages["worker-0"]["layers"] + stages["worker-1"]["layers"] == layers and all(
+        stage["layers"] for stage in stages.values()
+    )
+    # The MLP on 8x8 digits: 64 -> 128 -> 10, float32; Adam keeps two slots per variable, beside it.
+    assert sum(stage["variable_bytes"] for stage in stages.values()) == 4 * (64 * 128 + 128 + 128 * 10 + 10)
+    assert all(stage["slot_bytes"] == 2 * stage["variable_bytes"] for stage in stages.values())
+    # The split, recomputed by the pipeline from the chief's measurements (plan.json), in the summary.
+    split = summary["stage_split"]
+    assert split["method"] == "measured"
+    assert [(s["replica"], s["layers"]) for s in split["stages"]] == [(n, stages[n]["layers"]) for n in sorted(stages)]
+    assert split["slowest_stage_seconds"] <= split["slowest_by_parameters_seconds"]
     exported = json.loads((run_dir / "export.json").read_text())
     saved_model = Path(exported["artifacts"]["saved_model"]["path"])
     assert b"/job:worker" not in (saved_model / "saved_model.pb").read_bytes()  # no stage's device baked in

@@ -53,7 +53,9 @@ def test_two_workers_with_half_batches_match_one_worker_with_the_whole_batch(het
 
 
 def test_model_parallel_places_layer_groups_and_their_variables_on_different_devices(hetflow_env):
-    record, run_dir = train(hetflow_env, "strategy=model_parallel", "devices_per_worker=2", "epochs=2")
+    record, run_dir = train(
+        hetflow_env, "strategy=model_parallel", "devices_per_worker=2", "stage_split=parameters", "epochs=2"
+    )
     placement = {entry["layer"]: entry for entry in record["layer_placement"]}
     devices = sorted({entry["device"] for entry in placement.values()})
     assert len(devices) == 2 and devices[0].endswith("CPU:0") and devices[1].endswith("CPU:1")
@@ -69,7 +71,9 @@ def test_model_parallel_across_two_workers_pipelined_takes_the_one_device_steps(
     device stepping through the whole batch; each stage's variables and slots on its worker."""
     same = ["optimizer=sgd", "learning_rate=0.1", "shuffle=false", "epochs=1", "steps_per_epoch=8", "batch_size=32"]
     _, single = train(hetflow_env, "strategy=one_device", *same)
-    record, staged = train(hetflow_env, "strategy=model_parallel", "workers=2", "micro_batches=3", *same)
+    # Cut by parameters: this MLP's layers are so small that the measured split puts dense on worker 1.
+    staged_keys = ["strategy=model_parallel", "workers=2", "micro_batches=3", "stage_split=parameters"]
+    record, staged = train(hetflow_env, *staged_keys, *same)
     assert record["micro_batches"] == 3
     single_weights, staged_weights = model_weights(single), model_weights(staged)
     difference = max(float(np.max(np.abs(a - b))) for a, b in zip(single_weights, staged_weights))
@@ -88,6 +92,13 @@ def test_model_parallel_across_two_workers_pipelined_takes_the_one_device_steps(
     assert all(workers[name]["slot_bytes"] == workers[name]["variable_bytes"] for name in workers)
     logits = next(entry for entry in record["layer_placement"] if entry["layer"] == "logits")
     assert logits["variables"] == ["/job:worker/replica:0/task:1/device:CPU:0"]
+    from hetflow.models.stage_split import read_stage_split
+    from hetflow.paths import RunPaths
+    from hetflow.spec import RunSpec
+
+    paths = RunPaths(staged)
+    split = read_stage_split(paths.plan, RunSpec.from_json(paths.spec.read_text()), record)
+    assert [stage["layers"] for stage in split["stages"]] == [workers["worker-0"]["layers"], ["logits"]]
 
 
 def test_parameter_server_shards_variables_measures_staleness_per_worker_and_communication(hetflow_env):

@@ -87,6 +87,14 @@ def test_valid_cluster_shapes(values):
         ),
         ({"micro_batches": 8}, "micro_batches=8 is invalid with strategy=one_device: expected 4, the default"),
         ({"micro_batches": 0}, "micro_batches=0 is invalid: expected an integer >= 1 and <= 64"),
+        (
+            {"stage_split": "parameters"},
+            "stage_split=parameters is invalid with strategy=one_device: expected measured",
+        ),
+        (
+            {"strategy": "model_parallel", "workers": 5},
+            "workers=5 is invalid with strategy=model_parallel and model=mlp: expected at most 4",
+        ),
         ({"devices_per_worker": 2}, "devices_per_worker=2 is invalid with strategy=one_device: expected 1"),
         ({"backend": "slurm"}, 'backend="slurm" is invalid: expected one of local'),
         ({"model": "resnet"}, 'model="resnet" is invalid: expected one of mlp, cnn, convnet'),
@@ -151,7 +159,7 @@ def test_params_are_generated_from_the_spec():
             f"{key} needs a title written for people (the form's label)"
         )
         assert param.schema["section"], key
-    assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet"]
+    assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet", "wide_mlp"]
     assert params["strategy"].schema["enum"] == [
         "auto",
         "one_device",

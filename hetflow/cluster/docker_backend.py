@@ -158,7 +158,10 @@ def replica_state(attrs: dict) -> ReplicaState:
     """A container's state, from its ``docker inspect`` attributes."""
     state = attrs["State"]
     finished = state["Status"] in ("exited", "dead")
-    return ReplicaState(exit_code=state["ExitCode"] if finished else None)
+    out_of_memory = (
+        "ran out of memory: the kernel ended it at its replica_memory_mb limit" if state.get("OOMKilled") else None
+    )
+    return ReplicaState(exit_code=state["ExitCode"] if finished else None, note=out_of_memory)
 
 
 class DockerReplicas:

@@ -17,10 +17,13 @@ from typing import TYPE_CHECKING, Any
 import h5py
 import tensorflow as tf
 
+from hetflow.models.stage_split import split_by_parameters
+
 if TYPE_CHECKING:
     from hetflow.spec import RunSpec
 
-MODELS = ("mlp", "cnn", "convnet")
+MODELS = ("mlp", "cnn", "convnet", "wide_mlp")
+WIDE_UNITS = 4096
 # tf_keras reads and writes a file so named as plain arrays keyed by layer class and order.
 WEIGHTS_SUFFIX = ".weights.h5"
 
@@ -29,7 +32,7 @@ class WeightsError(ValueError):
     """A file that is not a weights file for the model it is read into."""
 
 
-def _layer_chain(kind: str, num_classes: int) -> list[tf.keras.layers.Layer]:
+def layer_chain(kind: str, num_classes: int) -> list[tf.keras.layers.Layer]:
     layers = tf.keras.layers
     chain: list[tf.keras.layers.Layer] = [layers.Rescaling(1.0 / 255.0)]
     if kind == "mlp":
@@ -52,6 +55,10 @@ def _layer_chain(kind: str, num_classes: int) -> list[tf.keras.layers.Layer]:
                 layers.MaxPooling2D(),
             ]
         chain += [layers.Flatten(), layers.Dense(256, activation="relu")]
+    elif kind == "wide_mlp":
+        # Too big for a small replica (model parallelism's reason to exist): four 4096x4096 layers
+        # hold 67 M parameters, 270 MB, and Adam's slots and the gradients make it 1.1 GB.
+        chain += [layers.Flatten(), *(layers.Dense(WIDE_UNITS, activation="relu") for _ in range(5))]
     else:
         raise ValueError(f"model={kind!r} is invalid: expected one of {', '.join(MODELS)}")
     return chain + [layers.Dense(num_classes, name="logits")]
@@ -69,7 +76,7 @@ def _connect(kind: str, input_shape: list[int], groups: list[tuple[str | None, l
 
 def build_model(kind: str, input_shape: list[int], num_classes: int, seed: int) -> tf.keras.Model:
     tf.keras.utils.set_random_seed(seed)
-    return _connect(kind, input_shape, [(None, _layer_chain(kind, num_classes))])
+    return _connect(kind, input_shape, [(None, layer_chain(kind, num_classes))])
 
 
 def _arrays(path: Path) -> dict[str, tuple]:
@@ -167,29 +174,22 @@ def trained_model(spec: RunSpec, dataset: dict[str, Any], path: Path) -> tf.kera
     )
 
 
-def split_by_parameters(counts: list[int], parts: int) -> list[int]:
-    """Group boundaries for consecutive items so each group holds about 1/parts of the total;
-    returns the start index of each group after the first. Every group gets at least one item."""
-    total = sum(counts) or 1
-    bounds, running = [], 0
-    for index, count in enumerate(counts[:-1]):
-        running += count
-        remaining_items, remaining_groups = len(counts) - index - 1, parts - 1 - len(bounds)
-        due = running >= total * (len(bounds) + 1) / parts
-        if remaining_groups and (due or remaining_items == remaining_groups):
-            bounds.append(index + 1)
-    return bounds
-
-
 def build_model_parallel(
-    kind: str, input_shape: list[int], num_classes: int, seed: int, devices: list[str]
+    kind: str,
+    input_shape: list[int],
+    num_classes: int,
+    seed: int,
+    devices: list[str],
+    bounds: list[int] | None = None,
 ) -> tuple[tf.keras.Model, list[tuple[str, list[tf.keras.layers.Layer]]]]:
-    """The model split into ``len(devices)`` consecutive layer groups of about equal parameter
-    count, each group's variables on its device. Same weights as ``build_model`` with this seed."""
-    counts = [layer.count_params() for layer in build_model(kind, input_shape, num_classes, seed).layers[1:]]
-    bounds = split_by_parameters(counts, len(devices))
+    """The model split into ``len(devices)`` consecutive layer groups at ``bounds`` (each group's
+    first layer index after the first group; default: about equal parameter count), each group's
+    variables on its device. Same weights as ``build_model`` with this seed."""
+    if bounds is None:
+        counts = [layer.count_params() for layer in build_model(kind, input_shape, num_classes, seed).layers[1:]]
+        bounds = split_by_parameters(counts, len(devices))
     tf.keras.utils.set_random_seed(seed)
-    chain = _layer_chain(kind, num_classes)
+    chain = layer_chain(kind, num_classes)
     starts, ends = [0, *bounds], [*bounds, len(chain)]
     groups = [(device, chain[start:end]) for device, start, end in zip(devices, starts, ends)]
     return _connect(kind, input_shape, groups), groups

@@ -7,12 +7,12 @@ import hashlib
 import json
 
 from hetflow.spec import RunSpec
-from hetflow.spec.cluster import MICRO_BATCHES
+from hetflow.spec.cluster import MICRO_BATCHES, STAGE_SPLIT
 from mlflow import MlflowClient
 
 # Keys added after versions were registered, at their defaults: left out, so that a spec which
 # does not set them names the same training as it did before they existed.
-ADDED_LATER = {"micro_batches": MICRO_BATCHES}
+ADDED_LATER = {"micro_batches": MICRO_BATCHES, "stage_split": STAGE_SPLIT}
 
 
 def training_key(spec: RunSpec, fingerprint: str) -> str:

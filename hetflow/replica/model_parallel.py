@@ -32,9 +32,10 @@ from typing import Any
 import tensorflow as tf
 
 from hetflow.data.pipeline import eval_input, train_input
-from hetflow.models.architectures import build_model_parallel
+from hetflow.models.architectures import build_model_parallel, layer_chain
 from hetflow.models.schedule import make_optimizer, steps_per_epoch
-from hetflow.paths import RunPaths
+from hetflow.models.stage_split import split_by_parameters, split_by_time, stage_seconds
+from hetflow.paths import RunPaths, write_record
 from hetflow.replica.checkpoint import EpochCheckpoint
 from hetflow.replica.loop import EpochLoop, validation_sums
 from hetflow.replica.record import Trained, tensor_bytes, worker_rate
@@ -44,6 +45,12 @@ from hetflow.spec import RunSpec
 # How long the chief waits for every stage's server to listen: replicas start together, and a
 # container's name resolves only once the engine has started it.
 SERVERS_UP_SECONDS = 300
+# The fixed work each stage's device is timed on: chained matrix products, each one round trip.
+CALIBRATION_SIZE, CALIBRATION_PRODUCTS = 256, 16
+# Timings add calls up to at least this long; a device's spans several of the kernel's 100 ms CPU
+# quota periods, which is how a slower worker (worker_devices slowdown, replica_cpus) is held back.
+LAYER_TIMING_SECONDS, DEVICE_TIMING_SECONDS = 0.1, 0.5
+LAYER_REPEATS = 20
 
 
 def micro_batch_sizes(batch: int, parts: int) -> list[int]:
@@ -77,6 +84,90 @@ def connect_stage_workers() -> list[str]:
     return [f"/job:worker/replica:0/task:{index}/device:CPU:0" for index in range(len(workers))]
 
 
+def _seconds_per_call(function, at_least: float) -> float:
+    """Seconds per call of ``function`` (a tf.function, called once first to trace it), over calls
+    adding up to ``at_least``; each call's results are fetched, so its work is done."""
+    function()
+    calls, started = 0, time.perf_counter()
+    while True:
+        tf.nest.map_structure(lambda tensor: tensor.numpy(), function())
+        calls += 1
+        elapsed = time.perf_counter() - started
+        if elapsed >= at_least:
+            return elapsed / calls
+
+
+def profile_layers(kind: str, input_shape: list[int], num_classes: int, micro_batch: int) -> dict[str, list]:
+    """Each layer of the model (``layer_chain``): its name, parameters, and the seconds its forward and
+    backward pass of one micro-batch take on this replica. Built and timed one layer at a time, so
+    the chief never holds the whole model that its stages share."""
+    x = tf.zeros([micro_batch, *input_shape], tf.uint8)
+    names, parameters, seconds = [], [], []
+    for layer in layer_chain(kind, num_classes):
+        outputs = layer(x)
+
+        @tf.function
+        def forward_backward(layer=layer, inputs=x):
+            # Repeated inside one call, so that the call's own overhead (a millisecond, more than a
+            # small layer's work) does not make every layer look alike.
+            differentiable, touched = inputs.dtype.is_floating, tf.constant(0.0)
+            for _ in tf.range(LAYER_REPEATS):
+                with tf.GradientTape() as tape:
+                    if differentiable:
+                        tape.watch(inputs)
+                    result = layer(inputs, training=True)
+                sources = layer.trainable_weights + ([inputs] if differentiable else [])
+                for tensor in tape.gradient(result, sources) if sources else [result]:
+                    touched += tf.cast(tf.reshape(tensor, [-1])[0], tf.float32)  # keeps the work from being pruned
+            return touched
+
+        seconds.append(_seconds_per_call(forward_backward, LAYER_TIMING_SECONDS) / LAYER_REPEATS)
+        names.append(layer.name)
+        parameters.append(layer.count_params())
+        x = outputs
+    return {"layers": names, "parameters": parameters, "layer_seconds": seconds}
+
+
+def time_devices(devices: list[str]) -> list[float]:
+    """Seconds each device takes for the same fixed work (``CALIBRATION_PRODUCTS`` products of
+    ``CALIBRATION_SIZE``-square matrices): its speed, as the stage's replica gets it."""
+    timings = []
+    for device in devices:
+
+        @tf.function
+        def work(device=device):
+            with tf.device(device):
+                matrix = tf.random.stateless_uniform([CALIBRATION_SIZE, CALIBRATION_SIZE], seed=[0, 0])
+                product = matrix
+                for _ in range(CALIBRATION_PRODUCTS):
+                    product = tf.matmul(product, matrix) / CALIBRATION_SIZE
+                return tf.reduce_sum(product)
+
+        timings.append(_seconds_per_call(work, DEVICE_TIMING_SECONDS))
+    return timings
+
+
+def plan_stages(spec: RunSpec, dataset: dict[str, Any], devices: list[str]) -> dict[str, Any]:
+    """Where to cut the model (``hetflow.models.stage_split``), by the spec's ``stage_split``, and
+    the numbers behind it: plan.json's ``stage_split``, which the pipeline recomputes."""
+    micro_batch = -(-spec.training.batch_size // spec.cluster.micro_batches)
+    profile = profile_layers(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], micro_batch)
+    by_parameters = split_by_parameters(profile["parameters"], len(devices))
+    work = time_devices(devices)
+    by_time = split_by_time(profile["layer_seconds"], work)
+    bounds = by_time if spec.cluster.stage_split == "measured" else by_parameters
+    return {
+        "method": spec.cluster.stage_split,
+        "devices": devices,
+        **profile,
+        "stage_work_seconds": work,
+        "bounds": bounds,
+        "stage_seconds": stage_seconds(bounds, profile["layer_seconds"], work),
+        "parameter_bounds": by_parameters,
+        "parameter_stage_seconds": stage_seconds(by_parameters, profile["layer_seconds"], work),
+    }
+
+
 def pipelined_step(groups, optimizer, global_batch: int, micro_batches: int):
     """One training step over the stages ``groups`` [(device, layers)], in ``micro_batches``;
     returns the batch's mean loss and its correctly classified examples."""
@@ -107,11 +198,13 @@ def pipelined_step(groups, optimizer, global_batch: int, micro_batches: int):
             loss += micro_loss
             correct += hits
         # Backward, every micro-batch, last stage first; gradients summed on each stage's device.
+        # A stage's next micro-batch waits for the previous one's sum, so it holds two gradients'
+        # worth at most, not one per micro-batch (its device runs them one after another anyway).
         summed = [None] * len(groups)
         for tapes, inputs, micro_loss in passes:
             target, upstream = micro_loss, None
             for index in reversed(range(len(groups))):
-                with tf.device(groups[index][0]):
+                with tf.device(groups[index][0]), tf.control_dependencies(summed[index]):
                     sources = stage_variables[index] + ([inputs[index]] if index else [])
                     gradients = tapes[index].gradient(target, sources, output_gradients=upstream)
                     weights = gradients[: len(stage_variables[index])]
@@ -159,11 +252,26 @@ def stage_record(groups, optimizer) -> list[dict[str, Any]]:
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
     across_workers = spec.cluster.chief_coordinates
     devices = connect_stage_workers() if across_workers else local_devices(spec.cluster.worker_device(0).count)
+    plan = plan_stages(spec, dataset, devices)
+    write_record(paths.plan, {"stage_split": plan})
     model, groups = build_model_parallel(
-        spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed, devices
+        spec.model.architecture,
+        dataset["input_shape"],
+        dataset["num_classes"],
+        spec.training.seed,
+        devices,
+        plan["bounds"],
     )
+    predicted = dict(zip(devices, plan["stage_seconds"]))
     for device, layers in groups:
-        print(f"{device}: {', '.join(layer.name for layer in layers)}", flush=True)
+        names = ", ".join(layer.name for layer in layers)
+        print(f"{device}: {names} ({1000 * predicted[device]:.1f} ms a micro-batch, predicted)", flush=True)
+    slowest = max(plan["stage_seconds"])
+    print(
+        f"layer groups split by {plan['method']}: slowest stage {1000 * slowest:.1f} ms a micro-batch, predicted; "
+        f"by parameters it would be {1000 * max(plan['parameter_stage_seconds']):.1f} ms",
+        flush=True,
+    )
     loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
     optimizer = make_optimizer(spec, loop.schedule)
     batch, micro_batches = spec.training.batch_size, spec.cluster.micro_batches

@@ -15,6 +15,7 @@ from hetflow.spec.sections import Section, SpecModel, short_name, spec_field
 # Enough to keep 2 stages busy most of a step ((N-1)/(M+N-1): a third idle at N=2), few enough
 # that each micro-batch's matrices stay large.
 MICRO_BATCHES = 4
+STAGE_SPLIT = "measured"
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
 CONTAINERS = ("docker", "swarm", "kubernetes")
 
@@ -221,6 +222,14 @@ class ClusterSpec(Section):
         le=64,
         title="Micro-batches (model_parallel)",
     )
+    stage_split: Literal["measured", "parameters"] = spec_field(
+        STAGE_SPLIT,
+        "model_parallel only: where the model is cut into layer groups. `measured`: the chief times each "
+        "layer and each stage's device before the first step and cuts so that the slowest stage is fastest "
+        "(unequal workers get unequal groups; the numbers are in plan.json). `parameters`: about equal "
+        "parameter counts, whatever each layer costs and each worker's speed.",
+        title="Layer groups split by (model_parallel)",
+    )
     ps: PsReplicas = Field(default_factory=PsReplicas)
     replica_threads: int = spec_field(
         0,
@@ -296,6 +305,11 @@ class ClusterSpec(Section):
             problems.append(
                 f"devices_per_worker={max(stage_devices)} is invalid with strategy=model_parallel and "
                 f"workers={workers}: expected 1 (one layer group per worker; several devices serve workers=1)"
+            )
+        if strategy != "model_parallel" and self.stage_split != STAGE_SPLIT:
+            problems.append(
+                f"stage_split={self.stage_split} is invalid with strategy={strategy}: expected {STAGE_SPLIT}, "
+                "the default (layer groups are model_parallel's only)"
             )
         if strategy != "model_parallel" and self.micro_batches != MICRO_BATCHES:
             problems.append(

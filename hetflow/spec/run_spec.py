@@ -17,7 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hetflow.spec.cluster import ClusterSpec
 from hetflow.spec.keys import Key, walk
 from hetflow.spec.messages import SpecError, invalid_line, unknown_key_line
-from hetflow.spec.sections import CompressionSpec, DataSpec, ExportSpec, ModelSpec, RegistrySpec, TrainingSpec
+from hetflow.spec.sections import (
+    MODEL_LAYERS,
+    CompressionSpec,
+    DataSpec,
+    ExportSpec,
+    ModelSpec,
+    RegistrySpec,
+    TrainingSpec,
+)
 
 
 class RunSpec(BaseModel):
@@ -92,6 +100,13 @@ class RunSpec(BaseModel):
             problems.append(
                 f"batch_size={training.batch_size} is invalid with {cluster.replicas_in_sync} replicas in sync: "
                 f"expected a multiple of {cluster.replicas_in_sync} (every replica gets an equal share)"
+            )
+        layers = MODEL_LAYERS[self.model.architecture]
+        if cluster.strategy == "model_parallel" and cluster.worker.replicas > layers:
+            problems.append(
+                f"workers={cluster.worker.replicas} is invalid with strategy=model_parallel and "
+                f"model={self.model.architecture}: expected at most {layers} (one layer group of its {layers} layers "
+                "per worker)"
             )
         if cluster.strategy == "model_parallel" and cluster.micro_batches > training.batch_size:
             problems.append(

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from hetflow.cluster.supervisor import read_restarts
+from hetflow.models.stage_split import read_stage_split
 from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, run_paths, write_record
 from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, load_spec, read_record, reported
 from hetflow.pipeline.timing import PARTS
@@ -44,6 +45,17 @@ def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
     if plan is None:
         return None
     return {"requested": plan["requested"].cluster.strategy, "decision": plan["decision"], "probes": plan["probes"]}
+
+
+def _stage_split(paths: RunPaths, training: dict[str, Any]) -> dict[str, Any] | None:
+    """strategy=model_parallel: each stage's layers and predicted time, and on swarm its node."""
+    if training.get("strategy") != "model_parallel":
+        return None
+    split = read_stage_split(paths.plan, load_spec(paths), training)
+    nodes = read_replica_record(paths.nodes) if paths.nodes.exists() else {}
+    for stage in split["stages"]:
+        stage["node"] = nodes.get(stage["replica"])
+    return split
 
 
 def _timings(paths: RunPaths, finished: tuple[str, ...], training: dict, dag_started_at: float | None) -> dict | None:
@@ -140,6 +152,8 @@ def summarize(
         "timings": _timings(paths, finished, training, dag_started_at),
         # strategy=auto: what it chose and why, from the probes (plan.json).
         "auto": _auto_decision(paths) if "provision_cluster" in finished else None,
+        # strategy=model_parallel: each stage's layers and predicted time (plan.json), and its node on swarm
+        "stage_split": _stage_split(paths, training),
         "registry": {
             k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate", "models")
         }

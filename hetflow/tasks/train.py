@@ -10,6 +10,7 @@ import signal
 import threading
 from typing import Any
 
+from hetflow.models.stage_split import read_stage_split
 from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
 from hetflow.replica.training_json import read_training
@@ -42,7 +43,28 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
             backends.supervise(spec, cluster, paths.root, spec.cluster.run_policy.timeout_seconds)
             if paths.requested_spec.exists():  # provision_cluster's, in a folder replicas see read-only
                 spec = _carry_out_auto(spec, run_id, paths)
-    return {**read_training(paths.training, spec, read_record(paths.dataset)), "attempt": receipt}
+    training = read_training(paths.training, spec, read_record(paths.dataset))
+    if spec.cluster.strategy == "model_parallel":
+        _log_stage_split(read_stage_split(paths.plan, spec, training))
+    return {**training, "attempt": receipt}
+
+
+def _log_stage_split(split: dict[str, Any]) -> None:
+    """model_parallel's layer groups and why: each stage's layers and predicted time, as the
+    pipeline recomputed them from the chief's measurements."""
+    for stage in split["stages"]:
+        log.info(
+            "stage on %s: %s (%.1f ms a micro-batch, predicted)",
+            stage["device"],
+            ", ".join(stage["layers"]),
+            1000 * stage["predicted_seconds"],
+        )
+    log.info(
+        "layer groups split by %s: slowest stage %.1f ms a micro-batch; split by parameters: %.1f ms",
+        split["method"],
+        1000 * split["slowest_stage_seconds"],
+        1000 * split["slowest_by_parameters_seconds"],
+    )
 
 
 def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:

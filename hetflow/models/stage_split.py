@@ -1,0 +1,161 @@
+"""Where model_parallel cuts the model: consecutive layer groups, one per stage, chosen by parameter
+count or by measured time. No TensorFlow: the pipeline recomputes a replica's split with it.
+
+A pipelined step runs at the pace of its slowest stage, so the measured split minimises the
+largest stage time: each layer's measured cost (forward and backward of one micro-batch) in the
+share of the whole model's cost it takes, times each stage's measured seconds for a fixed piece of
+work, solved exactly as a contiguous partition by dynamic programming over layer boundaries.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError
+
+from hetflow.paths import NotRegularFile, read_replica_record
+from hetflow.replica.training_json import MAX_LAYERS, MAX_SECONDS, MAX_WORKERS, Count, Name, Seconds, Strict
+from hetflow.spec import RunSpec
+
+
+def split_by_parameters(counts: list[int], parts: int) -> list[int]:
+    """Group boundaries for consecutive items so each group holds about 1/parts of the total;
+    returns the start index of each group after the first. Every group gets at least one item."""
+    total = sum(counts) or 1
+    bounds, running = [], 0
+    for index, count in enumerate(counts[:-1]):
+        running += count
+        remaining_items, remaining_groups = len(counts) - index - 1, parts - 1 - len(bounds)
+        due = running >= total * (len(bounds) + 1) / parts
+        if remaining_groups and (due or remaining_items == remaining_groups):
+            bounds.append(index + 1)
+    return bounds
+
+
+def stage_seconds(bounds: list[int], layer_seconds: list[float], stage_work_seconds: list[float]) -> list[float]:
+    """Each stage's predicted time per micro-batch: the share of the model's measured cost its
+    layers take, times the seconds its device took for the fixed calibration work."""
+    total = sum(layer_seconds) or 1.0
+    starts, ends = [0, *bounds], [*bounds, len(layer_seconds)]
+    return [work * sum(layer_seconds[start:end]) / total for work, start, end in zip(stage_work_seconds, starts, ends)]
+
+
+def split_by_time(layer_seconds: list[float], stage_work_seconds: list[float]) -> list[int]:
+    """The boundaries (as ``split_by_parameters`` returns them) of the contiguous split of the
+    layers over the stages, in order, whose slowest stage is fastest (``stage_seconds``); every
+    stage gets at least one layer. Among equal splits, the one with earlier boundaries."""
+    layers, stages = len(layer_seconds), len(stage_work_seconds)
+    total = sum(layer_seconds) or 1.0
+    prefix = [0.0]
+    for seconds in layer_seconds:
+        prefix.append(prefix[-1] + seconds)
+
+    def cost(stage: int, start: int, end: int) -> float:
+        return stage_work_seconds[stage] * (prefix[end] - prefix[start]) / total
+
+    # best[s][j]: the slowest stage's time when stages 0..s hold layers 0..j-1; cut[s][j]: where stage s starts.
+    best = [[math.inf] * (layers + 1) for _ in range(stages)]
+    cut = [[0] * (layers + 1) for _ in range(stages)]
+    for end in range(1, layers + 1):
+        best[0][end] = cost(0, 0, end)
+    for stage in range(1, stages):
+        for end in range(stage + 1, layers + 1):
+            for start in range(stage, end):
+                slowest = max(best[stage - 1][start], cost(stage, start, end))
+                if slowest < best[stage][end]:
+                    best[stage][end], cut[stage][end] = slowest, start
+    bounds, end = [], layers
+    for stage in range(stages - 1, 0, -1):
+        end = cut[stage][end]
+        bounds.append(end)
+    return bounds[::-1]
+
+
+class _Split(Strict):
+    """plan.json's ``stage_split``, as the model_parallel chief writes it."""
+
+    method: Literal["measured", "parameters"]
+    devices: Annotated[list[Name], Field(min_length=1, max_length=MAX_WORKERS)]
+    layers: Annotated[list[Name], Field(min_length=1, max_length=MAX_LAYERS)]
+    parameters: Annotated[list[Count], Field(max_length=MAX_LAYERS)]
+    layer_seconds: Annotated[list[Seconds], Field(max_length=MAX_LAYERS)]
+    stage_work_seconds: Annotated[list[Annotated[float, Field(gt=0, le=MAX_SECONDS)]], Field(max_length=MAX_WORKERS)]
+    bounds: Annotated[list[Count], Field(max_length=MAX_WORKERS)]
+    stage_seconds: Annotated[list[Seconds], Field(max_length=MAX_WORKERS)]
+    parameter_bounds: Annotated[list[Count], Field(max_length=MAX_WORKERS)]
+    parameter_stage_seconds: Annotated[list[Seconds], Field(max_length=MAX_WORKERS)]
+
+
+def read_stage_split(path: Path, spec: RunSpec, training: dict[str, Any]) -> dict[str, Any]:
+    """model_parallel's split as the pipeline takes it: plan.json's numbers (a replica's: read as
+    data, every field typed), the split recomputed from them with this module's code, and the layer
+    groups training.json (read by ``read_training``) says trained; NotRegularFile, one line naming
+    the field, where the replica's split is not the one its numbers give. Returns each stage's
+    layers (as the trained model names them) and predicted seconds, and the slowest stage by
+    either method."""
+    try:
+        split = _Split.model_validate(read_replica_record(path).get("stage_split"))
+    except ValidationError as invalid:
+        error = invalid.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(part) for part in error["loc"])
+        raise NotRegularFile(f"{path}: stage_split.{where}: {error['msg']}: refused") from None
+    stages, layers = len(split.devices), len(split.layers)
+    same_length = {"parameters": layers, "layer_seconds": layers, "stage_work_seconds": stages}
+    for field, length in same_length.items():
+        if len(getattr(split, field)) != length:
+            raise NotRegularFile(f"{path}: stage_split.{field} must hold {length} values: refused")
+    by_parameters = split_by_parameters(split.parameters, stages)
+    by_time = split_by_time(split.layer_seconds, split.stage_work_seconds)
+    bounds = by_time if spec.cluster.stage_split == "measured" else by_parameters
+    trained = _trained_groups(training)
+    if (
+        split.method != spec.cluster.stage_split
+        or split.bounds != bounds
+        or [len(g) for g in trained] != _group_sizes(bounds, layers)
+    ):
+        raise NotRegularFile(
+            f"{path}: stage_split.bounds must be {bounds}, the {spec.cluster.stage_split} split of its numbers, "
+            f"and the layer groups trained: refused"
+        )
+    predicted = stage_seconds(bounds, split.layer_seconds, split.stage_work_seconds)
+    return {
+        "method": spec.cluster.stage_split,
+        "stages": [
+            {
+                "replica": _replica(device),
+                "device": device,
+                "layers": names,
+                "predicted_seconds": seconds,
+            }
+            for device, names, seconds in zip(split.devices, trained, predicted)
+        ],
+        "slowest_stage_seconds": max(predicted),
+        "slowest_by_parameters_seconds": max(
+            stage_seconds(by_parameters, split.layer_seconds, split.stage_work_seconds)
+        ),
+    }
+
+
+def _replica(device: str) -> str:
+    """The replica a stage's device is on: worker-i across workers, else the one worker's."""
+    task = re.search(r"/job:worker/replica:0/task:([0-9]+)/", device)
+    return f"worker-{task.group(1)}" if task else "worker-0"
+
+
+def _group_sizes(bounds: list[int], layers: int) -> list[int]:
+    return [end - start for start, end in zip([0, *bounds], [*bounds, layers])]
+
+
+def _trained_groups(training: dict[str, Any]) -> list[list[str]]:
+    """The layers each stage trained, in order, from training.json's layer placement."""
+    groups: list[list[str]] = []
+    previous = None
+    for entry in training.get("layer_placement") or []:
+        if entry["device"] != previous:
+            groups.append([])
+            previous = entry["device"]
+        groups[-1].append(entry["layer"])
+    return groups
