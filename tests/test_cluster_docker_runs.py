@@ -122,20 +122,25 @@ TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=docker")
     "shape",
     [
         ("strategy=multi_worker_mirrored", "workers=2"),
-        ("strategy=parameter_server", "workers=2", "ps=1"),
+        ("strategy=model_parallel", "workers=2"),
     ],
-    ids=["sync", "async"],
+    ids=["sync", "stages"],
 )
 def test_a_dag_run_in_containers_reaches_the_local_accuracy_bar_and_leaves_nothing(docker_client, hetflow_env, shape):
+    """Sync workers, and a model's layer groups on two worker containers driven by a chief (the
+    parameter-server shape runs through the DAG in containers in the restart test below)."""
     done, summary = dag_run(hetflow_env, *TRAINING, *shape, "registered_model=docker-digits")
     assert done.returncode == 0, done.stdout[-3000:]
     assert summary["status"] == "success" and summary["restarts"] == []
     assert summary["metrics"]["test_accuracy"] >= 0.9
-    chief = "chief-0" if "ps=1" in shape else "worker-0"
+    staged = "strategy=model_parallel" in shape
+    chief = "chief-0" if staged else "worker-0"
     assert f"[{chief}] Epoch 15/15" in done.stdout  # the containers' output streamed into the task log
     logs = Path(summary["run_dir"]) / "logs"
-    expected = {"worker-0", "worker-1"} | ({"chief-0", "ps-0"} if "ps=1" in shape else set())
-    assert {p.stem for p in logs.glob("*.log")} == expected
+    assert {p.stem for p in logs.glob("*.log")} == {"worker-0", "worker-1"} | ({"chief-0"} if staged else set())
+    if staged:  # each worker container held a layer group: the summary says which
+        stages = summary["stage_split"]["stages"]
+        assert [stage["replica"] for stage in stages] == ["worker-0", "worker-1"] and all(s["layers"] for s in stages)
     assert _docker_names(docker_client, summary["run_id"]) == []
 
 
@@ -189,6 +194,10 @@ def test_a_killed_container_is_restarted_by_the_policy_counted_and_the_run_compl
     assert restart["action"] == "restarted every replica"
     tags = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"]).get_run(summary["mlflow_run_id"]).data.tags
     assert tags["restarts"].startswith(f"{name} exited 137 (killed by SIGKILL")
+    chief = "chief-0" if "ps=1" in shape else "worker-0"
+    assert f"[{chief}] Epoch 15/15" in done.stdout
+    logs = {p.stem for p in (Path(summary["run_dir"]) / "logs").glob("*.log")}
+    assert logs == {"worker-0", "worker-1"} | ({"chief-0", "ps-0"} if "ps=1" in shape else set())
     assert _docker_names(docker_client, summary["run_id"]) == []
 
 
