@@ -22,8 +22,7 @@ CASES = {
         "warmup_epochs=1",
     ],
     "parameter_server": ["strategy=parameter_server", "workers=2", "ps=2"],
-    "model_parallel": ["strategy=model_parallel", "devices_per_worker=2"],
-}
+}  # model_parallel goes through the DAG in test_e2e_run (second run) and test_cluster_docker_runs
 
 
 @pytest.fixture(scope="module")
