@@ -94,6 +94,28 @@ def test_sync_worker_killed_mid_epoch_restarts_the_group_and_resumes(hetflow_env
 
 
 @pytest.mark.slow
+def test_a_lost_model_parallel_stage_restarts_the_group_which_resumes_every_stage_from_the_checkpoint(hetflow_env):
+    from hetflow.cluster.processes import run_processes
+    from hetflow.paths import run_paths
+    from hetflow.tasks.evaluate import evaluate
+
+    run_id = f"ft_stages_{os.getpid()}"
+    _provision(hetflow_env, run_id, strategy="model_parallel", workers=2, epochs=8)
+    # worker-1 holds the last layer group: its variables are gone with it.
+    done = _run_and_kill(run_id, hetflow_env, watch="chief-0", when="Epoch 3/", victim="worker-1")
+    assert done.returncode == 0, done.stdout[-3000:]
+    paths = run_paths(run_id)
+    [restart] = json.loads(paths.restarts.read_text())
+    assert restart["replica"] == "worker-1" and restart["action"] == "restarted every replica"
+    attempts = _attempts((paths.logs / "chief-0.log").read_text(), "chief-0")
+    assert len(attempts) == 2 and "resumed from " in attempts[1]
+    assert min(_epochs(attempts[1])) >= 3  # the checkpoint held both stages' variables and slots
+    assert max(_epochs(attempts[1])) == 8
+    assert evaluate(run_id)["test_accuracy"] >= 0.85
+    assert run_processes(run_id) == []
+
+
+@pytest.mark.slow
 def test_async_worker_killed_is_restarted_alone_while_training_goes_on(hetflow_env):
     from hetflow.paths import run_paths
 
