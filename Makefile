@@ -31,8 +31,8 @@ RUN_SPEC ?= --set strategy=multi_worker_mirrored --set workers=2
 run: setup sandbox
 	$(BIN)/hetflow run $(RUN_SPEC) $(ARGS)
 
-## what the tests need beyond .venv: the browser the UI tests drive, a compose CLI, a Docker engine, the
-## replica image and the compose stack's images (where no engine can start, the container tests skip and say why)
+## what the tests need beyond .venv: the browser the UI tests drive, a compose CLI, a Docker engine and the
+## replica image (where no engine can start, the container tests skip and say why)
 test-deps: setup sandbox
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
@@ -40,7 +40,7 @@ test-deps: setup sandbox
 	@# and starts the stack (`up --wait`, Compose v2); where v2 cannot be installed, v1 still checks
 	@docker/compose-cli.sh || command -v docker-compose >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose; }
-	@if docker/engine.sh; then docker/build-image.sh && docker/stack-images.sh; fi
+	@if docker/engine.sh; then docker/build-image.sh; fi
 
 ## a Docker engine on this machine (Debian's docker.io, dockerd started as root)
 engine:
@@ -58,20 +58,28 @@ swarm: image
 swarm-down:
 	docker/swarm.sh down
 
-## every test, the slow end-to-end tier included
+## every test but the heavy tier (CI's suite): unit, multi-process, containers, swarm, end to end through
+## Airflow, MLflow and a browser
 test: test-deps
+	$(BIN)/pytest -v --durations=30 -m "not heavy"
+
+## every test: also the heavy tier, which brings up the compose stack (its images built first) and loses a
+## swarm node mid-run
+test-all: test-deps
+	@if docker/engine.sh; then docker/stack-images.sh; fi
 	$(BIN)/pytest -v --durations=30
 
 ## the tests that start no TensorFlow replica and no DAG run (tests/replica_guard.py enforces the first)
 test-fast: setup
 	$(BIN)/pytest -v -m "not slow and not replicas"
 
-## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md; on a swarm of unequal nodes: bench/STRAGGLER-SWARM.md), containers vs processes on local, docker and swarm (bench/CONTAINERS.md) and a default run's fixed overhead (bench/OVERHEAD.md); the swarm benches bring their own swarm up and down (docker/swarm.sh)
+## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md; on a swarm of unequal nodes: bench/STRAGGLER-SWARM.md), model parallelism (bench/MODEL_PARALLEL.md), containers vs processes on local, docker and swarm (bench/CONTAINERS.md) and a default run's fixed overhead (bench/OVERHEAD.md); the swarm benches bring their own swarm up and down (docker/swarm.sh)
 bench: setup image
 	$(BIN)/python bench/run.py $(ARGS)
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/straggler.py
 	$(BIN)/python bench/straggler.py --backend swarm
+	$(BIN)/python bench/model_parallel.py
 	$(BIN)/python bench/containers.py
 	$(BIN)/python bench/overhead.py $(RUN_SPEC)
 

@@ -283,8 +283,9 @@ TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=swarm", "encry
     [
         (("strategy=multi_worker_mirrored", "workers=2"), {"worker-0": "node-1", "worker-1": "node-2"}),
         (("strategy=parameter_server", "workers=2", "ps=1"), {"worker-0": "node-1", "worker-1": "node-2"}),
+        (("strategy=model_parallel", "workers=2"), {"worker-0": "node-1", "worker-1": "node-2"}),
     ],
-    ids=["sync", "async"],
+    ids=["sync", "async", "stages"],
 )
 def test_a_dag_run_across_two_swarm_nodes_reaches_the_local_bar_records_its_nodes_and_leaves_nothing(
     swarm, shape, expected_nodes
@@ -302,7 +303,14 @@ def test_a_dag_run_across_two_swarm_nodes_reaches_the_local_bar_records_its_node
     assert set(nodes.values()) <= {"node-1", "node-2"}
     if "ps=1" in shape:
         assert set(nodes) == {"chief-0", "worker-0", "worker-1", "ps-0"}
-    chief = "chief-0" if "ps=1" in shape else "worker-0"
+    if "strategy=model_parallel" in shape:  # which node holds which layers
+        stages = summary["stage_split"]["stages"]
+        assert [(stage["replica"], stage["node"]) for stage in stages] == [
+            ("worker-0", "node-1"),
+            ("worker-1", "node-2"),
+        ]
+        assert all(stage["layers"] for stage in stages)
+    chief = "chief-0" if "ps=1" in shape or "strategy=model_parallel" in shape else "worker-0"
     assert f"[{chief}] Epoch 15/15" in done.stdout  # the services' output streamed into the task log
     assert _run_objects(swarm["client"], summary["run_id"]) == []
     assert os.path.exists(Path(summary["run_dir"]) / "logs" / "worker-1.log")
@@ -337,6 +345,7 @@ def _revive(docker_client, swarm, node: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize("policy", ["never", "on_failure"])
 def test_a_node_killed_mid_run_fails_it_naming_the_node_or_places_its_replicas_again(
     docker_client, swarm, policy, tmp_path

@@ -112,6 +112,7 @@ def _collect(events, into: list) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_nothing(docker_client, compose, browser):
     run, home, ports = compose["run"], compose["home"], compose["ports"]
     started = time.time()

@@ -1,0 +1,330 @@
+"""``make bench`` (model parallelism): the same job as data parallelism, as model parallelism without
+pipelining, and pipelined in 2, 4 and 8 micro-batches; then the measured layer split against the
+parameter-count split on unequal workers.
+
+- ``pipeline``: ``model=wide_mlp`` (67 M parameters on 32x32x3 images, 80 M) on generated data,
+  global batch 64, two workers of one thread each on this machine's two cores: ``multi_worker_mirrored``
+  (each worker holds the whole model, half the batch) against ``model_parallel`` with ``workers=2``
+  (each holds a layer group; a chief drives them) at ``micro_batches`` 1, 2, 4 and 8.
+- ``split``: ``model=convnet`` (its compute in the convolutions, its parameters in the dense layer),
+  ``model_parallel`` on two workers, worker 1 throttled to half the CPU time (``slowdown`` 2), cut by
+  ``stage_split=measured`` against ``stage_split=parameters``.
+
+Every case is one ``hetflow train`` with a fixed number of steps. Reported per case, medians over
+``--repeats``: the command's wall time and whole-job examples/s (launch to final weights), time to
+first step, steady examples/s and step time, each replica's peak resident memory (VmHWM, read from
+/proc while it runs), and each worker's variable and optimizer-slot bytes. The pipeline bubble is
+measured as the share of a stage's time it waits: ``1 - t / T_M``, with ``t`` one stage's work for
+the whole batch (half the unpipelined step, the two stages being cut to equal time) and ``T_M`` the
+pipelined step; its theory for N stages and M micro-batches is (N-1)/(M+N-1).
+
+Writes bench/results/model-parallel-<UTC timestamp>.json and bench/MODEL_PARALLEL.md;
+``--summary-of RECORD`` rewrites the summary from a saved record, running nothing.
+
+    .venv/bin/python bench/model_parallel.py [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from report import busy_cores, other_work_line, save  # bench/report.py: the scripts run as bench/<name>.py
+from run import machine_facts
+
+from hetflow.cluster.processes import run_replicas
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+ONE_THREAD_EACH = '[{"threads": 1}, {"threads": 1}]'
+COMMON = {"dataset": "synthetic_cifar", "workers": 2, "epochs": 2, "prune": "false", "quantize": "none"}
+PIPELINE = {**COMMON, "model": "wide_mlp", "batch_size": 64, "steps_per_epoch": 6, "worker_devices": ONE_THREAD_EACH}
+STAGES = {**PIPELINE, "strategy": "model_parallel", "stage_split": "parameters"}
+SPLIT = {
+    **COMMON,
+    "model": "convnet",
+    "batch_size": 128,
+    "steps_per_epoch": 20,
+    "strategy": "model_parallel",
+    "worker_devices": '[{"threads": 1}, {"threads": 1, "slowdown": 2}]',
+}
+CASES = {
+    "pipeline": {
+        "data_parallel": {**PIPELINE, "strategy": "multi_worker_mirrored"},
+        **{f"stages_mb{m}": {**STAGES, "micro_batches": m} for m in (1, 2, 4, 8)},
+    },
+    "split": {
+        "by_parameters": {**SPLIT, "stage_split": "parameters"},
+        "by_measured_time": {**SPLIT, "stage_split": "measured"},
+    },
+}
+MEASURES = (
+    "wall_seconds",
+    "whole_job_examples_per_second",
+    "time_to_first_step_seconds",
+    "examples_per_second",
+    "step_seconds",
+)
+# The aims (issue 39): pipelined >= 1.5x unpipelined at N = 2; each replica <= 0.6 of the model's
+# variables and slots; the measured split <= 0.8x the parameter split's time on unequal workers.
+PIPELINE_AIM, SHARE_AIM, SPLIT_AIM = 1.5, 0.6, 0.8
+
+
+def peak_memory(run_home: Path, stop: threading.Event, into: dict[str, int]) -> None:
+    """Each replica's VmHWM (peak resident memory, KiB), read every 0.2 s from /proc until ``stop``."""
+    while not stop.is_set():
+        runs = (
+            sorted((run_home / "runs").glob("*"), key=lambda p: p.stat().st_mtime)
+            if (run_home / "runs").exists()
+            else []
+        )
+        if runs:
+            run_id = (runs[-1] / "run_id").read_text().strip() if (runs[-1] / "run_id").exists() else None
+            for name, pid in (run_replicas(run_id, run_home) if run_id else {}).items():
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                except OSError:
+                    continue
+                peak = int(status.split("VmHWM:")[1].split()[0])
+                into[name] = max(into.get(name, 0), peak)
+        stop.wait(0.2)
+
+
+def run_case(group: str, name: str, env: dict[str, str], home: Path) -> dict:
+    settings = CASES[group][name]
+    command = [str(BIN / "hetflow"), "train", *(f"--set={k}={v}" for k, v in settings.items())]
+    peaks: dict[str, int] = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=peak_memory, args=(home, stop, peaks), daemon=True)
+    watcher.start()
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - started
+    stop.set()
+    watcher.join()
+    run = {"group": group, "case": name, "command": shlex.join(command)}
+    if done.returncode:
+        return run | {"failed": done.stderr[-2000:]}
+    record_path = Path(done.stdout.strip().splitlines()[-1])
+    record = json.loads(record_path.read_text())
+    plan_path = record_path.parent / "plan.json"
+    split = json.loads(plan_path.read_text()).get("stage_split") if plan_path.exists() else None
+    workers = record["per_worker"]
+    return run | {
+        "wall_seconds": wall,
+        "whole_job_examples_per_second": record["whole_job_examples_per_second"],
+        "time_to_first_step_seconds": record["time_to_first_step_seconds"],
+        "examples_per_second": record["examples_per_second"],
+        "step_seconds": min(worker["step_seconds"] for worker in workers.values()),
+        "peak_rss_mib": {replica: kib / 1024 for replica, kib in sorted(peaks.items())},
+        "variable_bytes": {w: part.get("variable_bytes") for w, part in workers.items()},
+        "slot_bytes": {w: part.get("slot_bytes") for w, part in workers.items()},
+        "layers": {w: part.get("layers") for w, part in workers.items()},
+        "stage_split": split,
+    }
+
+
+def medians(runs: list[dict]) -> dict[str, dict[str, dict]]:
+    result: dict[str, dict[str, dict]] = {}
+    for group, cases in CASES.items():
+        result[group] = {}
+        for name in cases:
+            ok = [r for r in runs if (r["group"], r["case"]) == (group, name) and "failed" not in r]
+            if not ok:
+                result[group][name] = {"failed": True}
+                continue
+            peaks = {
+                replica: statistics.median(r["peak_rss_mib"][replica] for r in ok if replica in r["peak_rss_mib"])
+                for replica in ok[0]["peak_rss_mib"]
+            }
+            result[group][name] = {key: statistics.median(r[key] for r in ok) for key in MEASURES} | {
+                "runs": len(ok),
+                "peak_rss_mib": peaks,
+                "variable_bytes": ok[0]["variable_bytes"],
+                "slot_bytes": ok[0]["slot_bytes"],
+                "layers": ok[0]["layers"],
+            }
+    return result
+
+
+def bubble(unpipelined_step: float, pipelined_step: float, stages: int = 2) -> float:
+    """The measured share of a stage's time spent waiting (the module's docstring)."""
+    return 1 - (unpipelined_step / stages) / pipelined_step
+
+
+def summary_text(record: dict) -> str:
+    cases = record["medians"]
+    pipeline, split = cases["pipeline"], cases["split"]
+    lines = [
+        "# Model parallelism: pipelining, memory per replica, and the split by measured time",
+        "",
+        f"Written by `bench/model_parallel.py` from `{record['results_file']}` ({record['when']}); "
+        f"{record['machine']['nproc']} cores ({record['machine']['cpu_model']}), TensorFlow "
+        f"{record['machine']['tensorflow']}, commit {record['machine']['git']}, {record['repeats']} run(s) per case.",
+        other_work_line(record["busy_cores_before"], "before each case"),
+        "",
+        "## The same job: data parallel, model parallel, pipelined",
+        "",
+        "`model=wide_mlp` on generated 32x32x3 images, global batch 64, 2 epochs x 6 steps, two workers of one "
+        "thread each (model parallel: layer groups cut by parameters; a chief drives them).",
+        "",
+        "| case | command wall s | whole-job examples/s | first step s | steady examples/s | step s | "
+        "peak RSS MiB per replica | variable + slot MB per worker |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, case in pipeline.items():
+        if case.get("failed"):
+            lines.append(f"| {name} | failed | | | | | | |")
+            continue
+        peaks = ", ".join(f"{replica} {mib:.0f}" for replica, mib in case["peak_rss_mib"].items())
+        held = (
+            ", ".join(
+                f"{worker} {((case['variable_bytes'][worker] or 0) + (case['slot_bytes'][worker] or 0)) / 1e6:.0f}"
+                for worker in sorted(case["variable_bytes"])
+            )
+            if any(case["variable_bytes"].values())
+            else "each the whole model"
+        )
+        lines.append(
+            f"| {name} | {case['wall_seconds']:.1f} | {case['whole_job_examples_per_second']:.1f} | "
+            f"{case['time_to_first_step_seconds']:.1f} | {case['examples_per_second']:.1f} | "
+            f"{case['step_seconds']:.2f} | {peaks} | {held} |"
+        )
+    lines += ["", "## What it shows, against the aims", ""]
+    one = pipeline.get("stages_mb1", {})
+    if not one.get("failed"):
+        for micro in (2, 4, 8):
+            case = pipeline.get(f"stages_mb{micro}", {})
+            if case.get("failed"):
+                continue
+            theory = 1 / (micro + 1)
+            lines.append(
+                f"- {micro} micro-batches: step {case['step_seconds']:.2f} s against {one['step_seconds']:.2f} s "
+                f"unpipelined ({one['step_seconds'] / case['step_seconds']:.2f}x; aim >= {PIPELINE_AIM}x at the best); "
+                f"bubble measured {bubble(one['step_seconds'], case['step_seconds']):.2f}, theory (N-1)/(M+N-1) = "
+                f"{theory:.2f}"
+            )
+        best = max(
+            (pipeline[f"stages_mb{m}"] for m in (2, 4, 8) if not pipeline.get(f"stages_mb{m}", {}).get("failed")),
+            key=lambda c: -c["step_seconds"],
+            default=None,
+        )
+        if best:
+            speedup = one["step_seconds"] / best["step_seconds"]
+            verdict = "meets" if speedup >= PIPELINE_AIM else "falls short of"
+            lines.append(
+                f"- pipelined at its best: {speedup:.2f}x the unpipelined step, which {verdict} the aim of "
+                f"{PIPELINE_AIM}x"
+            )
+        total = sum((one["variable_bytes"][w] or 0) + (one["slot_bytes"][w] or 0) for w in one["variable_bytes"])
+        shares = [
+            ((one["variable_bytes"][w] or 0) + (one["slot_bytes"][w] or 0)) / total
+            for w in sorted(one["variable_bytes"])
+        ]
+        verdict = "meets" if max(shares) <= SHARE_AIM else "falls short of"
+        lines.append(
+            f"- each worker's share of the model's variables and slots: {', '.join(f'{s:.2f}' for s in shares)}, "
+            f"which {verdict} the aim of at most {SHARE_AIM} (data parallel: 1.00 on each)"
+        )
+    data = pipeline.get("data_parallel", {})
+    fastest = min(
+        (c for n, c in pipeline.items() if n.startswith("stages") and not c.get("failed")),
+        key=lambda c: c["step_seconds"],
+        default=None,
+    )
+    if fastest and not data.get("failed"):
+        lines.append(
+            f"- where the model fits: data parallel {data['whole_job_examples_per_second']:.1f} whole-job examples/s, "
+            f"the fastest model parallel case {fastest['whole_job_examples_per_second']:.1f} "
+            f"({data['whole_job_examples_per_second'] / fastest['whole_job_examples_per_second']:.2f}x in data "
+            "parallelism's favour where above 1)"
+        )
+    lines += [
+        "",
+        "## Unequal workers: the split by measured time against the split by parameters",
+        "",
+        "`model=convnet`, global batch 128, 4 micro-batches, 2 epochs x 20 steps; worker 1 has half the CPU time "
+        "(`slowdown` 2).",
+        "",
+        "| case | layers per worker | step s | steady examples/s | command wall s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, case in split.items():
+        if case.get("failed"):
+            lines.append(f"| {name} | failed | | | |")
+            continue
+        layers = "; ".join(f"{w}: {len(layers or [])}" for w, layers in sorted(case["layers"].items()))
+        lines.append(
+            f"| {name} | {layers} | {case['step_seconds']:.3f} | {case['examples_per_second']:.1f} | "
+            f"{case['wall_seconds']:.1f} |"
+        )
+    measured, by_parameters = split.get("by_measured_time", {}), split.get("by_parameters", {})
+    if not measured.get("failed") and not by_parameters.get("failed"):
+        ratio = measured["step_seconds"] / by_parameters["step_seconds"]
+        verdict = "meets" if ratio <= SPLIT_AIM else "falls short of"
+        lines += [
+            "",
+            f"The measured split's step takes {ratio:.2f}x the parameter split's, which {verdict} the aim of at "
+            f"most {SPLIT_AIM}x.",
+        ]
+    lines += [
+        "",
+        "Not measured here: the same cases on the swarm's two nodes (this bench runs on the local backend only).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--summary-of", type=Path, help="rewrite bench/MODEL_PARALLEL.md from this record")
+    args = parser.parse_args()
+    if args.summary_of:
+        record = json.loads(args.summary_of.read_text())
+        save_summary(record, rewrite=True)
+        return
+    home = Path(tempfile.mkdtemp(prefix="hetflow-bench-mp-"))
+    (home / "mlflow").mkdir()
+    env = {**os.environ, "HETFLOW_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow/mlflow.db"}
+    runs, busy = [], []
+    for _ in range(args.repeats):
+        for group, cases in CASES.items():
+            for name in cases:
+                busy.append(busy_cores())
+                print(f"bench: {group} / {name}", flush=True)
+                runs.append(run_case(group, name, env, home))
+    record = {
+        "when": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_facts(),
+        "repeats": args.repeats,
+        "cases": CASES,
+        "busy_cores_before": busy,
+        "runs": runs,
+        "medians": medians(runs),
+    }
+    save_summary(record)
+
+
+def save_summary(record: dict, rewrite: bool = False) -> None:
+    if rewrite:
+        Path(__file__).with_name("MODEL_PARALLEL.md").write_text(summary_text(record))
+        return
+    stamp = datetime.now(timezone.utc)
+    record["results_file"] = f"bench/results/model-parallel-{stamp.strftime('%Y%m%dT%H%M%SZ')}.json"
+    save("model-parallel", record, "MODEL_PARALLEL.md", summary_text(record), at=stamp)
+
+
+if __name__ == "__main__":
+    main()
