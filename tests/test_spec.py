@@ -85,7 +85,7 @@ def test_valid_cluster_shapes(values):
             {"strategy": "model_parallel", "workers": 2, "micro_batches": 9, "batch_size": 8},
             "micro_batches=9 is invalid with batch_size=8: expected at most 8",
         ),
-        ({"micro_batches": 8}, "micro_batches=8 is invalid with strategy=one_device: expected 4, the default"),
+        ({"micro_batches": 8}, "micro_batches=8 is invalid with strategy=one_device: expected 1, the default"),
         ({"micro_batches": 0}, "micro_batches=0 is invalid: expected an integer >= 1 and <= 64"),
         (
             {"stage_split": "parameters"},

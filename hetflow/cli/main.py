@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hetflow.cli.dag_run import run_dag
+from hetflow.cluster.supervisor import ReplicaFailed
 from hetflow.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths
 from hetflow.spec import SpecError, flat_values, parse_assignment, parse_spec
 
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except NotRegularFile as exc:  # a record a replica planted or broke: named, not a traceback
         print(f"hetflow: {exc}", file=sys.stderr)
+        return 1
+    except ReplicaFailed as exc:  # `hetflow train`: which replica ended the run and why, in one line
+        print(f"hetflow: train failed: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:
         if not _output_reader_gone():

@@ -12,9 +12,10 @@ from pydantic import ConfigDict, Field
 
 from hetflow.spec.sections import Section, SpecModel, short_name, spec_field
 
-# Enough to keep 2 stages busy most of a step ((N-1)/(M+N-1): a third idle at N=2), few enough
-# that each micro-batch's matrices stay large.
-MICRO_BATCHES = 4
+# No pipelining unless asked: measured on two CPU replicas (bench/MODEL_PARALLEL.md), every split
+# step took longer than the unsplit one (2, 4, 8 micro-batches: 1.13x, 1.47x, 2.5x the time), each
+# micro-batch materialising its own weight gradients and the stages barely overlapping.
+MICRO_BATCHES = 1
 STAGE_SPLIT = "measured"
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
 CONTAINERS = ("docker", "swarm", "kubernetes")
@@ -217,7 +218,8 @@ class ClusterSpec(Section):
         MICRO_BATCHES,
         "model_parallel only: each step's global batch is split into this many micro-batches, so that "
         "layer groups work at the same time (every micro-batch forward, then every one backward, one update "
-        "from their summed gradients: the same update as the unsplit batch). 1: no pipelining.",
+        "from their summed gradients: the same update as the unsplit batch). 1, the default: no pipelining "
+        "(on CPU replicas it measured slower, bench/MODEL_PARALLEL.md).",
         ge=1,
         le=64,
         title="Micro-batches (model_parallel)",
