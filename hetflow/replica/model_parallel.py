@@ -2,8 +2,9 @@
 
 Each stage's variables and optimizer slots live on its device and its ops run there; activations
 flow from stage to stage, forward then backward. That is what lets a model larger than one
-replica's memory train at all, and why it is slower than data parallelism when the model does fit:
-stages wait on each other instead of working side by side.
+replica's memory train at all, and why it is usually slower than data parallelism when the model
+does fit: stages wait on each other instead of working side by side (not always: where the
+all-reduce of a wide model's gradients dominates, bench/MODEL_PARALLEL.md measured the reverse).
 
 The stages are either one replica's devices (workers=1, devices_per_worker >= 2) or, with
 workers >= 2, one worker replica each: the workers only run TensorFlow servers, and the chief
@@ -15,8 +16,9 @@ Pipelining (GPipe's schedule): a step splits the global batch into ``micro_batch
 micro-batch forward through the stages, then every one backward, and applies one update from the
 summed gradients. Each micro-batch's loss is its summed example losses over the *global* batch, so
 the sum of the micro-batches' gradients is exactly the unsplit batch's mean-loss gradient. Nothing
-orders one micro-batch after another, so TensorFlow's executor runs stage 1 on micro-batch k while
-stage 2 runs micro-batch k-1. Layers with batch statistics (batch normalization) would see
+orders one micro-batch's forward pass after another's, so TensorFlow's executor may run stage 1 on
+micro-batch k while stage 2 runs micro-batch k-1; on CPU replicas it measured barely so, and
+``micro_batches`` defaults to 1 (bench/MODEL_PARALLEL.md). Layers with batch statistics (batch normalization) would see
 micro-batches, not the batch: hetflow's models have none (``hetflow.models.architectures``).
 
 A custom loop serves this mode: the forward and backward passes must run stage by stage under each
