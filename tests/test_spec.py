@@ -95,6 +95,10 @@ def test_valid_cluster_shapes(values):
             {"strategy": "model_parallel", "workers": 5},
             "workers=5 is invalid with strategy=model_parallel and model=mlp: expected at most 4",
         ),
+        (
+            {"strategy": "model_parallel", "devices_per_worker": 5},
+            "devices_per_worker=5 is invalid with strategy=model_parallel and model=mlp: expected at most 4",
+        ),
         ({"devices_per_worker": 2}, "devices_per_worker=2 is invalid with strategy=one_device: expected 1"),
         ({"backend": "slurm"}, 'backend="slurm" is invalid: expected one of local'),
         ({"model": "resnet"}, 'model="resnet" is invalid: expected one of mlp, cnn, convnet'),

@@ -94,6 +94,11 @@ def test_the_pipeline_recomputes_the_split_and_names_its_replica(tmp_path):
         ({"stage_work_seconds": [0.01]}, [3, 1], "stage_split.stage_work_seconds must hold 2 values"),
         ({"layers": ["x" * 300, "b", "c", "d"]}, [3, 1], "stage_split.layers.0"),
         ({"command": "rm -rf /"}, [3, 1], "stage_split.command: Extra inputs are not permitted"),
+        (
+            {"devices": ["/job:worker/replica:0/task:7/device:CPU:0", "/job:ps/replica:0/task:0/device:CPU:0"]},
+            [3, 1],
+            "stage_split.devices must be the run's 2 stages",
+        ),
     ],
 )
 def test_a_split_its_numbers_do_not_give_is_refused_in_one_line(tmp_path, change, groups, message):

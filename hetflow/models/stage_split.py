@@ -103,6 +103,11 @@ def read_stage_split(path: Path, spec: RunSpec, training: dict[str, Any]) -> dic
         where = ".".join(str(part) for part in error["loc"])
         raise NotRegularFile(f"{path}: stage_split.{where}: {error['msg']}: refused") from None
     stages, layers = len(split.devices), len(split.layers)
+    workers = spec.cluster.worker.replicas
+    expected = workers if workers > 1 else spec.cluster.worker_device(0).count
+    across = [f"/job:worker/replica:0/task:{index}/device:CPU:0" for index in range(workers)]
+    if (split.devices != across) if workers > 1 else stages != expected:
+        raise NotRegularFile(f"{path}: stage_split.devices must be the run's {expected} stages: refused")
     same_length = {"parameters": layers, "layer_seconds": layers, "stage_work_seconds": stages}
     for field, length in same_length.items():
         if len(getattr(split, field)) != length:

@@ -101,12 +101,13 @@ class RunSpec(BaseModel):
                 f"batch_size={training.batch_size} is invalid with {cluster.replicas_in_sync} replicas in sync: "
                 f"expected a multiple of {cluster.replicas_in_sync} (every replica gets an equal share)"
             )
-        layers = MODEL_LAYERS[self.model.architecture]
-        if cluster.strategy == "model_parallel" and cluster.worker.replicas > layers:
+        layers, workers = MODEL_LAYERS[self.model.architecture], cluster.worker.replicas
+        stages = ("workers", workers) if workers > 1 else ("devices_per_worker", cluster.worker_device(0).count)
+        if cluster.strategy == "model_parallel" and stages[1] > layers:
             problems.append(
-                f"workers={cluster.worker.replicas} is invalid with strategy=model_parallel and "
+                f"{stages[0]}={stages[1]} is invalid with strategy=model_parallel and "
                 f"model={self.model.architecture}: expected at most {layers} (one layer group of its {layers} layers "
-                "per worker)"
+                f"per {'worker' if workers > 1 else 'device'})"
             )
         if cluster.strategy == "model_parallel" and cluster.micro_batches > training.batch_size:
             problems.append(
