@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
 
-.PHONY: setup sandbox test-deps engine image compose-cli stack-images run test test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean docs
+.PHONY: setup sandbox test-deps engine image compose-cli stack-images run test test-all test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean docs
 
 $(INSTALLED): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
