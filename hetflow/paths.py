@@ -202,6 +202,11 @@ class RunPaths:
         return self.replicas / "requested_spec.json"
 
     @property
+    def tracking(self) -> Path:
+        """The DAG run's MLflow run, as its first stage made it (``hetflow.registry.live``)."""
+        return self.root / "tracking.json"
+
+    @property
     def provisioned_by(self) -> Path:
         """The process that provisioned the replicas (``hetflow.pipeline.provisioned_by``)."""
         return self.root / "provisioned_by.json"
@@ -243,6 +248,11 @@ class RunPaths:
         return self.output / "training.json"
 
     @property
+    def progress(self) -> Path:
+        """The chief's figures of each epoch, a JSON line each, appended while it trains."""
+        return self.output / "progress.jsonl"
+
+    @property
     def evaluation(self) -> Path:
         return self.root / "evaluation.json"
 
@@ -273,6 +283,16 @@ class RunPaths:
     @property
     def registry(self) -> Path:
         return self.root / "registry.json"
+
+    @property
+    def study(self) -> Path:
+        """A tuning study's run: what it searches (``hetflow.tuning.space``)."""
+        return self.root / "study.json"
+
+    @property
+    def trials(self) -> Path:
+        """A tuning study's run: each trial, how it ended and its figures."""
+        return self.root / "trials.json"
 
     @property
     def summary(self) -> Path:

@@ -57,6 +57,24 @@ def test_dag_wiring(hetflow_env):
     assert set(dag.params) >= {"dataset", "model", "epochs", "batch_size", "registered_model"}
 
 
+def test_tune_dag_wiring(hetflow_env):
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=str(REPO / "dags")).dags["hetflow_tune"]
+    downstream = {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks}
+    assert downstream["validate_study"] == ["run_study"]
+    # The best trial's run id reaches every later task; they run in the train DAG's order.
+    assert downstream["run_study"] == ["compress", "evaluate", "export", "finish_study", "register"]
+    assert [downstream[t] for t in ("evaluate", "compress", "export", "register")] == [
+        ["compress"],
+        ["export"],
+        ["register"],
+        ["finish_study"],
+    ]
+    assert dag.get_task("run_study").retries == 1
+    assert set(dag.params) >= {"strategy", "workers", "learning_rate_range", "target_accuracy", "trials", "base"}
+
+
 def test_a_triggered_runs_conf_takes_sections_as_objects_but_model_only_by_path(hetflow_env):
     """What docs/spec.md says of a conf: Airflow checks it against the form's fields before hetflow
     reads it, and `model` is both a section and the architecture's field."""
@@ -87,8 +105,9 @@ def test_every_task_runs_the_function_of_its_name_in_the_module_of_its_name(hetf
 
     from hetflow.pipeline.attempts import STAGES
 
-    dag = DagBag(dag_folder=str(REPO / "dags")).dags["hetflow_train"]
-    for task in dag.tasks:
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    dag = bag.dags["hetflow_train"]
+    for task in [*dag.tasks, *bag.dags["hetflow_tune"].tasks]:
         module = importlib.import_module(f"hetflow.tasks.{task.task_id}")
         function = getattr(module, task.task_id)
         assert callable(function) and function.__module__ == module.__name__, task.task_id
@@ -106,7 +125,7 @@ def test_every_task_keeps_library_stderr_off_error_and_return_values_out_of_its_
     from hetflow.pipeline.task_log import CALLBACKS
 
     bag = DagBag(dag_folder=str(REPO / "dags"))
-    for dag_id in ("hetflow_train", "hetflow_retrain"):
+    for dag_id in ("hetflow_train", "hetflow_retrain", "hetflow_tune"):
         for task in bag.dags[dag_id].tasks:
             for name, callback in CALLBACKS.items():
                 assert getattr(task, name) in (callback, [callback]), (dag_id, task.task_id, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from urllib.parse import quote
 
 import numpy as np
 import pytest
@@ -63,6 +64,8 @@ def test_mlflow_run_records_tags_params_curves_and_artifacts(first, client):
     tags = run.data.tags
     assert tags["airflow.dag_id"] == "hetflow_train"
     assert tags["airflow.run_id"] == summary["run_id"]
+    assert tags["airflow.url"].endswith(f"/dags/hetflow_train/runs/{quote(summary['run_id'], safe='')}")
+    assert run.info.status == "FINISHED"
     assert tags["dataset.name"] == "uci_digits" and tags["dataset.version"] == "1.0.0"
     assert tags["dataset.fingerprint"] == summary["dataset"]["fingerprint"]
     assert re.fullmatch(r"[0-9a-f]{40}", tags["mlflow.source.git.commit"])
@@ -72,7 +75,9 @@ def test_mlflow_run_records_tags_params_curves_and_artifacts(first, client):
     assert run.data.metrics["test_accuracy"] == pytest.approx(summary["metrics"]["test_accuracy"])
     curve = client.get_metric_history(run.info.run_id, "val_accuracy")
     assert sorted(m.step for m in curve) == list(range(1, 16))
+    # Logged live by train (register adds no second point), with what only the pipeline's sampling gives.
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 15
+    assert client.get_metric_history(run.info.run_id, "memory_mb/worker-0")
     artifacts = {a.path for folder in ("run", "logs", "plots") for a in client.list_artifacts(run.info.run_id, folder)}
     assert {"run/spec.json", "run/training.json", "logs/worker-0.log", "plots/confusion_matrix.png"} <= artifacts
 
@@ -132,6 +137,11 @@ def test_a_failing_stage_fails_the_run_and_says_where(hetflow_env, second, clien
     assert summary["status"] == "failed" and summary["failed_stage"] == "train"
     assert "training timed out after 10 s (train_timeout_seconds)" in done.stdout + done.stderr
     assert len(client.search_model_versions(f"name='{MODEL}'")) == 2
+    (failed,) = client.search_runs(
+        [client.get_experiment_by_name("hetflow").experiment_id], f"tags.`airflow.run_id` = '{summary['run_id']}'"
+    )
+    assert failed.info.status == "FAILED" and failed.data.tags["failed_task"] == "train"
+    assert "training timed out after 10 s" in failed.data.tags["failure_reason"]
 
 
 _RESCORE = """

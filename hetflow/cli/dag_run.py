@@ -100,8 +100,9 @@ def _exclusive(lock_path: Path):
         yield
 
 
-def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
-    """Run hetflow_train once with ``conf`` through Airflow's ``dag.test``; return summary.json's path.
+def run_dag(conf: dict[str, Any], log_file: Path | None = None, dag_id: str = DAG_ID) -> Path:
+    """Run a DAG (hetflow_train, or hetflow_tune) once with ``conf`` through Airflow's ``dag.test``;
+    return summary.json's path.
 
     :param log_file: where everything the run prints goes, the terminal showing only the live view
         (``hetflow.cli.live_view``); None prints it all as it comes.
@@ -118,7 +119,7 @@ def run_dag(conf: dict[str, Any], log_file: Path | None = None) -> Path:
             if bag.import_errors:
                 raise RuntimeError(f"DAG import errors: {bag.import_errors}")
             ensure_dags_in_db(bag.dag_ids)
-            dag_run = bag.get_dag(DAG_ID).test(run_conf=conf)
+            dag_run = bag.get_dag(dag_id).test(run_conf=conf)
     return run_paths(dag_run.run_id).summary
 
 

@@ -138,6 +138,37 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_tune(args) -> int:
+    """The hetflow_tune DAG once: a study from --config (the tune form's fields as JSON), its base
+    spec amended by --set."""
+    from hetflow.tuning.form import study_values
+    from hetflow.tuning.space import parse_study
+
+    form = spec_values(args.config, [])
+    form["base"] = {**form.get("base", {}), **spec_values(None, args.set)}
+    parse_study(study_values(form))  # refused here, one line per problem, before Airflow starts
+    log_name = f"hetflow-tune-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
+    log_file = None if args.verbose else hetflow_home() / "logs" / log_name
+    try:
+        summary_path = run_dag(form, log_file, dag_id="hetflow_tune")
+    except KeyboardInterrupt:
+        tear_down_runs_provisioned_here()
+        return 130
+    if not summary_path.exists():
+        print(f"\nhetflow tune failed: the log is {log_file or 'above'}", file=sys.stderr)
+        return 1
+    summary = read_replica_record(summary_path)
+    print(f"\nhetflow tune: best trial {summary['best_trial']} ({summary['best_run_id']})")
+    for trial in summary["trials"]:
+        target = trial["launch_to_target_seconds"]
+        reached = f"target in {target:.1f} s" if target is not None else f"best {trial['best_accuracy']:.4f}"
+        print(f"  trial {trial['number']:>3} {trial['state']:<9} {reached:<20} {trial['params']}")
+    registry = summary["registry"]
+    print(f"  registered      {registry['model_name']} v{registry['version']} {registry['aliases']}")
+    print(f"  summary         {summary_path}")
+    return 0
+
+
 def _cmd_sweep(args) -> int:
     """What interrupted runs of this HETFLOW_HOME left: containers, networks, services, Kubernetes objects."""
     from hetflow.cluster.backends import sweep
@@ -162,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         ("validate", _cmd_validate, "check a spec and print it with defaults filled in"),
         ("run", _cmd_run, "run the hetflow_train DAG once through Airflow"),
         ("train", _cmd_train, "run only the training stage"),
+        ("tune", _cmd_tune, "run the hetflow_tune DAG once: a study for the fastest settings to a target accuracy"),
         ("sweep", _cmd_sweep, "remove what interrupted runs left: containers, networks, services, pods"),
     ):
         command = commands.add_parser(name, help=text)

@@ -88,9 +88,10 @@ def start(spec: RunSpec, run_id: str, paths: RunPaths) -> Replicas:
     return cluster
 
 
-def supervise(spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float) -> dict[str, int]:
+def supervise(spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float, should_stop=None) -> dict[str, int]:
     """Watch ``cluster`` (provisioned replicas) until training ends: the training replicas' exit
-    codes, or ReplicaFailed. Local replicas live only while a supervisor holds their lease."""
+    codes, or ReplicaFailed (StoppedEarly once ``should_stop()`` gives a reason). Local replicas live
+    only while a supervisor holds their lease."""
     supervisor = Supervisor(
         cluster.layout,
         spec.cluster.run_policy.restart_policy,
@@ -102,6 +103,6 @@ def supervise(spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float) -
     cluster.attach()
     try:
         supervisor.follow(r.name for r in cluster.layout.replicas)
-        return supervisor.wait(timeout)
+        return supervisor.wait(timeout, should_stop=should_stop)
     finally:
         cluster.detach()

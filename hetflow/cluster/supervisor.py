@@ -30,6 +30,10 @@ class ReplicaFailed(RuntimeError):
     pass
 
 
+class StoppedEarly(RuntimeError):
+    """The run's watcher asked to stop training (a tuning study pruned the trial); every replica was stopped."""
+
+
 _RESTART_TEXT = ("replica", "cause", "action")  # what readers put in tags and summaries
 
 
@@ -229,11 +233,11 @@ class Supervisor:
             self.tails[name].append(line)
             log.info("[%s] %s", name, line)
 
-    def wait(self, timeout: float, interval: float = 0.2) -> dict[str, int]:
+    def wait(self, timeout: float, interval: float = 0.2, should_stop=None) -> dict[str, int]:
         """Act on ``decide`` every ``interval`` seconds until the run succeeds (returns the training
         replicas' exit codes), fails or passes ``timeout`` seconds (ReplicaFailed, after stopping
-        every replica). The interval is part of the wait between the final weights and the command's
-        exit."""
+        every replica), or ``should_stop()`` gives a reason (StoppedEarly, after stopping every
+        replica). The interval is part of the wait between the final weights and the command's exit."""
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -255,6 +259,9 @@ class Supervisor:
                 if decision.outcome == "restart":
                     self._restart(decision, states[decision.cause])
                     continue
+                if should_stop is not None and (reason := should_stop()):
+                    self.replicas.stop(tuple(r.name for r in self.layout.replicas))
+                    raise StoppedEarly(f"training stopped early: {reason}")
                 if time.monotonic() > deadline:
                     running = [r.name for r in self.layout.replicas if states[r.name].exit_code is None]
                     self.replicas.stop(tuple(r.name for r in self.layout.replicas))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import logging
 import time
@@ -43,7 +44,9 @@ STAGES = tuple(stage for stage, _ in STAGE_OUTPUTS)
 def reported(stage: Callable) -> Callable:
     """Time a DAG task (``hetflow.pipeline.timing``: its receipt records where its time went) and log its
     failure, with its reason, on the stages' logger: Airflow reports it in its own structured log,
-    which `hetflow run`'s live view does not read."""
+    which `hetflow run`'s live view does not read. A failure also ends the run's MLflow run FAILED,
+    with the stage and the reason (``hetflow.registry.live``)."""
+    signature = inspect.signature(stage)
 
     @functools.wraps(stage)
     def run(*args, **kwargs):
@@ -51,10 +54,23 @@ def reported(stage: Callable) -> Callable:
             try:
                 return stage(*args, **kwargs)
             except Exception as error:
-                log.error("%s", failure_headline(stage.__name__, error))
+                headline = failure_headline(stage.__name__, error)
+                log.error("%s", headline)
+                _mark_failed(signature.bind(*args, **kwargs).arguments["run_id"], stage.__name__, headline)
                 raise
 
     return run
+
+
+def _mark_failed(run_id: str, stage: str, headline: str) -> None:
+    from hetflow.paths import RunDirectoryTaken, run_paths
+    from hetflow.registry.live import mark_failed
+
+    try:
+        paths = run_paths(run_id)
+    except RunDirectoryTaken:  # refused at the start: the directory is another run's
+        return
+    mark_failed(paths.root, stage, headline)
 
 
 def read_record(path) -> Any:

@@ -24,7 +24,7 @@ from hetflow.serving import server as serving
 from hetflow.spec import RunSpec
 from mlflow import MlflowClient
 
-_MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
+MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
 # A log or record uploaded to the run: far above what a run writes, far below filling the store.
 MAX_UPLOAD_BYTES = 64 << 20
 
@@ -50,10 +50,11 @@ def run_name(spec: RunSpec, started: float | None) -> str:
     return f"{spec.model.architecture} {spec.cluster.strategy} {replicas} {when:%m-%d %H:%M:%S}"
 
 
-def _stepped_metrics(training: dict) -> list[Metric]:
+def _stepped_metrics(training: dict, logged: dict[str, set[int]]) -> list[Metric]:
     """Metrics with a step: the per-epoch history (loss, accuracy, val_*), epoch time and learning
     rate (step = epoch), and under async training the staleness histogram (step = staleness,
-    value = updates that saw it)."""
+    value = updates that saw it). Steps in ``logged`` (by metric: what training logged live, or an
+    earlier try of register) are left out, so that no curve gets a second copy of a point."""
     now = get_current_time_millis()
     series = {
         name if name.startswith("val_") else f"train_{name}": values for name, values in training["history"].items()
@@ -64,11 +65,15 @@ def _stepped_metrics(training: dict) -> list[Metric]:
         Metric(name, value, now, epoch)
         for name, values in series.items()
         for epoch, value in enumerate(values, start=1)
+        if epoch not in logged.get(name, set())
     ]
-    if training.get("staleness"):
+    if training.get("staleness") and not logged.get("staleness_updates"):
         histogram = training["staleness"]["histogram"]
         metrics += [Metric("staleness_updates", count, now, int(stale)) for stale, count in histogram.items()]
     return metrics
+
+
+_STEPPED = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "epoch_seconds", "learning_rate")
 
 
 def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
@@ -160,16 +165,18 @@ def log_run_record(
             params["worker_batches"] = plan["worker_batches"]
     now = get_current_time_millis()
     metrics = [Metric(key, value, now, 0) for key, value in summary.items()]
-    # A retried task must not append a second copy of the per-epoch history.
-    if not client.get_metric_history(run_id, "train_loss"):
-        metrics += _stepped_metrics(training)
+    logged = {
+        name: {metric.step for metric in client.get_metric_history(run_id, name)}
+        for name in (*_STEPPED, "staleness_updates")
+    }
+    metrics += _stepped_metrics(training, logged)
     client.log_batch(
         run_id,
-        params=[Param(key, str(value)) for key, value in params.items()],
+        params=[Param(key, str(value)) for key, value in _new_params(client, run_id, params).items()],
         tags=[RunTag(key, value) for key, value in tags.items()],
     )
-    for start in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH])
+    for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+        client.log_batch(run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
     records = [paths.spec, paths.dataset, paths.training, paths.evaluation, paths.compression, paths.export]
     upload_regular_files(client, run_id, [*records, *(p for p in (paths.plan, paths.restarts) if p.exists())], "run")
     upload_regular_files(client, run_id, [paths.logs], "logs")
@@ -177,6 +184,20 @@ def log_run_record(
     lineage.log_dataset(client, run_id, dataset)
     events = lineage.write_tensorboard_events(training, paths.root / "tensorboard")
     upload_regular_files(client, run_id, [events], "tensorboard")
+
+
+def _new_params(client: MlflowClient, run_id: str, params: dict) -> dict[str, str]:
+    """``params`` less those the run holds already (the requested spec, logged when the DAG run
+    began: MLflow keeps a param's first value); where training decided otherwise (strategy=auto),
+    the decided value as ``decided.<key>``."""
+    held = client.get_run(run_id).data.params
+    new = {}
+    for key, value in params.items():
+        if key not in held:
+            new[key] = str(value)
+        elif held[key] != str(value):
+            new[f"decided.{key}"] = str(value)
+    return new
 
 
 def upload_regular_files(client: MlflowClient, run_id: str, sources: list[Path], artifact_path: str) -> list[str]:

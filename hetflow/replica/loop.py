@@ -1,10 +1,13 @@
 """The epoch loop every strategy runs, each with its own step: from the last checkpoint on, train an
 epoch, score validation, sum both over the workers once, print a progress line, checkpoint, and
-stop at the target accuracy."""
+stop at the target accuracy; the chief also appends the epoch's figures to ``progress.jsonl``, which
+the pipeline reads while the run trains (``hetflow.registry.live``)."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import tensorflow as tf
 
@@ -17,10 +20,11 @@ from hetflow.spec import RunSpec
 class EpochLoop:
     """One replica's training: ``steps`` updates of ``spec.batch_size`` examples per epoch under the
     spec's learning-rate ``schedule``, timed by ``clock``; after ``run``, ``history`` holds the
-    per-epoch curves and ``train_seconds`` the loop's wall time."""
+    per-epoch curves and ``train_seconds`` the loop's wall time. With ``progress`` (the chief's), each
+    epoch's figures are appended to that file as one JSON line."""
 
-    def __init__(self, spec: RunSpec, steps: int):
-        self.spec, self.steps = spec, steps
+    def __init__(self, spec: RunSpec, steps: int, progress: Path | None = None):
+        self.spec, self.steps, self.progress = spec, steps, progress
         self.schedule, self.lr_per_epoch = learning_rate(spec, steps)
         self.clock = TrainingClock(spec.training.target_accuracy)
         self.history: dict[str, list[float]] = {"loss": [], "accuracy": [], "val_loss": [], "val_accuracy": []}
@@ -42,14 +46,15 @@ class EpochLoop:
         return train_epoch
 
     def run(
-        self, train_epoch, score_validation, checkpoint: EpochCheckpoint, sum_over_workers=None, describe_epoch=None
+        self, train_epoch, score_validation, checkpoint: EpochCheckpoint, sum_over_workers=None, epoch_details=None
     ):
         """From the last checkpoint on: ``train_epoch()`` trains an epoch (telling ``clock`` when
         the first step is done) and returns this replica's part of its summed loss and correctly
         classified examples; after each epoch come ``score_validation()`` (this replica's summed
         validation loss, correct examples and examples), one ``sum_over_workers`` of all of it
         (None for one process: a single collective per epoch, none per step), a progress line
-        (with ``describe_epoch()`` appended, if given), the checkpoint, and a stop once the target
+        (with ``epoch_details(epoch_seconds)``'s figures, if given: each worker's examples/s, and
+        async staleness), the checkpoint, and a stop once the target
         is reached (every replica sees the same validation accuracy, so all stop together)."""
         spec, clock, history = self.spec, self.clock, self.history
         started = time.perf_counter()
@@ -72,18 +77,40 @@ class EpochLoop:
             )
             for name, value in zip(history, values):
                 history[name].append(float(value))
+            details = epoch_details(clock.epoch_seconds[-1]) if epoch_details else {}
+            staleness = (
+                f" - staleness mean {details['staleness_mean']:.2f} max {details['staleness_max']}"
+                if "staleness_mean" in details
+                else ""
+            )
             print(
                 f"Epoch {epoch + 1}/{spec.training.epochs} - {clock.epoch_seconds[-1]:.1f}s"
                 f" (validation {clock.validation_seconds[-1]:.1f}s)"
                 f" - loss: {history['loss'][-1]:.4f} - accuracy: {history['accuracy'][-1]:.4f}"
-                f" - val_loss: {history['val_loss'][-1]:.4f} - val_accuracy: {val_accuracy:.4f}"
-                + (f" - {describe_epoch()}" if describe_epoch else ""),
+                f" - val_loss: {history['val_loss'][-1]:.4f} - val_accuracy: {val_accuracy:.4f}{staleness}",
                 flush=True,
             )
+            if self.progress is not None:
+                self._record_progress(epoch, details)
             checkpoint.epoch_done(epoch + 1)
             if clock.reached:
                 break
         self.train_seconds = time.perf_counter() - started
+
+    def _record_progress(self, epoch: int, details: dict) -> None:
+        """One JSON line for the epoch just done, appended and flushed at once: the pipeline reads
+        the file while training goes on and takes whole lines only."""
+        line = {
+            "epoch": epoch + 1,
+            "time": time.time(),
+            **{name: values[-1] for name, values in self.history.items()},
+            "learning_rate": self.lr_per_epoch[epoch],
+            "epoch_seconds": self.clock.epoch_seconds[-1],
+            "examples_per_second": self.steps * self.spec.training.batch_size / self.clock.epoch_seconds[-1],
+            **details,
+        }
+        with open(self.progress, "a") as progress:
+            progress.write(json.dumps(line) + "\n")
 
 
 def validation_sums(predict, batches: tf.data.Dataset) -> tuple[float, float, float]:

@@ -312,7 +312,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         f"by parameters it would be {1000 * max(plan['parameter_stage_seconds']):.1f} ms",
         flush=True,
     )
-    loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
+    loop = EpochLoop(spec, steps_per_epoch(spec, dataset), paths.progress)
     optimizer = make_optimizer(spec, loop.schedule)
     update_on_each_stage(optimizer)
     batch, micro_batches = spec.training.batch_size, spec.cluster.micro_batches

@@ -57,7 +57,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     closures_per_epoch = -(-steps_per_epoch(spec, dataset) // STEPS_PER_CLOSURE)  # ceil: at least the steps asked for
     # Async: every update is one worker's batch_size examples, the batch the scaling rule sees.
-    loop = EpochLoop(spec, closures_per_epoch * STEPS_PER_CLOSURE)
+    loop = EpochLoop(spec, closures_per_epoch * STEPS_PER_CLOSURE, paths.progress)
     with strategy.scope():
         model = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
         optimizer = make_optimizer(spec, loop.schedule)
@@ -109,6 +109,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
 
     all_staleness: list[int] = []
     staleness_by_worker: dict[int, list[int]] = {}
+    steps_this_epoch: dict[int, int] = {}
 
     def train_epoch() -> tuple[float, float]:
         results = [coordinator.schedule(run_closure, args=(iterator, worker_ids)) for _ in range(closures_per_epoch)]
@@ -117,17 +118,25 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
             loop.clock.first_step_done()
         coordinator.join()  # bounds the updates in flight, and so the staleness, to one epoch's
         loss_sum, correct = 0.0, 0.0
+        steps_this_epoch.clear()
         for result in results:
             losses, hits, staleness, worker = result.fetch()
+            steps_this_epoch[int(worker)] = steps_this_epoch.get(int(worker), 0) + len(staleness)
             loss_sum += float(np.sum(losses))
             correct += float(hits)
             all_staleness.extend(int(s) for s in staleness)
             staleness_by_worker.setdefault(int(worker), []).extend(int(s) for s in staleness)
         return loss_sum, correct
 
-    def describe_staleness() -> str:
+    def staleness_and_speeds(epoch_seconds: float) -> dict:
         this_epoch = all_staleness[-loop.steps :]
-        return f"staleness mean {np.mean(this_epoch):.2f} max {max(this_epoch)}"
+        batch = spec.training.batch_size
+        rates = {f"worker-{w}": batch * steps / epoch_seconds for w, steps in sorted(steps_this_epoch.items())}
+        return {
+            "staleness_mean": float(np.mean(this_epoch)),
+            "staleness_max": int(max(this_epoch)),
+            "worker_examples_per_second": rates,
+        }
 
     predict = tf.function(lambda images: model(images, training=False))
     validation = eval_input(dataset, "validation")
@@ -144,7 +153,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         f"({communication['bytes_to_worker'] / 1e6:.2f} MB of variables to a worker, as many back to the ps)",
         flush=True,
     )
-    loop.run(train_epoch, lambda: validation_sums(predict, validation), checkpoint, describe_epoch=describe_staleness)
+    loop.run(train_epoch, lambda: validation_sums(predict, validation), checkpoint, epoch_details=staleness_and_speeds)
 
     # The model lists a sharded variable as its parts, named <variable>/part_<i>.
     shards: dict[str, list[dict[str, Any]]] = {}

@@ -78,7 +78,7 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     def sum_over_workers(values: list[float]) -> list[float]:
         return sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
 
-    loop = EpochLoop(spec, steps_per_epoch(spec, dataset))
+    loop = EpochLoop(spec, steps_per_epoch(spec, dataset), paths.progress if is_chief(task) else None)
     with strategy.scope():
         model = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
         optimizer = make_optimizer(spec, loop.schedule)
@@ -164,11 +164,18 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
     reduction_seconds = (
         time_reduction(strategy, model.trainable_variables, lambda: sum_over_workers([0.0])) if workers > 1 else None
     )
+
+    def each_workers_speed(epoch_seconds: float) -> dict:
+        # In step with the others: each worker's share of every step, over the epoch's time.
+        rates = {f"worker-{i}": share * loop.steps / epoch_seconds for i, share in enumerate(shares.now)}
+        return {"worker_examples_per_second": rates}
+
     loop.run(
         loop.one_step_at_a_time(lambda: train_step(batches)),
         lambda: validation_sums(predict, my_validation),
         checkpoint,
         sum_over_workers if workers > 1 else None,
+        each_workers_speed,
     )
     total_steps = loop.clock.epochs_done * loop.steps
     per_worker = {

@@ -1,5 +1,7 @@
 """train: the provisioned replicas supervised until training ends; their output streams into this
-task's log, and a SIGTERM (Airflow stopping the task) stops them before the task goes."""
+task's log, each epoch the chief reports and each replica's CPU and memory go to the live MLflow run
+(and to any other watcher: a tuning study's pruner, which may stop training early), and a SIGTERM
+(Airflow stopping the task) stops them before the task goes."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import logging
 import shutil
 import signal
 import threading
-from typing import Any
+from typing import Any, Sequence
 
 from hetflow.models.stage_split import read_stage_split
 from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.pipeline.progress import ProgressReader, ProgressWatch, Watcher
 from hetflow.replica.training_json import read_training
 from hetflow.spec import RunSpec, parse_spec
 
@@ -29,8 +32,11 @@ class Interrupted(RuntimeError):
 
 
 @reported
-def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
-    """Supervise the provisioned replicas until training ends."""
+def train(run_id: str, try_number: int | None = None, watchers: Sequence[Watcher] = ()) -> dict[str, Any]:
+    """Supervise the provisioned replicas until training ends.
+
+    :param watchers: besides the live MLflow run, what gets each new epoch and usage sample
+        (``hetflow.pipeline.progress``); one that returns a reason stops training (StoppedEarly)."""
     from hetflow.cluster import backends
     from hetflow.cluster.layout import ClusterLayout
 
@@ -39,14 +45,31 @@ def train(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         spec = load_spec(paths)
         backend = backends.backend_for(spec)
         cluster = backend.replicas(spec, ClusterLayout.from_dict(read_record(paths.cluster)), paths.root)
-        with _stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
-            backends.supervise(spec, cluster, paths.root, spec.cluster.run_policy.timeout_seconds)
+        with (
+            _stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)),
+            _watch(paths, spec, cluster, watchers) as watch,
+        ):
+            timeout = spec.cluster.run_policy.timeout_seconds
+            backends.supervise(spec, cluster, paths.root, timeout, should_stop=lambda: watch.stop_reason)
             if paths.requested_spec.exists():  # provision_cluster's, in a folder replicas see read-only
-                spec = _carry_out_auto(spec, run_id, paths)
+                spec = _carry_out_auto(spec, run_id, paths, lambda: watch.stop_reason)
     training = read_training(paths.training, spec, read_record(paths.dataset))
     if spec.cluster.strategy == "model_parallel":
         _log_stage_split(read_stage_split(paths.plan, spec, training))
     return {**training, "attempt": receipt}
+
+
+def _watch(paths: RunPaths, spec: RunSpec, cluster, watchers: Sequence[Watcher]) -> ProgressWatch:
+    """The epochs the chief reports and the replicas' usage, for the live MLflow run (where the DAG
+    run has one) and ``watchers``."""
+    from hetflow.cluster.usage import sampler_for
+    from hetflow.registry.live import live_run
+
+    live = live_run(paths)
+    everyone = [*watchers, *([live] if live is not None else [])]
+    workers = [replica.name for replica in cluster.layout.replicas if replica.role == "worker"]
+    sample = sampler_for(spec, cluster.layout, cluster) if everyone else None
+    return ProgressWatch(ProgressReader(paths, spec, workers), sample, everyone)
 
 
 def _log_stage_split(split: dict[str, Any]) -> None:
@@ -67,7 +90,7 @@ def _log_stage_split(split: dict[str, Any]) -> None:
     )
 
 
-def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
+def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths, should_stop) -> RunSpec:
     """strategy=auto once its first launch ended: spec.json becomes the spec it decided; where that is
     not the sync all-reduce the workers were launched with (they stopped once they had measured
     themselves), it is launched and supervised from the start. Returns the decided spec."""
@@ -80,9 +103,8 @@ def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
     auto_log.info("relaunching the replicas as %s, from the start", decided.cluster.strategy)
     backends.backend_for(spec).teardown(spec, run_id)
     shutil.rmtree(paths.checkpoints, ignore_errors=True)  # another strategy's checkpoints are not resumed
-    backends.supervise(
-        decided, backends.start(decided, run_id, paths), paths.root, decided.cluster.run_policy.timeout_seconds
-    )
+    cluster = backends.start(decided, run_id, paths)
+    backends.supervise(decided, cluster, paths.root, decided.cluster.run_policy.timeout_seconds, should_stop)
     return decided
 
 

@@ -13,8 +13,15 @@ log = logging.getLogger("hetflow.stages")
 
 
 @reported
-def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = None) -> dict[str, Any]:
-    """Validate the run's conf (form values plus any extra keys); nothing starts when it is invalid."""
+def validate_spec(
+    values: dict[str, Any],
+    run_id: str,
+    try_number: int | None = None,
+    dag_id: str | None = None,
+    airflow_url: str | None = None,
+) -> dict[str, Any]:
+    """Validate the run's conf (form values plus any extra keys); nothing starts when it is invalid.
+    Under a DAG (``dag_id``), the run's MLflow run starts here, RUNNING, linking to ``airflow_url``."""
     from hetflow.cluster import backends
 
     spec = parse_spec(values)
@@ -25,6 +32,10 @@ def validate_spec(values: dict[str, Any], run_id: str, try_number: int | None = 
     paths = create_run_dir(run_id)
     with attempt(paths, "validate_spec", run_id, try_number) as receipt:
         write_record(paths.spec, spec.model_dump(mode="json"))
+        if dag_id is not None:
+            from hetflow.registry import live
+
+            live.open_run(paths, spec, dag_id, run_id, airflow_url)
     log.info("spec: %s", spec.model_dump())
     return {**spec.flat(), "attempt": receipt}
 

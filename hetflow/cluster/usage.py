@@ -1,0 +1,83 @@
+"""Each replica's CPU and resident memory, sampled while it trains: what the live MLflow run charts
+beside the curves (``hetflow.registry.live``). Read from outside the replicas (the kernel for local
+processes, the engine for containers), never from anything a replica writes."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import psutil
+
+from hetflow.cluster.layout import ClusterLayout
+from hetflow.spec import RunSpec
+
+# {replica name: {"cpu_percent": ..., "memory_mb": ...}}; 100 % is one core busy.
+Usage = dict[str, dict[str, float]]
+
+
+class LocalUsage:
+    """Local replicas, by their processes (found by run id: ``hetflow.cluster.processes``). A
+    process's CPU is measured between two samples, so the first sample of each has none."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._processes: dict[str, psutil.Process] = {}
+
+    def __call__(self) -> Usage:
+        from hetflow.cluster.processes import run_replicas
+
+        usage = {}
+        for name, pid in run_replicas(self.run_id).items():
+            process = self._processes.get(name)
+            try:
+                if process is None or process.pid != pid:  # new, or restarted
+                    self._processes[name] = psutil.Process(pid)
+                    self._processes[name].cpu_percent(None)  # starts its measuring interval
+                    continue
+                with process.oneshot():
+                    cpu_percent, resident = process.cpu_percent(None), process.memory_info().rss
+            except psutil.Error:  # ended between the listing and the reading
+                continue
+            usage[name] = {"cpu_percent": cpu_percent, "memory_mb": resident / 2**20}
+        return usage
+
+
+class ContainerUsage:
+    """Docker containers, from the engine's stats (cgroup counters): CPU between two samples."""
+
+    def __init__(self, client, run_id: str):
+        self.client, self.run_id = client, run_id
+        self._cpu: dict[str, tuple[float, float]] = {}  # name: (CPU ns used, when sampled)
+
+    def __call__(self) -> Usage:
+        from docker.errors import DockerException
+
+        from hetflow.cluster.docker_backend import LABEL_INDEX, LABEL_ROLE, run_filter
+
+        usage = {}
+        for container in self.client.containers.list(filters=run_filter(self.run_id)):
+            name = f"{container.labels[LABEL_ROLE]}-{container.labels[LABEL_INDEX]}"
+            try:
+                stats = container.stats(stream=False, one_shot=True)
+                used_ns = float(stats["cpu_stats"]["cpu_usage"]["total_usage"])
+                memory = float(stats["memory_stats"]["usage"])
+            except (KeyError, TypeError, DockerException):  # stopped meanwhile: no counters, or no container
+                continue
+            now = time.monotonic()
+            before = self._cpu.get(name)
+            self._cpu[name] = (used_ns, now)
+            if before is not None and now > before[1] and used_ns >= before[0]:
+                cpu_percent = 100 * (used_ns - before[0]) / 1e9 / (now - before[1])
+                usage[name] = {"cpu_percent": cpu_percent, "memory_mb": memory / 2**20}
+        return usage
+
+
+def sampler_for(spec: RunSpec, layout: ClusterLayout, cluster) -> Callable[[], Usage] | None:
+    """What samples this run's replicas, or None where hetflow cannot see them from here (a swarm's
+    other nodes, a Kubernetes cluster: their own monitoring sees them)."""
+    if spec.cluster.backend == "local":
+        return LocalUsage(layout.run_id)
+    if spec.cluster.backend == "docker":
+        return ContainerUsage(cluster.client, layout.run_id)
+    return None

@@ -1,0 +1,167 @@
+"""The MLflow run of a DAG run while it runs: made by its first stage (RUNNING, the spec as params,
+tags linking back to the Airflow run), fed by ``train`` with each epoch's figures as the chief
+reports them and each replica's CPU and memory as the pipeline samples them, and ended FAILED, with
+the failing task and its one-line reason as tags, when a stage fails. ``register`` completes the
+same run after training (found again by the Airflow run id).
+
+Only the pipeline writes to MLflow: replicas report through a file (``hetflow.pipeline.progress``),
+which the pipeline checks before anything reaches the run. MLflow being away never fails a stage:
+the stages warn and go on, and ``register`` logs what is missing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import requests
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+from hetflow.paths import RunPaths, write_record
+from hetflow.pipeline import timing
+from hetflow.pipeline.progress import Epoch
+from hetflow.registry import store
+from hetflow.registry.run_record import MAX_METRICS_PER_BATCH, run_name
+from hetflow.spec import RunSpec
+from mlflow import MlflowClient
+
+log = logging.getLogger("hetflow.registry")
+
+_UNREACHABLE = (MlflowException, requests.exceptions.RequestException, OSError)
+# The chief's figures as the run names them: register's per-epoch curves have the same names, so a
+# run shows one curve whether it was logged live or after training.
+EPOCH_METRICS = {
+    "loss": "train_loss",
+    "accuracy": "train_accuracy",
+    "val_loss": "val_loss",
+    "val_accuracy": "val_accuracy",
+    "learning_rate": "learning_rate",
+    "epoch_seconds": "epoch_seconds",
+    "examples_per_second": "epoch_examples_per_second",
+    "staleness_mean": "epoch_staleness_mean",
+    "staleness_max": "epoch_staleness_max",
+}
+
+
+def airflow_run_url(base_url: str, dag_id: str, airflow_run_id: str) -> str:
+    """The Airflow UI's page of a DAG run (its grid and task logs)."""
+    return f"{base_url.rstrip('/')}/dags/{quote(dag_id, safe='')}/runs/{quote(airflow_run_id, safe='')}"
+
+
+def open_run(
+    paths: RunPaths, spec: RunSpec, dag_id: str, airflow_run_id: str, airflow_url: str | None = None
+) -> str | None:
+    """The DAG run's MLflow run, created RUNNING (or found again on a retry) with the spec as params
+    and tags naming the Airflow run; recorded in ``tracking.json`` for the later stages. None, with a
+    warning, where MLflow does not answer."""
+    started = time.time()
+    return open_named_run(paths, run_name(spec, started), spec.flat(), dag_id, airflow_run_id, airflow_url, started)
+
+
+def open_named_run(
+    paths: RunPaths,
+    name: str,
+    params: dict[str, Any],
+    dag_id: str,
+    airflow_run_id: str,
+    airflow_url: str | None,
+    started: float,
+) -> str | None:
+    """``open_run`` for any DAG's run (a tuning study's too): its name and params given."""
+    uri = store.tracking_uri()
+    try:
+        client = timing.TimedClient(MlflowClient(uri))
+        run_id = store.find_or_create_run(client, dag_id, airflow_run_id, name, started)
+        tags = [RunTag("mlflow.source.type", "JOB"), RunTag("mlflow.source.name", f"Airflow DAG {dag_id}")]
+        if airflow_url:
+            tags.append(RunTag("airflow.url", airflow_url))
+        client.log_batch(run_id, params=[Param(key, str(value)) for key, value in params.items()], tags=tags)
+        client.update_run(run_id, status="RUNNING")
+    except _UNREACHABLE as error:
+        log.warning("MLflow at %s did not answer (%s): the run appears there when register logs it", uri, _line(error))
+        return None
+    write_record(paths.tracking, {"tracking_uri": uri, "mlflow_run_id": run_id, "dag_id": dag_id})
+    log.info("MLflow run %s (RUNNING) at %s", run_id, uri)
+    return run_id
+
+
+def _line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def tracked_run(paths: RunPaths) -> tuple[MlflowClient, str] | None:
+    """A client of the store and the MLflow run ``open_run`` recorded for this run directory, or None."""
+    tracked = _tracked(paths)
+    return None if tracked is None else (MlflowClient(tracked["tracking_uri"]), tracked["mlflow_run_id"])
+
+
+def _tracked(paths: RunPaths) -> dict | None:
+    """What ``open_run`` recorded (the pipeline's own file, beside the spec), or None."""
+    return json.loads(paths.tracking.read_text()) if paths.tracking.exists() else None
+
+
+class LiveRun:
+    """A watcher (``hetflow.pipeline.progress.ProgressWatch``) logging each new epoch (step = epoch)
+    and each usage sample (step = seconds since training began) to the run, in batches."""
+
+    __name__ = "the live MLflow run"
+
+    def __init__(self, client: MlflowClient, run_id: str):
+        self.client, self.run_id = client, run_id
+        # A retried train logs no second point for an epoch the first try logged.
+        self.logged = {metric.step for metric in client.get_metric_history(run_id, "val_accuracy")}
+        self.started = time.monotonic()
+
+    def __call__(self, epochs: list[Epoch], usage: dict[str, dict[str, float]]) -> None:
+        now = int(time.time() * 1000)  # the pipeline's clock: a replica's stays out of the run
+        metrics = []
+        for epoch in epochs:
+            if epoch.epoch in self.logged:
+                continue
+            self.logged.add(epoch.epoch)
+            metrics += [Metric(EPOCH_METRICS[name], value, now, epoch.epoch) for name, value in epoch.figures.items()]
+            metrics += [
+                Metric(f"epoch_examples_per_second/{worker}", rate, now, epoch.epoch)
+                for worker, rate in epoch.worker_examples_per_second.items()
+            ]
+        step = int(time.monotonic() - self.started)
+        for replica, figures in usage.items():
+            metrics += [Metric(f"{name}/{replica}", value, now, step) for name, value in figures.items()]
+        for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
+
+
+def live_run(paths: RunPaths) -> LiveRun | None:
+    """The run ``open_run`` made, RUNNING again (a retry after a failure), to log into; None where
+    there is none (``hetflow train`` outside a DAG) or MLflow does not answer (a warning)."""
+    tracked = _tracked(paths)
+    if tracked is None:
+        return None
+    try:
+        client = MlflowClient(tracked["tracking_uri"])
+        client.update_run(tracked["mlflow_run_id"], status="RUNNING")
+        return LiveRun(client, tracked["mlflow_run_id"])
+    except _UNREACHABLE as error:
+        log.warning("MLflow did not answer (%s): training's curves appear when register logs them", _line(error))
+        return None
+
+
+def mark_failed(run_dir: Path, stage: str, reason: str) -> None:
+    """End the run FAILED, naming the stage and its one-line reason; its curves so far stay. A run
+    already FAILED keeps the stage that failed it first (summarize fails after it, saying so)."""
+    tracked = _tracked(RunPaths(run_dir))
+    if tracked is None:
+        return
+    try:
+        client = timing.TimedClient(MlflowClient(tracked["tracking_uri"]))
+        run_id = tracked["mlflow_run_id"]
+        if client.get_run(run_id).info.status == "FAILED":
+            return
+        client.log_batch(run_id, tags=[RunTag("failed_task", stage), RunTag("failure_reason", reason[:5000])])
+        client.set_terminated(run_id, "FAILED")
+    except _UNREACHABLE as error:
+        log.warning("MLflow did not answer (%s): its run is not marked FAILED", _line(error))

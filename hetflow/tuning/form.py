@@ -1,0 +1,66 @@
+"""The hetflow_tune trigger form: the search space in the train form's terms (a list of choices per
+key, a [low, high] range per key), the target, the budget, and the spec every trial shares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hetflow.spec import KEYS
+from hetflow.tuning.space import CHOICE_KEYS, RANGE_KEYS
+
+_SPEC_KEY = {key.short: key for key in KEYS}
+DEFAULT_CHOICES = {"strategy": ["multi_worker_mirrored", "parameter_server"], "workers": [2]}
+DEFAULT_RANGES = {"learning_rate": [0.0005, 0.01]}
+DEFAULT_BASE = {"model": "mlp", "epochs": 15}
+
+
+def tune_params() -> dict[str, Any]:
+    """The DAG's ``Param``s: a field per searchable key (empty: not searched), then the study's own."""
+    from airflow.sdk import Param  # here, not at the top: parsing the DAG file stays light
+
+    params: dict[str, Any] = {}
+    for short in CHOICE_KEYS:
+        schema = _SPEC_KEY[short].schema()
+        params[short] = Param(
+            DEFAULT_CHOICES.get(short, []),
+            type="array",
+            items={key: schema[key] for key in ("type", "enum") if key in schema},
+            description_md=f"{schema['title']}: the values the study tries (empty: the base spec's).",
+            section="Search space",
+        )
+    for short in RANGE_KEYS:
+        title = _SPEC_KEY[short].schema()["title"]
+        params[f"{short}_range"] = Param(
+            DEFAULT_RANGES.get(short, []),
+            type="array",
+            items={"type": "number"},
+            description_md=f"{title}: `[low, high]` the study draws from (empty: the base spec's).",
+            section="Search space",
+        )
+    params["target_accuracy"] = Param(
+        0.9, type="number", description_md="Validation accuracy a trial races to.", section="Study"
+    )
+    params["trials"] = Param(6, type="integer", description_md="Trials to run (1 to 200).", section="Study")
+    params["budget_seconds"] = Param(
+        3600,
+        type="integer",
+        description_md="Wall time of the whole study (60 s to 7 days), checked between trials.",
+        section="Study",
+    )
+    params["base"] = Param(
+        DEFAULT_BASE,
+        type="object",
+        description_md="Spec keys every trial shares (short names, as `--set` takes them).",
+        section="Study",
+    )
+    return params
+
+
+def study_values(form: dict[str, Any]) -> dict[str, Any]:
+    """The form's values (or a conf's) as ``parse_study`` takes them."""
+    values = {key: form[key] for key in ("target_accuracy", "trials", "budget_seconds", "base") if key in form}
+    values["choices"] = {key: form[key] for key in CHOICE_KEYS if form.get(key)}
+    values["ranges"] = {key: form[f"{key}_range"] for key in RANGE_KEYS if form.get(f"{key}_range")}
+    unknown = set(form) - set(values) - set(CHOICE_KEYS) - {f"{key}_range" for key in RANGE_KEYS}
+    values.update({key: form[key] for key in unknown})  # refused by name in parse_study
+    return values

@@ -1,0 +1,79 @@
+"""End to end: `hetflow tune` drives the hetflow_tune DAG through Airflow: real trials, the best one
+evaluated, compressed, exported and registered; the study and its trials read back from MLflow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+STUDY = {
+    "strategy": ["multi_worker_mirrored", "parameter_server"],
+    "workers": [2],
+    "learning_rate_range": [0.002, 0.01],
+    "target_accuracy": 0.85,
+    "trials": 2,
+    "base": {"model": "mlp", "epochs": 8, "prune": False, "registered_model": "tuned-digits"},
+}
+
+
+def tune(env, tmp_path, study: dict, *sets: str) -> subprocess.CompletedProcess:
+    config = tmp_path / "study.json"
+    config.write_text(json.dumps(study))
+    args = [sys.executable, "-m", "hetflow.cli.main", "tune", "--config", str(config)]
+    for assignment in sets:
+        args += ["--set", assignment]
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_bad_study_values_are_refused_in_one_line_each_before_anything_starts(hetflow_env, tmp_path):
+    from pathlib import Path
+
+    runs = Path(hetflow_env["HETFLOW_HOME"]) / "runs"
+    before = set(runs.iterdir()) if runs.exists() else set()
+    done = tune(hetflow_env, tmp_path, {**STUDY, "trials": 0}, "epochs=-1")
+    assert done.returncode == 2
+    problems = [line for line in done.stderr.splitlines() if line.startswith("hetflow: invalid spec: ")]
+    assert len(problems) == 2, done.stderr
+    assert any("trials=0 is invalid: expected an integer >= 1 and <= 200" in line for line in problems)
+    assert any("base: epochs=-1 is invalid: expected an integer >= 1 and <= 1000" in line for line in problems)
+    assert (set(runs.iterdir()) if runs.exists() else set()) == before
+
+
+def test_a_study_runs_its_trials_and_registers_the_best_one(hetflow_env, tmp_path):
+    from mlflow import MlflowClient
+
+    done = tune(hetflow_env, tmp_path, STUDY)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary_path = done.stdout.strip().splitlines()[-1].split()[-1]
+    summary = json.loads(open(summary_path).read())
+    trials = summary["trials"]
+    assert [t["state"] for t in trials] == ["complete", "complete"]
+    assert {t["params"]["strategy"] for t in trials} <= {"multi_worker_mirrored", "parameter_server"}
+    reached = [t for t in trials if t["launch_to_target_seconds"] is not None]
+    assert reached, trials
+    best = min(reached, key=lambda t: t["launch_to_target_seconds"])
+    assert summary["best_run_id"] == best["run_id"]
+
+    client = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("hetflow").experiment_id
+    (parent,) = client.search_runs([experiment], f"tags.`airflow.run_id` = '{summary['run_id']}'")
+    assert parent.info.status == "FINISHED" and parent.data.tags["airflow.dag_id"] == "hetflow_tune"
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
+    assert artifacts == {"comparison/time_to_target.png", "comparison/sync_vs_async.png"}
+    assert "trials.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert sorted(c.data.tags["airflow.run_id"] for c in children) == sorted(t["run_id"] for t in trials)
+    for child in children:
+        assert child.data.tags["tuning.state"] == "complete"
+        assert len(client.get_metric_history(child.info.run_id, "val_accuracy")) >= 1
+    version = client.get_model_version("tuned-digits", str(summary["registry"]["version"]))
+    assert version.tags["tuning.study"] == summary["run_id"]
+    assert version.tags["tuning.trial"] == str(summary["best_trial"])
+    winner = next(c for c in children if c.data.tags["airflow.run_id"] == summary["best_run_id"])
+    assert version.run_id == winner.info.run_id

@@ -1,0 +1,99 @@
+"""The DAG run's MLflow run while it runs: made RUNNING by the first stage, its curves and the
+replicas' CPU and memory growing while two real workers train, and FAILED with the task and its
+reason, its curves kept, when training fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from hetflow.paths import run_paths
+
+pytestmark = pytest.mark.slow
+
+EPOCHS = 20
+AIRFLOW_PAGE = "http://127.0.0.1:8080/dags/hetflow_train/runs/live-run"
+
+
+def history(client, run_id: str, name: str) -> list:
+    return sorted(client.get_metric_history(run_id, name), key=lambda metric: metric.step)
+
+
+def test_curves_and_usage_grow_in_mlflow_while_two_workers_train(hetflow_env):
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.train import train
+    from hetflow.tasks.validate_spec import validate_spec
+    from mlflow import MlflowClient
+
+    client = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
+    run = f"live-run-{os.getpid()}"
+    values = {"epochs": EPOCHS, "strategy": "multi_worker_mirrored", "workers": 2, "skip_unchanged": False}
+    validate_spec(values, run, dag_id="hetflow_train", airflow_url=AIRFLOW_PAGE)
+    paths = run_paths(run)
+    mlflow_run_id = json.loads(paths.tracking.read_text())["mlflow_run_id"]
+    started = client.get_run(mlflow_run_id)
+    assert started.info.status == "RUNNING" and started.data.tags["airflow.url"] == AIRFLOW_PAGE
+    assert started.data.params["epochs"] == str(EPOCHS) and started.data.params["workers"] == "2"
+    assert started.data.tags["airflow.run_id"] == run
+
+    prepare_data(run)
+    try:
+        provision_cluster(run)
+        outcome = {}
+        trainer = threading.Thread(target=lambda: outcome.setdefault("record", train(run)))
+        trainer.start()
+        seen_while_training = set()
+        while trainer.is_alive():
+            seen_while_training.add(len(history(client, mlflow_run_id, "val_accuracy")))
+            time.sleep(0.5)
+        trainer.join()
+    finally:
+        teardown_cluster(run)
+    training = outcome["record"]
+    assert training["epochs_done"] == EPOCHS
+    # Points came while training went on: some, not yet all.
+    assert any(0 < count < EPOCHS for count in seen_while_training), seen_while_training
+    curve = history(client, mlflow_run_id, "val_accuracy")
+    assert [m.step for m in curve] == list(range(1, EPOCHS + 1))
+    assert [m.value for m in curve] == pytest.approx(training["history"]["val_accuracy"], abs=1e-9)
+    for worker in ("worker-0", "worker-1"):
+        speeds = history(client, mlflow_run_id, f"epoch_examples_per_second/{worker}")
+        assert len(speeds) == EPOCHS and all(m.value > 0 for m in speeds)
+        memory = history(client, mlflow_run_id, f"memory_mb/{worker}")
+        assert memory and all(100 < m.value < 8000 for m in memory)  # a TensorFlow process, resident
+        cpu = history(client, mlflow_run_id, f"cpu_percent/{worker}")
+        assert cpu and max(m.value for m in cpu) > 5 and all(m.value <= 100 * os.cpu_count() * 1.5 for m in cpu)
+
+
+def test_a_run_that_fails_in_train_ends_failed_naming_the_task_its_curves_kept(hetflow_env):
+    from hetflow.cluster.supervisor import ReplicaFailed
+    from hetflow.tasks.prepare_data import prepare_data
+    from hetflow.tasks.provision_cluster import provision_cluster
+    from hetflow.tasks.teardown_cluster import teardown_cluster
+    from hetflow.tasks.train import train
+    from hetflow.tasks.validate_spec import validate_spec
+    from mlflow import MlflowClient
+
+    client = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
+    run = f"live-failing-run-{os.getpid()}"
+    values = {"epochs": 1000, "train_timeout_seconds": 20, "skip_unchanged": False}
+    validate_spec(values, run, dag_id="hetflow_train", airflow_url=AIRFLOW_PAGE)
+    mlflow_run_id = json.loads(run_paths(run).tracking.read_text())["mlflow_run_id"]
+    prepare_data(run)
+    try:
+        provision_cluster(run)
+        with pytest.raises(ReplicaFailed, match="timed out"):
+            train(run)
+    finally:
+        teardown_cluster(run)
+    failed = client.get_run(mlflow_run_id)
+    assert failed.info.status == "FAILED"
+    assert failed.data.tags["failed_task"] == "train"
+    assert failed.data.tags["failure_reason"].startswith("train failed: ReplicaFailed: training timed out after 20 s")
+    assert len(history(client, mlflow_run_id, "val_accuracy")) >= 1  # the epochs before the failure
