@@ -35,6 +35,7 @@ class StudySpec(BaseModel):
     trials: int = Field(8, ge=1, le=200)
     budget_seconds: int = Field(3600, ge=60, le=7 * 24 * 3600)
     async_ps: int = Field(1, ge=1, le=8, description="parameter servers of a parameter_server trial")
+    pruning: bool = Field(True, description="stop a trial behind the earlier ones (false: every trial runs to its end)")
     seed: int = Field(0, ge=0)
 
     def trial_values(self, drawn: dict[str, Any]) -> dict[str, Any]:
@@ -53,6 +54,7 @@ _ALLOWED = {
     "budget_seconds": "an integer >= 60 and <= 604800",
     "async_ps": "an integer >= 1 and <= 8",
     "seed": "an integer >= 0",
+    "pruning": "true or false",
     "base": "an object of spec keys",
     "choices": "an object: a list of values per key",
     "ranges": "an object: [low, high] per key",
