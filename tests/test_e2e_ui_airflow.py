@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 import pytest
 import requests
 from conftest import wait_for
-from ui_pages import dag_docs, open_runs_page, signed_in
+from ui_pages import dag_docs, open_runs_page, open_trigger_form, signed_in
 from ui_stack import ARTIFACTS, SCREENSHOTS, Api
 
 pytestmark = pytest.mark.slow
@@ -184,6 +184,32 @@ def test_the_dag_docs_are_for_users_and_the_retrain_dag_names_both_triggers(stac
     details = api.get("/dags/hetflow_retrain/details")
     assert "0 3 * * 0" in details["description"] and "prepared data" in details["description"], details
     assert "Press **Trigger**" in api.get("/dags/hetflow_train/details")["doc_md"]
+
+
+def test_the_tune_form_shows_the_search_space_and_the_study_and_starts_nothing_on_bad_values(stack, api, browser):
+    from devstack.stack import password
+
+    page = signed_in(browser, stack["state"]["airflow_url"], password(stack["state"]), "/dags/hetflow_tune")
+    dialog, trigger = open_trigger_form(page)
+    dialog.get_by_text("Study", exact=True).first.wait_for()
+    dialog.get_by_text("Search space", exact=True).first.click()  # sections open collapsed
+    dialog.get_by_text("Distribution strategy: the values the study tries").first.wait_for()
+    page.screenshot(path=str(SCREENSHOTS / "tune_form.png"))
+    page.close()
+    # validate_study refuses in one line each before any trial; the study's run fails there.
+    response = api.post("/dags/hetflow_tune/dagRuns", {"logical_date": None, "conf": {"trials": 0}})
+    assert response.status_code == 200, response.text
+    run = api.wait_for_run("hetflow_tune", response.json()["dag_run_id"])
+    assert run["state"] == "failed"
+    errors = _errors(_task_logs(api, "hetflow_tune", run["dag_run_id"])["validate_study"])
+    assert errors[-1] == (
+        "validate_study failed: SpecError: trials=0 is invalid: expected an integer >= 1 and <= 200"
+    ), errors
+    states = {
+        ti["task_id"]: ti["state"]
+        for ti in api.get(f"/dags/hetflow_tune/dagRuns/{run['dag_run_id']}/taskInstances")["task_instances"]
+    }
+    assert states["run_study"] == "upstream_failed", states
 
 
 def test_updating_the_data_asset_starts_retraining_on_the_champions_spec(api, form_run):

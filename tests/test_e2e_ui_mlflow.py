@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import re
+from urllib.parse import quote
 
 import pytest
-from ui_pages import assert_key_metrics_first
+from conftest import wait_for
+from ui_pages import assert_key_metrics_first, close_assistant_panel
 from ui_stack import SCREENSHOTS
 
 pytestmark = pytest.mark.slow
@@ -99,3 +101,58 @@ def test_the_versions_compression_table_shows_in_mlflow_with_its_columns_apart(
     _assert_columns_apart(description, rows)
     description.get_by_text("Compression (export.json)").scroll_into_view_if_needed()
     page.screenshot(path=str(SCREENSHOTS / "mlflow_version.png"))
+
+
+def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_failed(
+    stack, api, browser, mlflow_client
+):
+    """A run triggered through the REST API trains long enough to watch, then times out in train:
+    its MLflow run page (Model metrics, auto-refreshed by MLflow every 30 s) shows val_accuracy's
+    chart gain points while Airflow still reports train running; the run then ends FAILED, its
+    curve kept, naming the task."""
+    conf = {
+        "epochs": 1000,
+        "strategy": "multi_worker_mirrored",
+        "workers": 2,
+        "train_timeout_seconds": 90,
+        "registered_model": "ui-live-digits",
+    }
+    response = api.post("/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": conf})
+    assert response.status_code == 200, response.text
+    dag_run_id = response.json()["dag_run_id"]
+    experiment = mlflow_client.get_experiment_by_name("hetflow").experiment_id
+
+    def live_run():
+        found = mlflow_client.search_runs([experiment], f"tags.`airflow.run_id` = '{dag_run_id}'")
+        return found and mlflow_client.get_metric_history(found[0].info.run_id, "val_accuracy") and found[0]
+
+    run = wait_for(live_run, 180, interval=2)
+    assert run and run.info.status == "RUNNING", run
+    assert run.data.tags["airflow.url"].endswith(f"/dags/hetflow_train/runs/{quote(dag_run_id, safe='')}")
+
+    def train_state() -> str:
+        return api.get(f"/dags/hetflow_train/dagRuns/{dag_run_id}/taskInstances/train")["state"]
+
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{experiment}/runs/{run.info.run_id}/model-metrics")
+    close_assistant_panel(page)
+    # The run has a chart per metric, drawn once in view: the search box keeps val_accuracy's alone.
+    page.get_by_placeholder("Search metric charts").fill("val_accuracy")
+    chart = page.locator(".js-plotly-plot").first
+    chart.locator("path.js-line").first.wait_for()
+
+    def points() -> int:  # what the chart plots (plotly keeps its data on the chart's element)
+        return chart.evaluate("chart => chart.data[0].x.length")
+
+    before = points()
+    grown = wait_for(lambda: points() > before and train_state() == "running", 50, interval=1)
+    assert grown, (before, points(), train_state())
+    page.screenshot(path=str(SCREENSHOTS / "mlflow_live_run.png"))
+    page.close()
+
+    finished = api.wait_for_run("hetflow_train", dag_run_id)
+    assert finished["state"] == "failed"
+    ended = mlflow_client.get_run(run.info.run_id)
+    assert ended.info.status == "FAILED" and ended.data.tags["failed_task"] == "train"
+    assert "training timed out after 90 s" in ended.data.tags["failure_reason"]
+    assert len(mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")) > before

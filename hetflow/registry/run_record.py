@@ -172,7 +172,7 @@ def log_run_record(
     metrics += _stepped_metrics(training, logged)
     client.log_batch(
         run_id,
-        params=[Param(key, str(value)) for key, value in _new_params(client, run_id, params).items()],
+        params=[Param(key, str(value)) for key, value in params.items()],
         tags=[RunTag(key, value) for key, value in tags.items()],
     )
     for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
@@ -184,20 +184,6 @@ def log_run_record(
     lineage.log_dataset(client, run_id, dataset)
     events = lineage.write_tensorboard_events(training, paths.root / "tensorboard")
     upload_regular_files(client, run_id, [events], "tensorboard")
-
-
-def _new_params(client: MlflowClient, run_id: str, params: dict) -> dict[str, str]:
-    """``params`` less those the run holds already (the requested spec, logged when the DAG run
-    began: MLflow keeps a param's first value); where training decided otherwise (strategy=auto),
-    the decided value as ``decided.<key>``."""
-    held = client.get_run(run_id).data.params
-    new = {}
-    for key, value in params.items():
-        if key not in held:
-            new[key] = str(value)
-        elif held[key] != str(value):
-            new[f"decided.{key}"] = str(value)
-    return new
 
 
 def upload_regular_files(client: MlflowClient, run_id: str, sources: list[Path], artifact_path: str) -> list[str]:

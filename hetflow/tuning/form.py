@@ -23,8 +23,9 @@ def tune_params() -> dict[str, Any]:
         schema = _SPEC_KEY[short].schema()
         params[short] = Param(
             DEFAULT_CHOICES.get(short, []),
-            type="array",
+            type=["array", "null"],  # optional: empty searches nothing
             items={key: schema[key] for key in ("type", "enum") if key in schema},
+            title=f"{schema['title']}: values to try",
             description_md=f"{schema['title']}: the values the study tries (empty: the base spec's).",
             section="Search space",
         )
@@ -32,8 +33,9 @@ def tune_params() -> dict[str, Any]:
         title = _SPEC_KEY[short].schema()["title"]
         params[f"{short}_range"] = Param(
             DEFAULT_RANGES.get(short, []),
-            type="array",
+            type=["array", "null"],
             items={"type": "number"},
+            title=f"{title}: range",
             description_md=f"{title}: `[low, high]` the study draws from (empty: the base spec's).",
             section="Search space",
         )
