@@ -80,6 +80,8 @@ bench: setup image
 	$(BIN)/python bench/straggler.py
 	$(BIN)/python bench/straggler.py --backend swarm
 	$(BIN)/python bench/model_parallel.py
+	$(BIN)/python bench/live_logging.py
+	$(BIN)/python bench/tune.py
 	$(BIN)/python bench/containers.py
 	$(BIN)/python bench/overhead.py $(RUN_SPEC)
 

@@ -4,6 +4,7 @@ out (``Supervisor``) and what it records about a restart."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -18,6 +19,7 @@ from hetflow.cluster.supervisor import (
     last_error_line,
     restartable,
 )
+from hetflow.pipeline.progress import StoppedEarly
 from hetflow.spec import parse_spec
 
 PS = parse_spec({"strategy": "parameter_server", "workers": 2, "ps": 1})
@@ -197,3 +199,28 @@ def test_where_the_engine_reports_a_lost_machine_late_its_replica_not_the_errori
     script = [_states(layout, worker_0=1), _states(layout, worker_0=1, worker_1=lost)]
     with pytest.raises(ReplicaFailed, match=r"^replica worker-0 exited with code 1"):
         Supervisor(layout, "never", 0, ScriptedReplicas(layout, script), tmp_path).wait(timeout=60, interval=0)
+
+
+def test_the_task_log_shows_one_line_per_epoch_the_chiefs_and_no_gpu_noise(tmp_path, caplog):
+    layout = _layout(SYNC)
+    epoch = "Epoch 1/2 - 0.4s (validation 0.1s) - loss: 0.9 - accuracy: 0.7 - val_loss: 0.8 - val_accuracy: 0.75"
+    cuinit = "E0000 00:00:17 cuda_platform.cc:52] failed call to cuInit: CUDA error"
+    output = {"worker-0": [cuinit, epoch + " - examples/s worker-0 900, worker-1 450"], "worker-1": [cuinit, epoch]}
+    script = [_states(layout, worker_0=0, worker_1=0)]
+    supervisor = Supervisor(layout, "never", 0, ScriptedReplicas(layout, script, output), tmp_path)
+    with caplog.at_level(logging.INFO, logger="hetflow.cluster"):
+        supervisor.follow(["worker-0", "worker-1"])
+        supervisor.wait(timeout=60, interval=0)
+    shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and r.getMessage().startswith("[")]
+    assert shown == [f"[worker-0] {epoch} - examples/s worker-0 900, worker-1 450"]
+    assert list(supervisor.tails["worker-1"]) == [cuinit, epoch]  # kept for a failure's message
+
+
+def test_a_watcher_asking_to_stop_stops_every_replica(tmp_path):
+    layout = _layout(SYNC)
+    replicas = ScriptedReplicas(layout, [_states(layout)])
+    with pytest.raises(StoppedEarly, match="^training stopped early: pruned at 12 s$"):
+        Supervisor(layout, "never", 0, replicas, tmp_path).wait(
+            timeout=60, interval=0, should_stop=lambda: "pruned at 12 s"
+        )
+    assert replicas.calls == [("stop", ("worker-0", "worker-1"))]

@@ -66,6 +66,7 @@ def test_mlflow_run_records_tags_params_curves_and_artifacts(first, client):
     assert tags["airflow.run_id"] == summary["run_id"]
     assert tags["airflow.url"].endswith(f"/dags/hetflow_train/runs/{quote(summary['run_id'], safe='')}")
     assert run.info.status == "FINISHED"
+    assert f"[The Airflow run]({tags['airflow.url']})" in tags["mlflow.note.content"]
     assert tags["dataset.name"] == "uci_digits" and tags["dataset.version"] == "1.0.0"
     assert tags["dataset.fingerprint"] == summary["dataset"]["fingerprint"]
     assert re.fullmatch(r"[0-9a-f]{40}", tags["mlflow.source.git.commit"])
@@ -91,6 +92,8 @@ def test_first_version_is_candidate_and_champion_and_predicts_the_test_split(fir
     assert summary["registry"]["aliases"] == ["candidate", "champion"]
     champion = client.get_model_version_by_alias(MODEL, "champion")
     assert int(champion.version) == 1 and champion.run_id == summary["mlflow_run_id"]
+    assert client.get_registered_model(MODEL).description.startswith("Trained by hetflow: the float model")
+    assert client.get_registered_model(f"{MODEL}-tflite").description.startswith("Trained by hetflow: the TFLite")
     assert float(champion.tags["test_accuracy"]) == pytest.approx(summary["metrics"]["test_accuracy"], abs=1e-6)
 
     dataset = json.loads((Path(summary["run_dir"]) / "dataset.json").read_text())

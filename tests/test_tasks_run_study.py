@@ -68,6 +68,7 @@ def test_a_trial_behind_the_earlier_ones_is_pruned_and_torn_down(hetflow_env):
         [client.get_experiment_by_name("hetflow").experiment_id], f"tags.`airflow.run_id` = '{trial_run}'"
     )
     assert trial_run_record.info.status == "KILLED" and trial_run_record.data.tags["tuning.state"] == "pruned"
+    assert "failed_task" not in trial_run_record.data.tags  # pruned is what the study asked for, no failure
 
 
 _RUN_STUDY = """

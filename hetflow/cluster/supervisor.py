@@ -22,16 +22,13 @@ from typing import Iterable, Iterator, Literal, Protocol, Sequence
 
 from hetflow.cluster.layout import ClusterLayout, Replica
 from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, write_record
+from hetflow.pipeline.progress import StoppedEarly
 
 log = logging.getLogger("hetflow.cluster")
 
 
 class ReplicaFailed(RuntimeError):
     pass
-
-
-class StoppedEarly(RuntimeError):
-    """The run's watcher asked to stop training (a tuning study pruned the trial); every replica was stopped."""
 
 
 _RESTART_TEXT = ("replica", "cause", "action")  # what readers put in tags and summaries
@@ -178,6 +175,9 @@ def exit_description(exit_code: int) -> str:
 
 # The last line of a Python traceback: ``tensorflow...errors_impl.UnavailableError: ...``.
 _EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b(:|$)")
+# A replica's progress line (hetflow.replica.loop), and TensorFlow's complaint where no GPU is.
+_EPOCH_LINE = re.compile(r"^Epoch \d+/\d+ ")
+_NO_GPU_LINE = re.compile(r"\] failed call to cuInit: ")
 # TensorFlow's own log lines (``E0000 00:00:17.. cuda_platform.cc:52] failed call to cuInit``):
 # start-up noise, not what ended the replica.
 _ABSL_LINE = re.compile(r"^[IWEF]\d{4} ")
@@ -229,9 +229,18 @@ class Supervisor:
             self._followers[name].append(follower)
 
     def _follow(self, name: str, since: float) -> None:
+        chief = self._chief()
         for line in self.replicas.lines(name, since):
             self.tails[name].append(line)
-            log.info("[%s] %s", name, line)
+            # One line per epoch in the task log, the chief's (it names every worker's rate); the
+            # others' stay in their own logs and failure messages. TensorFlow's cuInit complaint on
+            # a machine without a GPU is start-up noise, not news.
+            quiet = (name != chief and _EPOCH_LINE.match(line)) or _NO_GPU_LINE.search(line)
+            log.log(logging.DEBUG if quiet else logging.INFO, "[%s] %s", name, line)
+
+    def _chief(self) -> str:
+        names = [replica.name for replica in self.layout.replicas]
+        return "chief-0" if "chief-0" in names else "worker-0"
 
     def wait(self, timeout: float, interval: float = 0.2, should_stop=None) -> dict[str, int]:
         """Act on ``decide`` every ``interval`` seconds until the run succeeds (returns the training

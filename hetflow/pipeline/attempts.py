@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from hetflow.paths import RunPaths, write_record
 from hetflow.pipeline import timing
+from hetflow.pipeline.progress import StoppedEarly
 from hetflow.pipeline.task_log import failure_headline
 from hetflow.spec import RunSpec
 
@@ -53,6 +54,9 @@ def reported(stage: Callable) -> Callable:
         with timing.stage_clock():
             try:
                 return stage(*args, **kwargs)
+            except StoppedEarly as stopped:  # what a tuning study asked for: its trial records it
+                log.info("%s: %s", stage.__name__, stopped)
+                raise
             except Exception as error:
                 headline = failure_headline(stage.__name__, error)
                 log.error("%s", headline)

@@ -36,6 +36,11 @@ FIGURES = (
 WATCH_SECONDS = 2.0
 
 
+class StoppedEarly(RuntimeError):
+    """A watcher asked to stop training (a tuning study pruned the trial) and every replica was
+    stopped: an outcome the caller asked for, not a failure."""
+
+
 @dataclass(frozen=True)
 class Epoch:
     """One epoch as the chief reported it, checked: ``figures`` holds those of ``FIGURES`` it gave."""

@@ -88,7 +88,7 @@ def open_named_run(
         log.warning("MLflow at %s did not answer (%s): the run appears there when register logs it", uri, _line(error))
         return None
     write_record(paths.tracking, {"tracking_uri": uri, "mlflow_run_id": run_id, "dag_id": dag_id})
-    log.info("MLflow run %s (RUNNING) at %s", run_id, uri)
+    log.info("MLflow: %s (RUNNING)", store.run_page(uri, run_id))
     return run_id
 
 

@@ -38,16 +38,31 @@ def pipeline_started(paths: RunPaths) -> float | None:
     return timing["started_at"] if timing else None
 
 
+# Strategies as a run's name says them: what a reader compares, in a word.
+_STRATEGY_WORDS = {
+    "auto": "auto",
+    "one_device": "one-device",
+    "mirrored": "mirrored",
+    "multi_worker_mirrored": "sync",
+    "parameter_server": "async",
+    "model_parallel": "model-parallel",
+}
+
+
 def run_name(spec: RunSpec, started: float | None) -> str:
-    """What the run was, most telling first (MLflow's run list and chart legends cut long names):
-    model, strategy, replicas, when (UTC), e.g. ``mlp parameter_server 2 workers + 1 ps 11-25 13:21:22``."""
-    replicas = f"{spec.cluster.worker.replicas} worker{'s' if spec.cluster.worker.replicas > 1 else ''}"
+    """What the run was, what differs between runs first (MLflow's run list and chart legends cut
+    names after about 30 characters): dataset, strategy, replicas, model, start time (UTC), e.g.
+    ``uci_digits async 2w+1ps mlp 13:21:22``; a folder dataset by its folder's name."""
+    dataset = spec.data.dataset
+    if dataset.startswith("folder:"):
+        dataset = dataset.removeprefix("folder:").rstrip("/").rsplit("/", 1)[-1]
+    replicas = f"{spec.cluster.worker.replicas}w"
     if spec.cluster.worker.devices > 1:
-        replicas += f" x {spec.cluster.worker.devices} devices"
+        replicas += f"x{spec.cluster.worker.devices}dev"
     if spec.cluster.ps.replicas:
-        replicas += f" + {spec.cluster.ps.replicas} ps"
+        replicas += f"+{spec.cluster.ps.replicas}ps"
     when = datetime.fromtimestamp(started if started is not None else time.time(), timezone.utc)
-    return f"{spec.model.architecture} {spec.cluster.strategy} {replicas} {when:%m-%d %H:%M:%S}"
+    return f"{dataset} {_STRATEGY_WORDS[spec.cluster.strategy]} {replicas} {spec.model.architecture} {when:%H:%M:%S}"
 
 
 def _stepped_metrics(training: dict, logged: dict[str, set[int]]) -> list[Metric]:
@@ -98,9 +113,10 @@ def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
     return {name: value for name, value in metrics.items() if value is not None}
 
 
-def headline(training: dict, evaluation: dict) -> str:
+def headline(training: dict, evaluation: dict, airflow_url: str | None = None) -> str:
     """The run's description, at the top of its MLflow page: the figures a reviewer compares first
-    (MLflow lists metrics alphabetically, epoch_seconds and export_* before the accuracies)."""
+    (MLflow lists metrics alphabetically, epoch_seconds and export_* before the accuracies), and the
+    way back to the Airflow run that made it."""
     last_epoch = {name: values[-1] for name, values in training["history"].items() if values}
     parts = [f"**test accuracy {evaluation['test_accuracy']:.4f}**"]
     if "val_accuracy" in last_epoch:
@@ -109,7 +125,8 @@ def headline(training: dict, evaluation: dict) -> str:
     speed, seconds = training.get("examples_per_second"), training.get("train_seconds")
     if speed is not None and seconds is not None:
         parts.append(f"{speed:.0f} examples/s in training ({seconds:.1f} s)")
-    return " · ".join(parts)
+    link = f"\n\n[The Airflow run]({airflow_url}): its tasks and their logs." if airflow_url else ""
+    return " · ".join(parts) + link
 
 
 def _export_metrics(exported: dict) -> dict[str, float]:
@@ -138,7 +155,7 @@ def log_run_record(
         "dataset.fingerprint": dataset["fingerprint"],
         "dataset.source": dataset["source_path"],
         "mlflow.source.git.commit": git_commit(),
-        "mlflow.note.content": headline(training, evaluation),
+        "mlflow.note.content": headline(training, evaluation, client.get_run(run_id).data.tags.get("airflow.url")),
         "strategy": spec.cluster.strategy,
     }
     params = {

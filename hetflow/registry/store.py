@@ -60,6 +60,15 @@ def runs_page(server_url: str, key_metrics: bool = False, store: str | None = No
     return f"{page}&compareRunsMode=CHART&viewStateShareKey={charts_view.VIEW_ID}" if key_metrics else page
 
 
+def run_page(uri: str, run_id: str) -> str:
+    """Where a person opens the run: its page in the MLflow UI where the store is a tracking server,
+    else the run's id in the store."""
+    if uri.startswith(("http://", "https://")):
+        run = MlflowClient(uri).get_run(run_id)
+        return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+    return f"run {run_id} in {uri}"
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(

@@ -37,7 +37,9 @@ def own_registered_model(client: MlflowClient, name: str, registered_model: str)
     comparing against its champion, would mix hetflow's versions with theirs. ``registered_model``
     is the spec's value that chose the name (the TFLite model's name adds ``-tflite`` to it)."""
     try:
-        client.create_registered_model(name, tags={OWNER_TAG: OWNER})
+        client.create_registered_model(
+            name, tags={OWNER_TAG: OWNER}, description=_model_description(name, registered_model)
+        )
         return
     except MlflowException as error:
         # Created meanwhile, by an earlier run or a concurrent one (the tag comes with the creation).
@@ -48,6 +50,23 @@ def own_registered_model(client: MlflowClient, name: str, registered_model: str)
             f"registered_model {registered_model!r}: the registered model {name!r} in {tracking_uri()} was not "
             f"created by hetflow (no tag {OWNER_TAG}={OWNER}); choose another registered_model"
         )
+
+
+def _model_description(name: str, registered_model: str) -> str:
+    """What a registered model holds, on its page in MLflow (each version says how it was made)."""
+    if name == registered_model:
+        kind = "the float model: the SavedModel every run exports, served from raw uint8 images to logits"
+    else:
+        kind = (
+            f"the TFLite file chosen from each run's compressed variants (pruned and/or quantized), beside the "
+            f"float model `{registered_model}`"
+        )
+    return (
+        f"Trained by hetflow: {kind}. Each version is one run (its MLflow run, dataset and fingerprint, test "
+        "accuracy against the champion's, the served check and the gate's decision are in its description). "
+        "Aliases: `candidate`, the newest version; `champion`, the version that beat the one before by at least "
+        "the run's min_improvement."
+    )
 
 
 def register_version(client: MlflowClient, name: str, run_id: str, log_model: Callable[[], Any]):

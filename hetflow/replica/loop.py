@@ -78,16 +78,19 @@ class EpochLoop:
             for name, value in zip(history, values):
                 history[name].append(float(value))
             details = epoch_details(clock.epoch_seconds[-1]) if epoch_details else {}
-            staleness = (
+            suffix = (
                 f" - staleness mean {details['staleness_mean']:.2f} max {details['staleness_max']}"
                 if "staleness_mean" in details
                 else ""
             )
+            rates = details.get("worker_examples_per_second", {})
+            if len(rates) > 1:  # the one line a task log shows of the epoch names each worker's part
+                suffix += " - examples/s " + ", ".join(f"{worker} {rate:.0f}" for worker, rate in rates.items())
             print(
                 f"Epoch {epoch + 1}/{spec.training.epochs} - {clock.epoch_seconds[-1]:.1f}s"
                 f" (validation {clock.validation_seconds[-1]:.1f}s)"
                 f" - loss: {history['loss'][-1]:.4f} - accuracy: {history['accuracy'][-1]:.4f}"
-                f" - val_loss: {history['val_loss'][-1]:.4f} - val_accuracy: {val_accuracy:.4f}{staleness}",
+                f" - val_loss: {history['val_loss'][-1]:.4f} - val_accuracy: {val_accuracy:.4f}{suffix}",
                 flush=True,
             )
             if self.progress is not None:

@@ -148,6 +148,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
         "mlflow_tracking_uri": store.tracking_uri(),
     }
     write_record(paths.registry, record)
+    log.info("MLflow: %s", store.run_page(store.tracking_uri(), run_id))
     return record
 
 

@@ -81,17 +81,21 @@ def _spec_problems(values: dict[str, Any], field: str) -> list[str]:
     return []
 
 
-def _options_no_trial_can_use(study: StudySpec) -> list[str]:
+def _choices_checked(study: StudySpec) -> tuple[list[str], dict[str, Any] | None]:
     """One line for each choice that no combination with the other choices makes a valid spec
     (``workers=2`` is fine beside ``strategy=multi_worker_mirrored``, useless beside only
-    ``one_device``): the first reason it was refused."""
+    ``one_device``), with the first reason it was refused; and the first valid combination (None
+    if there is none), beside which the ranges are checked."""
     keys = list(study.choices)
     combinations = list(itertools.islice(itertools.product(*study.choices.values()), MAX_COMBINATIONS_CHECKED))
     usable: dict[str, set[int]] = {key: set() for key in keys}
     reasons: dict[tuple[str, int], str] = {}
+    first_valid = None
     for combination in combinations:
         drawn = dict(zip(keys, combination))
         problems = _spec_problems(study.trial_values(drawn), "choices")
+        if not problems and first_valid is None:
+            first_valid = drawn
         for key, option in drawn.items():
             index = study.choices[key].index(option)
             if not problems:
@@ -99,13 +103,19 @@ def _options_no_trial_can_use(study: StudySpec) -> list[str]:
             else:
                 reasons.setdefault((key, index), problems[0].removeprefix("choices: "))
     if len(combinations) == MAX_COMBINATIONS_CHECKED:
-        return []  # too many to try each: combinations are checked as trials draw them
-    return [
+        return [], first_valid  # too many to try each: combinations are checked as trials draw them
+    refused = [
         f"choices.{key}={option!r} is invalid: no trial can use it ({reasons[(key, index)]})"
         for key in keys
         for index, option in enumerate(study.choices[key])
         if index not in usable[key]
     ]
+    return refused, first_valid
+
+
+def _base_problems(base: dict[str, Any]) -> list[str]:
+    """The base's own bad values (unknown keys, out of range), not how it combines with the defaults."""
+    return [problem for problem in _spec_problems(base, "base") if " is invalid with " not in problem]
 
 
 def parse_study(values: dict[str, Any]) -> StudySpec:
@@ -114,19 +124,22 @@ def parse_study(values: dict[str, Any]) -> StudySpec:
         study = StudySpec.model_validate(values)
     except ValidationError as error:
         base = values.get("base", {})
-        raise SpecError(_one_line(error) + (_spec_problems(base, "base") if isinstance(base, dict) else [])) from None
+        raise SpecError(_one_line(error) + (_base_problems(base) if isinstance(base, dict) else [])) from None
     problems = []
     for key in STUDY_SETS:
         if key in study.base:
             problems.append(f"base.{key} is invalid: the study sets it for every trial (use target_accuracy)")
-    problems += _spec_problems(study.base, "base")
+    # A base that only the choices complete (workers=2, strategies to try) is checked with them below.
+    problems += _base_problems(study.base) if study.choices else _spec_problems(study.trial_values({}), "base")
     for key, options in study.choices.items():
         if key not in CHOICE_KEYS:
             problems.append(f"choices.{key} is invalid: expected one of {', '.join(CHOICE_KEYS)}")
         elif not options:
             problems.append(f"choices.{key}=[] is invalid: expected at least one value")
+    beside = {}
     if not problems:
-        problems += _options_no_trial_can_use(study)
+        refused, beside = _choices_checked(study)
+        problems += refused
     for key, (low, high) in study.ranges.items():
         if key not in RANGE_KEYS:
             problems.append(f"ranges.{key} is invalid: expected one of {', '.join(RANGE_KEYS)}")
@@ -136,7 +149,7 @@ def parse_study(values: dict[str, Any]) -> StudySpec:
             problems.append(f"ranges.{key}=[{low}, {high}] is invalid: expected whole numbers")
         else:
             for end in (low, high):
-                drawn = {key: int(end) if key in INTEGER_RANGES else end}
+                drawn = {**(beside or {}), key: int(end) if key in INTEGER_RANGES else end}
                 problems += _spec_problems(study.trial_values(drawn), f"ranges.{key}")
     if problems:
         raise SpecError(problems)

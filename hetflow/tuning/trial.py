@@ -39,7 +39,8 @@ def trial_record(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
 
 def run_trial(trial: optuna.Trial, spec: StudySpec, study_id: str, airflow_url: str | None) -> float:
     """One trial, start to teardown: its objective value, or TrialPruned / TrialFailed."""
-    from hetflow.cluster.supervisor import ReplicaFailed, StoppedEarly
+    from hetflow.cluster.supervisor import ReplicaFailed
+    from hetflow.pipeline.progress import StoppedEarly
     from hetflow.tasks.prepare_data import prepare_data
     from hetflow.tasks.provision_cluster import provision_cluster
     from hetflow.tasks.teardown_cluster import teardown_cluster
