@@ -282,7 +282,12 @@ TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=swarm", "encry
     "shape, expected_nodes",
     [
         (("strategy=multi_worker_mirrored", "workers=2"), {"worker-0": "node-1", "worker-1": "node-2"}),
-        (("strategy=parameter_server", "workers=2", "ps=1"), {"worker-0": "node-1", "worker-1": "node-2"}),
+        # Async across nodes: make test-all (CI's time); docker's ps restart runs the async DAG in make test.
+        pytest.param(
+            ("strategy=parameter_server", "workers=2", "ps=1"),
+            {"worker-0": "node-1", "worker-1": "node-2"},
+            marks=pytest.mark.heavy,
+        ),
         (("strategy=model_parallel", "workers=2"), {"worker-0": "node-1", "worker-1": "node-2"}),
     ],
     ids=["sync", "async", "stages"],

@@ -67,6 +67,8 @@ def test_a_study_runs_its_trials_and_registers_the_best_one(hetflow_env, tmp_pat
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "comparison")}
     assert artifacts == {"comparison/time_to_target.png", "comparison/sync_vs_async.png"}
     assert "trials.json" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    table = parent.data.tags["mlflow.note.content"]  # the trials at the top of the study's page
+    assert all(f"\n{t['number']}  " in table for t in trials) and "to target s" in table
     children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(c.data.tags["airflow.run_id"] for c in children) == sorted(t["run_id"] for t in trials)
     for child in children:

@@ -11,7 +11,7 @@ from urllib.parse import quote
 import pytest
 from conftest import wait_for
 from ui_pages import assert_key_metrics_first, close_assistant_panel
-from ui_stack import SCREENSHOTS
+from ui_stack import ARTIFACTS, SCREENSHOTS
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,12 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{experiment}/runs/{run.info.run_id}/model-metrics")
     close_assistant_panel(page)
     # The run has a chart per metric, drawn once in view: the search box keeps val_accuracy's alone.
-    page.get_by_placeholder("Search metric charts").fill("val_accuracy")
+    search = page.get_by_placeholder("Search metric charts")
+    try:
+        search.wait_for(timeout=90_000)  # the page loads slowly beside a training cluster
+    finally:
+        page.screenshot(path=str(ARTIFACTS / "mlflow_live_run_opened.png"))
+    search.fill("val_accuracy")
     chart = page.locator(".js-plotly-plot").first
     chart.locator("path.js-line").first.wait_for()
 

@@ -1,6 +1,6 @@
 """The DAG run's MLflow run while it runs: made RUNNING by the first stage, its curves and the
-replicas' CPU and memory growing while two real workers train, and FAILED with the task and its
-reason, its curves kept, when training fails."""
+replicas' CPU and memory growing while two real workers train. A run failing in train ends FAILED
+naming it: tests/test_e2e_run.py (through the DAG) and tests/test_e2e_ui_mlflow.py (its curve kept)."""
 
 from __future__ import annotations
 
@@ -69,31 +69,3 @@ def test_curves_and_usage_grow_in_mlflow_while_two_workers_train(hetflow_env):
         assert memory and all(100 < m.value < 8000 for m in memory)  # a TensorFlow process, resident
         cpu = history(client, mlflow_run_id, f"cpu_percent/{worker}")
         assert cpu and max(m.value for m in cpu) > 5 and all(m.value <= 100 * os.cpu_count() * 1.5 for m in cpu)
-
-
-def test_a_run_that_fails_in_train_ends_failed_naming_the_task_its_curves_kept(hetflow_env):
-    from hetflow.cluster.supervisor import ReplicaFailed
-    from hetflow.tasks.prepare_data import prepare_data
-    from hetflow.tasks.provision_cluster import provision_cluster
-    from hetflow.tasks.teardown_cluster import teardown_cluster
-    from hetflow.tasks.train import train
-    from hetflow.tasks.validate_spec import validate_spec
-    from mlflow import MlflowClient
-
-    client = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
-    run = f"live-failing-run-{os.getpid()}"
-    values = {"epochs": 1000, "train_timeout_seconds": 20, "skip_unchanged": False}
-    validate_spec(values, run, dag_id="hetflow_train", airflow_url=AIRFLOW_PAGE)
-    mlflow_run_id = json.loads(run_paths(run).tracking.read_text())["mlflow_run_id"]
-    prepare_data(run)
-    try:
-        provision_cluster(run)
-        with pytest.raises(ReplicaFailed, match="timed out"):
-            train(run)
-    finally:
-        teardown_cluster(run)
-    failed = client.get_run(mlflow_run_id)
-    assert failed.info.status == "FAILED"
-    assert failed.data.tags["failed_task"] == "train"
-    assert failed.data.tags["failure_reason"].startswith("train failed: ReplicaFailed: training timed out after 20 s")
-    assert len(history(client, mlflow_run_id, "val_accuracy")) >= 1  # the epochs before the failure

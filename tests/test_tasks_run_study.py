@@ -16,8 +16,8 @@ from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-# Long enough to be killed mid-trial (mlp does not reach 0.99): ~10 s of epochs a trial.
-BASE = {"model": "mlp", "epochs": 30}
+# Long enough to be killed mid-trial (mlp does not reach 0.99): a few seconds of epochs a trial.
+BASE = {"model": "mlp", "epochs": 15}
 
 
 def make_study(run_id: str, **values) -> None:

@@ -110,7 +110,7 @@ def report_study(study_paths: RunPaths, trials: list[dict[str, Any]], target: fl
         "wall_seconds": [t["wall_seconds"] for t in trials],
         "run_id": [t["run_id"] for t in trials],
     }
-    client.log_table(run_id, table, "trials.json")
+    client.log_dict(run_id, table, "trials.json")  # rewritten whole on a retry: no row twice
     with tempfile.TemporaryDirectory(prefix="hetflow-study-") as folder:
         for plot in comparison_plots(trials, target, Path(folder)):
             client.log_artifact(run_id, str(plot), "comparison")
@@ -120,4 +120,25 @@ def report_study(study_paths: RunPaths, trials: list[dict[str, Any]], target: fl
     metrics = [Metric(f"trials_{state}", float(n), now, 0) for state, n in counts.items()]
     if reached:
         metrics.append(Metric("best_launch_to_target_seconds", min(reached), now, 0))
-    client.log_batch(run_id, metrics=metrics)
+    note = RunTag("mlflow.note.content", _trials_table(trials, target))
+    client.log_batch(run_id, metrics=metrics, tags=[note])
+
+
+def _trials_table(trials: list[dict[str, Any]], target: float) -> str:
+    """The trials as a fixed-width table in a code block, for the top of the study's MLflow page
+    (MLflow renders a Markdown table's cells without padding; a code block keeps its columns)."""
+    header = ["trial", "state", "to target s", "best val acc", "settings"]
+    rows = [
+        [
+            str(t["number"]),
+            t["state"],
+            "" if t["launch_to_target_seconds"] is None else f"{t['launch_to_target_seconds']:.1f}",
+            f"{t['best_accuracy']:.4f}",
+            ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in t["params"].items()),
+        ]
+        for t in sorted(trials, key=lambda t: (t["value"] is None, t["value"] or 0.0))
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
+    intro = f"Trials to validation accuracy {target}, fastest first (seconds from launch; the charts: `comparison/`)."
+    return "\n\n".join([intro, "\n".join(["```", *lines, "```"])])
