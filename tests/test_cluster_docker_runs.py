@@ -142,6 +142,13 @@ def test_a_dag_run_in_containers_reaches_the_local_accuracy_bar_and_leaves_nothi
         stages = summary["stage_split"]["stages"]
         assert [stage["replica"] for stage in stages] == ["worker-0", "worker-1"] and all(s["layers"] for s in stages)
     assert _docker_names(docker_client, summary["run_id"]) == []
+    # While it trained, the engine's counters of each container went to the live MLflow run.
+    from mlflow import MlflowClient
+
+    client = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
+    memory = client.get_metric_history(summary["mlflow_run_id"], "memory_mb/worker-1")
+    assert memory and all(100 < m.value < 8000 for m in memory), memory
+    assert client.get_metric_history(summary["mlflow_run_id"], "cpu_percent/worker-1")
 
 
 def _kill_when(client, watch: str, log_line: str, victim: str, killed: list) -> None:

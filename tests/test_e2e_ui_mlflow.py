@@ -107,14 +107,14 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
     stack, api, browser, mlflow_client
 ):
     """A run triggered through the REST API trains long enough to watch, then times out in train:
-    its MLflow run page (Model metrics, auto-refreshed by MLflow every 30 s) shows val_accuracy's
-    chart gain points while Airflow still reports train running; the run then ends FAILED, its
-    curve kept, naming the task."""
+    its MLflow run page (Model metrics) shows val_accuracy's chart with more points once reloaded,
+    while Airflow still reports train running; the run then ends FAILED, its curve kept, naming
+    the task."""
     conf = {
         "epochs": 1000,
         "strategy": "multi_worker_mirrored",
         "workers": 2,
-        "train_timeout_seconds": 90,
+        "train_timeout_seconds": 120,
         "registered_model": "ui-live-digits",
     }
     response = api.post("/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": conf})
@@ -133,25 +133,29 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
     def train_state() -> str:
         return api.get(f"/dags/hetflow_train/dagRuns/{dag_run_id}/taskInstances/train")["state"]
 
+    def val_accuracy_points(page) -> int:
+        """The points of the run page's val_accuracy chart (plotly keeps its data on the chart's element)."""
+        # A chart per metric, drawn once in view: the search box keeps val_accuracy's alone.
+        search = page.get_by_placeholder("Search metric charts")
+        try:
+            search.wait_for(timeout=90_000)  # the page loads slowly beside a training cluster
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "mlflow_live_run_opened.png"))
+        search.fill("val_accuracy")
+        chart = page.locator(".js-plotly-plot").first
+        chart.locator("path.js-line").first.wait_for()
+        return chart.evaluate("chart => chart.data[0].x.length")
+
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{experiment}/runs/{run.info.run_id}/model-metrics")
     close_assistant_panel(page)
-    # The run has a chart per metric, drawn once in view: the search box keeps val_accuracy's alone.
-    search = page.get_by_placeholder("Search metric charts")
-    try:
-        search.wait_for(timeout=90_000)  # the page loads slowly beside a training cluster
-    finally:
-        page.screenshot(path=str(ARTIFACTS / "mlflow_live_run_opened.png"))
-    search.fill("val_accuracy")
-    chart = page.locator(".js-plotly-plot").first
-    chart.locator("path.js-line").first.wait_for()
-
-    def points() -> int:  # what the chart plots (plotly keeps its data on the chart's element)
-        return chart.evaluate("chart => chart.data[0].x.length")
-
-    before = points()
-    grown = wait_for(lambda: points() > before and train_state() == "running", 50, interval=1)
-    assert grown, (before, points(), train_state())
+    before = val_accuracy_points(page)
+    # As a person does (MLflow itself refreshes the page every 30 s): reloaded, the chart has more
+    # points, drawn while Airflow still runs train.
+    page.reload()
+    after = val_accuracy_points(page)
+    state = train_state()
+    assert after > before and state == "running", (before, after, state)
     page.screenshot(path=str(SCREENSHOTS / "mlflow_live_run.png"))
     page.close()
 
@@ -159,5 +163,5 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
     assert finished["state"] == "failed"
     ended = mlflow_client.get_run(run.info.run_id)
     assert ended.info.status == "FAILED" and ended.data.tags["failed_task"] == "train"
-    assert "training timed out after 90 s" in ended.data.tags["failure_reason"]
+    assert "training timed out after 120 s" in ended.data.tags["failure_reason"]
     assert len(mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")) > before

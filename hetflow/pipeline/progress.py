@@ -46,7 +46,6 @@ class Epoch:
     """One epoch as the chief reported it, checked: ``figures`` holds those of ``FIGURES`` it gave."""
 
     epoch: int
-    time: float  # unix time the chief wrote it
     figures: dict[str, float]
     worker_examples_per_second: dict[str, float] = field(default_factory=dict)
 
@@ -86,13 +85,8 @@ class ProgressReader:
     def _checked(self, line: bytes) -> Epoch | None:
         try:
             value = json.loads(line)
-            epoch, written = value["epoch"], value["time"]
-            valid = (
-                isinstance(epoch, int)
-                and not isinstance(epoch, bool)
-                and 1 <= epoch <= self.spec.training.epochs
-                and _number(written)
-            )
+            epoch = value["epoch"]
+            valid = isinstance(epoch, int) and not isinstance(epoch, bool) and 1 <= epoch <= self.spec.training.epochs
             rates = value.get("worker_examples_per_second", {})
             valid = (
                 valid and isinstance(rates, dict) and set(rates) <= self.workers and all(map(_number, rates.values()))
@@ -106,9 +100,7 @@ class ProgressReader:
                 self._warned_bad_line = True
                 log.warning("dropped a progress line the chief wrote that is not an epoch's figures: %.200r", line)
             return None
-        return Epoch(
-            epoch, float(written), {k: float(v) for k, v in figures.items()}, {k: float(v) for k, v in rates.items()}
-        )
+        return Epoch(epoch, {k: float(v) for k, v in figures.items()}, {k: float(v) for k, v in rates.items()})
 
 
 # A watcher gets the new epochs and the replicas' usage; what it returns, if not None, is a reason to
