@@ -15,6 +15,7 @@ from conftest import dag_run, wait_for
 
 from hetflow.cluster.layout import run_slug
 from hetflow.spec import SpecError, parse_spec
+from mlflow import MlflowClient
 
 
 def _docker_names(client, run_id: str, running_only: bool = False) -> list[str]:
@@ -143,12 +144,9 @@ def test_a_dag_run_in_containers_reaches_the_local_accuracy_bar_and_leaves_nothi
         assert [stage["replica"] for stage in stages] == ["worker-0", "worker-1"] and all(s["layers"] for s in stages)
     assert _docker_names(docker_client, summary["run_id"]) == []
     # While it trained, the engine's counters of each container went to the live MLflow run.
-    from mlflow import MlflowClient
-
-    client = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"])
-    memory = client.get_metric_history(summary["mlflow_run_id"], "memory_mb/worker-1")
-    assert memory and all(100 < m.value < 8000 for m in memory), memory
-    assert client.get_metric_history(summary["mlflow_run_id"], "cpu_percent/worker-1")
+    history = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"]).get_metric_history
+    memory, cpu = (history(summary["mlflow_run_id"], f"{name}/worker-1") for name in ("memory_mb", "cpu_percent"))
+    assert memory and cpu and all(100 < m.value < 8000 for m in memory), (memory, cpu)
 
 
 def _kill_when(client, watch: str, log_line: str, victim: str, killed: list) -> None:

@@ -279,22 +279,16 @@ TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=swarm", "encry
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "shape, expected_nodes",
+    "shape",
     [
-        (("strategy=multi_worker_mirrored", "workers=2"), {"worker-0": "node-1", "worker-1": "node-2"}),
+        ("strategy=multi_worker_mirrored", "workers=2"),
         # Async across nodes: make test-all (CI's time); docker's ps restart runs the async DAG in make test.
-        pytest.param(
-            ("strategy=parameter_server", "workers=2", "ps=1"),
-            {"worker-0": "node-1", "worker-1": "node-2"},
-            marks=pytest.mark.heavy,
-        ),
-        (("strategy=model_parallel", "workers=2"), {"worker-0": "node-1", "worker-1": "node-2"}),
+        pytest.param(("strategy=parameter_server", "workers=2", "ps=1"), marks=pytest.mark.heavy),
+        ("strategy=model_parallel", "workers=2"),
     ],
     ids=["sync", "async", "stages"],
 )
-def test_a_dag_run_across_two_swarm_nodes_reaches_the_local_bar_records_its_nodes_and_leaves_nothing(
-    swarm, shape, expected_nodes
-):
+def test_a_dag_run_across_two_swarm_nodes_reaches_the_local_bar_records_its_nodes_and_leaves_nothing(swarm, shape):
     devices = '[{"node": "node-1"}, {"node": "node-2"}]'
     done, summary = dag_run(
         swarm["env"], *TRAINING, *shape, f"worker_devices={devices}", "registered_model=swarm-digits", timeout=1200
@@ -303,7 +297,7 @@ def test_a_dag_run_across_two_swarm_nodes_reaches_the_local_bar_records_its_node
     assert summary["status"] == "success" and summary["restarts"] == []
     assert summary["metrics"]["test_accuracy"] >= 0.9
     nodes = summary["nodes"]
-    assert {name: nodes[name] for name in expected_nodes} == expected_nodes
+    assert (nodes["worker-0"], nodes["worker-1"]) == ("node-1", "node-2")
     assert "worker-0 on node-1, worker-1 on node-2" in done.stdout  # the terminal's summary says where
     assert set(nodes.values()) <= {"node-1", "node-2"}
     if "ps=1" in shape:
