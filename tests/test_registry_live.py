@@ -69,3 +69,25 @@ def test_curves_and_usage_grow_in_mlflow_while_two_workers_train(hetflow_env):
         assert memory and all(100 < m.value < 8000 for m in memory)  # a TensorFlow process, resident
         cpu = history(client, mlflow_run_id, f"cpu_percent/{worker}")
         assert cpu and max(m.value for m in cpu) > 5 and all(m.value <= 100 * os.cpu_count() * 1.5 for m in cpu)
+
+
+def test_a_tracking_server_that_does_not_answer_costs_the_first_stage_seconds_not_minutes(
+    hetflow_env, monkeypatch, caplog
+):
+    """MLflow's client retries for minutes before it gives up (247 s against a closed port here):
+    the live calls look once, warn and go on; register later keeps MLflow's own retries."""
+    import socket
+
+    from hetflow.registry import live
+    from hetflow.tasks.validate_spec import validate_spec
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed}")
+    run = f"live-unreachable-{os.getpid()}"
+    started = time.monotonic()
+    validate_spec({"epochs": 2}, run, dag_id="hetflow_train", airflow_url=AIRFLOW_PAGE)
+    assert time.monotonic() - started < live.REACHABLE_SECONDS + 10
+    assert not run_paths(run).tracking.exists()
+    assert any("did not answer" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)

@@ -77,6 +77,7 @@ def open_named_run(
     """``open_run`` for any DAG's run (a tuning study's too): its name and params given."""
     uri = store.tracking_uri()
     try:
+        _check_answers(uri)
         client = timing.TimedClient(MlflowClient(uri))
         run_id = store.find_or_create_run(client, dag_id, airflow_run_id, name, started)
         tags = [RunTag("mlflow.source.type", "JOB"), RunTag("mlflow.source.name", f"Airflow DAG {dag_id}")]
@@ -90,6 +91,22 @@ def open_named_run(
     write_record(paths.tracking, {"tracking_uri": uri, "mlflow_run_id": run_id, "dag_id": dag_id})
     log.info("MLflow: %s (RUNNING)", store.run_page(uri, run_id))
     return run_id
+
+
+# How long the live calls wait for a tracking server before going on without it: MLflow's own
+# retries (register's, which must not give up) took 247 s to fail against a closed port here.
+REACHABLE_SECONDS = 5.0
+
+
+def _check_answers(uri: str) -> None:
+    """ConnectionError unless the tracking server at ``uri`` answers at all within REACHABLE_SECONDS
+    (any HTTP reply, a 401 included); a local store always does."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        requests.get(f"{uri.rstrip('/')}/health", timeout=REACHABLE_SECONDS)
+    except requests.exceptions.RequestException:
+        raise requests.exceptions.ConnectionError(f"no answer within {REACHABLE_SECONDS:.0f} s") from None
 
 
 def _line(error: BaseException) -> str:
@@ -145,6 +162,7 @@ def live_run(paths: RunPaths) -> LiveRun | None:
     if tracked is None:
         return None
     try:
+        _check_answers(tracked["tracking_uri"])
         client = MlflowClient(tracked["tracking_uri"])
         client.update_run(tracked["mlflow_run_id"], status="RUNNING")
         return LiveRun(client, tracked["mlflow_run_id"])
@@ -160,6 +178,7 @@ def mark_failed(run_dir: Path, stage: str, reason: str) -> None:
     if tracked is None:
         return
     try:
+        _check_answers(tracked["tracking_uri"])
         client = timing.TimedClient(MlflowClient(tracked["tracking_uri"]))
         run_id = tracked["mlflow_run_id"]
         if client.get_run(run_id).info.status == "FAILED":
