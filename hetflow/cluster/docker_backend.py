@@ -43,6 +43,7 @@ from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
 from hetflow.cluster.local import core_assignment, replica_view
 from hetflow.cluster.output_lines import cut_lines
 from hetflow.cluster.supervisor import ReplicaState
+from hetflow.cluster.usage import ContainerUsage
 from hetflow.paths import REPO_ROOT, RunPaths, hetflow_home
 from hetflow.spec import RunSpec
 
@@ -217,6 +218,9 @@ class DockerReplicas:
 
     def detach(self) -> None:
         self._lease.close()
+
+    def usage_sampler(self):  # the engine's counters of each container
+        return ContainerUsage(self.client, run_filter(self.layout.run_id), (LABEL_ROLE, LABEL_INDEX))
 
     def poll(self) -> dict[str, ReplicaState]:
         found = {

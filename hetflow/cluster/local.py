@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from hetflow import sandbox
-from hetflow.cluster import netns
+from hetflow.cluster import netns, usage
 from hetflow.cluster.layout import ClusterLayout, Replica, free_local_port
 from hetflow.cluster.output_lines import READ_SIZE, output_lines
 from hetflow.cluster.processes import (
@@ -187,6 +187,10 @@ class LocalReplicas:
         self._lease = None
         # Decided here, never read back from the run directory: a restart comes from another task.
         self.sandboxed = sandbox.required(f"the replicas of {layout.run_id}")
+
+    def usage_sampler(self):
+        """Each replica's CPU and memory, from its process (``hetflow.cluster.usage``)."""
+        return usage.LocalUsage(self.layout.run_id)
 
     def log_path(self, name: str) -> Path:
         folder = self.paths.replicas if name == _HOLDER else self.paths.logs  # as the keeper writes it

@@ -62,7 +62,8 @@ class ReplicaState:
 
 
 class Replicas(Protocol):
-    """What a backend does for the supervisor."""
+    """What a backend does for the supervisor. Where it can see its replicas' CPU and memory, it
+    also offers ``usage_sampler()`` (``hetflow.cluster.usage``), for the live MLflow run."""
 
     # True where the engine restarts a failed replica in place (Kubernetes pods' restartPolicy):
     # the supervisor then counts its restarts instead of making them.

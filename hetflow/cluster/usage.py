@@ -1,16 +1,14 @@
 """Each replica's CPU and resident memory, sampled while it trains: what the live MLflow run charts
 beside the curves (``hetflow.registry.live``). Read from outside the replicas (the kernel for local
-processes, the engine for containers), never from anything a replica writes."""
+processes, the engine for containers), never from anything a replica writes. A backend's replicas
+offer theirs as ``usage_sampler()``; those of a swarm's other nodes or a Kubernetes cluster are not
+seen from here (their own monitoring sees them)."""
 
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import psutil
-
-from hetflow.cluster.layout import ClusterLayout
-from hetflow.spec import RunSpec
 
 # {replica name: {"cpu_percent": ..., "memory_mb": ...}}; 100 % is one core busy.
 Usage = dict[str, dict[str, float]]
@@ -46,18 +44,19 @@ class LocalUsage:
 class ContainerUsage:
     """Docker containers, from the engine's stats (cgroup counters): CPU between two samples."""
 
-    def __init__(self, client, run_id: str):
-        self.client, self.run_id = client, run_id
+    def __init__(self, client, filters: dict, name_labels: tuple[str, str]):
+        """:param filters: the run's containers, as ``containers.list`` takes them.
+        :param name_labels: the labels whose values make a replica's name (role, index)."""
+        self.client, self.filters, self.name_labels = client, filters, name_labels
         self._cpu: dict[str, tuple[float, float]] = {}  # name: (CPU ns used, when sampled)
 
     def __call__(self) -> Usage:
         from docker.errors import DockerException
 
-        from hetflow.cluster.docker_backend import LABEL_INDEX, LABEL_ROLE, run_filter
-
         usage = {}
-        for container in self.client.containers.list(filters=run_filter(self.run_id)):
-            name = f"{container.labels[LABEL_ROLE]}-{container.labels[LABEL_INDEX]}"
+        role, index = self.name_labels
+        for container in self.client.containers.list(filters=self.filters):
+            name = f"{container.labels[role]}-{container.labels[index]}"
             try:
                 stats = container.stats(stream=False, one_shot=True)
                 used_ns = float(stats["cpu_stats"]["cpu_usage"]["total_usage"])
@@ -71,13 +70,3 @@ class ContainerUsage:
                 cpu_percent = 100 * (used_ns - before[0]) / 1e9 / (now - before[1])
                 usage[name] = {"cpu_percent": cpu_percent, "memory_mb": memory / 2**20}
         return usage
-
-
-def sampler_for(spec: RunSpec, layout: ClusterLayout, cluster) -> Callable[[], Usage] | None:
-    """What samples this run's replicas, or None where hetflow cannot see them from here (a swarm's
-    other nodes, a Kubernetes cluster: their own monitoring sees them)."""
-    if spec.cluster.backend == "local":
-        return LocalUsage(layout.run_id)
-    if spec.cluster.backend == "docker":
-        return ContainerUsage(cluster.client, layout.run_id)
-    return None

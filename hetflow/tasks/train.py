@@ -62,13 +62,13 @@ def train(run_id: str, try_number: int | None = None, watchers: Sequence[Watcher
 def _watch(paths: RunPaths, spec: RunSpec, cluster, watchers: Sequence[Watcher]) -> ProgressWatch:
     """The epochs the chief reports and the replicas' usage, for the live MLflow run (where the DAG
     run has one) and ``watchers``."""
-    from hetflow.cluster.usage import sampler_for
     from hetflow.registry.live import live_run
 
     live = live_run(paths)
     everyone = [*watchers, *([live] if live is not None else [])]
     workers = [replica.name for replica in cluster.layout.replicas if replica.role == "worker"]
-    sample = sampler_for(spec, cluster.layout, cluster) if everyone else None
+    sampler = getattr(cluster, "usage_sampler", None)  # local and docker replicas offer one
+    sample = sampler() if everyone and sampler else None
     return ProgressWatch(ProgressReader(paths, spec, workers), sample, everyone)
 
 
