@@ -71,15 +71,13 @@ DATA_CHANGES = AssetAlias("hetflow_data_changes")
 def hetflow_train():
     @task
     def validate_spec(params: dict[str, Any] | None = None, dag_run=None, run_id: str | None = None, ti=None):
-        from airflow.configuration import conf
-
         from hetflow.registry.live import airflow_run_url
         from hetflow.tasks import validate_spec as stage
 
         # params hold the form values (conf applied); conf may also carry keys the form does not
         # know, which must be rejected rather than ignored.
         values = {**params, **(dag_run.conf or {})}
-        page = airflow_run_url(conf.get("api", "base_url", fallback="http://localhost:8080"), dag_run.dag_id, run_id)
+        page = airflow_run_url(dag_run.dag_id, run_id)
         return stage.validate_spec(values, run_id, ti.try_number, dag_run.dag_id, page)
 
     @task(outlets=[DATA_CHANGES])

@@ -47,24 +47,20 @@ from hetflow.tuning.form import tune_params
 def hetflow_tune():
     @task
     def validate_study(params: dict[str, Any] | None = None, dag_run=None, run_id: str | None = None):
-        from airflow.configuration import conf
-
         from hetflow.registry.live import airflow_run_url
         from hetflow.tasks import validate_study as stage
         from hetflow.tuning.form import study_values
 
-        page = airflow_run_url(conf.get("api", "base_url", fallback="http://localhost:8080"), dag_run.dag_id, run_id)
+        page = airflow_run_url(dag_run.dag_id, run_id)
         return stage.validate_study(study_values({**params, **(dag_run.conf or {})}), run_id, dag_run.dag_id, page)
 
     # A retry resumes the study (hetflow.tuning.study): the interrupted trial runs again, once.
     @task(retries=1, retry_delay=timedelta(seconds=10))
     def run_study(run_id: str | None = None, dag_run=None):
-        from airflow.configuration import conf
-
         from hetflow.registry.live import airflow_run_url
         from hetflow.tasks import run_study as stage
 
-        page = airflow_run_url(conf.get("api", "base_url", fallback="http://localhost:8080"), dag_run.dag_id, run_id)
+        page = airflow_run_url(dag_run.dag_id, run_id)
         return stage.run_study(run_id, page)
 
     @task

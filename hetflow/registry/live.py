@@ -47,8 +47,12 @@ EPOCH_METRICS = {
 }
 
 
-def airflow_run_url(base_url: str, dag_id: str, airflow_run_id: str) -> str:
-    """The Airflow UI's page of a DAG run (its grid and task logs)."""
+def airflow_run_url(dag_id: str, airflow_run_id: str) -> str:
+    """The Airflow UI's page of a DAG run (its grid and task logs), under the deployment's
+    ``[api] base_url``; called from a DAG's task, where Airflow's configuration is at hand."""
+    from airflow.configuration import conf
+
+    base_url = conf.get("api", "base_url", fallback="http://localhost:8080")
     return f"{base_url.rstrip('/')}/dags/{quote(dag_id, safe='')}/runs/{quote(airflow_run_id, safe='')}"
 
 

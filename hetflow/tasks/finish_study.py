@@ -3,12 +3,11 @@ trial they came from, and the study's MLflow run ended."""
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from hetflow.paths import run_paths, write_record
-from hetflow.pipeline.attempts import reported
+from hetflow.pipeline.attempts import read_record, reported
 
 log = logging.getLogger("hetflow.stages")
 
@@ -19,9 +18,9 @@ def finish_study(run_id: str, best: dict[str, Any]) -> dict[str, Any]:
     from hetflow.registry.live import tracked_run
 
     paths = run_paths(run_id)
-    trials = json.loads(paths.trials.read_text())
+    trials = read_record(paths.trials)
     winner = run_paths(best["best_run_id"])
-    registry = json.loads(winner.registry.read_text())
+    registry = read_record(winner.registry)
     study = tracked_run(paths)
     if study is not None:
         client, study_run = study
