@@ -114,7 +114,7 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
         "epochs": 1000,
         "strategy": "multi_worker_mirrored",
         "workers": 2,
-        "train_timeout_seconds": 120,
+        "train_timeout_seconds": 150,
         "registered_model": "ui-live-digits",
     }
     response = api.post("/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": conf})
@@ -150,12 +150,13 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{experiment}/runs/{run.info.run_id}/model-metrics")
     close_assistant_panel(page)
     before = val_accuracy_points(page)
-    # As a person does (MLflow itself refreshes the page every 30 s): reloaded, the chart has more
-    # points, drawn while Airflow still runs train.
+    # As a person does (MLflow itself refreshes the page every 30 s): reloaded while Airflow still runs
+    # train, the chart has more points (the page may take long enough to draw that train has ended
+    # by then: what it drew came from train all the same, as register never runs on this run).
+    state_at_reload = train_state()
     page.reload()
     after = val_accuracy_points(page)
-    state = train_state()
-    assert after > before and state == "running", (before, after, state)
+    assert after > before and state_at_reload == "running", (before, after, state_at_reload)
     page.screenshot(path=str(SCREENSHOTS / "mlflow_live_run.png"))
     page.close()
 

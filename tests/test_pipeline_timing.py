@@ -79,10 +79,13 @@ def test_every_stage_says_where_its_time_went(e2e_first_run):
             assert receipt["timing"]["wall"] == timing["wall"]
             compared_with_receipts += 1
     assert compared_with_receipts >= len(stages) - 1
-    # The parts name real costs: prepare_data asks MLflow about the spec, register talks to MLflow.
+    # The parts name real costs: validate_spec opens the run's MLflow run, prepare_data asks MLflow
+    # about the spec, register talks to MLflow; train's live logging runs on its watcher thread, beside
+    # the supervision, so it is none of train's own MLflow time.
+    assert stages["validate_spec"]["mlflow_io"] > 0
     assert stages["prepare_data"]["mlflow_io"] > 0
     assert stages["register"]["mlflow_io"] > 0.1
-    assert stages["validate_spec"]["mlflow_io"] == 0 and stages["train"]["mlflow_io"] == 0
+    assert stages["train"]["mlflow_io"] == 0
 
 
 @pytest.mark.slow
