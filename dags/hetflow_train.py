@@ -13,7 +13,9 @@ change most:
   TFLite variants, and the registered model the new version joins.
 
 Every value is checked when you press Trigger: a refused value is named, with what is allowed,
-right above the button, and no run starts.
+right above the button, and no run starts. Only what needs the run's files, the network or a
+cluster is checked by the run's first task, *validate_spec*: a `folder:` dataset's images, a
+download of a dataset not prepared yet, the backend's engine, nodes or Kubernetes context.
 
 A run prepares the data, starts the replicas, trains, always stops the replicas, evaluates the
 model, compresses and exports it, registers it, and summarizes. Where the results go:

@@ -4,8 +4,10 @@ Airflow checks a triggered run's conf against each Param's JSON schema on its ow
 unknown keys and cannot check keys against each other (``workers=2`` with ``strategy=one_device``);
 those would fail only later, in the ``validate_spec`` task. This api-server middleware runs
 ``hetflow.spec.parse_spec`` on the conf of ``POST /api/v2/dags/hetflow_train/dagRuns`` — the request
-the UI's trigger form sends too — and answers HTTP 400 with one line per problem, the same lines
-``hetflow validate`` prints, before any run is created.
+the UI's trigger form sends too — and asks TFDS whether it knows the dataset's name, and answers
+HTTP 400 with one line per problem, the same lines ``hetflow validate`` prints, before any run is
+created. What needs the run's files or the network (a folder's images, whether a dataset can be
+downloaded, a backend's preflight) is validate_spec's, the run's first task.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jwt import InvalidTokenError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from hetflow.data.prepare import name_problems
 from hetflow.spec import SpecError, parse_spec
 
 TRIGGER_PATHS = {"/api/v2/dags/hetflow_train/dagRuns"}
@@ -37,10 +40,10 @@ def conf_problems(body: bytes) -> list[str]:
     if not isinstance(values, dict):
         return []
     try:
-        parse_spec(values)
+        spec = parse_spec(values)
     except SpecError as error:
         return [f"invalid spec: {problem}" for problem in error.problems]
-    return []
+    return [f"invalid spec: {problem}" for problem in name_problems(spec.data.dataset)]
 
 
 class SpecCheckMiddleware:

@@ -56,11 +56,12 @@ def test_rest_trigger_with_a_bad_conf_gets_400_naming_the_field_and_starts_nothi
 def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form_run, mlflow_client, form_mlflow_run):
     page, run = form_run
     assert run["state"] == "success", run
+    # The conf holds what was typed, numbers as text; the spec reads the numbers they spell.
     assert {k: run["conf"][k] for k in ("strategy", "workers", "ps", "epochs")} == {
         "strategy": "parameter_server",
-        "workers": 2,
-        "ps": 1,
-        "epochs": 2,
+        "workers": "2",
+        "ps": "1",
+        "epochs": "2",
     }
     client, mlflow_run = mlflow_client, form_mlflow_run
     params = mlflow_run.data.params
@@ -136,6 +137,15 @@ def test_a_successful_runs_task_logs_hold_no_error_line(api, form_run):
     assert set(logs) >= {"validate_spec", "prepare_data", "train", "evaluate", "compress", "export", "register"}
     errors = {task: _errors(entries) for task, entries in logs.items() if _errors(entries)}
     assert not errors, errors
+    # Nor a warning of ours: MLflow's for a predict without type hints, TFLite's for the calibrated
+    # input's statistics; and never a terminal's escape code.
+    warnings = {
+        task: [str(entry.get("event")) for entry in entries if entry.get("level") == "warning"]
+        for task, entries in logs.items()
+    }
+    for warned in ("Add type hints to the `predict` method", "Statistics for quantized inputs"):
+        assert not [line for lines in warnings.values() for line in lines if warned in line], warnings
+    assert "\\u001b" not in json.dumps(logs), "an escape code in a task log"  # ESC, as JSON writes it
 
 
 def test_a_failed_runs_task_log_ends_with_one_error_line_naming_stage_and_cause(stack, api):

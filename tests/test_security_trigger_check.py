@@ -97,3 +97,18 @@ def test_a_logged_in_caller_who_may_not_trigger_gets_airflows_answer_and_no_path
     status, body, body_read = _post(middleware, [(b"authorization", f"Bearer {token}".encode())])
     assert (status, body_read) == (401, False)  # what the stand-in for Airflow answers
     assert "/etc" not in body and "data_dir" not in body
+
+
+def test_a_dataset_name_tfds_does_not_know_is_refused_at_trigger_with_the_closest_name():
+    from hetflow_spec_check import conf_problems
+
+    def problems(dataset: str) -> list[str]:
+        return conf_problems(json.dumps({"conf": {"dataset": dataset}}).encode())
+
+    assert problems("mnistt") == [
+        "invalid spec: dataset='mnistt' is not a TFDS dataset (did you mean mnist?); "
+        "offline datasets: uci_digits, synthetic_cifar"
+    ]
+    # Known names pass, with a version or a config; a folder's images are validate_spec's to read.
+    assert problems("mnist") == problems("mnist:3.0.1") == problems("uci_digits") == []
+    assert problems("cifar10_corrupted/fog_1") == []

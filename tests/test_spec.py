@@ -176,13 +176,21 @@ def test_params_are_generated_from_the_spec():
     assert not {"minimum", "maximum"} & {bound for param in params.values() for bound in param.schema}
     assert params["epochs"].schema["allOf"] == [{"minimum": 1, "maximum": 1000}]
     assert params["epochs"].schema["description_md"].endswith("Allowed: an integer >= 1 and <= 1000.")
-    assert params["steps_per_epoch"].schema["type"] == ["integer", "null"]
+    # Numbers are typed as text, so that what was typed reaches the server unchanged ("-" in a number
+    # input shows NaN): the form draws a field for the first type, with its default as the example.
+    assert params["steps_per_epoch"].schema["type"] == ["string", "integer", "null"]
+    assert params["epochs"].schema["type"] == ["string", "integer"]
+    assert params["epochs"].schema["examples"] == [40] and params["steps_per_epoch"].schema["examples"] == []
     assert params["learning_rate"].schema["exclusiveMinimum"] == 0
-    # The form validates with the same bounds as the spec.
+    # A number sent as a number is checked with the same bounds as the spec.
     params["epochs"].resolve(5)
     for outside in (0, -1, 1001):
         with pytest.raises(Exception, match="minimum|maximum"):
             params["epochs"].resolve(outside)
+    # Typed text passes Airflow's schema as text; the spec reads it as the number it spells, or names it.
+    assert params["epochs"].resolve("-1") == "-1" and parse_spec({"epochs": "7"}).training.epochs == 7
+    with pytest.raises(SpecError, match='epochs="-1" is invalid: expected an integer >= 1 and <= 1000'):
+        parse_spec({"epochs": params["epochs"].resolve("-1")})
 
 
 def test_cli_validate_merges_config_and_set(hetflow_env, tmp_path):
@@ -242,7 +250,7 @@ def test_fields_of_other_backends_are_optional_in_the_form_and_empty_means_their
         # A type with null is what the form reads as "not required".
         assert "null" in params[key].schema["type"], key
         assert parse_spec({key: None}).flat()[key] == RunSpec().flat()[key], key
-    assert params["workers"].schema["type"] == "integer"
+    assert params["workers"].schema["type"] == ["string", "integer"]
     assert parse_spec({"backend": "kubernetes", "kubernetes_namespace": None}).cluster.kubernetes.namespace == "default"
     with pytest.raises(SpecError, match="workers=null is invalid"):
         parse_spec({"workers": None})

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 
 CHROMIUM = "/usr/bin/chromium"
-# What the form answers to -1 in Epochs, which a number input would silently clamp to 1.
-EPOCHS_REFUSAL = "invalid spec: epochs=-1 is invalid: expected an integer >= 1 and <= 1000"
+# What the form answers to -1 typed in Epochs (a number input would show NaN for the "-", then clamp).
+EPOCHS_REFUSAL = 'invalid spec: epochs="-1" is invalid: expected an integer >= 1 and <= 1000'
 # The saved chart view's first section in its order (hetflow/registry/charts_view.py), typed here: a
 # check against that module's own constant would pass whatever order it held.
 KEY_METRICS = ["test_accuracy", "val_accuracy", "train_accuracy", "test_loss", "val_loss", "train_loss"]
@@ -33,6 +33,18 @@ def chromium():
 def field(title: str) -> re.Pattern:
     """A form field by its title; required fields' labels end in " *"."""
     return re.compile(rf"^{title}\b")
+
+
+def text_field(dialog, key: str):
+    """The trigger form's text field of spec key ``key`` (numbers are typed as text too): Airflow's
+    form does not link a text input to its label, so it is found by the id the form gives it."""
+    return dialog.locator(f"#element_{key}")
+
+
+def type_into(locator, text: str) -> None:
+    """Empty a field, then type ``text`` into it one key at a time, as a person does."""
+    locator.fill("")
+    locator.press_sequentially(text)
 
 
 def signed_in(browser, airflow_url: str, password: str, path: str):
@@ -66,10 +78,10 @@ def refuse_epochs_typed_out_of_range(page, dialog, trigger):
     is allowed right above the button. Returns the Epochs field."""
     # The sections are an accordion: opening one closes the others.
     dialog.get_by_text("Training", exact=True).click()
-    epochs = dialog.get_by_label(field("Epochs"))
-    epochs.fill("-1")
+    epochs = text_field(dialog, "epochs")
+    type_into(epochs, "-1")
     epochs.blur()
-    assert epochs.input_value() == "-1"  # kept as typed: a number input clamps it to 1 on blur
+    assert epochs.input_value() == "-1"  # kept as typed: a number input shows NaN, then clamps to 1
     trigger.click()
     refusal = dialog.get_by_text(EPOCHS_REFUSAL)
     refusal.wait_for()

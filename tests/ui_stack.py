@@ -27,6 +27,8 @@ from ui_pages import (
     open_trigger_form,
     refuse_epochs_typed_out_of_range,
     signed_in,
+    text_field,
+    type_into,
 )
 
 ARTIFACTS = REPO / "tests" / "artifacts"
@@ -149,8 +151,9 @@ def browser(stack):
 
 @pytest.fixture(scope="session")
 def form_run(stack, api, browser):
-    """Log in, open hetflow_train's trigger form, type an epoch count out of range, then a bad
-    cluster shape, read each refusal, fix them, submit, and wait for the run through the REST API."""
+    """Log in, open hetflow_train's trigger form, type an epoch count out of range, a dataset TFDS does
+    not know, then a bad cluster shape, read each refusal, fix them, submit, and wait for the run
+    through the REST API."""
     from devstack.stack import password
 
     state = stack["state"]
@@ -161,7 +164,17 @@ def form_run(stack, api, browser):
     epochs = refuse_epochs_typed_out_of_range(page, dialog, trigger)
     page.screenshot(path=str(SCREENSHOTS / "trigger_form_refused.png"))
     assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
-    epochs.fill("2")
+    type_into(epochs, "2")
+    # A dataset name typed as a person types it, one key at a time: refused at Trigger, no run.
+    dialog.get_by_text("Data", exact=True).click()
+    dataset = text_field(dialog, "dataset")
+    type_into(dataset, "mnistt")
+    trigger.click()
+    refusal = dialog.get_by_text("invalid spec: dataset='mnistt' is not a TFDS dataset (did you mean mnist?)")
+    refusal.wait_for()
+    assert_on_screen_above(page, refusal, trigger)
+    assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
+    dataset.fill("uci_digits")
     dialog.get_by_text("Cluster", exact=True).click()
     # Fields of other backends are optional (no required mark), and descriptions render as Markdown.
     label = {
@@ -171,8 +184,8 @@ def form_run(stack, api, browser):
     assert label["Workers"].endswith("*"), label
     assert not label["Kubernetes namespace"].endswith("*") and not label["CPUs per replica"].endswith("*"), label
     assert "`" not in dialog.inner_text()
-    dialog.get_by_label(field("Workers")).fill("2")
-    dialog.get_by_label(field("Parameter servers")).fill("1")
+    type_into(text_field(dialog, "workers"), "2")
+    type_into(text_field(dialog, "ps"), "1")
     # strategy is still one_device: the REST API answers 400 and the form shows its lines.
     trigger.click()
     message = dialog.get_by_text("invalid spec: workers=2 is invalid with strategy=one_device")

@@ -7,6 +7,7 @@ lock of its own, and the index of current fingerprints is rewritten under anothe
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
 import hashlib
 import json
@@ -76,9 +77,32 @@ def _builder(name: str, data_dir: Path):
     try:
         return tfds.builder(name, data_dir=str(data_dir))
     except tfds.core.registered.DatasetNotFoundError:
-        raise ValueError(
-            f"dataset={name!r} is not a TFDS dataset; offline datasets: {', '.join(OFFLINE_DATASETS)}"
-        ) from None
+        raise ValueError(_not_a_dataset(name)) from None
+
+
+def _not_a_dataset(name: str) -> str:
+    import tensorflow_datasets as tfds
+
+    known = [*OFFLINE_DATASETS, *tfds.list_builders(with_community_datasets=False)]
+    close = difflib.get_close_matches(name.split(":")[0].split("/")[0], known, n=3)
+    return (
+        f"dataset={name!r} is not a TFDS dataset{f' (did you mean {close[0]}?)' if close else ''}; "
+        f"offline datasets: {', '.join(OFFLINE_DATASETS)}"
+    )
+
+
+def name_problems(name: str) -> list[str]:
+    """Whether TFDS knows the dataset ``name``, as one line, reading no file and no network: what the
+    trigger check can tell before a run exists (a folder's images and a download are validate_spec's)."""
+    import tensorflow_datasets as tfds
+
+    if name.startswith(FOLDER_PREFIX) or name.split(":")[0] in OFFLINE_DATASETS:
+        return []
+    try:
+        tfds.builder_cls(name.split(":")[0].split("/")[0])
+    except tfds.core.registered.DatasetNotFoundError:
+        return [_not_a_dataset(name)]
+    return []
 
 
 def _shard_files(version_dir: Path) -> list[Path]:

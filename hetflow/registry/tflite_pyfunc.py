@@ -20,7 +20,8 @@ class TFLiteClassifier(PythonModel):
         self.input_index = self.interpreter.get_input_details()[0]["index"]
         self.output_index = self.interpreter.get_output_details()[0]["index"]
 
-    def predict(self, context, model_input, params=None):
+    # The type hint tells MLflow the input is an array (its schema is the logged signature's).
+    def predict(self, context, model_input: np.ndarray, params=None) -> np.ndarray:
         images = np.ascontiguousarray(model_input, dtype=np.uint8)
         self.interpreter.resize_tensor_input(self.input_index, images.shape)
         self.interpreter.allocate_tensors()

@@ -9,6 +9,15 @@ from hetflow.spec.messages import allowed_values, field_schema
 from hetflow.spec.run_spec import KEYS
 
 
+def typed_number(json_type: str, default: Any) -> dict[str, Any]:
+    """The schema of a number field typed as text. A number input shows NaN for a typed "-" and drops
+    typed letters: the field takes text ("string" first: Airflow's form draws a field for the first
+    type), which the server checks as typed ('epochs="-1" is invalid: ...'); a number sent as a
+    number still validates as one. The examples (the default) keep the form from drawing a field of
+    several types as a six-line JSON box."""
+    return {"type": ["string", json_type], "examples": [] if default is None else [default]}
+
+
 def airflow_params() -> dict[str, Any]:
     """The DAG's ``Param``s (the trigger form), generated from the RunSpec schema."""
     from airflow.sdk import Param  # here, not at the top: the replica imports the spec, never Airflow
@@ -24,8 +33,12 @@ def airflow_params() -> dict[str, Any]:
             description += f" Allowed: {allowed_values(key)}."
         if key.backends:
             description += f" Empty: {json.dumps(key.field.default)}."
+        if json_type in ("integer", "number"):
+            typed = typed_number(json_type, key.field.default)
+            json_type = typed.pop("type")
+            schema |= typed
         if schema.pop("nullable", False) or key.backends:
-            json_type = [json_type, "null"]
+            json_type = [*json_type, "null"] if isinstance(json_type, list) else [json_type, "null"]
         # The form's number input clamps what was typed into a top-level minimum/maximum when it
         # loses focus (-1 in Epochs silently became 1). Under allOf the bounds still refuse the
         # value at trigger time, and the description states them.

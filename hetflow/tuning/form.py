@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hetflow.spec import KEYS
+from hetflow.spec.form import typed_number
 from hetflow.tuning.space import CHOICE_KEYS, RANGE_KEYS
 
 _SPEC_KEY = {key.short: key for key in KEYS}
@@ -40,12 +41,14 @@ def tune_params() -> dict[str, Any]:
             section="Search space",
         )
     params["target_accuracy"] = Param(
-        0.9, type="number", description_md="Validation accuracy a trial races to.", section="Study"
+        0.9, **typed_number("number", 0.9), description_md="Validation accuracy a trial races to.", section="Study"
     )
-    params["trials"] = Param(6, type="integer", description_md="Trials to run (1 to 200).", section="Study")
+    params["trials"] = Param(
+        6, **typed_number("integer", 6), description_md="Trials to run (1 to 200).", section="Study"
+    )
     params["budget_seconds"] = Param(
         3600,
-        type="integer",
+        **typed_number("integer", 3600),
         description_md="Wall time of the whole study (60 s to 7 days), checked between trials.",
         section="Study",
     )
