@@ -58,13 +58,13 @@ swarm: image
 swarm-down:
 	docker/swarm.sh down
 
-## every test but the heavy tier (CI's suite): unit, multi-process, containers, swarm, end to end through
+## every test but the heavy tier (CI's suite): unit, multi-process, containers, end to end through
 ## Airflow, MLflow and a browser
 test: test-deps
 	$(BIN)/pytest -v --durations=30 -m "not heavy"
 
-## every test: also the heavy tier, which brings up the compose stack (its images built first) and loses a
-## swarm node mid-run
+## every test: also the heavy tier, which brings up the compose stack (its images built first) and the swarm
+## (runs across its nodes, one lost mid-run), and runs second variants of make test's scenarios
 test-all: test-deps
 	@if docker/engine.sh; then docker/stack-images.sh; fi
 	$(BIN)/pytest -v --durations=30

@@ -193,6 +193,7 @@ def _run_objects(client, run_id: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_preflight_on_the_swarm_names_each_node_that_lacks_what_the_run_needs(swarm, monkeypatch, tmp_path):
     for key, value in swarm["env"].items():
         monkeypatch.setenv(key, value)
@@ -251,6 +252,7 @@ signal.pause()
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 def test_a_replica_service_is_hardened_as_its_container(swarm):
     """The service config's command chain (setpriv, timeout) with the probe in the replica's place,
     on a node of Debian's Docker 20.10: no privilege to gain, no capability, a read-only image, a
@@ -278,12 +280,12 @@ TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=swarm", "encry
 
 
 @pytest.mark.slow
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "shape",
     [
         ("strategy=multi_worker_mirrored", "workers=2"),
-        # Async across nodes: make test-all (CI's time); docker's ps restart runs the async DAG in make test.
-        pytest.param(("strategy=parameter_server", "workers=2", "ps=1"), marks=pytest.mark.heavy),
+        ("strategy=parameter_server", "workers=2", "ps=1"),
         ("strategy=model_parallel", "workers=2"),
     ],
     ids=["sync", "async", "stages"],

@@ -94,6 +94,7 @@ def test_sync_worker_killed_mid_epoch_restarts_the_group_and_resumes(hetflow_env
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # the group restart itself: the sync worker killed above, in make test
 def test_a_lost_model_parallel_stage_restarts_the_group_which_resumes_every_stage_from_the_checkpoint(hetflow_env):
     from hetflow.cluster.processes import run_processes
     from hetflow.paths import run_paths

@@ -157,8 +157,10 @@ class TestTrainingOnAnImageFolder:
         # parameter_server's workers each build their own pipeline, auto's probe it; mirrored and
         # model_parallel read it as one_device does above.
         ["strategy=multi_worker_mirrored", "workers=2"],
-        ["strategy=parameter_server", "workers=2", "ps=1"],
-        ["strategy=auto", "workers=2"],
+        # The other two read a TFDS dataset their own way in make test (test_replica_distributed.py,
+        # test_replica_balance.py); on a folder: make test-all.
+        pytest.param(["strategy=parameter_server", "workers=2", "ps=1"], marks=pytest.mark.heavy),
+        pytest.param(["strategy=auto", "workers=2"], marks=pytest.mark.heavy),
     ],
     ids=lambda keys: keys[0].split("=")[1],
 )
