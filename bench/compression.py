@@ -33,6 +33,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pruning_gate import gate_markdown, measure_gate
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +60,12 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     from hetflow.models.architectures import trained_model
     from hetflow.paths import RunPaths
     from hetflow.pipeline.attempts import load_spec
-    from hetflow.spec import RunSpec
-    from hetflow.tasks.compress import fine_tuning_steps, kernel_sparsity, overall_sparsity, prune, pruned_layers
+    from hetflow.tasks.compress import (
+        kernel_sparsity,
+        overall_sparsity,
+        pruned_layers,
+        trained_steps,
+    )
     from hetflow.tasks.export import score
 
     paths = RunPaths(run_dir)
@@ -70,28 +75,25 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
     representative = representative_images(dataset, spec.training.seed)
-    steps = fine_tuning_steps(spec, training)
     run = {
         "model": spec.model.architecture,
         "seed": spec.training.seed,
         "dataset": f"{dataset['name']}:{dataset['version']}",
         "float_test_accuracy": float((float_logits.argmax(axis=1) == labels).mean()),
-        "trained_steps": training["epochs_done"] * training["steps_per_epoch"],
+        "trained_steps": trained_steps(training),
         "train_seconds": training["train_seconds"],
-        "fine_tuning_steps": steps,
         "pruned_layers": pruned_layers(model),
         "variants": [],
     }
+    # The files below are made from the models pruned by compress's rule for the gate.
+    run["gate"], pruned_by_compress = measure_gate(model, spec, dataset, training, sparsities, float_logits, work)
     for target in (0.0, *sparsities):
-        started = time.perf_counter()
-        base = (
-            prune(model, RunSpec.from_values({**spec.flat(), "target_sparsity": target}), dataset, steps)
-            if target
-            else model
-        )
+        base = pruned_by_compress[target] if target else model
+        gate = next((e for e in run["gate"] if e["target_sparsity"] == target and e["rule"] == "recovery"), None)
         pruning = {
             "target_sparsity": target,
-            "fine_tuning_seconds": time.perf_counter() - started if target else 0.0,
+            "fine_tuning_seconds": gate["fine_tuning_seconds"] if gate else 0.0,
+            "fine_tuning_steps": gate["fine_tuning"]["steps"] if gate else 0,
             "sparsity": overall_sparsity(base),
             "kernel_sparsity": kernel_sparsity(base),
         }
@@ -175,9 +177,10 @@ def markdown(record: dict) -> str:
         f"`hetflow train` on `{record['dataset']}` (default spec: 40 epochs) for each model and seed "
         f"({', '.join(map(str, record['seeds']))}). Each float model is pruned by `hetflow.tasks.compress.prune` to "
         f"each sparsity (hidden kernels of at least {record['min_pruned_weights']:,} weights; Dense kernels in "
-        f"{record['dense_block'][0]}x{record['dense_block'][1]} blocks; the logits dense), fine-tuned for "
-        f"{record['fine_tuning_share']} of the steps the model trained, and converted to TFLite as float and as "
-        "int8 (full integer, calibrated on 200 train images), the pruned models once with the sparsity "
+        f"{record['dense_block'][0]}x{record['dense_block'][1]} blocks; the logits dense), fine-tuned until "
+        f"validation accuracy recovers (compress's rule: at most {record['fine_tuning_share']} of the steps the "
+        "model trained; the gate section below compares it with a fixed length), and converted to TFLite as "
+        "float and as int8 (full integer, calibrated on 200 train images), the pruned models once with the sparsity "
         "encoding (`tf.lite.Optimize.EXPERIMENTAL_SPARSITY`, what compress ships) and once without. Each file "
         "is re-loaded in the LiteRT interpreter and scored on the whole test split. Latency: median of 200 "
         "batch-1 calls in the interpreter. Every figure is the mean ± sd over the seeds. Δ: the drop in test "
@@ -197,7 +200,8 @@ def markdown(record: dict) -> str:
     ]
     lines += [
         "",
-        "The bench measures post-training int8 only: compress fine-tunes quantization-aware instead only "
+        "The file tables measure post-training int8 only (the gate section makes the int8 file as compress "
+        "does): compress fine-tunes quantization-aware instead only "
         "where post-training int8 loses more than max_accuracy_drop on the validation split "
         "(tests/test_tasks_compress_qat.py shows a case). The largest drop of a single seed's pruned int8 "
         "file here, on the test split: "
@@ -213,8 +217,7 @@ def markdown(record: dict) -> str:
         lines.append(
             f"- {model}: float test accuracy {accuracy:.4f}; pruned layers {', '.join(mine[0]['pruned_layers'])}; "
             f"trained {statistics.fmean(r['trained_steps'] for r in mine):.0f} steps in "
-            f"{statistics.fmean(r['train_seconds'] for r in mine):.1f} s, fine-tuned "
-            f"{statistics.fmean(r['fine_tuning_steps'] for r in mine):.0f} steps"
+            f"{statistics.fmean(r['train_seconds'] for r in mine):.1f} s"
         )
     by_key = {(r["model"], r["target_sparsity"], r["quantize"], r["sparse_encoding_asked"]): r for r in rows}
     for model in record["models"]:
@@ -226,8 +229,8 @@ def markdown(record: dict) -> str:
                     f"{plain['bytes']['mean'] / encoded['bytes']['mean']:.2f}x smaller than the same pruned model "
                     f"without it; latency {encoded['latency_ms']['mean'] / plain['latency_ms']['mean']:.2f}x"
                 )
+    lines += ["", *gate_markdown(record)]
     lines += [
-        "",
         "## The shipped pruned files (sparse encoding) against the dense ones",
         "",
         "| model | target sparsity | quantization | measured sparsity | bytes "
@@ -264,8 +267,8 @@ def markdown(record: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,cnn")
-    parser.add_argument("--seeds", default="1,2,3")
-    parser.add_argument("--sparsities", default="0.8")
+    parser.add_argument("--seeds", default="42,1,2,3,4,5,6,7,8,9")
+    parser.add_argument("--sparsities", default="0.5,0.8")
     parser.add_argument("--render", metavar="JSON", help="only rewrite COMPRESSION.md from this results file")
     args = parser.parse_args()
     if args.render:
@@ -296,6 +299,7 @@ def main() -> None:
         "min_pruned_weights": MIN_PRUNED_WEIGHTS,
         "dense_block": list(DENSE_BLOCK),
         "fine_tuning_share": RunSpec().compression.fine_tuning_share,
+        "max_accuracy_drop": RunSpec().export.max_accuracy_drop,
         "wall_seconds": time.monotonic() - started,
         "runs": runs,
     }

@@ -55,7 +55,7 @@ PATHS = {
     "checkpoint_every": ("training.checkpoint_every", 3),
     "prune": ("compression.prune", False),
     "target_sparsity": ("compression.target_sparsity", 0.8),
-    "fine_tuning_share": ("compression.fine_tuning_share", 1.5),
+    "fine_tuning_share": ("compression.fine_tuning_share", 2.0),
     "quantize": ("compression.quantize", "float16"),
     "max_accuracy_drop": ("export.max_accuracy_drop", 0.05),
     "export_formats": ("export.formats", ["tflite"]),
@@ -143,11 +143,18 @@ def test_the_training_key_is_the_one_recorded_before_the_sections():
     from hetflow.registry.training_key import training_key
 
     # Computed by the flat RunSpec (bee1ed4): versions trained before the sections are still recognised.
-    assert training_key(parse_spec({}), "0" * 64) == "c0922d40bf2de3c50c9e3b4063858bc6248f350853fc21d6e733a2515026f3d0"
+    # Its fine_tuning_share default was 0.75; compress's recovery rule made it 1.5, the longest the
+    # fine-tuning may run, so a spec leaving it unset names a new training since (its compressed files
+    # differ), and one that sets 0.75 names the training it always did.
+    before = {"fine_tuning_share": 0.75}
     assert (
-        training_key(parse_spec({"strategy": "multi_worker_mirrored", "workers": 2, "epochs": 5}), "ab" * 32)
+        training_key(parse_spec(before), "0" * 64) == "c0922d40bf2de3c50c9e3b4063858bc6248f350853fc21d6e733a2515026f3d0"
+    )
+    assert (
+        training_key(parse_spec({**before, "strategy": "multi_worker_mirrored", "workers": 2, "epochs": 5}), "ab" * 32)
         == "56021cbdac511ebe8818561fe9600ef7c489390448e2786e320e9c45b91b396a"
     )
+    assert training_key(parse_spec({}), "0" * 64) != training_key(parse_spec(before), "0" * 64)
     assert (
         training_key(RunSpec.from_values(FLAT_RECORD), "cd" * 32)
         == "04b32342542206b4f193f4faff0467112e9f8937f4b637dd9a3029beb729538b"

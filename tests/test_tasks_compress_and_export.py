@@ -125,7 +125,10 @@ def test_the_pruned_files_are_smaller_in_the_file_itself_and_say_how(tmp_path):
 
     spec, paths, dataset, training = _trained_run(tmp_path, model="mlp", epochs=10)
     compression = compress_model(spec, paths, dataset, training)
-    assert compression["fine_tuning_steps"] == 292  # 0.75 of the 10 x 39 steps trained
+    # 10 x 39 steps trained: sparsity ramps over 146, checked every 18 steps, at most 1.5 x 390 in all.
+    fine_tuning = compression["fine_tuning"]
+    assert fine_tuning["max_steps"] == 576 and fine_tuning["steps"] == compression["fine_tuning_steps"]
+    assert fine_tuning["validation_accuracy"][0][0] == 18 and fine_tuning["steps"] >= 162
     [hidden] = compression["pruned_layers"]  # the logits stay dense
     assert hidden != "logits" and compression["kernel_sparsity"][hidden] == pytest.approx(0.8, abs=0.01)
     artifacts = export_artifacts(spec, paths, dataset)["artifacts"]
@@ -147,7 +150,7 @@ def test_the_pruned_files_are_smaller_in_the_file_itself_and_say_how(tmp_path):
 
 # Fine-tuning that recovers: at 80 % sparsity the pruned int8 file of the CNN trained with the
 # default 40 epochs stays within the gate's 1 point (seed 1: 0.983 vs the float model's 0.972 when
-# measured); cut to 20 steps, the same pruning loses far more and the gate rejects it.
+# measured); stopped after a 20-step ramp, the same pruning loses far more and the gate rejects it.
 SHORT_FINE_TUNING_STEPS = 20
 
 
@@ -157,12 +160,15 @@ def test_pruning_the_cnn_to_80_percent_passes_the_gate_only_when_fine_tuned_long
     from hetflow.artifacts.tflite import representative_images, to_tflite
     from hetflow.data.pipeline import split_arrays
     from hetflow.models.architectures import trained_model
+    from hetflow.models.fine_tuning import Recovery
     from hetflow.tasks.compress import compress_model, kernel_sparsity, prune, pruned_layers
     from hetflow.tasks.export import export_artifacts, judge, score
 
     spec, paths, dataset, training = _trained_run(tmp_path, model="cnn")
     compression = compress_model(spec, paths, dataset, training)
-    assert compression["fine_tuning_steps"] == 1170  # 0.75 of the 40 x 39 steps trained
+    # Stopped by recovery, not by its maximum (1.5 of the 40 x 39 steps trained).
+    assert compression["fine_tuning"]["stopped"] == "recovered", compression["fine_tuning"]
+    assert compression["fine_tuning_steps"] < 2340
     assert all(compression["kernel_sparsity"][name] >= 0.79 for name in compression["pruned_layers"])
     exported = export_artifacts(spec, paths, dataset)
     pruned_int8 = exported["artifacts"]["tflite_pruned_int8"]
@@ -170,7 +176,14 @@ def test_pruning_the_cnn_to_80_percent_passes_the_gate_only_when_fine_tuned_long
     assert exported["chosen_tflite"] == "tflite_pruned_int8"  # the smallest accepted file
 
     model = trained_model(spec, dataset, paths.model)
-    short = prune(model, spec, dataset, SHORT_FINE_TUNING_STEPS)
+    short, _ = prune(
+        model,
+        spec,
+        dataset,
+        Recovery(
+            target_accuracy=0.0, max_steps=SHORT_FINE_TUNING_STEPS, check_every=1, first_check=SHORT_FINE_TUNING_STEPS
+        ),
+    )
     assert min(kernel_sparsity(short)[name] for name in pruned_layers(short)) >= 0.79
     path = tmp_path / "short.tflite"
     path.write_bytes(to_tflite(short, "int8", representative_images(dataset, spec.training.seed), sparse=True))

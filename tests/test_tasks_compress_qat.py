@@ -25,6 +25,7 @@ def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(t
     from hetflow.data.pipeline import split_arrays, train_input
     from hetflow.data.prepare import prepare_dataset
     from hetflow.models.architectures import build_model, compile_model
+    from hetflow.models.fine_tuning import Recovery
     from hetflow.spec import RunSpec
     from hetflow.tasks.compress import int8_file, prune, pruned_layers
     from hetflow.tasks.export import judge, score
@@ -34,7 +35,9 @@ def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(t
     model = build_model("mlp", dataset["input_shape"], dataset["num_classes"], spec.training.seed)
     compile_model(model, tf.keras.optimizers.Adam(spec.training.learning_rate))
     model.fit(train_input(dataset, per_worker_batch=32, shuffle=True, seed=1), epochs=20, steps_per_epoch=39, verbose=0)
-    pruned = prune(model, spec, dataset, 400)
+    # 400 steps, the second 200 at 80 %: a target never reached and patience never spent.
+    whole_length = Recovery(target_accuracy=float("inf"), max_steps=400, check_every=20, first_check=200, patience=400)
+    pruned, _ = prune(model, spec, dataset, whole_length)
     hidden, logits = pruned.get_layer(pruned_layers(pruned)[0]), pruned.get_layer("logits")
     kernel, bias = hidden.get_weights()
     outgoing, logit_bias = logits.get_weights()
@@ -69,3 +72,33 @@ def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(t
     }
     judge(artifacts, keras_accuracy, spec.export.max_accuracy_drop)
     assert not artifacts["post_training"]["accepted"] and artifacts["aware"]["accepted"], artifacts
+
+
+def test_the_cnn_fine_tunes_quantization_aware_keeping_its_zeros(tmp_path):
+    """tfmot's prune-preserving scheme fails on a Rescaling that feeds a Conv2D (the CNN; the MLP has
+    a Flatten between them): compress leaves such a layer float, and the pruned zeros stay zero."""
+    import tensorflow as tf
+
+    from hetflow.artifacts.tflite import representative_images, to_tflite, weight_encoding
+    from hetflow.data.prepare import prepare_dataset
+    from hetflow.models.architectures import build_model, compile_model
+    from hetflow.models.fine_tuning import Recovery
+    from hetflow.spec import RunSpec
+    from hetflow.tasks.compress import quantization_aware
+
+    dataset = prepare_dataset("uci_digits", tmp_path / "data")
+    spec = RunSpec.from_values({"model": "cnn", "seed": 1})
+    model = build_model("cnn", dataset["input_shape"], dataset["num_classes"], spec.training.seed)
+    compile_model(model, tf.keras.optimizers.Adam(spec.training.learning_rate))
+    dense = model.get_layer(index=-2)
+    kernel, bias = dense.get_weights()
+    kernel[::2] = 0.0  # every other input row of the hidden Dense layer, as pruning leaves zeros
+    dense.set_weights([kernel, bias])
+
+    steps = Recovery(target_accuracy=float("inf"), max_steps=20, check_every=10, patience=20)
+    aware, fine_tuning = quantization_aware(model, spec, dataset, steps)
+    assert fine_tuning["steps"] == 20
+    tuned = next(w for w in aware.get_layer(f"quant_{dense.name}").get_weights() if w.shape == kernel.shape)
+    assert np.all(tuned[::2] == 0) and np.any(tuned[1::2] != kernel[1::2])  # trained, zeros kept
+    data = to_tflite(aware, "int8", representative_images(dataset, spec.training.seed))
+    assert weight_encoding(data)["encoding"] == "dense" and len(data) > 10_000

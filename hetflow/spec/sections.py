@@ -218,12 +218,13 @@ class CompressionSpec(Section):
         0.5, "Fraction of each kernel's weights set to zero by pruning.", ge=0, lt=1, title="Target sparsity"
     )
     fine_tuning_share: float = spec_field(
-        0.75,
-        "Length of the pruning fine-tuning, as a share of the optimizer steps training took (at least 200 "
-        "steps): sparsity ramps up over the first half, the second half recovers at target_sparsity.",
-        gt=0,
+        1.5,
+        "Longest pruning fine-tuning, as a share of the optimizer steps training took (at least 200 steps): "
+        "sparsity ramps up over 0.375 of them, then the recovery at target_sparsity stops as soon as "
+        "validation accuracy is back within half of max_accuracy_drop of the float model's, or stops improving.",
+        ge=0.5,
         le=4,
-        title="Pruning fine-tuning (share of training steps)",
+        title="Longest pruning fine-tuning (share of training steps)",
     )
     quantize: Literal["none", "dynamic", "float16", "int8"] = spec_field(
         "int8",

@@ -34,6 +34,7 @@ from hetflow.artifacts.predictors import tflite_predictor
 from hetflow.artifacts.tflite import SPARSE_ENCODABLE, representative_images, to_tflite, weight_encoding
 from hetflow.data.pipeline import split_arrays, train_input
 from hetflow.models.architectures import compile_model, trained_model
+from hetflow.models.fine_tuning import Recovery, fine_tune
 from hetflow.models.schedule import make_optimizer
 from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
@@ -51,12 +52,20 @@ MIN_PRUNED_WEIGHTS = 1_000
 # dense: in such blocks the MLP's 128x10 logits pruned to 80 % cost 2.8 points (0.958 vs 0.986 after
 # 1,000 fine-tuning steps; 0.986 with the logits dense), for 1,280 of its 9,472 weights.
 DENSE_BLOCK = (16, 1)
-# Fine-tuning is sized from the training run: spec.fine_tuning_share optimizer steps per step
-# trained, at least MIN_FINE_TUNING_STEPS (a run of a few steps still ramps and recovers). Sparsity
-# ramps up over the first half and the second half recovers at the target. Measured at 80 % (seed 1,
-# both models trained 40 epochs x 39 steps, pruned int8 file): 1,000 steps, MLP 0.986 (float 0.986),
-# CNN 0.983 (float 0.972); with the MLP's logits pruned too, 500 steps left it at 0.866.
+# Fine-tuning is sized from the training run. Sparsity ramps up over RAMP_SHARE of the optimizer steps
+# trained (at least MIN_RAMP_STEPS: a run of a few steps still ramps); the recovery at the target
+# sparsity then stops as soon as validation accuracy is back within RECOVERED_WITHIN of the gate's
+# budget (max_accuracy_drop) of the float model's, leaving the rest of the budget to quantization,
+# or when it stops improving, at most spec.fine_tuning_share of the steps trained in all (ramp
+# included, at least MIN_FINE_TUNING_STEPS). Measured at 80 % (seed 1, both models trained 40 epochs
+# x 39 steps, pruned int8 file, a fixed 1,000 steps): MLP 0.986 (float 0.986), CNN 0.983 (float
+# 0.972); with the MLP's logits pruned too, 500 steps left it at 0.866.
+RAMP_SHARE = 0.375
+MIN_RAMP_STEPS = 100
 MIN_FINE_TUNING_STEPS = 200
+RECOVERED_WITHIN = 0.5
+# Validation rounds per ramp: the recovery is checked this often.
+CHECKS_PER_RAMP = 8
 
 
 def pruned_layers(model: tf.keras.Model) -> list[str]:
@@ -78,19 +87,36 @@ def pruning_block(layer: tf.keras.layers.Layer) -> tuple[int, int]:
     return (1, 1)
 
 
-def fine_tuning_steps(spec: RunSpec, training: dict[str, Any]) -> int:
-    """Optimizer steps of the pruning fine-tuning: ``fine_tuning_share`` of the steps the model was
-    trained (training.json), at least ``MIN_FINE_TUNING_STEPS``."""
-    trained = training["epochs_done"] * training["steps_per_epoch"]
-    return max(MIN_FINE_TUNING_STEPS, round(spec.compression.fine_tuning_share * trained))
+def trained_steps(training: dict[str, Any]) -> int:
+    return training["epochs_done"] * training["steps_per_epoch"]
 
 
-def prune(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: int) -> tf.keras.Model:
-    """Fine-tune for ``steps`` while sparsity ramps from 0 to ``target_sparsity`` over the first half,
-    then at that sparsity over the second half (the recovery); strip the wrappers."""
+def pruning_recovery(spec: RunSpec, training: dict[str, Any], float_validation_accuracy: float) -> Recovery:
+    """When the pruning fine-tuning of a model trained as ``training`` (training.json) may stop."""
+    trained = trained_steps(training)
+    ramp = max(MIN_RAMP_STEPS, round(RAMP_SHARE * trained))
+    return Recovery(
+        target_accuracy=float_validation_accuracy - RECOVERED_WITHIN * spec.export.max_accuracy_drop,
+        max_steps=max(MIN_FINE_TUNING_STEPS, round(spec.compression.fine_tuning_share * trained)),
+        check_every=max(1, ramp // CHECKS_PER_RAMP),
+        first_check=ramp,
+    )
+
+
+def validation_arrays(dataset: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The split fine-tuning and the int8 choice are scored on (train where a dataset has none)."""
+    return split_arrays(dataset, "validation" if "validation" in dataset["splits"] else "train")
+
+
+def prune(
+    model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], recovery: Recovery
+) -> tuple[tf.keras.Model, dict[str, Any]]:
+    """Fine-tune while sparsity ramps from 0 to ``target_sparsity`` over ``recovery.first_check`` steps,
+    then at that sparsity until ``recovery`` stops it; strip the wrappers. Returns the pruned model and
+    the fine-tuning's record."""
     # Masks are recomputed every `frequency` steps, and the last update must fall on end_step
     # for the final sparsity to be reached: end on a multiple of frequency.
-    ramp_steps = steps // 2
+    ramp_steps = recovery.first_check
     frequency = max(1, ramp_steps // 20)
     schedule = tfmot.sparsity.keras.PolynomialDecay(
         initial_sparsity=0.0,
@@ -116,21 +142,50 @@ def prune(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: 
     # The training optimizer at the training rate: at a tenth of it, an Adam step moves a weight by
     # at most 1e-4, too little to undo the loss (kernels' mean |w| is 0.1-0.2).
     compile_model(pruning, make_optimizer(spec, spec.training.learning_rate))
-    pruning.fit(
-        train_input(
-            dataset, per_worker_batch=spec.training.batch_size, shuffle=spec.training.shuffle, seed=spec.training.seed
-        ),
-        epochs=1,
-        steps_per_epoch=steps,
+    record = fine_tune(
+        pruning,
+        _batches(spec, dataset),
+        validation_arrays(dataset),
+        recovery,
+        "pruning fine-tuning",
         callbacks=[tfmot.sparsity.keras.UpdatePruningStep()],
-        verbose=2,
     )
-    return tfmot.sparsity.keras.strip_pruning(pruning)
+    return tfmot.sparsity.keras.strip_pruning(pruning), record
 
 
-def quantization_aware(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: int) -> tf.keras.Model:
-    """Fine-tune ``model`` for ``steps`` with fake int8 quantization of its Dense and Conv2D layers
-    (inputs, weights, outputs), keeping its zero weights zero; convert the result with ``to_tflite``."""
+def _batches(spec: RunSpec, dataset: dict[str, Any]) -> tf.data.Dataset:
+    return train_input(
+        dataset, per_worker_batch=spec.training.batch_size, shuffle=spec.training.shuffle, seed=spec.training.seed
+    )
+
+
+class _FloatWhereUnquantizable:
+    """tfmot's prune-preserving registry, less the layers its own 8-bit registry cannot quantize: it
+    counts every layer without weights as supported, Rescaling included, then fails to configure it
+    when Rescaling feeds a quantized Conv2D (the CNN). Those layers stay float."""
+
+    def __init__(self, registry, default_registry):
+        self._registry, self._default_registry = registry, default_registry
+
+    def supports(self, layer) -> bool:
+        return self._registry.supports(layer) and self._default_registry.supports(layer)
+
+    def get_quantize_config(self, layer):
+        return self._registry.get_quantize_config(layer)
+
+
+class _PrunePreservingScheme(tfmot.experimental.combine.Default8BitPrunePreserveQuantizeScheme):
+    def get_quantize_registry(self):
+        default = tfmot.quantization.keras.default_8bit.Default8BitQuantizeScheme().get_quantize_registry()
+        return _FloatWhereUnquantizable(super().get_quantize_registry(), default)
+
+
+def quantization_aware(
+    model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], recovery: Recovery
+) -> tuple[tf.keras.Model, dict[str, Any]]:
+    """Fine-tune ``model`` with fake int8 quantization of its Dense and Conv2D layers (inputs,
+    weights, outputs), keeping its zero weights zero, until ``recovery`` stops it; convert the result
+    with ``to_tflite``. Returns it and the fine-tuning's record."""
     copy = tf.keras.models.clone_model(model)
     copy.set_weights(model.get_weights())
     # Only the layers the 8-bit scheme knows: the whole-model annotation refuses Rescaling.
@@ -140,34 +195,32 @@ def quantization_aware(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, 
             tfmot.quantization.keras.quantize_annotate_layer(layer) if isinstance(layer, _PRUNABLE) else layer
         ),
     )
-    quantized = tfmot.quantization.keras.quantize_apply(
-        annotated, tfmot.experimental.combine.Default8BitPrunePreserveQuantizeScheme()
-    )
+    quantized = tfmot.quantization.keras.quantize_apply(annotated, _PrunePreservingScheme())
     compile_model(quantized, make_optimizer(spec, spec.training.learning_rate))
-    quantized.fit(
-        train_input(
-            dataset, per_worker_batch=spec.training.batch_size, shuffle=spec.training.shuffle, seed=spec.training.seed
-        ),
-        epochs=1,
-        steps_per_epoch=steps,
-        verbose=2,
+    record = fine_tune(
+        quantized, _batches(spec, dataset), validation_arrays(dataset), recovery, "quantization-aware fine-tuning"
     )
-    return quantized
+    return quantized, record
 
 
 def _accuracy(predict, images: np.ndarray, labels: np.ndarray) -> float:
     return float(np.mean(np.argmax(predict(images), axis=1) == labels))
 
 
+def keras_accuracy(model: tf.keras.Model, images: np.ndarray, labels: np.ndarray) -> float:
+    return _accuracy(lambda x: model.predict(x, batch_size=256, verbose=0), images, labels)
+
+
 def int8_file(
-    model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], steps: int, sparse: bool, scratch: Path
+    model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], max_steps: int, sparse: bool, scratch: Path
 ) -> tuple[bytes, dict[str, Any]]:
     """The full-integer file of ``model``: post-training quantized, or, when that loses more than
     ``max_accuracy_drop`` against ``model`` on the validation split, quantization-aware fine-tuned
-    for ``steps`` (kept only if it does better there); with how it was chosen."""
+    (at most ``max_steps``, until within RECOVERED_WITHIN of the budget; kept only if it does better
+    there); with how it was chosen."""
     representative = representative_images(dataset, spec.training.seed)
-    images, labels = split_arrays(dataset, "validation" if "validation" in dataset["splits"] else "train")
-    reference = _accuracy(lambda x: model.predict(x, batch_size=256, verbose=0), images, labels)
+    images, labels = validation_arrays(dataset)
+    reference = keras_accuracy(model, images, labels)
 
     def file_accuracy(data: bytes) -> float:
         scratch.write_bytes(data)
@@ -184,14 +237,21 @@ def int8_file(
     if reference - choice["post_training_validation_accuracy"] <= spec.export.max_accuracy_drop:
         return post_training, {**choice, "int8_method": "post_training"}
     started = time.perf_counter()
-    aware = to_tflite(quantization_aware(model, spec, dataset, steps), "int8", representative, sparse=sparse)
+    recovery = Recovery(
+        target_accuracy=reference - RECOVERED_WITHIN * spec.export.max_accuracy_drop,
+        max_steps=max_steps,
+        check_every=max(1, max_steps // (2 * CHECKS_PER_RAMP)),
+    )
+    aware, fine_tuning = quantization_aware(model, spec, dataset, recovery)
+    data = to_tflite(aware, "int8", representative, sparse=sparse)
     choice |= {
-        "quantization_aware_steps": steps,
+        "quantization_aware_steps": fine_tuning["steps"],
+        "quantization_aware_fine_tuning": fine_tuning,
         "quantization_aware_seconds": time.perf_counter() - started,
-        "quantization_aware_validation_accuracy": file_accuracy(aware),
+        "quantization_aware_validation_accuracy": file_accuracy(data),
     }
     if choice["quantization_aware_validation_accuracy"] > choice["post_training_validation_accuracy"]:
-        return aware, {**choice, "int8_method": "quantization_aware"}
+        return data, {**choice, "int8_method": "quantization_aware"}
     return post_training, {**choice, "int8_method": "post_training"}
 
 
@@ -228,13 +288,14 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
     paths.compressed.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"prune": spec.compression.prune, "quantize": spec.compression.quantize, "variants": {}}
     bases = {"float": model}
-    steps = fine_tuning_steps(spec, training)
+    recovery = pruning_recovery(spec, training, keras_accuracy(model, *validation_arrays(dataset)))
     if spec.compression.prune:
         started = time.perf_counter()
-        pruned = prune(model, spec, dataset, steps)
+        pruned, fine_tuning = prune(model, spec, dataset, recovery)
         record["fine_tuning_seconds"] = time.perf_counter() - started
-        record["fine_tuning_steps"] = steps
-        record["trained_steps"] = training["epochs_done"] * training["steps_per_epoch"]
+        record["fine_tuning_steps"] = fine_tuning["steps"]
+        record["fine_tuning"] = fine_tuning
+        record["trained_steps"] = trained_steps(training)
         record["target_sparsity"] = spec.compression.target_sparsity
         record["pruned_layers"] = pruned_layers(pruned)
         record["pruning_blocks"] = {
@@ -255,9 +316,11 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
             path = paths.compressed / f"{name}.tflite"
             choice = {}
             if quantize == "int8":
-                # Half the pruning fine-tuning: enough to recover in the case
-                # tests/test_tasks_compress_and_export.py makes.
-                data, choice = int8_file(bases[base], spec, dataset, steps // 2, sparse, path.with_suffix(".probe"))
+                # At most half the pruning fine-tuning's maximum: enough to recover in the case
+                # tests/test_tasks_compress_qat.py makes.
+                data, choice = int8_file(
+                    bases[base], spec, dataset, recovery.max_steps // 2, sparse, path.with_suffix(".probe")
+                )
             else:
                 data = to_tflite(bases[base], quantize, representative, sparse=sparse)
             path.write_bytes(data)
