@@ -12,7 +12,7 @@ from datetime import datetime, timedelta
 import pytest
 import requests
 from conftest import wait_for
-from ui_pages import dag_docs, open_runs_page, open_trigger_form, signed_in
+from ui_pages import close_assistant_panel, dag_docs, open_runs_page, open_trigger_form, signed_in
 from ui_stack import ARTIFACTS, SCREENSHOTS, Api
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ def test_make_up_is_healthy_prints_the_urls_and_how_to_log_in(stack):
     assert state["airflow_url"] in output and state["mlflow_url"] in output
     assert "log in as admin, password" in output
     runs = rf"{state['mlflow_url']}/#/experiments/\d+/runs\?workflowType=machine_learning"
-    assert re.search(f"hetflow's runs: {runs}", output), output
+    assert re.search(f"hetflow's runs: {runs}&viewStateShareKey=hetflow-key-metrics\n", output), output
     charts = f"{runs}&compareRunsMode=CHART&viewStateShareKey=hetflow-key-metrics\n"
     assert re.search(f"their key metrics: {charts}", output), output
     ARTIFACTS.mkdir(exist_ok=True)
@@ -95,6 +95,11 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     assert at["register", "start"] <= mlflow_run.info.end_time / 1000 <= at["register", "end"], at
     # The runs page make up prints opens on the runs, not on MLflow's GenAI view.
     open_runs_page(page, re.search(r"hetflow's runs: (\S+)", stack["up_output"])[1], mlflow_run.info.run_name)
+    close_assistant_panel(page)
+    # hetflow's saved view: the runs table shows each run's test accuracy and training time.
+    headers = page.locator("[role=columnheader]")
+    for metric in ("test_accuracy", "train_seconds"):
+        headers.get_by_text(metric, exact=True).first.wait_for()
     page.screenshot(path=str(SCREENSHOTS / "mlflow_runs.png"))
     info = mlflow_run.info
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}")
@@ -103,7 +108,7 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     plot = "plots/training_curves.png"
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}/artifacts/{plot}")
     page.get_by_text(plot, exact=True).wait_for()
-    page.get_by_role("button", name="Close", exact=True).click()  # the MLflow Assistant side panel
+    close_assistant_panel(page)
     page.screenshot(path=str(SCREENSHOTS / "mlflow_run.png"))
 
 

@@ -45,6 +45,12 @@ def test_the_experiment_holds_the_key_metrics_view_in_the_uis_saved_view_form(cl
     assert all(c["metricSectionId"] == first["uuid"] for c in charts)
     per_epoch = {c["metricKey"] for c in charts if c["type"] == "LINE"}
     assert per_epoch == {"val_accuracy", "train_accuracy", "val_loss", "train_loss"}
+    # The runs table: MLflow's columns, then test accuracy, training seconds and speed.
+    assert state["selectedColumns"][3:] == [
+        "metrics.`test_accuracy`",
+        "metrics.`train_seconds`",
+        "metrics.`examples_per_second`",
+    ]
 
 
 def test_an_older_experiment_gets_the_view_and_a_current_one_is_left_as_it_is(client):
@@ -59,10 +65,10 @@ def test_an_older_experiment_gets_the_view_and_a_current_one_is_left_as_it_is(cl
     assert json.loads(_view(client)["state"]) == json.loads(written["state"])
 
 
-def test_runs_page_links_the_view_in_the_chart_view(client):
+def test_runs_page_links_the_view_in_the_table_and_in_the_chart_view(client):
     experiment_id = store.ensure_experiment(client)
     page = f"http://mlflow/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
-    assert store.runs_page("http://mlflow") == page
+    assert store.runs_page("http://mlflow") == f"{page}&viewStateShareKey=hetflow-key-metrics"
     assert store.runs_page("http://mlflow", key_metrics=True) == (
         f"{page}&compareRunsMode=CHART&viewStateShareKey=hetflow-key-metrics"
     )
@@ -74,6 +80,7 @@ def test_runs_page_makes_the_experiment_in_the_store_it_is_given(client, tmp_pat
     server = MlflowClient(f"sqlite:///{tmp_path / 'server' / 'mlflow.db'}")
     page = store.runs_page("http://mlflow", store=server.tracking_uri)
     experiment = server.get_experiment_by_name("hetflow")
-    assert page == f"http://mlflow/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+    runs = f"http://mlflow/#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning"
+    assert page == f"{runs}&viewStateShareKey=hetflow-key-metrics"
     assert experiment.artifact_location == (tmp_path / "server" / "artifacts").as_uri()
     assert client.get_experiment_by_name("hetflow") is None

@@ -48,8 +48,8 @@ def runs_page(server_url: str, key_metrics: bool = False, store: str | None = No
     opens an experiment in the view its workflow switch holds, GenAI unless the user switched,
     whatever the experiment's kind: the page's own ``workflowType`` asks for the training runs.
 
-    :param key_metrics: the page's chart view in hetflow's saved view, the key metrics' charts first
-        (``charts_view``); else the page as the user last left it.
+    :param key_metrics: the page's chart view, the key metrics' charts first; else its runs table,
+        with test accuracy and training time columns (both in hetflow's saved view, ``charts_view``).
     :param store: the tracking URI the experiment is in; None: ``tracking_uri()``.
     """
     try:
@@ -57,7 +57,8 @@ def runs_page(server_url: str, key_metrics: bool = False, store: str | None = No
     except MlflowException:  # a store that does not answer yet: the experiments' list, in the same view
         return f"{server_url}/#/experiments?workflowType=machine_learning"
     page = f"{server_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
-    return f"{page}&compareRunsMode=CHART&viewStateShareKey={charts_view.VIEW_ID}" if key_metrics else page
+    view = f"viewStateShareKey={charts_view.VIEW_ID}"  # the runs table's columns and the charts' order
+    return f"{page}&compareRunsMode=CHART&{view}" if key_metrics else f"{page}&{view}"
 
 
 def run_page(uri: str, run_id: str) -> str:
