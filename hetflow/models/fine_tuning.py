@@ -53,6 +53,9 @@ class _Checks(tf.keras.callbacks.Callback):
         step = (epoch + 1) * self.recovery.check_every
         accuracy = float(logs["val_accuracy"])
         self.scores.append([step, accuracy])
+        if step < self.recovery.first_check:
+            log.info("%s: step %d, validation accuracy %.4f, not checked yet", self.what, step, accuracy)
+            return
         log.info(
             "%s: step %d, validation accuracy %.4f (recovered at %.4f)",
             self.what,
@@ -60,7 +63,7 @@ class _Checks(tf.keras.callbacks.Callback):
             accuracy,
             self.recovery.target_accuracy,
         )
-        if step >= self.recovery.first_check and accuracy >= self.recovery.target_accuracy:
+        if accuracy >= self.recovery.target_accuracy:
             self.recovered = True
             self.model.stop_training = True
 
