@@ -166,6 +166,12 @@ _COMPRESSION_HEADERS = (
     ("verdict", ""),
 )
 _NUMBER_COLUMNS = (False, True, True, True, True, True, True, False, False)
+# Under the table on both registered models' pages (the float model's too, where "deployed" read as
+# if the float model were): which file the -tflite model's version holds.
+LEGEND = (
+    "Latency: milliseconds per example at batch 1. chosen: the smallest accepted TFLite file, the one "
+    "registered as this run's version of the -tflite model."
+)
 
 
 def compression_table(exported: dict) -> str:
@@ -184,7 +190,7 @@ def compression_table(exported: dict) -> str:
             verdict = "rejected"
             reasons.append(f"- `{name}` rejected: {artifact['reason']}")
         else:
-            verdict = "deployed" if name == exported["chosen_tflite"] else "accepted"
+            verdict = "chosen" if name == exported["chosen_tflite"] else "accepted"
         rows.append(
             [
                 name,
@@ -207,5 +213,5 @@ def compression_table(exported: dict) -> str:
 
     table = "\n".join(["```", *map(line, headers), *map(line, rows), "```"])
     return "\n\n".join(
-        [table, "Latency: milliseconds per example at batch 1.", *(["\n".join(reasons)] if reasons else [])]
+        [table, LEGEND, *(["\n".join(reasons)] if reasons else [])]
     )
