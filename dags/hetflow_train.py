@@ -8,7 +8,8 @@ change most:
   own images, one sub-folder per class).
 - **Model** and **Cluster**: the architecture, the distribution strategy, how many workers and
   parameter servers, and where the replicas run (local processes, Docker containers, Kubernetes
-  pods). Fields of one backend only are optional for the others.
+  pods). Fields only some backends read are in sections named for them ("Cluster on kubernetes"),
+  and optional.
 - **Training**: epochs, batch size, learning rate; **Compression**, **Export**, **Registry**: the
   TFLite variants, and the registered model the new version joins.
 

@@ -249,8 +249,12 @@ def test_fields_of_other_backends_are_optional_in_the_form_and_empty_means_their
     for key in BACKEND_ONLY_KEYS:
         # A type with null is what the form reads as "not required".
         assert "null" in params[key].schema["type"], key
+        assert params[key].schema["section"].startswith("Cluster on "), key  # their own, closed section
         assert parse_spec({key: None}).flat()[key] == RunSpec().flat()[key], key
     assert params["workers"].schema["type"] == ["string", "integer"]
+    assert params["workers"].schema["section"] == "Cluster"
+    sections = {params[key].schema["section"] for key in ("kubernetes_namespace", "encrypt_network", "image")}
+    assert sections == {"Cluster on kubernetes", "Cluster on swarm", "Cluster on docker, swarm, kubernetes"}
     assert parse_spec({"backend": "kubernetes", "kubernetes_namespace": None}).cluster.kubernetes.namespace == "default"
     with pytest.raises(SpecError, match="workers=null is invalid"):
         parse_spec({"workers": None})

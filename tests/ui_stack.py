@@ -175,14 +175,22 @@ def form_run(stack, api, browser):
     assert_on_screen_above(page, refusal, trigger)
     assert {run["dag_run_id"] for run in api.runs("hetflow_train")} == before
     dataset.fill("uci_digits")
-    dialog.get_by_text("Cluster", exact=True).click()
-    # Fields of other backends are optional (no required mark), and descriptions render as Markdown.
+
+    def opened(section: str, title: str) -> str:
+        """Open ``section`` (closing the one open) and read the label of its field ``title``."""
+        dialog.get_by_text(section, exact=True).click()
+        return dialog.locator("label", has_text=re.compile(f"^{re.escape(title)}")).first.inner_text()
+
+    # Fields only some backends read are in sections of their own, closed, and optional (no required
+    # mark); descriptions render as Markdown. Cluster itself holds what every backend reads.
     label = {
-        title: dialog.locator("label", has_text=re.compile(f"^{re.escape(title)}")).first.inner_text()
-        for title in ("Workers", "Kubernetes namespace", "CPUs per replica")
+        "Kubernetes namespace": opened("Cluster on kubernetes", "Kubernetes namespace"),
+        "CPUs per replica": opened("Cluster on docker, swarm, kubernetes", "CPUs per replica"),
+        "Workers": opened("Cluster", "Workers"),
     }
     assert label["Workers"].endswith("*"), label
     assert not label["Kubernetes namespace"].endswith("*") and not label["CPUs per replica"].endswith("*"), label
+    assert not dialog.get_by_text("Kubernetes namespace").first.is_visible()
     assert "`" not in dialog.inner_text()
     type_into(text_field(dialog, "workers"), "2")
     type_into(text_field(dialog, "ps"), "1")

@@ -18,6 +18,13 @@ def typed_number(json_type: str, default: Any) -> dict[str, Any]:
     return {"type": ["string", json_type], "examples": [] if default is None else [default]}
 
 
+def form_section(key) -> str:
+    """The form's section of ``key``: a field only some backends read is in a section named for them
+    ("Cluster on kubernetes"), which the form shows closed like every section but the first, so a run
+    on local processes reads only the fields it uses."""
+    return f"{key.section} on {', '.join(key.backends)}" if key.backends else key.section
+
+
 def airflow_params() -> dict[str, Any]:
     """The DAG's ``Param``s (the trigger form), generated from the RunSpec schema."""
     from airflow.sdk import Param  # here, not at the top: the replica imports the spec, never Airflow
@@ -47,6 +54,6 @@ def airflow_params() -> dict[str, Any]:
             schema["allOf"] = [bounds]
         # description_md (with no plain description) renders in the form as Markdown.
         params[key.short] = Param(
-            key.field.default, type=json_type, description_md=description, section=key.section, **schema
+            key.field.default, type=json_type, description_md=description, section=form_section(key), **schema
         )
     return params
