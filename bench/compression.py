@@ -33,7 +33,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pruning_gate import gate_markdown, measure_gate
+from pruning_gate import diagnose, gate_markdown, measure_gate
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -264,15 +264,48 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def diagnose_failures(record: dict) -> None:
+    """Retrain each seed compress's rule fails at a sparsity and measure what bounds it
+    (``pruning_gate.diagnose``); save the record with them as a new results file."""
+    failing = [
+        (run["model"], run["seed"], entry["target_sparsity"])
+        for run in record["runs"]
+        for entry in run["gate"]
+        if entry["rule"] == "recovery" and not entry["accepted"]
+    ]
+    with tempfile.TemporaryDirectory(prefix="hetflow-bench-") as home:
+        env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
+        os.environ.update(env)
+        import hetflow  # noqa: F401  (before TensorFlow: the package sets TF_USE_LEGACY_KERAS)
+        from hetflow.models.architectures import trained_model
+        from hetflow.paths import RunPaths
+        from hetflow.pipeline.attempts import load_spec
+
+        record["bounds"] = []
+        for model, seed, target in failing:
+            paths = RunPaths(train(model, seed, env))
+            spec, dataset = load_spec(paths), json.loads(paths.dataset.read_text())
+            trained = trained_model(spec, dataset, paths.model)
+            bound = diagnose(trained, spec, dataset, json.loads(paths.training.read_text()), target)
+            record["bounds"].append({"model": model, "seed": seed, **bound})
+    save("compression", record, "COMPRESSION.md", markdown(record))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--seeds", default="42,1,2,3,4,5,6,7,8,9")
     parser.add_argument("--sparsities", default="0.5,0.8")
     parser.add_argument("--render", metavar="JSON", help="only rewrite COMPRESSION.md from this results file")
+    parser.add_argument(
+        "--diagnose", metavar="JSON", help="add to this results file what bounds each seed the gate rejects"
+    )
     args = parser.parse_args()
     if args.render:
         (Path(__file__).with_name("COMPRESSION.md")).write_text(markdown(json.loads(Path(args.render).read_text())))
+        return
+    if args.diagnose:
+        diagnose_failures(json.loads(Path(args.diagnose).read_text()))
         return
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
     sparsities = [float(s) for s in args.sparsities.split(",")]

@@ -89,6 +89,54 @@ def measure_gate(model, spec, dataset, training, sparsities, float_logits, work:
     return entries, pruned_by_compress
 
 
+# A failing seed's fine-tuning is rerun this many times the steps trained, scored at every check on
+# the validation split (what the rule sees) and the test split (what the gate judges).
+DIAGNOSIS_SHARE = 3
+
+
+def diagnose(model, spec, dataset, training, target: float) -> dict:
+    """Whether a longer fine-tuning, or a better-chosen checkpoint, would have passed the gate: the
+    pruned Keras model's test accuracy at every check of a DIAGNOSIS_SHARE-long fine-tuning."""
+    import tensorflow as tf
+
+    from hetflow.data.pipeline import split_arrays
+    from hetflow.models.fine_tuning import Recovery
+    from hetflow.spec import RunSpec
+    from hetflow.tasks import compress
+
+    sparse_spec = RunSpec.from_values({**spec.flat(), "target_sparsity": target})
+    validation, test = compress.validation_arrays(dataset), split_arrays(dataset, "test")
+    float_test_accuracy = compress.keras_accuracy(model, *test)
+    rule = compress.pruning_recovery(sparse_spec, training, compress.keras_accuracy(model, *validation))
+    checks = []
+
+    class BothSplits(tf.keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            step = (epoch + 1) * rule.check_every
+            if step >= rule.first_check:
+                scores = (compress.keras_accuracy(self.model, *split) for split in (validation, test))
+                checks.append([step, *scores])
+
+    length = DIAGNOSIS_SHARE * compress.trained_steps(training)
+    never_stops = Recovery(float("inf"), length, rule.check_every, rule.first_check, patience=length)
+    fine_tune = compress.fine_tune
+    compress.fine_tune = lambda *args, callbacks=(): fine_tune(*args, callbacks=[*callbacks, BothSplits()])
+    try:
+        compress.prune(model, sparse_spec, dataset, never_stops)
+    finally:
+        compress.fine_tune = fine_tune
+    best_validation = max(checks, key=lambda check: check[1])
+    return {
+        "target_sparsity": target,
+        "validation_images": len(validation[1]),
+        "test_images": len(test[1]),
+        "checks": checks,
+        "best_test_drop_points": 100 * (float_test_accuracy - max(check[2] for check in checks)),
+        "test_drop_at_best_validation_points": 100 * (float_test_accuracy - best_validation[2]),
+        "checks_within_budget": sum(float_test_accuracy - test <= spec.export.max_accuracy_drop for *_, test in checks),
+    }
+
+
 def gate_markdown(record: dict) -> list[str]:
     """COMPRESSION.md's section on the gate over seeds, every figure from ``record``."""
     budget = 100 * record["max_accuracy_drop"]
@@ -145,4 +193,23 @@ def gate_markdown(record: dict) -> list[str]:
         f"int8 {e['int8_method'].replace('_', '-')}"
         for model, seed, e in failing
     ]
+    stopped_at = {
+        (run["model"], run["seed"], e["target_sparsity"]): e["fine_tuning"]["steps"]
+        for run in record["runs"]
+        for e in run["gate"]
+        if e["rule"] == "recovery"
+    }
+    for bound in record.get("bounds", []):
+        best_step = max(bound["checks"], key=lambda check: check[1])[0]
+        lines.append(
+            f"- what bounds {bound['model']} seed {bound['seed']} at {bound['target_sparsity']:.0%}: fine-tuned "
+            f"{DIAGNOSIS_SHARE}x the steps trained, scored at each of its {len(bound['checks'])} checks, the pruned "
+            f"Keras model is at best {bound['best_test_drop_points']:+.2f} points on the test split and "
+            f"{bound['test_drop_at_best_validation_points']:+.2f} at the check the validation split ranks best "
+            f"(step {best_step}; compress's rule stopped at step "
+            f"{stopped_at[bound['model'], bound['seed'], bound['target_sparsity']]}); "
+            f"{bound['checks_within_budget']} of the checks are within the budget on the test split, but the "
+            f"validation split ({bound['validation_images']} images, one of them "
+            f"{100 / bound['validation_images']:.2f} points) does not rank them first"
+        )
     return lines + [""]
