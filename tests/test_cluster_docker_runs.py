@@ -148,7 +148,10 @@ def test_a_dag_run_in_containers_reaches_the_local_accuracy_bar_and_leaves_nothi
     # While it trained, the engine's counters of each container went to the live MLflow run.
     history = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"]).get_metric_history
     memory, cpu = (history(summary["mlflow_run_id"], f"{name}/worker-1") for name in ("memory_mb", "cpu_percent"))
-    assert memory and cpu and all(100 < m.value < 8000 for m in memory), (memory, cpu)
+    # A sample taken while the container still imports can be under 100 MB (94 seen on a loaded CI);
+    # once TensorFlow is in, it is well over.
+    assert memory and cpu and all(0 < m.value < 8000 for m in memory), (memory, cpu)
+    assert max(m.value for m in memory) > 100, memory
 
 
 def _kill_when(client, watch: str, log_line: str, victim: str, killed: list) -> None:
