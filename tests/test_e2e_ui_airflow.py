@@ -236,9 +236,13 @@ def test_updating_the_data_asset_starts_retraining_on_the_champions_spec(api, fo
     assert event.status_code == 200, event.text
     retrain = wait_for(lambda: api.runs("hetflow_retrain"), 60, interval=2)
     assert retrain and retrain[0]["run_type"] == "asset_triggered", retrain
-    # It triggers hetflow_train with the champion's spec: the form run's, the only version so far.
+    # It triggers hetflow_train with the champion's spec: the form run's, the only version so far (the
+    # form's conf holds the numbers as typed, the champion's spec the numbers they spell).
+    from hetflow.spec import parse_spec
+
     triggered = wait_for(lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] not in known], 90, interval=3)
     assert triggered, api.get(f"/dags/hetflow_retrain/dagRuns/{retrain[0]['dag_run_id']}/taskInstances")
+    trained_spec = parse_spec(trained["conf"]).flat()
     assert {k: triggered[0]["conf"][k] for k in ("strategy", "workers", "ps", "epochs")} == {
-        k: trained["conf"][k] for k in ("strategy", "workers", "ps", "epochs")
+        k: trained_spec[k] for k in ("strategy", "workers", "ps", "epochs")
     }
