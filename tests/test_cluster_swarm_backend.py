@@ -153,7 +153,7 @@ def test_preflight_refuses_an_engine_that_is_not_in_a_swarm(docker_client):
     )
 
 
-# --- a real swarm of two unequal nodes ---------------------------------------------------------------
+# --- a real swarm of two unequal nodes (the heavy tier: make test-all) --------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -229,8 +229,7 @@ def test_preflight_on_the_swarm_names_each_node_that_lacks_what_the_run_needs(sw
     assert [s.name for s in swarm["client"].services.list()] == []  # the checks left no service
 
 
-# A hostile replica in its service: it tries to gain privileges, plant code in the image and fork
-# without end.
+# A hostile replica in its service: it tries to gain privileges, plant code in the image, fork bomb.
 PROBE = """
 import errno, json, os, signal
 status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
