@@ -10,6 +10,7 @@ from urllib.parse import quote
 
 import pytest
 from conftest import wait_for
+from playwright.sync_api import expect
 from ui_pages import assert_key_metrics_first, close_assistant_panel
 from ui_stack import ARTIFACTS, SCREENSHOTS
 
@@ -142,9 +143,12 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
         finally:
             page.screenshot(path=str(ARTIFACTS / "mlflow_live_run_opened.png"))
         search.fill("val_accuracy")
-        chart = page.locator(".js-plotly-plot").first
-        chart.locator("path.js-line").first.wait_for()
-        return chart.evaluate("chart => chart.data[0].x.length")
+        # The filter applies a moment later: until then the first chart is another metric's
+        # (cpu_percent/worker-0 sorts first, with fewer points).
+        charts = page.locator(".js-plotly-plot")
+        expect(charts).to_have_count(1, timeout=30_000)
+        charts.locator("path.js-line").first.wait_for()
+        return charts.evaluate("chart => chart.data[0].x.length")
 
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{experiment}/runs/{run.info.run_id}/model-metrics")
