@@ -168,5 +168,5 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
     assert finished["state"] == "failed"
     ended = mlflow_client.get_run(run.info.run_id)
     assert ended.info.status == "FAILED" and ended.data.tags["failed_task"] == "train"
-    assert "training timed out after 120 s" in ended.data.tags["failure_reason"]
+    assert f"training timed out after {conf['train_timeout_seconds']} s" in ended.data.tags["failure_reason"]
     assert len(mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")) > before
