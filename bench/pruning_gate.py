@@ -119,12 +119,7 @@ def diagnose(model, spec, dataset, training, target: float) -> dict:
 
     length = DIAGNOSIS_SHARE * compress.trained_steps(training)
     never_stops = Recovery(float("inf"), length, rule.check_every, rule.first_check, patience=length)
-    fine_tune = compress.fine_tune
-    compress.fine_tune = lambda *args, callbacks=(): fine_tune(*args, callbacks=[*callbacks, BothSplits()])
-    try:
-        compress.prune(model, sparse_spec, dataset, never_stops)
-    finally:
-        compress.fine_tune = fine_tune
+    compress.prune(model, sparse_spec, dataset, never_stops, callbacks=[BothSplits()])
     best_validation = max(checks, key=lambda check: check[1])
     return {
         "target_sparsity": target,

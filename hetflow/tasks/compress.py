@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -109,11 +109,15 @@ def validation_arrays(dataset: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def prune(
-    model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], recovery: Recovery
+    model: tf.keras.Model,
+    spec: RunSpec,
+    dataset: dict[str, Any],
+    recovery: Recovery,
+    callbacks: Sequence[tf.keras.callbacks.Callback] = (),
 ) -> tuple[tf.keras.Model, dict[str, Any]]:
     """Fine-tune while sparsity ramps from 0 to ``target_sparsity`` over ``recovery.first_check`` steps,
     then at that sparsity until ``recovery`` stops it; strip the wrappers. Returns the pruned model and
-    the fine-tuning's record."""
+    the fine-tuning's record. ``callbacks`` see every round (the bench scores the test split there)."""
     # Masks are recomputed every `frequency` steps, and the last update must fall on end_step
     # for the final sparsity to be reached: end on a multiple of frequency.
     ramp_steps = recovery.first_check
@@ -148,7 +152,7 @@ def prune(
         validation_arrays(dataset),
         recovery,
         "pruning fine-tuning",
-        callbacks=[tfmot.sparsity.keras.UpdatePruningStep()],
+        callbacks=[tfmot.sparsity.keras.UpdatePruningStep(), *callbacks],
     )
     return tfmot.sparsity.keras.strip_pruning(pruning), record
 

@@ -212,6 +212,4 @@ def compression_table(exported: dict) -> str:
         return "  ".join(aligned).rstrip()
 
     table = "\n".join(["```", *map(line, headers), *map(line, rows), "```"])
-    return "\n\n".join(
-        [table, LEGEND, *(["\n".join(reasons)] if reasons else [])]
-    )
+    return "\n\n".join([table, LEGEND, *(["\n".join(reasons)] if reasons else [])])
