@@ -91,13 +91,17 @@ def trained_steps(training: dict[str, Any]) -> int:
     return training["epochs_done"] * training["steps_per_epoch"]
 
 
+def longest_fine_tuning(spec: RunSpec, training: dict[str, Any]) -> int:
+    """The most optimizer steps the pruning fine-tuning may take (quantization-aware: half of it)."""
+    return max(MIN_FINE_TUNING_STEPS, round(spec.compression.fine_tuning_share * trained_steps(training)))
+
+
 def pruning_recovery(spec: RunSpec, training: dict[str, Any], float_validation_accuracy: float) -> Recovery:
     """When the pruning fine-tuning of a model trained as ``training`` (training.json) may stop."""
-    trained = trained_steps(training)
-    ramp = max(MIN_RAMP_STEPS, round(RAMP_SHARE * trained))
+    ramp = max(MIN_RAMP_STEPS, round(RAMP_SHARE * trained_steps(training)))
     return Recovery(
         target_accuracy=float_validation_accuracy - RECOVERED_WITHIN * spec.export.max_accuracy_drop,
-        max_steps=max(MIN_FINE_TUNING_STEPS, round(spec.compression.fine_tuning_share * trained)),
+        max_steps=longest_fine_tuning(spec, training),
         check_every=max(1, ramp // CHECKS_PER_RAMP),
         first_check=ramp,
     )
@@ -292,9 +296,9 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
     paths.compressed.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"prune": spec.compression.prune, "quantize": spec.compression.quantize, "variants": {}}
     bases = {"float": model}
-    recovery = pruning_recovery(spec, training, keras_accuracy(model, *validation_arrays(dataset)))
     if spec.compression.prune:
         started = time.perf_counter()
+        recovery = pruning_recovery(spec, training, keras_accuracy(model, *validation_arrays(dataset)))
         pruned, fine_tuning = prune(model, spec, dataset, recovery)
         record["fine_tuning_seconds"] = time.perf_counter() - started
         record["fine_tuning_steps"] = fine_tuning["steps"]
@@ -322,9 +326,8 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], trai
             if quantize == "int8":
                 # At most half the pruning fine-tuning's maximum: enough to recover in the case
                 # tests/test_tasks_compress_qat.py makes.
-                data, choice = int8_file(
-                    bases[base], spec, dataset, recovery.max_steps // 2, sparse, path.with_suffix(".probe")
-                )
+                aware_steps = longest_fine_tuning(spec, training) // 2
+                data, choice = int8_file(bases[base], spec, dataset, aware_steps, sparse, path.with_suffix(".probe"))
             else:
                 data = to_tflite(bases[base], quantize, representative, sparse=sparse)
             path.write_bytes(data)
