@@ -32,7 +32,7 @@ from devstack.secrets import password_file, private_dir, stack_dir, stack_secret
 from hetflow.cli.dag_run import airflow_environment
 from hetflow.cluster.processes import teardown_runs_of_home
 from hetflow.paths import REPO_ROOT, hetflow_home
-from hetflow.registry.store import runs_page, tracking_uri
+from hetflow.registry.store import MLFLOW_UI_ENV, runs_page, tracking_uri
 
 HEALTHY_TIMEOUT = 180  # seconds: a cold start on two busy cores takes a fraction of it
 
@@ -146,6 +146,7 @@ def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> tupl
     database_url, started_postgres = start_postgres(stack_secrets()["postgres_password"]) if postgres else (None, None)
     stack_id = secrets.token_hex(8)
     env = {**environment(airflow_port, login, database_url), STACK_ID_ENV: stack_id}
+    env[MLFLOW_UI_ENV] = f"http://127.0.0.1:{mlflow_port}"  # the tasks write to the store itself
     Path(env["AIRFLOW_HOME"]).mkdir(parents=True, exist_ok=True)
     # A password Airflow generated before hetflow made its own: world-readable, and no longer used.
     Path(env["AIRFLOW_HOME"], "simple_auth_manager_passwords.json.generated").unlink(missing_ok=True)

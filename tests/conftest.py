@@ -66,6 +66,9 @@ def hetflow(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess
 
 
 E2E_MODEL = "e2e-digits"
+# The stages after training at their least (no pruning, no TFLite): for DAG runs that test what comes
+# before them; the default run (e2e_first_run) and the compression tests keep them whole.
+NO_COMPRESSION = ("prune=false", "quantize=none", 'export_formats=["saved_model"]')
 
 
 def run_dag(env: dict[str, str], *sets: str) -> tuple[subprocess.CompletedProcess, dict]:

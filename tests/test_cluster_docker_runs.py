@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import dag_run, wait_for
+from conftest import NO_COMPRESSION, dag_run, wait_for
 
 from hetflow.cluster.layout import run_slug
 from hetflow.spec import SpecError, parse_spec
@@ -129,7 +129,7 @@ TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=docker")
 )
 def test_a_dag_run_in_containers_reaches_the_local_accuracy_bar_and_leaves_nothing(docker_client, hetflow_env, shape):
     """Sync workers, and layer groups on two worker containers driven by a chief (ps: the restart test)."""
-    done, summary = dag_run(hetflow_env, *TRAINING, *shape, "registered_model=docker-digits")
+    done, summary = dag_run(hetflow_env, *TRAINING, *shape, *NO_COMPRESSION, "registered_model=docker-digits")
     assert done.returncode == 0, done.stdout[-3000:]
     assert summary["status"] == "success" and summary["restarts"] == []
     assert summary["metrics"]["test_accuracy"] >= 0.9
@@ -169,26 +169,17 @@ def _kill_when(client, watch: str, log_line: str, victim: str, killed: list) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "shape, victim",
-    [
-        # A killed ps restarts the whole group, as a killed sync worker does (tests/test_e2e_fault_tolerance.py
-        # kills sync workers on the local backend; the engine's side of a restart is the same).
-        (("strategy=parameter_server", "workers=2", "ps=1"), ("chief-0", "Epoch 3/", "ps-0")),
-    ],
-    ids=["ps"],
-)
-def test_a_killed_container_is_restarted_by_the_policy_counted_and_the_run_completes(
-    docker_client, hetflow_env, shape, victim
-):
+@pytest.mark.heavy  # restarts stay in make test on the local backend (tests/test_e2e_fault_tolerance.py)
+def test_a_killed_container_is_restarted_by_the_policy_counted_and_the_run_completes(docker_client, hetflow_env):
+    """A killed ps restarts the whole group, as a killed sync worker does: the engine's side of it."""
     from mlflow import MlflowClient
 
+    shape, victim = ("strategy=parameter_server", "workers=2", "ps=1"), ("chief-0", "Epoch 3/", "ps-0")
     killed: list[str] = []
     killer = threading.Thread(target=_kill_when, args=(docker_client, *victim, killed), daemon=True)
     killer.start()
-    done, summary = dag_run(
-        hetflow_env, *TRAINING, *shape, "restart_policy=on_failure", "backoff_limit=2", "registered_model=killed-digits"
-    )
+    restarts = ("restart_policy=on_failure", "backoff_limit=2", "registered_model=killed-digits")
+    done, summary = dag_run(hetflow_env, *TRAINING, *shape, *NO_COMPRESSION, *restarts)
     killer.join(timeout=10)
     assert killed == [summary["run_id"]], "the replica was never killed"
     assert done.returncode == 0, done.stdout[-3000:]

@@ -136,10 +136,15 @@ def _errors(entries: list[dict]) -> list[str]:
     return [str(entry.get("event")) for entry in entries if entry.get("level") in ("error", "critical")]
 
 
-def test_a_successful_runs_task_logs_hold_no_error_line(api, form_run):
+def test_a_successful_runs_task_logs_hold_no_error_line(stack, api, form_run, form_mlflow_run):
     _, run = form_run
     logs = _task_logs(api, "hetflow_train", run["dag_run_id"])
     assert set(logs) >= {"validate_spec", "prepare_data", "train", "evaluate", "compress", "export", "register"}
+    # The run's MLflow page, as the browser opens it, where a person reading a task's log looks.
+    info = form_mlflow_run.info
+    page = f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
+    for task in ("validate_spec", "register", "summarize"):
+        assert any(page in str(entry.get("event")) for entry in logs[task]), (task, logs[task][-5:])
     errors = {task: _errors(entries) for task, entries in logs.items() if _errors(entries)}
     assert not errors, errors
     # Nor a warning of ours: MLflow's for a predict without type hints, TFLite's for the calibrated

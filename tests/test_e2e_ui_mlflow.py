@@ -104,6 +104,25 @@ def test_the_versions_compression_table_shows_in_mlflow_with_its_columns_apart(
     page.screenshot(path=str(SCREENSHOTS / "mlflow_version.png"))
 
 
+def test_the_airflow_run_and_its_mlflow_run_link_to_each_other(stack, form_run, form_mlflow_run):
+    """Each task of the form's Airflow run shows an "MLflow run" button (its Details tab) that opens
+    the run's MLflow page; that page's description links back to the Airflow run."""
+    page, run = form_run
+    state, info = stack["state"], form_mlflow_run.info
+    mlflow_page = f"{state['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
+    airflow_page = f"{state['airflow_url']}/dags/hetflow_train/runs/{quote(run['dag_run_id'], safe='')}"
+    page.goto(f"{airflow_page}/tasks/summarize/details")  # its Details tab holds the extra links
+    link = page.get_by_role("link", name="MLflow run")
+    expect(link).to_have_attribute("href", mlflow_page)
+    page.screenshot(path=str(SCREENSHOTS / "airflow_mlflow_link.png"))
+    with page.context.expect_page() as opened:
+        link.click()
+    mlflow = opened.value
+    mlflow.get_by_text(info.run_name).first.wait_for()
+    expect(mlflow.get_by_role("link", name="The Airflow run")).to_have_attribute("href", airflow_page)
+    mlflow.close()
+
+
 def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_failed(
     stack, api, browser, mlflow_client
 ):
@@ -115,7 +134,7 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
         "epochs": 1000,
         "strategy": "multi_worker_mirrored",
         "workers": 2,
-        "train_timeout_seconds": 150,
+        "train_timeout_seconds": 120,
         "registered_model": "ui-live-digits",
     }
     response = api.post("/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": conf})

@@ -268,7 +268,8 @@ def _dag_test(env, conf: dict) -> dict:
 def test_a_rerun_of_the_dag_whose_train_fails_ends_failed(hetflow_env):
     from hetflow.paths import run_paths
 
-    first = _dag_test(hetflow_env, {"epochs": 2, "registered_model": "rerun-digits"})
+    no_compression = {"prune": False, "quantize": "none", "export_formats": ["saved_model"]}
+    first = _dag_test(hetflow_env, {"epochs": 2, "registered_model": "rerun-digits", **no_compression})
     assert first["state"] == "success"
     paths = run_paths(first["run_id"])
     assert json.loads(paths.summary.read_text())["status"] == "success"

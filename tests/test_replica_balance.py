@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import hetflow
+from conftest import NO_COMPRESSION, hetflow
 
 from hetflow.paths import RunPaths
 from hetflow.replica.auto_strategy import ASYNC_SPREAD, decide
@@ -256,6 +256,7 @@ def test_auto_through_the_dag_logs_its_decision(hetflow_env):
         "epochs=5",
         "--set",
         "registered_model=auto-digits",
+        *(arg for assignment in NO_COMPRESSION for arg in ("--set", assignment)),
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())

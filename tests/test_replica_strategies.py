@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import full_log, hetflow, replica_listening
+from conftest import NO_COMPRESSION, full_log, hetflow, replica_listening
 
 from hetflow.paths import RunPaths
 from hetflow.spec import parse_spec
@@ -33,12 +33,17 @@ def client(hetflow_env):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(CASES))
+@pytest.mark.parametrize(
+    "strategy",
+    # parameter_server through the DAG in make test: the trigger form's run (test_e2e_ui_airflow.py)
+    # and the docker backend's; its staleness histogram here in make test-all.
+    [pytest.param(name, marks=pytest.mark.heavy) if name == "parameter_server" else name for name in CASES],
+)
 def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
     from hetflow.cluster.processes import run_processes
 
     args = ["run", "--set", f"registered_model=strategies-{strategy.replace('_', '-')}", "--set", "epochs=6"]
-    for assignment in CASES[strategy]:
+    for assignment in (*CASES[strategy], *NO_COMPRESSION):
         args += ["--set", assignment]
     done = hetflow(hetflow_env, *args)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -118,11 +118,14 @@ def close_assistant_panel(page) -> None:
     """Close MLflow's Assistant side panel where it opened: MLflow opens it on a browser's first
     visit and remembers it closed, so a page that closed it before finds no Close button."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+    from playwright.sync_api import expect
 
+    close = page.get_by_role("button", name="Close", exact=True)
     try:
-        page.get_by_role("button", name="Close", exact=True).click(timeout=5_000)
+        close.click(timeout=10_000)
     except PlaywrightTimeoutError:
-        pass
+        return
+    expect(close).to_have_count(0)  # gone, and the page's content takes its width
 
 
 def assert_key_metrics_first(page, charts_url: str, metrics: set[str]) -> None:

@@ -60,10 +60,10 @@ def open_run(
     paths: RunPaths, spec: RunSpec, dag_id: str, airflow_run_id: str, airflow_url: str | None = None
 ) -> str | None:
     """The DAG run's MLflow run, created RUNNING (or found again on a retry) with the spec as params
-    and tags naming the Airflow run; recorded in ``tracking.json`` for the later stages. None, with a
-    warning, where MLflow does not answer. ``strategy=auto`` decides its spec while it trains, and
-    MLflow keeps a param's first value: its params wait for register (the decided spec, and
-    ``requested_strategy``)."""
+    and tags naming the Airflow run; recorded in ``tracking.json`` for the later stages. Returns
+    where a person opens it (``store.run_page``); None, with a warning, where MLflow does not answer.
+    ``strategy=auto`` decides its spec while it trains, and MLflow keeps a param's first value: its
+    params wait for register (the decided spec, and ``requested_strategy``)."""
     started = time.time()
     params = {} if spec.cluster.strategy == "auto" else spec.flat()
     return open_named_run(paths, run_name(spec, started), params, dag_id, airflow_run_id, airflow_url, started)
@@ -92,9 +92,10 @@ def open_named_run(
     except _UNREACHABLE as error:
         log.warning("MLflow at %s did not answer (%s): the run appears there when register logs it", uri, _line(error))
         return None
-    write_record(paths.tracking, {"tracking_uri": uri, "mlflow_run_id": run_id, "dag_id": dag_id})
-    log.info("MLflow: %s (RUNNING)", store.run_page(uri, run_id))
-    return run_id
+    page = store.run_page(uri, run_id)
+    write_record(paths.tracking, {"tracking_uri": uri, "mlflow_run_id": run_id, "dag_id": dag_id, "page": page})
+    log.info("MLflow: %s (RUNNING)", page)
+    return page
 
 
 # How long the live calls wait for a tracking server before going on without it: MLflow's own
@@ -121,6 +122,11 @@ def tracked_run(paths: RunPaths) -> tuple[MlflowClient, str] | None:
     """A client of the store and the MLflow run ``open_run`` recorded for this run directory, or None."""
     tracked = _tracked(paths)
     return None if tracked is None else (MlflowClient(tracked["tracking_uri"]), tracked["mlflow_run_id"])
+
+
+def tracked_page(paths: RunPaths) -> str | None:
+    """Where a person opens the MLflow run ``open_run`` made for this run directory, or None."""
+    return (_tracked(paths) or {}).get("page")
 
 
 def _tracked(paths: RunPaths) -> dict | None:

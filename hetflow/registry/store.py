@@ -20,6 +20,11 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING = "custom_model_development"
 
 
+# Where people open the MLflow UI, where it is not the tracking URI: a stack whose tasks write to the
+# store directly (`make up`) or reach the server by an address only they resolve (`make up-docker`).
+MLFLOW_UI_ENV = "HETFLOW_MLFLOW_UI_URL"
+
+
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow' / 'mlflow.db'}"
 
@@ -62,11 +67,13 @@ def runs_page(server_url: str, key_metrics: bool = False, store: str | None = No
 
 
 def run_page(uri: str, run_id: str) -> str:
-    """Where a person opens the run: its page in the MLflow UI where the store is a tracking server,
-    else the run's id in the store."""
-    if uri.startswith(("http://", "https://")):
+    """Where a person opens the run: its page in the MLflow UI (``HETFLOW_MLFLOW_UI_URL``'s, else
+    the tracking server's), else the run's id in the store."""
+    web = ("http://", "https://")
+    ui = os.environ.get(MLFLOW_UI_ENV) or uri
+    if ui.startswith(web):
         run = MlflowClient(uri).get_run(run_id)
-        return f"{uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+        return f"{ui.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
     return f"run {run_id} in {uri}"
 
 

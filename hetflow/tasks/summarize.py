@@ -12,6 +12,7 @@ from hetflow.models.stage_split import read_stage_split
 from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, run_paths, write_record
 from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, load_spec, read_record, reported
 from hetflow.pipeline.timing import PARTS
+from hetflow.registry import live
 from hetflow.replica.training_json import read_training
 
 log = logging.getLogger("hetflow.stages")
@@ -126,6 +127,7 @@ def summarize(
         "dataset": {k: dataset.get(k) for k in ("name", "version", "fingerprint", "splits", "source_path")},
         "mlflow_tracking_uri": registry.get("mlflow_tracking_uri"),
         "mlflow_run_id": registry.get("mlflow_run_id"),
+        "mlflow_run_url": live.tracked_page(paths),
         "metrics": {
             "test_accuracy": evaluation.get("test_accuracy"),
             "test_loss": evaluation.get("test_loss"),
@@ -164,6 +166,8 @@ def summarize(
     }
     write_record(paths.summary, summary)
     log.info("%s", headline(summary))
+    if summary["mlflow_run_url"]:
+        log.info("MLflow: %s", summary["mlflow_run_url"])
     log.info("summary: %s", paths.summary)
     if failed_stage:
         raise RuntimeError(f"run {run_id} failed at stage {failed_stage}; summary: {paths.summary}")

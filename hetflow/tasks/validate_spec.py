@@ -21,7 +21,8 @@ def validate_spec(
     airflow_url: str | None = None,
 ) -> dict[str, Any]:
     """Validate the run's conf (form values plus any extra keys); nothing starts when it is invalid.
-    Under a DAG (``dag_id``), the run's MLflow run starts here, RUNNING, linking to ``airflow_url``."""
+    Under a DAG (``dag_id``), the run's MLflow run starts here, RUNNING, linking to ``airflow_url``;
+    the record names its page (``mlflow_run_url``, None without one: Airflow's "MLflow run" link)."""
     from hetflow.cluster import backends
 
     spec = parse_spec(values)
@@ -30,14 +31,15 @@ def validate_spec(
         # Before any record is touched: a refused run id may belong to a run that is still going.
         raise SpecError(problems)
     paths = create_run_dir(run_id)
+    mlflow_run_url = None
     with attempt(paths, "validate_spec", run_id, try_number) as receipt:
         write_record(paths.spec, spec.model_dump(mode="json"))
         if dag_id is not None:
             from hetflow.registry import live
 
-            live.open_run(paths, spec, dag_id, run_id, airflow_url)
+            mlflow_run_url = live.open_run(paths, spec, dag_id, run_id, airflow_url)
     log.info("spec: %s", spec.model_dump())
-    return {**spec.flat(), "attempt": receipt}
+    return {**spec.flat(), "attempt": receipt, "mlflow_run_url": mlflow_run_url}
 
 
 def data_problems(spec: RunSpec) -> list[str]:

@@ -18,12 +18,14 @@ log = logging.getLogger("hetflow.stages")
 def validate_study(
     values: dict[str, Any], run_id: str, dag_id: str | None = None, airflow_url: str | None = None
 ) -> dict[str, Any]:
-    """Check the study (one line per problem, nothing started) and record it as ``study.json``."""
+    """Check the study (one line per problem, nothing started) and record it as ``study.json``; the
+    returned record adds the MLflow parent run's page (``mlflow_run_url``, None without one)."""
     from hetflow.registry import live
 
     study = parse_study(values)
     paths = create_run_dir(run_id)
     write_record(paths.study, study.model_dump(mode="json"))
+    mlflow_run_url = None
     if dag_id is not None:
         params = {
             **{f"choices.{key}": options for key, options in study.choices.items()},
@@ -34,6 +36,6 @@ def validate_study(
             "budget_seconds": study.budget_seconds,
         }
         name = f"study {run_id}"
-        live.open_named_run(paths, name, params, dag_id, run_id, airflow_url, time.time())
+        mlflow_run_url = live.open_named_run(paths, name, params, dag_id, run_id, airflow_url, time.time())
     log.info("study: %s", study.model_dump())
-    return study.model_dump(mode="json")
+    return {**study.model_dump(mode="json"), "mlflow_run_url": mlflow_run_url}
