@@ -99,7 +99,10 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     # hetflow's saved view: the runs table shows each run's test accuracy and training time.
     headers = page.locator("[role=columnheader]")
     for metric in ("test_accuracy", "train_seconds"):
-        headers.get_by_text(metric, exact=True).first.wait_for()
+        header = headers.get_by_text(metric, exact=True).first
+        header.wait_for()
+        shown = header.bounding_box()  # on screen, not past the table's right edge
+        assert shown and shown["x"] + shown["width"] <= page.viewport_size["width"], (metric, shown)
     page.screenshot(path=str(SCREENSHOTS / "mlflow_runs.png"))
     info = mlflow_run.info
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}")
