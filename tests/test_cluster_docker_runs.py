@@ -114,7 +114,7 @@ def test_a_parameter_server_run_in_docker_trains_and_leaves_nothing(docker_clien
 
 
 # Enough epochs for the MLP to pass the local bar (test_e2e_run.py); no pruning or quantization.
-TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=docker")
+TRAINING = ("epochs=15", *NO_COMPRESSION, "backend=docker")
 
 
 @pytest.mark.slow
@@ -129,7 +129,7 @@ TRAINING = ("epochs=15", "prune=false", "quantize=none", "backend=docker")
 )
 def test_a_dag_run_in_containers_reaches_the_local_accuracy_bar_and_leaves_nothing(docker_client, hetflow_env, shape):
     """Sync workers, and layer groups on two worker containers driven by a chief (ps: the restart test)."""
-    done, summary = dag_run(hetflow_env, *TRAINING, *shape, *NO_COMPRESSION, "registered_model=docker-digits")
+    done, summary = dag_run(hetflow_env, *TRAINING, *shape, "registered_model=docker-digits")
     assert done.returncode == 0, done.stdout[-3000:]
     assert summary["status"] == "success" and summary["restarts"] == []
     assert summary["metrics"]["test_accuracy"] >= 0.9
@@ -179,7 +179,7 @@ def test_a_killed_container_is_restarted_by_the_policy_counted_and_the_run_compl
     killer = threading.Thread(target=_kill_when, args=(docker_client, *victim, killed), daemon=True)
     killer.start()
     restarts = ("restart_policy=on_failure", "backoff_limit=2", "registered_model=killed-digits")
-    done, summary = dag_run(hetflow_env, *TRAINING, *shape, *NO_COMPRESSION, *restarts)
+    done, summary = dag_run(hetflow_env, *TRAINING, *shape, *restarts)
     killer.join(timeout=10)
     assert killed == [summary["run_id"]], "the replica was never killed"
     assert done.returncode == 0, done.stdout[-3000:]

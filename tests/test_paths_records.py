@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import NO_COMPRESSION, REPO
 
 AIRFLOW_RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"
 
@@ -267,8 +267,9 @@ def _dag_test(env, conf: dict) -> dict:
 @pytest.mark.slow
 def test_a_rerun_of_the_dag_whose_train_fails_ends_failed(hetflow_env):
     from hetflow.paths import run_paths
+    from hetflow.spec import parse_assignment
 
-    no_compression = {"prune": False, "quantize": "none", "export_formats": ["saved_model"]}
+    no_compression = dict(parse_assignment(assignment) for assignment in NO_COMPRESSION)
     first = _dag_test(hetflow_env, {"epochs": 2, "registered_model": "rerun-digits", **no_compression})
     assert first["state"] == "success"
     paths = run_paths(first["run_id"])

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import NO_COMPRESSION, hetflow
+from conftest import NO_COMPRESSION, dag_run, hetflow
 
 from hetflow.paths import RunPaths
 from hetflow.replica.auto_strategy import ASYNC_SPREAD, decide
@@ -243,23 +243,9 @@ def test_auto_through_the_dag_logs_its_decision(hetflow_env):
 
     from mlflow import MlflowClient
 
-    done = hetflow(
-        hetflow_env,
-        "run",
-        "--set",
-        "strategy=auto",
-        "--set",
-        "workers=2",
-        "--set",
-        f"worker_devices={SLOW_WORKER}",
-        "--set",
-        "epochs=5",
-        "--set",
-        "registered_model=auto-digits",
-        *(arg for assignment in NO_COMPRESSION for arg in ("--set", assignment)),
-    )
+    sets = ["strategy=auto", "workers=2", f"worker_devices={SLOW_WORKER}", "epochs=5", "registered_model=auto-digits"]
+    done, summary = dag_run(hetflow_env, *sets, *NO_COMPRESSION)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    summary = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
     plan = json.loads(RunPaths(Path(summary["run_dir"])).plan.read_text())
     # The workers started as sync all-reduce, measured themselves over their first steps and found
     # the digits MLP's steps far under 20 ms (a few ms of computation here): auto relaunched the run
