@@ -19,10 +19,11 @@ import os
 from typing import Any
 
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
-from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, Param, dag, task
+from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, dag, task
 
 from hetflow.pipeline.task_log import CALLBACKS as TASK_LOG_CALLBACKS
 from hetflow.registry.retrain import DEFAULT_CRON, PREPARED_DATA_URI
+from hetflow.spec.form import form_param
 
 CRON = os.environ.get("HETFLOW_RETRAIN_CRON", DEFAULT_CRON)
 
@@ -36,13 +37,13 @@ CRON = os.environ.get("HETFLOW_RETRAIN_CRON", DEFAULT_CRON)
     catchup=False,
     max_active_runs=1,
     params={
-        "registered_model": Param(
+        "registered_model": form_param(
             "hetflow-digits",
             type="string",
             title="Registered model",
             description="Retrain this MLflow registered model's champion.",
         ),
-        "overrides": Param(
+        "overrides": form_param(
             {},
             type="object",
             title="Overrides",

@@ -258,3 +258,21 @@ def test_fields_of_other_backends_are_optional_in_the_form_and_empty_means_their
     assert parse_spec({"backend": "kubernetes", "kubernetes_namespace": None}).cluster.kubernetes.namespace == "default"
     with pytest.raises(SpecError, match="workers=null is invalid"):
         parse_spec({"workers": None})
+
+
+def test_every_form_param_is_a_draft_07_schema_that_refuses_what_its_spec_key_refuses():
+    """The forms declare draft-07 (hetflow.spec.form.SCHEMA_DRAFT, Airflow checks it thousands of
+    times a run): each schema must be one draft-07 reads as written, bounds included."""
+    from jsonschema import Draft7Validator
+    from jsonschema.exceptions import ValidationError
+
+    from hetflow.tuning.form import tune_params
+
+    for key, param in {**airflow_params(), **tune_params()}.items():
+        assert param.schema["$schema"] == "http://json-schema.org/draft-07/schema#", key
+        Draft7Validator.check_schema(param.schema)
+        assert param.resolve(suppress_exception=True) == param.value, key
+    epochs = airflow_params()["epochs"]
+    with pytest.raises(ValidationError):
+        Draft7Validator(epochs.schema).validate(1001)
+    assert epochs.resolve(7) == 7

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from hetflow.spec import KEYS
-from hetflow.spec.form import typed_number
+from hetflow.spec.form import form_param, typed_number
 from hetflow.tuning.space import CHOICE_KEYS, RANGE_KEYS
 
 _SPEC_KEY = {key.short: key for key in KEYS}
@@ -17,12 +17,10 @@ DEFAULT_BASE = {"model": "mlp", "epochs": 15}
 
 def tune_params() -> dict[str, Any]:
     """The DAG's ``Param``s: a field per searchable key (empty: not searched), then the study's own."""
-    from airflow.sdk import Param  # here, not at the top: parsing the DAG file stays light
-
     params: dict[str, Any] = {}
     for short in CHOICE_KEYS:
         schema = _SPEC_KEY[short].schema()
-        params[short] = Param(
+        params[short] = form_param(
             DEFAULT_CHOICES.get(short, []),
             type=["array", "null"],  # optional: empty searches nothing
             items={key: schema[key] for key in ("type", "enum") if key in schema},
@@ -32,7 +30,7 @@ def tune_params() -> dict[str, Any]:
         )
     for short in RANGE_KEYS:
         title = _SPEC_KEY[short].schema()["title"]
-        params[f"{short}_range"] = Param(
+        params[f"{short}_range"] = form_param(
             DEFAULT_RANGES.get(short, []),
             type=["array", "null"],
             items={"type": "number"},
@@ -40,19 +38,19 @@ def tune_params() -> dict[str, Any]:
             description_md=f"{title}: `[low, high]` the study draws from (empty: the base spec's).",
             section="Search space",
         )
-    params["target_accuracy"] = Param(
+    params["target_accuracy"] = form_param(
         0.9, **typed_number("number", 0.9), description_md="Validation accuracy a trial races to.", section="Study"
     )
-    params["trials"] = Param(
+    params["trials"] = form_param(
         6, **typed_number("integer", 6), description_md="Trials to run (1 to 200).", section="Study"
     )
-    params["budget_seconds"] = Param(
+    params["budget_seconds"] = form_param(
         3600,
         **typed_number("integer", 3600),
         description_md="Wall time of the whole study (60 s to 7 days), checked between trials.",
         section="Study",
     )
-    params["base"] = Param(
+    params["base"] = form_param(
         DEFAULT_BASE,
         type="object",
         description_md="Spec keys every trial shares (short names, as `--set` takes them).",
