@@ -12,7 +12,8 @@ from datetime import datetime, timedelta
 import pytest
 import requests
 from conftest import wait_for
-from ui_pages import close_assistant_panel, dag_docs, open_runs_page, open_trigger_form, signed_in
+from playwright.sync_api import expect
+from ui_pages import close_assistant_panel, cut_cells, dag_docs, open_runs_page, open_trigger_form, signed_in
 from ui_stack import ARTIFACTS, SCREENSHOTS, Api
 
 pytestmark = pytest.mark.slow
@@ -103,6 +104,11 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
         header.wait_for()
         shown = header.bounding_box()  # on screen, not past the table's right edge
         assert shown and shown["x"] + shown["width"] <= page.viewport_size["width"], (metric, shown)
+    # Each run's whole name (its start time last tells runs of one configuration apart), source and
+    # figures at 4 significant digits, none cut (MLflow's default widths cut them all).
+    accuracy_cell = page.locator('[role=gridcell][col-id="metrics.`test_accuracy`"]').first
+    expect(accuracy_cell).to_have_text(re.compile(r"^0\.\d{1,4}$"))
+    assert cut_cells(page) == []
     page.screenshot(path=str(SCREENSHOTS / "mlflow_runs.png"))
     info = mlflow_run.info
     page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}")

@@ -102,6 +102,25 @@ def open_runs_page(page, runs_url: str, run_name: str) -> None:
     page.get_by_text(run_name).first.wait_for()
 
 
+# The runs table's run names, sources and metric values that do not fit their cells ([column, text] each): the
+# text's own width against the box that clips it (the cells cut with an ellipsis, which scrollWidth
+# does not show).
+_CUT_CELLS = """() => [...document.querySelectorAll(
+    '[role=gridcell][col-id="attributes.`Run Name`"], [role=gridcell][col-id="attributes.`Source`"], ' +
+    '[role=gridcell][col-id^="metrics."]')].flatMap(cell => {
+    const shown = cell.querySelector('a') || cell.querySelector('.ag-cell-value');
+    const text = document.createRange();
+    text.selectNodeContents(shown);
+    const cut = text.getBoundingClientRect().width > shown.getBoundingClientRect().width + 0.5;
+    return cut ? [[cell.getAttribute('col-id'), shown.textContent]] : [];
+})"""
+
+
+def cut_cells(page) -> list[list[str]]:
+    """The run names, sources and metric values MLflow's runs table shows cut (``_CUT_CELLS``)."""
+    return page.evaluate(_CUT_CELLS)
+
+
 # The texts of the leaf elements that read exactly one of ``names``, in the page's order.
 _LEAF_TEXTS = """(names) => {
     const found = [];
