@@ -7,7 +7,8 @@ how many trials, the wall-time budget, and `base`, the spec keys every trial sha
 epochs, backend, ...).
 
 Each trial is a real run: its replicas are provisioned, trained until the target (or their epochs)
-and torn down, one trial at a time. Optuna's TPE sampler picks each trial's settings; a trial whose
+and torn down, one trial at a time (**parallel_trials**: several at once, each on its own cluster,
+where the backend has room for them). Optuna's TPE sampler picks each trial's settings; a trial whose
 validation accuracy is behind the median of the earlier trials at the same time since launch is
 pruned (stopped, torn down). The study ranks trials by time from launch to the target accuracy.
 
@@ -17,7 +18,7 @@ with a table of its trials and two charts (time to target per trial; the best sy
 async trial's validation accuracy against wall-clock time), each trial a nested run.
 
 A retried `run_study` resumes the study: an interrupted trial runs again once, and only the trials
-still owed run. Concurrent trials: see docs/tuning.md.
+still owed run.
 """
 
 # Wiring only, as hetflow_train: each task calls hetflow.tasks.<task_id>.<task_id>.

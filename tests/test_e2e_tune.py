@@ -1,11 +1,13 @@
-"""End to end: `hetflow tune` drives the hetflow_tune DAG through Airflow: real trials, the best one
-evaluated, compressed, exported and registered; the study and its trials read back from MLflow."""
+"""End to end: `hetflow tune` drives the hetflow_tune DAG through Airflow: real trials (two side by
+side), the best one evaluated, compressed, exported and registered; the study and its trials read
+back from MLflow."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO
@@ -18,6 +20,7 @@ STUDY = {
     "learning_rate_range": [0.002, 0.01],
     "target_accuracy": 0.85,
     "trials": 2,
+    "parallel_trials": 2,
     "base": {"model": "mlp", "epochs": 8, "prune": False, "registered_model": "tuned-digits"},
 }
 
@@ -32,8 +35,6 @@ def tune(env, tmp_path, study: dict, *sets: str) -> subprocess.CompletedProcess:
 
 
 def test_bad_study_values_are_refused_in_one_line_each_before_anything_starts(hetflow_env, tmp_path):
-    from pathlib import Path
-
     runs = Path(hetflow_env["HETFLOW_HOME"]) / "runs"
     before = set(runs.iterdir()) if runs.exists() else set()
     done = tune(hetflow_env, tmp_path, {**STUDY, "trials": 0}, "epochs=-1")
@@ -54,6 +55,11 @@ def test_a_study_runs_its_trials_and_registers_the_best_one(hetflow_env, tmp_pat
     summary = json.loads(open(summary_path).read())
     trials = summary["trials"]
     assert [t["state"] for t in trials] == ["complete", "complete"]
+    # Side by side (parallel_trials): each started before the other ended.
+    assert max(t["started_at"] for t in trials) < min(t["ended_at"] for t in trials), trials
+    # Their replicas' lines, in the one task log they share, say which trial they are from.
+    log = max((Path(hetflow_env["HETFLOW_HOME"]) / "logs").glob("hetflow-tune-*.log"), key=lambda p: p.stat().st_mtime)
+    assert all(f"[trial-{t['number']} worker-0] " in log.read_text() for t in trials)
     assert {t["params"]["strategy"] for t in trials} <= {"multi_worker_mirrored", "parameter_server"}
     reached = [t for t in trials if t["launch_to_target_seconds"] is not None]
     assert reached, trials

@@ -1,6 +1,7 @@
 """A tuning study on real clusters: a trial behind the earlier ones is pruned (its replicas stopped
-and torn down), and a study whose task is killed mid-trial resumes on retry, running the interrupted
-trial again once and no other trial twice."""
+and torn down), a study whose task is killed mid-trial resumes on retry, running the interrupted
+trial again once and no other trial twice, and a SIGTERM to a study whose trials train side by side
+stops every trial's replicas and leaves each trial for the retry to run again."""
 
 from __future__ import annotations
 
@@ -117,3 +118,50 @@ def test_a_study_killed_mid_trial_resumes_and_runs_no_trial_twice(hetflow_env):
     trials = json.loads(run_paths(run_id).trials.read_text())
     assert [t["number"] for t in trials] == [1, 2] and best["trials"] == 2
     assert best["best_run_id"] in {f"{run_id}.trial-1", f"{run_id}.trial-2"}
+
+
+def _training(run_id: str) -> bool:
+    """Whether the run's chief has reported two epochs."""
+    from hetflow.paths import run_paths
+
+    progress = run_paths(run_id).progress
+    return progress.exists() and progress.read_text().count("\n") >= 2
+
+
+def test_a_sigterm_stops_every_trial_of_a_study_training_side_by_side(hetflow_env):
+    import optuna
+
+    from hetflow.cluster.processes import run_processes
+    from hetflow.paths import run_paths
+    from hetflow.tuning import study as tuning
+    from hetflow.tuning.space import StudySpec
+
+    run_id = f"study-sigterm-{os.getpid()}"
+    # Trials far from their end when stopped: neither may finish while the other is still starting.
+    base = {**BASE, "epochs": 200}
+    make_study(
+        run_id, base=base, target_accuracy=1.0, trials=2, parallel_trials=2, ranges={"learning_rate": [1e-3, 1e-2]}
+    )
+    trials = [f"{run_id}.trial-{number}" for number in (0, 1)]
+    task = subprocess.Popen(
+        [sys.executable, "-c", _RUN_STUDY, run_id], cwd=REPO, env=hetflow_env, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not all(_training(trial) for trial in trials):  # both at once: side by side
+            assert task.poll() is None and time.monotonic() < deadline, "the two trials never trained together"
+            time.sleep(0.5)
+        task.send_signal(signal.SIGTERM)  # Airflow stopping the task: to its process alone
+        task.wait(timeout=20)  # Airflow's SIGKILL comes 5 s after; the teardown is quicker
+    finally:
+        if task.poll() is None:
+            os.killpg(task.pid, signal.SIGKILL)
+            task.wait()
+    assert task.returncode != 0
+    assert [run_processes(trial) for trial in trials] == [[], []]
+
+    study = tuning.load(run_id, StudySpec.model_validate_json(run_paths(run_id).study.read_text()))
+    assert [(t.state, t.user_attrs.get("interrupted")) for t in study.trials] == [
+        (optuna.trial.TrialState.FAIL, True)
+    ] * 2
+    assert sorted(tuning.retry_interrupted(study)) == [0, 1]  # the retry runs both again

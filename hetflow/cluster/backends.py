@@ -88,10 +88,12 @@ def start(spec: RunSpec, run_id: str, paths: RunPaths) -> Replicas:
     return cluster
 
 
-def supervise(spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float, should_stop=None) -> dict[str, int]:
+def supervise(
+    spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float, should_stop=None, log_label: str = ""
+) -> dict[str, int]:
     """Watch ``cluster`` (provisioned replicas) until training ends: the training replicas' exit
     codes, or ReplicaFailed (StoppedEarly once ``should_stop()`` gives a reason). Local replicas live
-    only while a supervisor holds their lease."""
+    only while a supervisor holds their lease. ``log_label`` names the run in the replicas' log lines."""
     supervisor = Supervisor(
         cluster.layout,
         spec.cluster.run_policy.restart_policy,
@@ -99,6 +101,7 @@ def supervise(spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float, s
         cluster,
         run_dir,
         backend_for(spec).loss_report_seconds,
+        log_label,
     )
     cluster.attach()
     try:

@@ -206,11 +206,15 @@ class Supervisor:
         replicas: Replicas,
         run_dir: Path,
         loss_report_seconds: float = 0.0,
+        log_label: str = "",
     ):
         """:param loss_report_seconds: how long the engine may take to report a replica lost with its
         machine (Swarm: until the node misses its heartbeats), while its peers already exited with
-        errors: a failure whose cause is not a signal waits this long for the real cause."""
+        errors: a failure whose cause is not a signal waits this long for the real cause.
+        :param log_label: what names the run before each replica's name in this process's log
+        (``[trial-1 worker-0]``: a study's trials share the task's log)."""
         self.layout = layout
+        self.log_label = log_label
         self.loss_report_seconds = loss_report_seconds
         self.restart_policy = restart_policy
         self.backoff_limit = backoff_limit
@@ -237,7 +241,7 @@ class Supervisor:
             # others' stay in their own logs and failure messages. TensorFlow's cuInit complaint on
             # a machine without a GPU is start-up noise, not news.
             quiet = (name != chief and _EPOCH_LINE.match(line)) or _NO_GPU_LINE.search(line)
-            log.log(logging.DEBUG if quiet else logging.INFO, "[%s] %s", name, line)
+            log.log(logging.DEBUG if quiet else logging.INFO, "[%s] %s", f"{self.log_label} {name}".lstrip(), line)
 
     def _chief(self) -> str:
         names = [replica.name for replica in self.layout.replicas]

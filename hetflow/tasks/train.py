@@ -5,16 +5,14 @@ task's log, each epoch the chief reports and each replica's CPU and memory go to
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
-import signal
-import threading
 from typing import Any, Sequence
 
 from hetflow.models.stage_split import read_stage_split
 from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.pipeline.interrupt import stopped_on_sigterm
 from hetflow.pipeline.progress import ProgressReader, ProgressWatch, Watcher
 from hetflow.replica.training_json import read_training
 from hetflow.spec import RunSpec, parse_spec
@@ -27,16 +25,15 @@ auto_log = logging.getLogger("hetflow.auto")  # shown by `hetflow run`'s live vi
 SIGTERM_STOP_GRACE_SECONDS = 2.0
 
 
-class Interrupted(RuntimeError):
-    pass
-
-
 @reported
-def train(run_id: str, try_number: int | None = None, watchers: Sequence[Watcher] = ()) -> dict[str, Any]:
+def train(
+    run_id: str, try_number: int | None = None, watchers: Sequence[Watcher] = (), log_label: str = ""
+) -> dict[str, Any]:
     """Supervise the provisioned replicas until training ends.
 
     :param watchers: besides the live MLflow run, what gets each new epoch and usage sample
-        (``hetflow.pipeline.progress``); one that returns a reason stops training (StoppedEarly)."""
+        (``hetflow.pipeline.progress``); one that returns a reason stops training (StoppedEarly).
+    :param log_label: names the run before each replica's output line in the log (a study's trial)."""
     from hetflow.cluster import backends
     from hetflow.cluster.layout import ClusterLayout
 
@@ -46,13 +43,13 @@ def train(run_id: str, try_number: int | None = None, watchers: Sequence[Watcher
         backend = backends.backend_for(spec)
         cluster = backend.replicas(spec, ClusterLayout.from_dict(read_record(paths.cluster)), paths.root)
         with (
-            _stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)),
+            stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)),
             _watch(paths, spec, cluster, watchers) as watch,
         ):
             timeout = spec.cluster.run_policy.timeout_seconds
-            backends.supervise(spec, cluster, paths.root, timeout, should_stop=lambda: watch.stop_reason)
+            backends.supervise(spec, cluster, paths.root, timeout, lambda: watch.stop_reason, log_label)
             if paths.requested_spec.exists():  # provision_cluster's, in a folder replicas see read-only
-                spec = _carry_out_auto(spec, run_id, paths, lambda: watch.stop_reason)
+                spec = _carry_out_auto(spec, run_id, paths, lambda: watch.stop_reason, log_label)
     training = read_training(paths.training, spec, read_record(paths.dataset))
     if spec.cluster.strategy == "model_parallel":
         _log_stage_split(read_stage_split(paths.plan, spec, training))
@@ -90,7 +87,7 @@ def _log_stage_split(split: dict[str, Any]) -> None:
     )
 
 
-def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths, should_stop) -> RunSpec:
+def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths, should_stop, log_label: str) -> RunSpec:
     """strategy=auto once its first launch ended: spec.json becomes the spec it decided; where that is
     not the sync all-reduce the workers were launched with (they stopped once they had measured
     themselves), it is launched and supervised from the start. Returns the decided spec."""
@@ -104,7 +101,8 @@ def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths, should_stop) ->
     backends.backend_for(spec).teardown(spec, run_id)
     shutil.rmtree(paths.checkpoints, ignore_errors=True)  # another strategy's checkpoints are not resumed
     cluster = backends.start(decided, run_id, paths)
-    backends.supervise(decided, cluster, paths.root, decided.cluster.run_policy.timeout_seconds, should_stop)
+    timeout = decided.cluster.run_policy.timeout_seconds
+    backends.supervise(decided, cluster, paths.root, timeout, should_stop, log_label)
     return decided
 
 
@@ -118,23 +116,3 @@ def auto_decided(paths: RunPaths) -> RunSpec:
     if plan is None:
         return load_spec(paths)  # decided without measuring (one worker), or trained before measuring enough
     return parse_spec({**plan["requested"].flat(), **plan["decision"]["settings"]})
-
-
-@contextlib.contextmanager
-def _stopped_on_sigterm(stop):
-    """Run ``stop`` when SIGTERM arrives: Airflow 3 stops a task with SIGTERM and kills it a few
-    seconds later, so a ``finally`` that waits for replicas would never run."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_sigterm(signum, frame):
-        log.warning("SIGTERM: stopping the replicas")
-        stop()
-        raise Interrupted("stopped by SIGTERM; the replicas were stopped")
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -34,6 +34,7 @@ def validate_study(
             "target_accuracy": study.target_accuracy,
             "trials": study.trials,
             "budget_seconds": study.budget_seconds,
+            "parallel_trials": study.parallel_trials,
         }
         name = f"study {run_id}"
         mlflow_run_url = live.open_named_run(paths, name, params, dag_id, run_id, airflow_url, time.time())

@@ -50,6 +50,15 @@ def tune_params() -> dict[str, Any]:
         description_md="Wall time of the whole study (60 s to 7 days), checked between trials.",
         section="Study",
     )
+    params["parallel_trials"] = form_param(
+        1,
+        **typed_number("integer", 1),
+        description_md=(
+            "Trials run at once (1 to 8), each on a cluster of its own: more only where the backend has room "
+            "for them, since trials that share CPUs slow each other down and the study compares their times."
+        ),
+        section="Study",
+    )
     params["base"] = form_param(
         DEFAULT_BASE,
         type="object",
@@ -61,7 +70,11 @@ def tune_params() -> dict[str, Any]:
 
 def study_values(form: dict[str, Any]) -> dict[str, Any]:
     """The form's values (or a conf's) as ``parse_study`` takes them."""
-    values = {key: form[key] for key in ("target_accuracy", "trials", "budget_seconds", "base") if key in form}
+    values = {
+        key: form[key]
+        for key in ("target_accuracy", "trials", "budget_seconds", "parallel_trials", "base")
+        if key in form
+    }
     values["choices"] = {key: form[key] for key in CHOICE_KEYS if form.get(key)}
     values["ranges"] = {key: form[f"{key}_range"] for key in RANGE_KEYS if form.get(f"{key}_range")}
     unknown = set(form) - set(values) - set(CHOICE_KEYS) - {f"{key}_range" for key in RANGE_KEYS}

@@ -36,6 +36,9 @@ class StudySpec(BaseModel):
     budget_seconds: int = Field(3600, ge=60, le=7 * 24 * 3600)
     async_ps: int = Field(1, ge=1, le=8, description="parameter servers of a parameter_server trial")
     pruning: bool = Field(True, description="stop a trial behind the earlier ones (false: every trial runs to its end)")
+    parallel_trials: int = Field(
+        1, ge=1, le=8, description="trials run at once, each on its own cluster (where the backend has room for them)"
+    )
     seed: int = Field(0, ge=0)
 
     def trial_values(self, drawn: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +57,7 @@ _ALLOWED = {
     "budget_seconds": "an integer >= 60 and <= 604800",
     "async_ps": "an integer >= 1 and <= 8",
     "seed": "an integer >= 0",
+    "parallel_trials": "an integer >= 1 and <= 8",
     "pruning": "true or false",
     "base": "an object of spec keys",
     "choices": "an object: a list of values per key",

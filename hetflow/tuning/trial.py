@@ -31,6 +31,9 @@ def trial_record(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
         "launch_to_target_seconds": attributes.get("launch_to_target_seconds"),
         "best_accuracy": attributes.get("best_accuracy", 0.0),
         "wall_seconds": attributes.get("wall_seconds", 0.0),
+        # When Optuna started and finished it (unix seconds): trials side by side overlap.
+        "started_at": trial.datetime_start.timestamp() if trial.datetime_start else None,
+        "ended_at": trial.datetime_complete.timestamp() if trial.datetime_complete else None,
         "curve": attributes.get("curve", []),
         "reason": attributes.get("reason"),
         **({"retry_of": attributes["retry_of"]} if "retry_of" in attributes else {}),
@@ -40,11 +43,12 @@ def trial_record(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
 def run_trial(trial: optuna.Trial, spec: StudySpec, study_id: str, airflow_url: str | None) -> float:
     """One trial, start to teardown: its objective value, or TrialPruned / TrialFailed."""
     from hetflow.cluster.supervisor import ReplicaFailed
+    from hetflow.pipeline.interrupt import Interrupted
     from hetflow.pipeline.progress import StoppedEarly
     from hetflow.tasks.prepare_data import prepare_data
     from hetflow.tasks.provision_cluster import provision_cluster
     from hetflow.tasks.teardown_cluster import teardown_cluster
-    from hetflow.tasks.train import Interrupted, train
+    from hetflow.tasks.train import train
     from hetflow.tasks.validate_spec import validate_spec
 
     values = spec.trial_values(tuning.draw(trial, spec))
@@ -62,7 +66,7 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, study_id: str, airflow_url: 
         pruner.launched = time.time()
         try:
             provision_cluster(trial_run)
-            training = train(trial_run, watchers=[pruner])
+            training = train(trial_run, watchers=[pruner], log_label=f"trial-{trial.number}")
         finally:
             teardown_cluster(trial_run)
         value, record["launch_to_target_seconds"] = tuning.objective_value(
