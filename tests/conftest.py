@@ -70,6 +70,18 @@ E2E_MODEL = "e2e-digits"
 # before them; the default run (e2e_first_run) and the compression tests keep them whole.
 NO_COMPRESSION = ("prune=false", "quantize=none", 'export_formats=["saved_model"]')
 
+# A study of two trials side by side, each a model that trains in seconds: `hetflow tune`'s JSON and
+# hetflow_tune's conf alike (test_e2e_tune.py, test_e2e_ui_tune.py).
+TUNE_STUDY = {
+    "strategy": ["multi_worker_mirrored", "parameter_server"],
+    "workers": [2],
+    "learning_rate_range": [0.002, 0.01],
+    "target_accuracy": 0.85,
+    "trials": 2,
+    "parallel_trials": 2,
+    "base": {"model": "mlp", "epochs": 8, "prune": False, "registered_model": "tuned-digits"},
+}
+
 
 def run_dag(env: dict[str, str], *sets: str) -> tuple[subprocess.CompletedProcess, dict]:
     """`hetflow run` registering into E2E_MODEL with ``sets`` (KEY=VALUE); its output and summary."""

@@ -10,19 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, TUNE_STUDY
 
 pytestmark = pytest.mark.slow
-
-STUDY = {
-    "strategy": ["multi_worker_mirrored", "parameter_server"],
-    "workers": [2],
-    "learning_rate_range": [0.002, 0.01],
-    "target_accuracy": 0.85,
-    "trials": 2,
-    "parallel_trials": 2,
-    "base": {"model": "mlp", "epochs": 8, "prune": False, "registered_model": "tuned-digits"},
-}
 
 
 def tune(env, tmp_path, study: dict, *sets: str) -> subprocess.CompletedProcess:
@@ -37,7 +27,7 @@ def tune(env, tmp_path, study: dict, *sets: str) -> subprocess.CompletedProcess:
 def test_bad_study_values_are_refused_in_one_line_each_before_anything_starts(hetflow_env, tmp_path):
     runs = Path(hetflow_env["HETFLOW_HOME"]) / "runs"
     before = set(runs.iterdir()) if runs.exists() else set()
-    done = tune(hetflow_env, tmp_path, {**STUDY, "trials": 0}, "epochs=-1")
+    done = tune(hetflow_env, tmp_path, {**TUNE_STUDY, "trials": 0}, "epochs=-1")
     assert done.returncode == 2
     problems = [line for line in done.stderr.splitlines() if line.startswith("hetflow: invalid spec: ")]
     assert len(problems) == 2, done.stderr
@@ -46,10 +36,13 @@ def test_bad_study_values_are_refused_in_one_line_each_before_anything_starts(he
     assert (set(runs.iterdir()) if runs.exists() else set()) == before
 
 
+# make test runs a study through the DAG on make up's stack (test_e2e_ui_tune.py); this one, `hetflow
+# tune`'s, in make test-all.
+@pytest.mark.heavy
 def test_a_study_runs_its_trials_and_registers_the_best_one(hetflow_env, tmp_path):
     from mlflow import MlflowClient
 
-    done = tune(hetflow_env, tmp_path, STUDY)
+    done = tune(hetflow_env, tmp_path, TUNE_STUDY)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary_path = done.stdout.strip().splitlines()[-1].split()[-1]
     summary = json.loads(open(summary_path).read())

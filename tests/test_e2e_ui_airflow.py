@@ -14,7 +14,7 @@ import requests
 from conftest import wait_for
 from playwright.sync_api import expect
 from ui_pages import close_assistant_panel, cut_cells, dag_docs, open_runs_page, open_trigger_form, signed_in
-from ui_stack import ARTIFACTS, SCREENSHOTS, Api
+from ui_stack import ARTIFACTS, SCREENSHOTS, error_lines
 
 pytestmark = pytest.mark.slow
 
@@ -129,32 +129,16 @@ def test_train_task_log_shows_per_worker_progress(api, form_run):
     assert "[chief-0] Epoch 1/2" in text and "[chief-0] Epoch 2/2" in text and "examples/s" in text
 
 
-def _task_logs(api: Api, dag_id: str, run_id: str) -> dict[str, list[dict]]:
-    """Every task's log entries (try 1) of a DAG run, as the UI's log view reads them."""
-    tasks = api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
-    return {
-        ti["task_id"]: api.get(
-            f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{ti['task_id']}/logs/1", full_content=True
-        )["content"]
-        for ti in tasks
-        if ti["try_number"]
-    }
-
-
-def _errors(entries: list[dict]) -> list[str]:
-    return [str(entry.get("event")) for entry in entries if entry.get("level") in ("error", "critical")]
-
-
 def test_a_successful_runs_task_logs_hold_no_error_line(stack, api, form_run, form_mlflow_run):
     _, run = form_run
-    logs = _task_logs(api, "hetflow_train", run["dag_run_id"])
+    logs = api.task_logs("hetflow_train", run["dag_run_id"])
     assert set(logs) >= {"validate_spec", "prepare_data", "train", "evaluate", "compress", "export", "register"}
     # The run's MLflow page, as the browser opens it, where a person reading a task's log looks.
     info = form_mlflow_run.info
     page = f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
     for task in ("validate_spec", "register", "summarize"):
         assert any(page in str(entry.get("event")) for entry in logs[task]), (task, logs[task][-5:])
-    errors = {task: _errors(entries) for task, entries in logs.items() if _errors(entries)}
+    errors = {task: error_lines(entries) for task, entries in logs.items() if error_lines(entries)}
     assert not errors, errors
     # Nor a warning of ours: MLflow's for a predict without type hints, TFLite's for the calibrated
     # input's statistics; and never a terminal's escape code.
@@ -174,7 +158,7 @@ def test_a_failed_runs_task_log_ends_with_one_error_line_naming_stage_and_cause(
     assert response.status_code == 200, response.text
     run = api.wait_for_run("hetflow_train", response.json()["dag_run_id"])
     assert run["state"] == "failed", run
-    errors = _errors(_task_logs(api, "hetflow_train", run["dag_run_id"])["validate_spec"])
+    errors = error_lines(api.task_logs("hetflow_train", run["dag_run_id"])["validate_spec"])
     assert errors, "no ERROR line in validate_spec's log"
     assert errors[-1].startswith("validate_spec failed: SpecError: ") and f"{missing}: no such folder" in errors[-1], (
         errors
@@ -230,7 +214,7 @@ def test_the_tune_form_shows_the_search_space_and_the_study_and_starts_nothing_o
     assert response.status_code == 200, response.text
     run = api.wait_for_run("hetflow_tune", response.json()["dag_run_id"])
     assert run["state"] == "failed"
-    errors = _errors(_task_logs(api, "hetflow_tune", run["dag_run_id"])["validate_study"])
+    errors = error_lines(api.task_logs("hetflow_tune", run["dag_run_id"])["validate_study"])
     assert errors[-1] == (
         "validate_study failed: SpecError: trials=0 is invalid: expected an integer >= 1 and <= 200"
     ), errors

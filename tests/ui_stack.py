@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from conftest import REPO, wait_for
+from conftest import REPO, TUNE_STUDY, wait_for
 from ui_pages import (
     assert_on_screen_above,
     chromium,
@@ -79,6 +79,17 @@ class Api:
     def runs(self, dag_id: str) -> list[dict]:
         return self.get(f"/dags/{dag_id}/dagRuns", order_by="-run_after")["dag_runs"]
 
+    def task_logs(self, dag_id: str, run_id: str) -> dict[str, list[dict]]:
+        """Every task's log entries (try 1) of a DAG run, as the UI's log view reads them."""
+        tasks = self.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances")["task_instances"]
+        return {
+            ti["task_id"]: self.get(
+                f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{ti['task_id']}/logs/1", full_content=True
+            )["content"]
+            for ti in tasks
+            if ti["try_number"]
+        }
+
     def wait_for_run(self, dag_id: str, run_id: str, timeout: float = RUN_TIMEOUT) -> dict:
         finished = wait_for(
             lambda: (run := self.get(f"/dags/{dag_id}/dagRuns/{run_id}"))["state"] in ("success", "failed") and run,
@@ -87,6 +98,11 @@ class Api:
         )
         assert finished, f"{dag_id} run {run_id} did not finish in {timeout} s"
         return finished
+
+
+def error_lines(entries: list[dict]) -> list[str]:
+    """The ERROR and CRITICAL lines of a task's log entries (``Api.task_logs``)."""
+    return [str(entry.get("event")) for entry in entries if entry.get("level") in ("error", "critical")]
 
 
 @pytest.fixture(scope="session")
@@ -237,3 +253,12 @@ def form_mlflow_run(mlflow_client, form_run):
         filter_string=f"tags.`airflow.run_id` = '{run['dag_run_id']}'",
     )
     return mlflow_run
+
+
+@pytest.fixture(scope="session")
+def study_run(api) -> dict:
+    """A hetflow_tune run of TUNE_STUDY (two trials side by side), triggered through the REST API,
+    finished."""
+    response = api.post("/dags/hetflow_tune/dagRuns", {"logical_date": None, "conf": TUNE_STUDY})
+    assert response.status_code == 200, response.text
+    return api.wait_for_run("hetflow_tune", response.json()["dag_run_id"])

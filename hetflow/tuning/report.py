@@ -18,6 +18,7 @@ from mlflow.utils.time import get_current_time_millis  # noqa: E402
 
 from hetflow.paths import RunPaths  # noqa: E402
 from hetflow.registry.live import tracked_run  # noqa: E402
+from hetflow.registry.run_record import readable  # noqa: E402
 
 # The MLflow status a trial's run ends with.
 _RUN_STATUS = {"complete": "FINISHED", "pruned": "KILLED", "failed": "FAILED"}
@@ -47,7 +48,7 @@ def end_trial(trial_paths: RunPaths, record: dict[str, Any]) -> None:
     tags = [RunTag("tuning.state", record["state"])]
     if record.get("reason"):
         tags.append(RunTag("tuning.reason", record["reason"][:5000]))
-    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in figures.items()], tags=tags)
+    client.log_batch(run_id, metrics=[Metric(k, readable(v), now, 0) for k, v in figures.items()], tags=tags)
     client.set_terminated(run_id, _RUN_STATUS[record["state"]])
 
 
@@ -119,7 +120,7 @@ def report_study(study_paths: RunPaths, trials: list[dict[str, Any]], target: fl
     counts = {state: sum(t["state"] == state for t in trials) for state in _RUN_STATUS}
     metrics = [Metric(f"trials_{state}", float(n), now, 0) for state, n in counts.items()]
     if reached:
-        metrics.append(Metric("best_launch_to_target_seconds", min(reached), now, 0))
+        metrics.append(Metric("best_launch_to_target_seconds", readable(min(reached)), now, 0))
     note = RunTag("mlflow.note.content", _trials_table(trials, target))
     client.log_batch(run_id, metrics=metrics, tags=[note])
 
