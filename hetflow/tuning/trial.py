@@ -6,6 +6,7 @@ runs them."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -17,6 +18,10 @@ from hetflow.tuning import study as tuning
 from hetflow.tuning.space import StudySpec
 
 log = logging.getLogger("hetflow.stages")
+# A trial's checks and data, one trial at a time (its cluster then trains beside the others'):
+# tensorflow_datasets' lazy imports are not thread-safe, and two trials preparing at once failed
+# with "TypeError: 'LazyModule' object is not callable".
+_ONE_TRIAL_AT_A_TIME = threading.Lock()
 
 
 def trial_record(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
@@ -60,9 +65,10 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, study_id: str, airflow_url: 
     record: dict[str, Any] = {"state": "failed", "reason": None, "launch_to_target_seconds": None}
     try:
         tuning.check_trial_spec(values)
-        validate_spec(values, trial_run, dag_id=tuning.TUNE_DAG, airflow_url=airflow_url)
-        report.nest_trial(trial_paths, run_paths(study_id), study_id, trial.number)
-        prepare_data(trial_run)
+        with _ONE_TRIAL_AT_A_TIME:
+            validate_spec(values, trial_run, dag_id=tuning.TUNE_DAG, airflow_url=airflow_url)
+            report.nest_trial(trial_paths, run_paths(study_id), study_id, trial.number)
+            prepare_data(trial_run)
         pruner.launched = time.time()
         try:
             provision_cluster(trial_run)
@@ -83,6 +89,9 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, study_id: str, airflow_url: 
     except (ReplicaFailed, tuning.TrialFailed) as failed:
         record["reason"] = str(failed).splitlines()[0][:500]
         raise tuning.TrialFailed(record["reason"]) from None
+    except Exception as error:  # not the trial's own fault: said in its record, and raised on
+        record["reason"] = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        raise
     finally:
         record.update(
             best_accuracy=pruner.best_accuracy, wall_seconds=time.time() - pruner.launched, curve=pruner.curve
