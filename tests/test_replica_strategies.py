@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import NO_COMPRESSION, full_log, hetflow, replica_listening
+from conftest import NO_COMPRESSION, dag_run, full_log, replica_listening
 
 from hetflow.paths import RunPaths
 from hetflow.spec import parse_spec
@@ -42,12 +42,9 @@ def client(hetflow_env):
 def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
     from hetflow.cluster.processes import run_processes
 
-    args = ["run", "--set", f"registered_model=strategies-{strategy.replace('_', '-')}", "--set", "epochs=6"]
-    for assignment in (*CASES[strategy], *NO_COMPRESSION):
-        args += ["--set", assignment]
-    done = hetflow(hetflow_env, *args)
+    model = f"registered_model=strategies-{strategy.replace('_', '-')}"
+    done, summary = dag_run(hetflow_env, model, "epochs=6", *CASES[strategy], *NO_COMPRESSION)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    summary = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
     assert summary["status"] == "success" and summary["spec"]["cluster"]["strategy"] == strategy
     assert summary["metrics"]["test_accuracy"] >= 0.85  # 6 short epochs; `make run`-sized runs reach >= 0.9
 

@@ -34,29 +34,20 @@ KEY_METRICS = (
     "examples_per_second",
 )
 _PER_EPOCH = {"val_accuracy", "train_accuracy", "val_loss", "train_loss"}
-# The runs table's columns beside each run's name and start (keys ``<type>.`<name>```): where it came
-# from, then what tells two runs apart first: test accuracy, and how long and how fast they trained.
-# No Dataset or Models column: the run's name starts with its dataset, and at 1400 px those two
-# pushed the metrics out of view.
-COLUMNS = (
-    "attributes.`Source`",
-    "metrics.`test_accuracy`",
-    "metrics.`train_seconds`",
-    "metrics.`examples_per_second`",
-)
-
-# The table's columns in order, at widths (px) that show a run's whole name (MLflow's default cut
-# every name of one configuration to the same "uci_digits one-device 1w…", hiding the start time
-# that tells them apart) and each column's values, within 1400 px.
-COLUMN_WIDTHS = {
-    "attributes.`Run Name`": 300,
-    "runDateAndNestInfo": 130,
-    "duration": 80,
+# The runs table's columns beside each run's name and start (keys ``<type>.`<name>```), at their
+# widths (px): where it came from, then what tells two runs apart first: test accuracy, and how long
+# and how fast they trained. No Dataset or Models column: the run's name starts with its dataset,
+# and at 1400 px those two pushed the metrics out of view.
+COLUMNS = {
     "attributes.`Source`": 210,
     "metrics.`test_accuracy`": 105,
     "metrics.`train_seconds`": 105,
     "metrics.`examples_per_second`": 150,
 }
+# The columns MLflow always shows, first, at widths that show a run's whole name (MLflow's default
+# cut every name of one configuration to the same "uci_digits one-device 1w…", hiding the start time
+# that tells them apart); with COLUMNS, within 1400 px.
+_LEADING_COLUMNS = {"attributes.`Run Name`": 300, "runDateAndNestInfo": 130, "duration": 80}
 
 
 def _chart(metric: str, section: str) -> dict:
@@ -109,8 +100,8 @@ def state() -> dict:
         "isAccordionReordered": True,  # the sections stay in this order
         "hideEmptyCharts": True,
         "selectedColumns": list(COLUMNS),
-        "columnOrder": list(COLUMN_WIDTHS),
-        "columnWidths": COLUMN_WIDTHS,
+        "columnOrder": [*_LEADING_COLUMNS, *COLUMNS],
+        "columnWidths": {**_LEADING_COLUMNS, **COLUMNS},
     }
 
 
