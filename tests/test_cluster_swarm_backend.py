@@ -1,9 +1,11 @@
-"""backend=swarm: the services it creates, and real runs on a real multi-node Docker Swarm — two
-nodes, each a container running its own dockerd (docker/swarm.sh), one at 1.0 CPU and one at 0.5,
-joined and labelled, with the test's HETFLOW_HOME mounted at the same path on both."""
+"""backend=swarm on a real multi-node Docker Swarm — two nodes, each a container running its own
+dockerd (docker/swarm.sh), one at 1.0 CPU and one at 0.5, joined and labelled, with the test's
+HETFLOW_HOME mounted at the same path on both: preflight, hardening and reachability of the services,
+real runs, a node lost. The services' configuration without a swarm: test_cluster_swarm_replicas.py."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -12,148 +14,22 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, dag_run, full_log, wait_for
+from network_probes import ANSWER, CONNECT, SERVE
+from test_cluster_swarm_replicas import sync_spec
 
 from hetflow.cluster import containers
-from hetflow.cluster.layout import run_slug
+from hetflow.cluster.layout import SERVICE_PORT, run_slug
 from hetflow.cluster.swarm_backend import teardown_run
-from hetflow.cluster.swarm_preflight import preflight, satisfies
+from hetflow.cluster.swarm_preflight import preflight
 from hetflow.cluster.swarm_replicas import (
-    _stamp_key,
-    _stamp_seconds,
     network_config,
-    placement,
     plan,
     service_config,
-    task_state,
 )
 from hetflow.paths import RunPaths
-from hetflow.spec import SpecError, parse_spec
 
 PREFIX = "hetflow-swarm-test"
 NODES = "node-1:1.0:cpu node-2:0.5:cpu"
-
-
-def sync_spec(**values):
-    return parse_spec(
-        {
-            "backend": "swarm",
-            "strategy": "multi_worker_mirrored",
-            "workers": 2,
-            "worker_devices": [{"node": "node-1"}, {"node": "node-2"}],
-            # This machine's kernel has no IPsec ESP (checked in the preflight test)
-            "encrypt_network": False,
-            **values,
-        }
-    )
-
-
-# --- services, placement and states: pure ------------------------------------------------------------
-
-
-def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_only_by_the_supervisor():
-    spec = sync_spec(replica_cpus=1.5, replica_memory_mb=512)
-    layout = plan(spec, "manual__2026-11-25T10:00:00+00:00")
-    worker = layout.replicas[1]
-    config = service_config(layout, worker, spec, Path("/srv/h"), Path("/srv/h/runs/r"), "0:0", 1.0)
-    assert worker.address == f"hetflow-{run_slug(layout.run_id)}-worker-1:2222" == f"{config['name']}:2222"
-    assert config["endpoint_spec"]["Mode"] == "dnsrr"  # no virtual IP: the name resolves to the task
-    assert config["restart_policy"]["Condition"] == "none"
-    # Its supervisor's heartbeat ends it, not the lease: a flock over the nodes' NFS is not to be trusted.
-    assert config["args"] == ["--run-dir", "/srv/h/runs/r", "--watch-supervisor", "heartbeat"]
-    assert config["constraints"] == ["node.hostname==node-2"]
-    assert config["mode"] == {"replicated": {"Replicas": 1}}
-    resources = config["resources"]
-    assert resources["Limits"] == {"NanoCPUs": 1_500_000_000, "MemoryBytes": 512 * 2**20, "Pids": 1024}
-    assert resources["Reservations"] == {"NanoCPUs": 1_500_000_000, "MemoryBytes": 512 * 2**20}
-    env = dict(entry.split("=", 1) for entry in config["env"])
-    assert json.loads(env["TF_CONFIG"])["task"] == {"type": "worker", "index": 1}
-    assert config["labels"]["hetflow.run"] == run_slug(layout.run_id) and config["labels"]["hetflow.role"] == "worker"
-    mounts = {m["Target"]: m.get("ReadOnly", False) for m in config["mounts"]}
-    # The run directory read-only as a whole, only the replicas' output folder writable; no data is
-    # shown before dataset.json names the run's own (tests/test_security_data_view.py).
-    assert mounts == {"/srv/h/runs/r": True, "/srv/h/runs/r/replica_output": False, "/tmp": False}
-    # Hardened as its docker container is (seen on a real node in test_a_replica_service_is_hardened_...).
-    assert config["cap_drop"] == ["ALL"] and config["read_only"] is True
-    assert config["command"][:2] == ["setpriv", "--no-new-privs"]
-    assert resources["Limits"]["Pids"] == containers.PIDS_LIMIT
-    tmp = {"Target": "/tmp", "Source": None, "Type": "tmpfs", "ReadOnly": False}
-    assert {**tmp, "TmpfsOptions": {"SizeBytes": containers.TMP_BYTES}} in config["mounts"]
-    network = network_config(layout.run_id, Path("/srv/h/runs/r"), encrypted=True)
-    assert (network["driver"], network["attachable"], network["internal"]) == ("overlay", True, True)
-    assert network["options"] == {"encrypted": "true"}
-
-
-def test_placement_follows_the_device_label_or_the_named_node_and_gpus_are_generic_resources():
-    spec = parse_spec(
-        {
-            "backend": "swarm",
-            "strategy": "parameter_server",
-            "workers": 2,
-            "ps": 1,
-            "request_gpus": True,
-            "worker_devices": [{"device": "gpu"}, {"device": "cpu"}],
-        }
-    )
-    layout = plan(spec, "r")
-    by_name = {r.name: placement(spec, r) for r in layout.replicas}
-    assert by_name == {
-        "chief-0": [],
-        "worker-0": ["node.labels.hetflow.device==gpu"],
-        "worker-1": ["node.labels.hetflow.device!=gpu"],
-        "ps-0": [],
-    }
-    gpu_node = {"Description": {"Hostname": "g"}, "Spec": {"Labels": {"hetflow.device": "gpu"}}}
-    plain_node = {"Description": {"Hostname": "p"}, "Spec": {"Labels": {}}}
-    assert [satisfies(n, by_name["worker-0"]) for n in (gpu_node, plain_node)] == [True, False]
-    assert [satisfies(n, by_name["worker-1"]) for n in (gpu_node, plain_node)] == [False, True]
-    assert satisfies(plain_node, ["node.hostname==p"]) and not satisfies(gpu_node, ["node.hostname==p"])
-    worker = layout.replicas[1]
-    config = service_config(layout, worker, spec, Path("/h"), Path("/h/runs/r"), "0:0", 1.0)
-    assert config["resources"]["Reservations"]["GenericResources"] == [
-        {"DiscreteResourceSpec": {"Kind": "NVIDIA-GPU", "Value": 1}}
-    ]
-
-
-@pytest.mark.parametrize(
-    "status, expected",
-    [
-        ({"State": "running"}, (None, None)),
-        ({"State": "complete", "ContainerStatus": {"ExitCode": 0}}, (0, None)),
-        ({"State": "failed", "ContainerStatus": {"ExitCode": 137}}, (137, None)),
-        ({"State": "orphaned"}, (-9, None)),  # its node is gone
-        ({"State": "rejected", "Err": "No such image: x"}, (None, "No such image: x")),
-    ],
-)
-def test_a_task_state_is_read_as_the_supervisor_reads_every_backend(status, expected):
-    state = task_state({"Status": status})
-    assert (state.exit_code, state.stuck) == expected
-
-
-def test_swarm_only_settings_are_refused_elsewhere_and_swarm_refuses_pinning():
-    with pytest.raises(SpecError, match=r"^worker_devices node is invalid with backend=docker: expected empty"):
-        parse_spec(
-            {
-                "backend": "docker",
-                "strategy": "multi_worker_mirrored",
-                "workers": 2,
-                "worker_devices": [{"node": "a"}, {"node": "b"}],
-            }
-        )
-    with pytest.raises(SpecError, match=r"^pin_cores=true is invalid with backend=swarm: expected false"):
-        sync_spec(pin_cores=True)
-    with pytest.raises(SpecError, match=r"worker_devices\[0\]\.node=\"-x\" is invalid"):
-        sync_spec(worker_devices=[{"node": "-x"}, {"node": "node-2"}])
-
-
-def test_preflight_refuses_an_engine_that_is_not_in_a_swarm(docker_client):
-    spec = sync_spec()
-    [problem] = preflight(spec, "not-a-swarm", client=docker_client)  # `make test`'s engine: no swarm
-    assert (
-        problem.startswith("backend=swarm: the Docker engine of ") and "is not in a swarm: run `docker swarm" in problem
-    )
-
-
-# --- a real swarm of two unequal nodes (the heavy tier: make test-all) --------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +131,7 @@ signal.pause()
 def test_a_replica_service_is_hardened_as_its_container(swarm):
     """The service config's command chain (setpriv, timeout) with the probe in the replica's place,
     on a node of Debian's Docker 20.10: no privilege to gain, no capability, a read-only image, a
-    bounded process count. (Its node can still connect to its port on the internal overlay.)"""
+    bounded process count."""
     spec, home = sync_spec(), Path(swarm["env"]["HETFLOW_HOME"])
     layout, run_dir = plan(spec, "hardened-run"), home / "runs" / "hardened-run"
     RunPaths(run_dir).output.mkdir(parents=True, exist_ok=True)  # as provisioning makes it: the service mounts it
@@ -269,6 +145,69 @@ def test_a_replica_service_is_hardened_as_its_container(swarm):
         no_new_privs, capabilities, root, forked, refused = json.loads(output.splitlines()[0])
         assert (no_new_privs, capabilities, root, refused) == ("1", 0, "EROFS", "EAGAIN"), output
         assert containers.PIDS_LIMIT - 10 < forked < containers.PIDS_LIMIT, output
+    finally:
+        teardown_run(layout.run_id, client)
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+def test_a_replicas_port_is_reached_by_its_peer_on_another_node_and_by_nothing_on_the_nodes(swarm):
+    """The attack of test_security_docker_network.py on a swarm: a server on worker-1's port in its
+    service on node-2 answers worker-0's service on node-1 (by name, as TF_CONFIG addresses it), and
+    no process of either node, root or another user, gets its answer: the run's overlay is internal,
+    so its tasks have no leg on the node's docker_gwbridge and the node no route to them."""
+    import docker
+
+    spec, home = sync_spec(), Path(swarm["env"]["HETFLOW_HOME"])
+    layout, run_dir = plan(spec, "reach-run"), home / "runs" / "reach-run"
+    RunPaths(run_dir).output.mkdir(parents=True, exist_ok=True)
+    client = swarm["client"]
+    network = client.networks.create(**network_config(layout.run_id, run_dir, encrypted=False))
+
+    def service(replica, *argv: str):
+        config = service_config(layout, replica, spec, home, run_dir, "65534:65534", 0.0)
+        config.update(command=[*config["command"][:-3], "python", "-c", *argv], args=[])
+        return client.services.create(**config)
+
+    def logs(of) -> str:
+        return b"".join(of.logs(stdout=True, stderr=True)).decode()
+
+    try:
+        worker_0, worker_1 = layout.replicas[:2]
+        server = service(worker_1, SERVE)
+        assert wait_for(lambda: "listening" in logs(server), timeout=240), logs(server)
+        [task] = [t for t in server.tasks() if t["Status"]["State"] == "running"]
+        overlay = [a["Addresses"][0] for a in task["NetworksAttachments"] if a["Network"]["ID"] == network.id]
+        # Where a task also has a leg on its node's docker_gwbridge (a non-internal overlay), the node reaches it there.
+        home_node = client.nodes.get(task["NodeID"]).attrs["Description"]["Hostname"]
+        bridge = docker.DockerClient(base_url=f"unix:///run/{PREFIX}/{home_node}/docker.sock").networks.get(
+            "docker_gwbridge"
+        )
+        legs = [endpoint["IPv4Address"] for endpoint in bridge.attrs["Containers"].values()]
+        addresses = [address.split("/")[0] for address in overlay + legs]
+        peer = service(worker_0, CONNECT, server.name, str(SERVICE_PORT))
+        assert wait_for(lambda: logs(peer).strip(), timeout=240) == ANSWER, logs(peer)
+        for node in ("node-1", "node-2"):
+            for as_user, address in itertools.product(
+                ([], ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]), addresses
+            ):
+                reply = subprocess.run(
+                    [
+                        "docker",
+                        "exec",
+                        f"{PREFIX}-{node}",
+                        *as_user,
+                        "python3",
+                        "-c",
+                        CONNECT,
+                        address,
+                        str(SERVICE_PORT),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                assert reply.returncode == 0 and ANSWER not in reply.stdout, (node, as_user, address, reply)
     finally:
         teardown_run(layout.run_id, client)
 
@@ -390,11 +329,3 @@ def test_a_node_killed_mid_run_fails_it_naming_the_node_or_places_its_replicas_a
     finally:
         for name, _ in killed:
             _revive(docker_client, swarm, name)
-
-
-def test_log_time_stamps_sort_as_times_and_the_engines_own_messages_are_not_output():
-    # Docker drops trailing zeros of the fraction: as text, "...:17.1Z" would sort after "...:17.12Z".
-    keys = [_stamp_key(s) for s in ("2026-11-25T14:10:17Z", "2026-11-25T14:10:17.1Z", "2026-11-25T14:10:17.12Z")]
-    assert keys == sorted(keys) and len(set(keys)) == 3
-    assert _stamp_key("grabbing") is None  # "grabbing logs: rpc error: ... node disconnected"
-    assert _stamp_seconds(keys[2]) == 1795615817

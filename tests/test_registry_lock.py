@@ -80,7 +80,7 @@ def test_the_promotion_lock_excludes_another_host_that_spells_the_server_uri_its
         assert f"pid {first.pid}: " in lock.tags[HELD_BY_TAG], lock.tags
         assert lock.description.startswith("Not a model.") and "'two-hosts'" in lock.description, lock.description
         _release(first)
-        assert said.says_within("held", FREE_WITHIN)
+        assert said.says_within("held", FREE_WITHIN), f"the second holder logged: {logged.seen()}"
         _release(second)
         assert client.search_registered_models("name LIKE 'two-hosts (%'") == []
     finally:
@@ -115,7 +115,7 @@ def test_a_dead_holders_lock_in_the_registry_is_taken_over_once_its_heartbeat_st
         first.kill()
         first.wait(10)
         killed = time.monotonic()
-        assert said.says_within("held", FREE_WITHIN)
+        assert said.says_within("held", FREE_WITHIN), f"the second holder logged: {logged.seen()}"
         assert time.monotonic() - killed > 3  # the stale period, less a heartbeat and a poll
         assert logged.says_within(f"took over {name} (promotion lock) held by ", 1)
         tombstone = client.get_registered_model(registry_lock.tombstone_name(name, token))
@@ -168,13 +168,21 @@ class _Output:
 
     def __init__(self, stream):
         self.lines: queue.Queue[str] = queue.Queue()
+        self._seen: list[str] = []
         threading.Thread(target=lambda: [self.lines.put(line) for line in stream], daemon=True).start()
+
+    def seen(self) -> str:
+        """Every line so far, for a failure's message: what a holder logged says why it never took the lock."""
+        while not self.lines.empty():
+            self._seen.append(self.lines.get())
+        return "".join(self._seen)[-4000:]
 
     def says_within(self, text: str, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             try:
-                if text in self.lines.get(timeout=left):
+                self._seen.append(self.lines.get(timeout=left))
+                if text in self._seen[-1]:
                     return True
             except queue.Empty:
                 return False

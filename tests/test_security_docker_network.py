@@ -11,30 +11,13 @@ import subprocess
 import sys
 
 from conftest import wait_for
+from network_probes import ANSWER, CONNECT, SERVE
 
 from hetflow import sandbox
 from hetflow.cluster import docker_backend as dk
 from hetflow.cluster.layout import SERVICE_PORT
 
 RUN_ID = "network-attack"
-
-# What stands for a replica's gRPC server: it answers whoever reaches it.
-SERVE = (
-    "import socket\n"
-    f"server = socket.create_server(('0.0.0.0', {SERVICE_PORT}))\n"
-    "print('listening', flush=True)\n"
-    "while True:\n"
-    "    peer, _ = server.accept()\n"
-    "    peer.sendall(b'graph ops run here')\n"
-    "    peer.close()\n"
-)
-CONNECT = (
-    "import socket, sys\n"
-    "try:\n"
-    "    print(socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3).recv(64).decode())\n"
-    "except OSError as error:\n"
-    "    print('refused:', error)\n"
-)
 
 
 def _container(client, name: str, argv: list[str], run_dir):
@@ -79,7 +62,7 @@ def test_a_replicas_port_is_reached_by_the_run_and_by_nothing_on_the_host(docker
         # The run's other replica reaches it by name, as TF_CONFIG addresses it.
         peer = _container(docker_client, "worker-1", [CONNECT, server.name, str(SERVICE_PORT)], tmp_path)
         assert peer.wait(timeout=60)["StatusCode"] == 0
-        assert peer.logs().decode().strip() == "graph ops run here"
+        assert peer.logs().decode().strip() == ANSWER
 
         # The host holds no address on the run's bridge, so it has no route to the replicas.
         words = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, check=True).stdout.split()
