@@ -163,6 +163,42 @@ def test_a_waiter_that_read_a_dead_holder_late_cannot_rename_the_next_holders_lo
     )
 
 
+def test_a_lock_released_while_the_store_refuses_a_waiters_create_is_taken_not_raised(hetflow_env, monkeypatch):
+    """The waiter's create fails on the taken name; before MLflow's store looks the holder up to say
+    so, the holder releases: the store answers the create with RESOURCE_DOES_NOT_EXIST (a
+    clean-clone CI run lost a waiter this way). The waiter tries again and takes the lock."""
+    from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore
+
+    from hetflow.registry import registry_lock
+    from mlflow import MlflowClient
+
+    name = "released-in-between"
+    client = MlflowClient()
+    _registered(client, name)
+    holder = registry_lock.RegistryLock(client, name, "the holder")
+    holder.acquire()
+    look_up = SqlAlchemyStore.get_registered_model
+    released = []
+
+    def holder_releases_first(store, model_name):
+        if model_name == registry_lock.lock_name(name) and not released:
+            released.append(True)
+            holder.release()
+        return look_up(store, model_name)
+
+    monkeypatch.setattr(SqlAlchemyStore, "get_registered_model", holder_releases_first)
+    waiter = registry_lock.RegistryLock(client, name, "the waiter")
+    waiter.acquire()
+    try:
+        assert (
+            released
+            and client.get_registered_model(registry_lock.lock_name(name)).tags[registry_lock.HOLDER_TAG]
+            == waiter.token
+        )
+    finally:
+        waiter.release()
+
+
 class _Output:
     """The lines a process writes to one of its pipes, read as they come."""
 

@@ -154,7 +154,9 @@ class RegistryLock:
             )
             return True
         except MlflowException as error:
-            if error.error_code == ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            # A create refused because the name is taken is answered RESOURCE_DOES_NOT_EXIST when the
+            # holder released the lock between the refusal and the store's look-up of the holder.
+            if error.error_code == ErrorCode.Name(RESOURCE_ALREADY_EXISTS) or _missing(error):
                 return False
             raise
 
