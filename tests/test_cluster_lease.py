@@ -132,8 +132,20 @@ def test_taking_the_lease_waits_out_a_probes_brief_shared_lock(tmp_path):
     lease_path(tmp_path).parent.mkdir(parents=True)
     probe = open(lease_path(tmp_path), "a+")
     fcntl.flock(probe, fcntl.LOCK_SH)  # as a keeper's, a replica's or a sweep's probe holds it, briefly
-    threading.Timer(0.3, probe.close).start()
-    take_lease(tmp_path).close()
+    released = []
+
+    def release():
+        released.append(time.monotonic())  # before the lock goes: the lease cannot be taken earlier
+        probe.close()
+
+    threading.Timer(0.3, release).start()
+    lease = take_lease(tmp_path)  # raises ReplicaFailed where it does not wait
+    try:
+        assert released, "the lease was taken while the probe held its shared lock"
+        assert supervisor_holds_lease(tmp_path)
+    finally:
+        lease.close()
+    assert not supervisor_holds_lease(tmp_path)
 
 
 def test_the_heartbeat_changes_while_the_lease_is_held_and_stops_with_it(tmp_path):

@@ -9,6 +9,7 @@ Each rule is a function that returns what breaks it, run on the tree and on a pl
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from pathlib import Path
 
@@ -301,6 +302,12 @@ def test_a_test_file_is_named_for_what_it_tests(tmp_path):
     for name in ("test_cluster_lease.py", "test_e2e_run.py", "test_promotion.py"):
         (tmp_path / name).touch()
     assert misnamed_tests(sorted(tmp_path.glob("test_*.py")), REPO / "hetflow") == ["test_promotion.py"]
+
+
+def test_docs_state_the_naming_rule_this_file_checks():
+    """docs/testing.md names the cross-cutting prefixes: the same ones ``misnamed_tests`` allows."""
+    rule = (REPO / "docs" / "testing.md").read_text().split("cross-cutting prefixes", 1)[1].split("(", 1)[0]
+    assert set(re.findall(r"`(\w+)`", rule)) == TEST_PREFIXES, rule
 
 
 def test_the_replica_guard_knows_a_replica_start_when_it_sees_one():

@@ -32,8 +32,8 @@ class WorkerDevice(SpecModel):
         ge=1.0,
         le=20.0,
         description="Simulates a slower machine: the worker gets 1/slowdown of the CPU time (local: its "
-        "process is stopped and resumed from outside; docker: its container's CPU quota is 1/slowdown of "
-        "replica_cpus, or of one core). The training code is unchanged.",
+        "process is stopped and resumed from outside; docker, swarm: its container's or service's CPU quota "
+        "is 1/slowdown of replica_cpus, or of one core). The training code is unchanged.",
     )
     node: str | None = Field(
         None,
@@ -96,7 +96,7 @@ class RunPolicy(Section):
         "never",
         "`never`: a failed replica fails the run. `on_failure`: restart it, up to `backoff_limit` times: an "
         "async worker alone (the coordinator goes on), anything else with its whole group, resuming from the "
-        "last checkpoint. `exit_code` (local, docker): restart only replicas killed by a signal, not ones that "
+        "last checkpoint. `exit_code` (local, docker, swarm): restart only replicas killed by a signal, not ones that "
         "exited with an error a restart would repeat.",
         title="Restart failed replicas",
     )
