@@ -2,7 +2,7 @@
 TFLite files of the digits models, over seeds, with and without sparsity-aware encoding.
 
 For each model and seed, ``hetflow train`` (the pipeline's training stage, default spec on
-uci_digits: 40 epochs) trains the float model; then ``hetflow.tasks.compress.prune`` (the compress stage's
+uci_digits: 40 epochs) trains the float model; then ``hetflow.artifacts.compression.prune`` (the compress stage's
 own code: schedule, blocks, the kernels it leaves dense, fine-tuning sized from the training run's
 training.json) prunes it to each sparsity, and ``hetflow.artifacts.tflite.to_tflite`` converts each base with
 each quantization, the pruned ones once with the sparsity encoding (what compress ships) and once
@@ -54,18 +54,18 @@ def train(model: str, seed: int, env: dict[str, str]) -> Path:
 def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     """Every (sparsity, quantization, encoding) variant of one trained model, converted and scored."""
 
+    from hetflow.artifacts.compression import (
+        kernel_sparsity,
+        overall_sparsity,
+        pruned_layers,
+        trained_steps,
+    )
     from hetflow.artifacts.predictors import tflite_predictor
     from hetflow.artifacts.tflite import representative_images, to_tflite, weight_encoding
     from hetflow.data.pipeline import split_arrays
     from hetflow.models.architectures import trained_model
     from hetflow.paths import RunPaths
     from hetflow.pipeline.attempts import load_spec
-    from hetflow.tasks.compress import (
-        kernel_sparsity,
-        overall_sparsity,
-        pruned_layers,
-        trained_steps,
-    )
     from hetflow.tasks.export import score
 
     paths = RunPaths(run_dir)
@@ -175,8 +175,9 @@ def markdown(record: dict) -> str:
         "# Compression benchmark",
         "",
         f"`hetflow train` on `{record['dataset']}` (default spec: 40 epochs) for each model and seed "
-        f"({', '.join(map(str, record['seeds']))}). Each float model is pruned by `hetflow.tasks.compress.prune` to "
-        f"each sparsity (hidden kernels of at least {record['min_pruned_weights']:,} weights; Dense kernels in "
+        f"({', '.join(map(str, record['seeds']))}). Each float model is pruned by "
+        f"`hetflow.artifacts.compression.prune` to each sparsity (hidden kernels of at least "
+        f"{record['min_pruned_weights']:,} weights; Dense kernels in "
         f"{record['dense_block'][0]}x{record['dense_block'][1]} blocks; the logits dense), fine-tuned until "
         f"validation accuracy recovers (compress's rule: at most {record['fine_tuning_share']} of the steps the "
         "model trained; the gate section below compares it with a fixed length), and converted to TFLite as "
@@ -315,8 +316,8 @@ def main() -> None:
         os.environ.update(env)  # this process reads the runs' data too
         # Before measure() imports TensorFlow: the package sets TF_USE_LEGACY_KERAS.
         import hetflow  # noqa: F401
+        from hetflow.artifacts.compression import DENSE_BLOCK, MIN_PRUNED_WEIGHTS
         from hetflow.spec import RunSpec
-        from hetflow.tasks.compress import DENSE_BLOCK, MIN_PRUNED_WEIGHTS
 
         runs = [measure(train(model, seed, env), sparsities, Path(home)) for model in models for seed in seeds]
     record = {

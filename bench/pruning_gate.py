@@ -26,11 +26,7 @@ RULES = ("recovery", "fixed")
 def measure_gate(model, spec, dataset, training, sparsities, float_logits, work: Path) -> tuple[list[dict], dict]:
     """One entry per (sparsity, rule): the fine-tuning's record and seconds, and the gate's verdict;
     and the models compress's rule pruned, by sparsity."""
-    from hetflow.artifacts.predictors import tflite_predictor
-    from hetflow.data.pipeline import split_arrays
-    from hetflow.models.fine_tuning import Recovery
-    from hetflow.spec import RunSpec
-    from hetflow.tasks.compress import (
+    from hetflow.artifacts.compression import (
         MIN_FINE_TUNING_STEPS,
         int8_file,
         keras_accuracy,
@@ -39,6 +35,10 @@ def measure_gate(model, spec, dataset, training, sparsities, float_logits, work:
         trained_steps,
         validation_arrays,
     )
+    from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.data.pipeline import split_arrays
+    from hetflow.models.fine_tuning import Recovery
+    from hetflow.spec import RunSpec
     from hetflow.tasks.export import judge, score
 
     images, labels = split_arrays(dataset, "test")
@@ -99,27 +99,27 @@ def diagnose(model, spec, dataset, training, target: float) -> dict:
     pruned Keras model's test accuracy at every check of a DIAGNOSIS_SHARE-long fine-tuning."""
     import tensorflow as tf
 
+    from hetflow.artifacts import compression
     from hetflow.data.pipeline import split_arrays
     from hetflow.models.fine_tuning import Recovery
     from hetflow.spec import RunSpec
-    from hetflow.tasks import compress
 
     sparse_spec = RunSpec.from_values({**spec.flat(), "target_sparsity": target})
-    validation, test = compress.validation_arrays(dataset), split_arrays(dataset, "test")
-    float_test_accuracy = compress.keras_accuracy(model, *test)
-    rule = compress.pruning_recovery(sparse_spec, training, compress.keras_accuracy(model, *validation))
+    validation, test = compression.validation_arrays(dataset), split_arrays(dataset, "test")
+    float_test_accuracy = compression.keras_accuracy(model, *test)
+    rule = compression.pruning_recovery(sparse_spec, training, compression.keras_accuracy(model, *validation))
     checks = []
 
     class BothSplits(tf.keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             step = (epoch + 1) * rule.check_every
             if step >= rule.first_check:
-                scores = (compress.keras_accuracy(self.model, *split) for split in (validation, test))
+                scores = (compression.keras_accuracy(self.model, *split) for split in (validation, test))
                 checks.append([step, *scores])
 
-    length = DIAGNOSIS_SHARE * compress.trained_steps(training)
+    length = DIAGNOSIS_SHARE * compression.trained_steps(training)
     never_stops = Recovery(float("inf"), length, rule.check_every, rule.first_check, patience=length)
-    compress.prune(model, sparse_spec, dataset, never_stops, callbacks=[BothSplits()])
+    compression.prune(model, sparse_spec, dataset, never_stops, callbacks=[BothSplits()])
     best_validation = max(checks, key=lambda check: check[1])
     return {
         "target_sparsity": target,

@@ -47,8 +47,8 @@ def test_int8_variant_takes_raw_uint8_pixels(model_and_images, tmp_path):
 
 
 def test_kernel_sparsity_is_measured_from_the_weights(model_and_images):
+    from hetflow.artifacts.compression import kernel_sparsity
     from hetflow.models.architectures import build_model
-    from hetflow.tasks.compress import kernel_sparsity
 
     model = build_model("mlp", [8, 8, 1], 10, seed=1)
     kernel = model.get_layer("logits").kernel
@@ -156,12 +156,13 @@ SHORT_FINE_TUNING_STEPS = 20
 
 @pytest.mark.slow
 def test_pruning_the_cnn_to_80_percent_passes_the_gate_only_when_fine_tuned_long_enough(tmp_path):
+    from hetflow.artifacts.compression import kernel_sparsity, prune, pruned_layers
     from hetflow.artifacts.predictors import tflite_predictor
     from hetflow.artifacts.tflite import representative_images, to_tflite
     from hetflow.data.pipeline import split_arrays
     from hetflow.models.architectures import trained_model
     from hetflow.models.fine_tuning import Recovery
-    from hetflow.tasks.compress import compress_model, kernel_sparsity, prune, pruned_layers
+    from hetflow.tasks.compress import compress_model
     from hetflow.tasks.export import export_artifacts, judge, score
 
     spec, paths, dataset, training = _trained_run(tmp_path, model="cnn")

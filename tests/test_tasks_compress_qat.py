@@ -20,6 +20,7 @@ BUDGET = 0.05
 def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(tmp_path):
     import tensorflow as tf
 
+    from hetflow.artifacts.compression import int8_file, prune, pruned_layers
     from hetflow.artifacts.predictors import tflite_predictor
     from hetflow.artifacts.tflite import representative_images, to_tflite, weight_encoding
     from hetflow.data.pipeline import split_arrays, train_input
@@ -27,7 +28,6 @@ def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(t
     from hetflow.models.architectures import build_model, compile_model
     from hetflow.models.fine_tuning import Recovery
     from hetflow.spec import RunSpec
-    from hetflow.tasks.compress import int8_file, prune, pruned_layers
     from hetflow.tasks.export import judge, score
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
@@ -79,12 +79,12 @@ def test_the_cnn_fine_tunes_quantization_aware_keeping_its_zeros(tmp_path):
     a Flatten between them): compress leaves such a layer float, and the pruned zeros stay zero."""
     import tensorflow as tf
 
+    from hetflow.artifacts.compression import quantization_aware
     from hetflow.artifacts.tflite import representative_images, to_tflite, weight_encoding
     from hetflow.data.prepare import prepare_dataset
     from hetflow.models.architectures import build_model, compile_model
     from hetflow.models.fine_tuning import Recovery
     from hetflow.spec import RunSpec
-    from hetflow.tasks.compress import quantization_aware
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
     spec = RunSpec.from_values({"model": "cnn", "seed": 1})

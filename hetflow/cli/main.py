@@ -44,7 +44,7 @@ def _cmd_validate(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from hetflow.tasks.validate_spec import data_problems
+    from hetflow.data.prepare import data_problems
 
     values = spec_values(args.config, args.set)
     # Fail here, before Airflow or any replica starts.

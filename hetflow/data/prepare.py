@@ -217,6 +217,16 @@ def check_available(name: str, data_dir: Path, image_size: str | None = None) ->
         )
 
 
+def data_problems(spec) -> list[str]:
+    """What keeps the spec's dataset from being prepared here (bad images, an unknown name, no
+    network for a download), as one line; checked before anything starts."""
+    try:
+        check_available(spec.data.dataset, dataset_dir(spec), spec.data.image_size)
+    except ValueError as error:
+        return [str(error)]
+    return []
+
+
 def prepare_dataset(name: str, data_dir: Path, image_size: str | None = None) -> dict[str, Any]:
     """Download (where needed) and prepare ``name`` under ``data_dir``; re-use it when already there.
 

@@ -9,9 +9,10 @@ made (by the Airflow run id) and creates neither twice. The parts are in ``hetfl
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlflow
 from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
@@ -55,6 +56,17 @@ def register(run_id: str, dag_id: str, try_number: int | None = None) -> dict[st
     return {**record, "attempt": receipt}
 
 
+@dataclass
+class Candidate:
+    """A version this run registered, on its way through the champion gate."""
+
+    version: Any  # MLflow's ModelVersion
+    served_check: Future  # its served check, running beside the run's logging
+    test_accuracy: float
+    tags: dict[str, str]
+    report: str  # the version's description: how it was made
+
+
 def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow_run_id: str) -> dict[str, Any]:
     """Record the run in MLflow, register the float model and the chosen TFLite variant, serve each
     (infra validation), move the aliases; writes registry.json."""
@@ -65,15 +77,71 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     mlflow.set_tracking_uri(store.tracking_uri())
     client = timing.TimedClient(MlflowClient())
     name, chosen = spec.registry.model_name, exported["chosen_tflite"]
-    tflite_name = f"{name}-tflite"
     # Refused before anything is written to MLflow.
-    for model_name in [name, tflite_name] if chosen is not None else [name]:
+    for model_name in [name, f"{name}-tflite"] if chosen is not None else [name]:
         versions.own_registered_model(client, model_name, name)
     training = read_training(paths.training, spec, dataset)  # refused before the run, its params or a version
     started = run_record.pipeline_started(paths)
     run_id = store.find_or_create_run(client, dag_id, airflow_run_id, run_record.run_name(spec, started), started)
     images, _ = split_arrays(dataset, "test")
     log_dir = paths.root / "serving"
+    tags, headline = _version_tags_and_headline(spec, dataset, airflow_run_id)
+
+    if not paths.saved_model.exists():  # export_formats without saved_model: the registry still serves one
+        save_serving_model(trained_model(spec, dataset, paths.model), paths.saved_model)
+    # Each served check starts as soon as its version exists, beside the logging that follows.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        registrar = _Registrar(client, pool, run_id, images, log_dir)
+        float_predict = saved_model_predictor(paths.saved_model)
+        report = headline + "- float model: the exported SavedModel (serving_default: raw uint8 images -> logits)"
+        candidates = [
+            registrar.candidate(
+                name,
+                lambda: versions.log_saved_model(paths.saved_model, name, images, float_predict),
+                float_predict,
+                evaluation["test_accuracy"],
+                tags,
+                report,
+            )
+        ]
+        if chosen is not None:
+            artifact = exported["artifacts"][chosen]
+            tflite_name, tflite_predict = f"{name}-tflite", tflite_predictor(Path(artifact["path"]))
+            tflite_tags, report = _tflite_description(spec, exported, compression, headline)
+            candidates.append(
+                registrar.candidate(
+                    tflite_name,
+                    lambda: versions.log_tflite_model(artifact["path"], tflite_name, images, tflite_predict),
+                    tflite_predict,
+                    artifact["test_accuracy"],
+                    {**tags, **tflite_tags},
+                    report,
+                )
+            )
+        run_record.log_run_record(client, run_id, spec, paths, dataset, training, evaluation, exported)
+        table = compression_table(exported)
+        models = [
+            champion.promote(
+                client, spec, c.version, c.test_accuracy, dataset, c.tags, c.served_check, c.report, table, log_dir
+            )
+            for c in candidates
+        ]
+    run_record.log_served_checks(client, run_id, models, log_dir)
+    client.set_tag(run_id, "registry.gate", models[0]["gate"])
+    store.finish_run(client, run_id)
+    record = {
+        **models[0],
+        "models": models,
+        "mlflow_run_id": run_id,
+        "mlflow_tracking_uri": store.tracking_uri(),
+    }
+    write_record(paths.registry, record)
+    log.info("MLflow: %s", store.run_page(store.tracking_uri(), run_id))
+    return record
+
+
+def _version_tags_and_headline(spec: RunSpec, dataset: dict, airflow_run_id: str) -> tuple[dict[str, str], str]:
+    """What every version of this run is tagged with, and its description's first lines."""
     tags = {
         "airflow.run_id": airflow_run_id,
         "dataset.name": dataset["name"],
@@ -89,67 +157,48 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
         f"- dataset: {dataset['name']} {dataset['version']}, fingerprint `{dataset['fingerprint']}`, "
         f"from `{dataset['source_path']}`\n"
     )
-    table = compression_table(exported)
+    return tags, headline
 
-    if not paths.saved_model.exists():  # export_formats without saved_model: the registry still serves one
-        save_serving_model(trained_model(spec, dataset, paths.model), paths.saved_model)
-    # Each served check starts as soon as its version exists, beside the logging that follows.
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        float_predict = saved_model_predictor(paths.saved_model)
-        version = versions.register_version(
-            client, name, run_id, lambda: versions.log_saved_model(paths.saved_model, name, images, float_predict)
-        )
-        float_check = champion.start_served_check(pool, client, version, float_predict, images, log_dir)
-        report = headline + "- float model: the exported SavedModel (serving_default: raw uint8 images -> logits)"
-        # (version, its served check running, test accuracy, tags, description's report)
-        candidates = [(version, float_check, evaluation["test_accuracy"], tags, report)]
-        if chosen is not None:
-            artifact = exported["artifacts"][chosen]
-            tflite_predict = tflite_predictor(Path(artifact["path"]))
-            tflite_version = versions.register_version(
-                client,
-                tflite_name,
-                run_id,
-                lambda: versions.log_tflite_model(artifact["path"], tflite_name, images, tflite_predict),
-            )
-            tflite_check = champion.start_served_check(pool, client, tflite_version, tflite_predict, images, log_dir)
-            compression_tags = {
-                "variant": artifact["variant"],
-                "prune": str(spec.compression.prune),
-                "target_sparsity": str(compression.get("target_sparsity", 0.0)),
-                "quantize": artifact["quantize"],
-                "size_bytes": str(artifact["bytes"]),
-                "size_gzip_bytes": str(artifact["gzip_bytes"]),
-                "sparsity": f"{artifact['sparsity']:.4f}",
-                "weight_encoding": artifact["encoding"],
-                **({"int8_method": artifact["int8_method"]} if artifact.get("int8_method") else {}),
-            }
-            report = headline + (
-                f"- TFLite variant `{artifact['variant']}`: {artifact['bytes']} bytes, {artifact['gzip_bytes']} "
-                f"gzipped, sparsity {artifact['sparsity']:.4f}, {artifact['encoding']} weight encoding, float model's "
-                f"accuracy {exported['float_test_accuracy']:.4f}, agreement with it "
-                f"{artifact['agreement_with_float']:.4f}, latency at batch 1 {artifact['latency_ms']:.4f} ms"
-            )
-            candidates.append(
-                (tflite_version, tflite_check, artifact["test_accuracy"], {**tags, **compression_tags}, report)
-            )
-        run_record.log_run_record(client, run_id, spec, paths, dataset, training, evaluation, exported)
-        models = [
-            champion.promote(client, spec, v, accuracy, dataset, v_tags, check, v_report, table, log_dir)
-            for v, check, accuracy, v_tags, v_report in candidates
-        ]
-    run_record.log_served_checks(client, run_id, models, log_dir)
-    client.set_tag(run_id, "registry.gate", models[0]["gate"])
-    store.finish_run(client, run_id)
-    record = {
-        **models[0],
-        "models": models,
-        "mlflow_run_id": run_id,
-        "mlflow_tracking_uri": store.tracking_uri(),
+
+@dataclass
+class _Registrar:
+    """Registers this run's versions, each version's served check started as soon as it exists."""
+
+    client: MlflowClient
+    pool: ThreadPoolExecutor
+    run_id: str
+    images: Any  # the test split's raw images, the served checks' input
+    log_dir: Path
+
+    def candidate(
+        self, name: str, log_model: Callable[[], Any], predict, test_accuracy: float, tags: dict, report: str
+    ) -> Candidate:
+        version = versions.register_version(self.client, name, self.run_id, log_model)
+        check = champion.start_served_check(self.pool, self.client, version, predict, self.images, self.log_dir)
+        return Candidate(version, check, test_accuracy, tags, report)
+
+
+def _tflite_description(spec: RunSpec, exported: dict, compression: dict, headline: str) -> tuple[dict, str]:
+    """The chosen TFLite variant's tags and its version's description."""
+    artifact = exported["artifacts"][exported["chosen_tflite"]]
+    tags = {
+        "variant": artifact["variant"],
+        "prune": str(spec.compression.prune),
+        "target_sparsity": str(compression.get("target_sparsity", 0.0)),
+        "quantize": artifact["quantize"],
+        "size_bytes": str(artifact["bytes"]),
+        "size_gzip_bytes": str(artifact["gzip_bytes"]),
+        "sparsity": f"{artifact['sparsity']:.4f}",
+        "weight_encoding": artifact["encoding"],
+        **({"int8_method": artifact["int8_method"]} if artifact.get("int8_method") else {}),
     }
-    write_record(paths.registry, record)
-    log.info("MLflow: %s", store.run_page(store.tracking_uri(), run_id))
-    return record
+    report = headline + (
+        f"- TFLite variant `{artifact['variant']}`: {artifact['bytes']} bytes, {artifact['gzip_bytes']} "
+        f"gzipped, sparsity {artifact['sparsity']:.4f}, {artifact['encoding']} weight encoding, float model's "
+        f"accuracy {exported['float_test_accuracy']:.4f}, agreement with it "
+        f"{artifact['agreement_with_float']:.4f}, latency at batch 1 {artifact['latency_ms']:.4f} ms"
+    )
+    return tags, report
 
 
 # The compression table's headers, two lines each, and which columns hold numbers (right-aligned,

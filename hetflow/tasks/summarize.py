@@ -114,7 +114,6 @@ def summarize(
         read_training(paths.training, load_spec(paths), read["prepare_data"]) if "train" in finished else None
     )
     training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
-    exported = (read["export"] or {}).get("artifacts", {})
     dataset = read["prepare_data"] or {}
     summary = {
         "run_id": run_id,
@@ -135,18 +134,7 @@ def summarize(
             "examples_per_second": training.get("examples_per_second"),
             "time_to_first_step_seconds": training.get("time_to_first_step_seconds"),
         },
-        "artifacts": {
-            "model": {"path": str(paths.model), "bytes": paths.model.stat().st_size}
-            if training and paths.model.exists()
-            else None,
-            "exported": {
-                name: {k: a[k] for k in ("path", "bytes", "gzip_bytes", "test_accuracy", "accepted")}
-                for name, a in exported.items()
-            },
-            "chosen_tflite": (read["export"] or {}).get("chosen_tflite"),
-            "replica_logs": sorted(str(p) for p in paths.logs.glob("*.log")),
-            "plots": sorted(str(p) for p in paths.plots.glob("*.png")),
-        },
+        "artifacts": _artifacts(paths, trained=bool(training), export=read["export"] or {}),
         "replicas": (read["provision_cluster"] or {}).get("replicas"),
         "restarts": read_restarts(paths),
         # backend=swarm: the node each replica ran on (train writes it)
@@ -172,6 +160,22 @@ def summarize(
     if failed_stage:
         raise RuntimeError(f"run {run_id} failed at stage {failed_stage}; summary: {paths.summary}")
     return summary
+
+
+def _artifacts(paths: RunPaths, trained: bool, export: dict[str, Any]) -> dict[str, Any]:
+    """The run's files: the trained weights, the exported artifacts, replica logs and plots."""
+    return {
+        "model": {"path": str(paths.model), "bytes": paths.model.stat().st_size}
+        if trained and paths.model.exists()
+        else None,
+        "exported": {
+            name: {k: a[k] for k in ("path", "bytes", "gzip_bytes", "test_accuracy", "accepted")}
+            for name, a in export.get("artifacts", {}).items()
+        },
+        "chosen_tflite": export.get("chosen_tflite"),
+        "replica_logs": sorted(str(p) for p in paths.logs.glob("*.log")),
+        "plots": sorted(str(p) for p in paths.plots.glob("*.png")),
+    }
 
 
 def headline(summary: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ from typing import Any
 
 from hetflow.paths import create_run_dir, write_record
 from hetflow.pipeline.attempts import attempt, reported
-from hetflow.spec import RunSpec, SpecError, parse_spec
+from hetflow.spec import SpecError, parse_spec
 
 log = logging.getLogger("hetflow.stages")
 
@@ -24,6 +24,7 @@ def validate_spec(
     Under a DAG (``dag_id``), the run's MLflow run starts here, RUNNING, linking to ``airflow_url``;
     the record names its page (``mlflow_run_url``, None without one: Airflow's "MLflow run" link)."""
     from hetflow.cluster import backends
+    from hetflow.data.prepare import data_problems
 
     spec = parse_spec(values)
     problems = backends.backend_for(spec).preflight(spec, run_id) + data_problems(spec)
@@ -40,15 +41,3 @@ def validate_spec(
             mlflow_run_url = live.open_run(paths, spec, dag_id, run_id, airflow_url)
     log.info("spec: %s", spec.model_dump())
     return {**spec.flat(), "attempt": receipt, "mlflow_run_url": mlflow_run_url}
-
-
-def data_problems(spec: RunSpec) -> list[str]:
-    """What keeps the spec's dataset from being prepared here (bad images, an unknown name, no
-    network for a download), as one line; checked before anything starts."""
-    from hetflow.data.prepare import check_available, dataset_dir
-
-    try:
-        check_available(spec.data.dataset, dataset_dir(spec), spec.data.image_size)
-    except ValueError as error:
-        return [str(error)]
-    return []
