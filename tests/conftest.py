@@ -17,26 +17,6 @@ REPO = Path(__file__).resolve().parents[1]
 pytest_plugins = ["replica_guard", "mlflow_hosts", "ui_stack"]  # their fixtures serve several test modules
 
 
-@pytest.fixture(autouse=True)
-def mlflow_store_ends_with_its_test():
-    """MLflow's tracking and registry URIs are process-wide, and set_tracking_uri (the register stage run
-    in-process, some tests) outranks MLFLOW_TRACKING_URI: without this a later test logs into an earlier
-    test's store."""
-    env_before = os.environ.get("MLFLOW_TRACKING_URI")
-    yield
-    if "mlflow" not in sys.modules:
-        return
-    from mlflow.tracking._model_registry import utils as registry_uri
-    from mlflow.tracking._tracking_service import utils as tracking_uri
-
-    tracking_uri._tracking_uri = None
-    registry_uri._registry_uri = None
-    if env_before is None:
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-    else:
-        os.environ["MLFLOW_TRACKING_URI"] = env_before
-
-
 @pytest.fixture(scope="session")
 def hetflow_env(tmp_path_factory) -> dict[str, str]:
     """Environment for hetflow commands: its own home, data dir, Airflow DB and MLflow store."""

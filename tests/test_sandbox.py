@@ -200,7 +200,6 @@ def test_a_hostile_registered_model_reaches_nothing_from_its_server(hetflow_env,
             host_port=listener.getsockname()[1],
         )
     )
-    mlflow.set_tracking_uri(hetflow_env["MLFLOW_TRACKING_URI"])
     experiment = mlflow.get_experiment_by_name("hostile") or mlflow.get_experiment(
         mlflow.create_experiment("hostile", artifact_location=(store / "hostile-artifacts").as_uri())
     )

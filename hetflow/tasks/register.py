@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import mlflow
 from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 from hetflow.artifacts.saved_model import save_serving_model
 from hetflow.data.pipeline import split_arrays
@@ -74,8 +73,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     evaluation = read_replica_record(paths.evaluation)
     exported = read_replica_record(paths.export)
     compression = read_replica_record(paths.compression)
-    mlflow.set_tracking_uri(store.tracking_uri())
-    client = timing.TimedClient(MlflowClient())
+    client = timing.TimedClient(MlflowClient(store.tracking_uri()))
     name, chosen = spec.registry.model_name, exported["chosen_tflite"]
     # Refused before anything is written to MLflow.
     for model_name in [name, f"{name}-tflite"] if chosen is not None else [name]:
