@@ -285,6 +285,21 @@ class RunPaths:
         return self.root / "registry.json"
 
     @property
+    def serving(self) -> Path:
+        """The served checks' server logs (register)."""
+        return self.root / "serving"
+
+    @property
+    def tensorboard(self) -> Path:
+        """The training curves as TensorBoard events, logged to MLflow beside the run (register)."""
+        return self.root / "tensorboard"
+
+    @property
+    def tfjob(self) -> Path:
+        """backend=kubernetes: the TFJob manifest a user can apply where the training operator runs."""
+        return self.root / "tfjob.yaml"
+
+    @property
     def study(self) -> Path:
         """A tuning study's run: what it searches (``hetflow.tuning.space``)."""
         return self.root / "study.json"

@@ -175,7 +175,7 @@ class DockerReplicas:
         self.layout = layout
         self.spec = spec
         self.run_dir = run_dir
-        self.logs_dir = run_dir / "logs"
+        self.logs_dir = RunPaths(run_dir).logs
         self.client = client or docker.from_env()
 
     def provision(self) -> None:

@@ -147,7 +147,7 @@ class KubernetesReplicas:
         self.spec = spec
         self.namespace = spec.cluster.kubernetes.namespace
         self.run_dir = run_dir
-        self.logs_dir = run_dir / "logs"
+        self.logs_dir = RunPaths(run_dir).logs
         if core is None:
             load_client_config()
         self.core = core or kubernetes.client.CoreV1Api()
@@ -161,7 +161,7 @@ class KubernetesReplicas:
         prepare_run_dir(RunPaths(self.run_dir), POD_OWNER)
         # For clusters with the training operator: the same run, to `kubectl apply` instead. A person
         # applies it: this run's pods see it read-only too.
-        tfjob = self.run_dir / "tfjob.yaml"
+        tfjob = RunPaths(self.run_dir).tfjob
         tfjob.write_text(
             yaml.safe_dump_all(
                 [

@@ -167,7 +167,7 @@ class SwarmReplicas:
         self.layout = layout
         self.spec = spec
         self.run_dir = run_dir
-        self.logs_dir = run_dir / "logs"
+        self.logs_dir = RunPaths(run_dir).logs
         self.client = client or docker.from_env()
         self.nodes: dict[str, str] = {}  # replica: the id of the node its newest task runs on
 

@@ -207,7 +207,7 @@ def log_run_record(
     upload_regular_files(client, run_id, [paths.logs], "logs")
     upload_regular_files(client, run_id, [paths.plots], "plots")
     lineage.log_dataset(client, run_id, dataset)
-    events = lineage.write_tensorboard_events(training, paths.root / "tensorboard")
+    events = lineage.write_tensorboard_events(training, paths.tensorboard)
     upload_regular_files(client, run_id, [events], "tensorboard")
 
 

@@ -3,6 +3,7 @@ DAG run (found again by the Airflow run id, so a retried task creates no second 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ from hetflow.registry import charts_view
 from mlflow import MlflowClient
 
 EXPERIMENT = "hetflow"
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 # MLflow 3's UI opens an experiment of no declared kind in its GenAI view (traces, an assistant
 # panel); hetflow's holds model-training runs, which the UI then shows first, with the registry.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -26,7 +28,24 @@ MLFLOW_UI_ENV = "HETFLOW_MLFLOW_UI_URL"
 
 
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow' / 'mlflow.db'}"
+    return os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{REPO_ROOT / 'mlflow' / 'mlflow.db'}"
+
+
+@contextlib.contextmanager
+def fluent_tracking_uri(uri: str):
+    """MLflow's fluent API (a flavor's log_model) reads the process's tracking URI and takes none as
+    a parameter: ``uri`` for the block, through MLFLOW_TRACKING_URI, which is as it was after.
+    Not mlflow.set_tracking_uri: it rewrites that variable too, and set back to None deletes it, so
+    that every later client of the process falls back to MLflow's default store."""
+    before = os.environ.get(TRACKING_URI_ENV)
+    os.environ[TRACKING_URI_ENV] = uri
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(TRACKING_URI_ENV, None)
+        else:
+            os.environ[TRACKING_URI_ENV] = before
 
 
 def ensure_experiment(client: MlflowClient) -> str:

@@ -15,11 +15,10 @@ import numpy as np
 from mlflow.exceptions import MlflowException
 from mlflow.models import infer_signature
 from mlflow.protos.databricks_pb2 import ALREADY_EXISTS, RESOURCE_ALREADY_EXISTS, ErrorCode
-from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
 import mlflow
 from hetflow.pipeline import timing
-from hetflow.registry.store import tracking_uri
+from hetflow.registry.store import fluent_tracking_uri, tracking_uri
 from mlflow import MlflowClient
 
 log = logging.getLogger("hetflow.registry")
@@ -76,9 +75,7 @@ def register_version(client: MlflowClient, name: str, run_id: str, log_model: Ca
     if existing:
         log.info("run %s already registered %s version %s: re-using it", run_id, name, existing[0].version)
         return existing[0]
-    # The flavors' log_model is MLflow's fluent API, which reads the process-wide tracking URI: it is
-    # this client's for the call, and what it was again after.
-    with timing.part("mlflow_io"), _use_tracking_uri(client.tracking_uri), mlflow.start_run(run_id=run_id):
+    with timing.part("mlflow_io"), fluent_tracking_uri(client.tracking_uri), mlflow.start_run(run_id=run_id):
         info = log_model()
     return client.get_model_version(name, str(info.registered_model_version))
 

@@ -82,7 +82,7 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     started = run_record.pipeline_started(paths)
     run_id = store.find_or_create_run(client, dag_id, airflow_run_id, run_record.run_name(spec, started), started)
     images, _ = split_arrays(dataset, "test")
-    log_dir = paths.root / "serving"
+    log_dir = paths.serving
     tags, headline = _version_tags_and_headline(spec, dataset, airflow_run_id)
 
     if not paths.saved_model.exists():  # export_formats without saved_model: the registry still serves one
