@@ -33,13 +33,13 @@ _FORK_BOMB = textwrap.dedent(
 _MEMORY_HOG = "hog = bytearray(400 * 2**20)\nprint('allocated', len(hog))"
 
 
-def _in_replica_cgroups(cgroups, run_dir, code: str) -> subprocess.CompletedProcess:
+def _in_replica_cgroups(bounds, run_dir, code: str) -> subprocess.CompletedProcess:
     box = sandbox.Sandbox(owner=sandbox.run_owner(run_dir))
     try:
         return subprocess.run(
             box.command([sys.executable, "-c", code]),
             pass_fds=box.fds,
-            preexec_fn=_replica_preexec(None, cgroups),
+            preexec_fn=_replica_preexec(None, bounds),
             capture_output=True,
             text=True,
             timeout=60,
@@ -75,15 +75,28 @@ def test_where_no_cgroup_can_be_made_the_keeper_is_told_in_one_line(tmp_path):
     assert str(refused.value) == f"no writable cgroup v1 pids hierarchy at {hierarchy} to limit worker-0"
 
 
-def test_where_no_cgroup_can_be_made_the_replica_runs_without_limits_and_its_log_says_why(tmp_path, monkeypatch):
+def test_where_no_cgroup_can_be_made_the_replicas_tasks_are_limited_and_its_log_says_what_is_not(tmp_path, monkeypatch):
     from hetflow.cluster import keeper
 
     monkeypatch.setattr(limits, "CGROUP_ROOT", tmp_path / "cgroup-v2-only")
     log_path = tmp_path / "worker-0.log"
     with open(log_path, "ab") as log_file:
-        assert keeper._cgroups(tmp_path / "run", "worker-0", 0, log_file) is None
+        bounds = keeper._replica_limits(tmp_path / "run", "worker-0", 200, log_file)
+    assert bounds == limits.ReplicaRlimits(200)
     hierarchy = tmp_path / "cgroup-v2-only" / "pids"
     assert log_path.read_text() == (
-        "hetflow keeper: worker-0 runs without memory and task limits: "
-        f"no writable cgroup v1 pids hierarchy at {hierarchy} to limit worker-0\n"
+        f"hetflow keeper: worker-0 has no cgroup (no writable cgroup v1 pids hierarchy at {hierarchy} to limit "
+        f"worker-0): limited to {limits.REPLICA_TASKS} tasks for the run's uid (RLIMIT_NPROC); "
+        "replica_memory_mb=200 is not enforced without a cgroup\n"
     )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a uid of the run's own needs root")
+def test_without_cgroups_a_replicas_fork_bomb_stops_at_its_runs_task_limit(tmp_path, monkeypatch):
+    """As on a cgroup v2 host: the fork bomb, started as the keeper starts a replica there."""
+    monkeypatch.setattr(limits, "REPLICA_TASKS", 64)
+    bomb = _in_replica_cgroups(limits.ReplicaRlimits(memory_mb=0), tmp_path / "run", _FORK_BOMB)
+    assert bomb.returncode == 0, bomb.stderr
+    seen = dict(line.split(" ", 1) for line in bomb.stdout.splitlines())
+    assert seen["refused"] == "11"  # EAGAIN: RLIMIT_NPROC of the run's uid
+    assert int(seen["forked"]) < 64

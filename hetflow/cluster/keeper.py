@@ -9,7 +9,7 @@ outlive the process that provisioned them (an Airflow task) and are supervised b
   holder keeps, see ``hetflow.cluster.netns``) and tied to the keeper (``--die-with-parent``), with an
   allow-listed environment, its output appended to ``logs/<name>.log``;
 - pins it to a core and throttles it (a simulated slower machine) as told, and bounds its tasks and
-  memory (its own cgroups, ``hetflow.cluster.limits``);
+  memory (its own cgroups; where none can be made, its tasks by an rlimit: ``hetflow.cluster.limits``);
 - records how it ended in ``replicas/<name>.exit`` (the exit code; negative: killed by that
   signal), which is how the supervisor, not being its parent, learns it;
 - ends it on SIGTERM (SIGTERM, then SIGKILL after the grace period: a TF worker waiting on a peer
@@ -50,9 +50,10 @@ def exit_path(run_dir: Path, name: str) -> Path:
     return RunPaths(run_dir).replicas / f"{name}.exit"
 
 
-def _replica_preexec(core: int | None, cgroups: limits.ReplicaCgroups | None = None):
+def _replica_preexec(core: int | None, bounds: limits.ReplicaLimits | None = None):
     """Runs in the replica before exec: die with the keeper; a session keyring of its own, empty,
-    not the keeper's (the task's, whatever it holds); inside its cgroups; optionally on one core."""
+    not the keeper's (the task's, whatever it holds); inside its cgroups (or under its rlimits); optionally
+    on one core."""
     keyctl = seccomp.syscall_number("keyctl")
 
     def preexec() -> None:
@@ -60,8 +61,8 @@ def _replica_preexec(core: int | None, cgroups: limits.ReplicaCgroups | None = N
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if libc.syscall(keyctl, _KEYCTL_JOIN_SESSION_KEYRING, None) < 0:
             raise OSError(ctypes.get_errno(), "no session keyring of its own")
-        if cgroups is not None:
-            cgroups.enter()
+        if bounds is not None:
+            bounds.enter()
         if core is not None:
             os.sched_setaffinity(0, {core})
 
@@ -113,7 +114,7 @@ def replica_sandbox(view: View, run_dir: Path) -> sandbox.Sandbox:
     )
 
 
-def _launch(command: list[str], view: View | None, run_dir: Path, log_file, core: int | None, cgroups=None):
+def _launch(command: list[str], view: View | None, run_dir: Path, log_file, core: int | None, bounds=None):
     """Start ``command`` in a process group of its own, sandboxed in the run's network namespace
     where ``view`` says so."""
     box = None
@@ -129,7 +130,7 @@ def _launch(command: list[str], view: View | None, run_dir: Path, log_file, core
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_replica_preexec(core, cgroups),
+            preexec_fn=_replica_preexec(core, bounds),
             pass_fds=box.fds if box else (),
         )
     finally:
@@ -155,14 +156,14 @@ def keep(
     paths = RunPaths(run_dir)
     # The holder is no replica: its log sits with the keepers' records, not among the replicas' logs.
     log_file = open((paths.replicas if network_holder else paths.logs) / f"{name}.log", "ab")
-    cgroups = None
+    bounds = None
     if network_holder:
         replica = netns.hold(run_dir, log_file, replica_environment())
     else:
         command = [sys.executable, "-m", "hetflow.replica", "--run-dir", str(run_dir)]
         # Limits come with the sandbox: an unisolated replica runs as the operator allowed, unbounded.
-        cgroups = _cgroups(run_dir, name, memory_mb, log_file) if view is not None and os.geteuid() == 0 else None
-        replica = _launch(command, view, run_dir, log_file, core, cgroups)
+        bounds = _replica_limits(run_dir, name, memory_mb, log_file) if view is not None and os.geteuid() == 0 else None
+        replica = _launch(command, view, run_dir, log_file, core, bounds)
     throttle = Throttle(replica.pid, slowdown) if slowdown > 1 else None
     if throttle:
         throttle.start()
@@ -185,20 +186,21 @@ def keep(
     scratch = target.with_suffix(".exit.tmp")
     scratch.write_text(json.dumps({"exit_code": code}))
     scratch.replace(target)  # atomically: the supervisor never reads half a record
-    if cgroups is not None:
-        cgroups.remove()
+    if bounds is not None:
+        bounds.remove()
     return 0
 
 
-def _cgroups(run_dir: Path, name: str, memory_mb: int, log_file) -> limits.ReplicaCgroups | None:
-    """The replica's cgroups; where none can be made here (a cgroup v2 or read-only hierarchy), the
-    replica runs without them and its log's first line says why: the sandbox still holds."""
+def _replica_limits(run_dir: Path, name: str, memory_mb: int, log_file) -> limits.ReplicaLimits:
+    """The replica's cgroups; where none can be made here (a cgroup v2 or read-only hierarchy), an
+    rlimit on its tasks instead, and its log's first line says so and why."""
     try:
         return limits.make(run_dir, name, memory_mb)
     except (limits.LimitsUnavailable, OSError) as unavailable:
-        log_file.write(f"hetflow keeper: {name} runs without memory and task limits: {unavailable}\n".encode())
+        rlimits = limits.ReplicaRlimits(memory_mb)
+        log_file.write(f"hetflow keeper: {name} has no cgroup ({unavailable}): limited to {rlimits}\n".encode())
         log_file.flush()
-        return None
+        return rlimits
 
 
 def _terminate(replica: subprocess.Popen) -> None:

@@ -5,13 +5,15 @@ memory (the kernel's OOM killer ends it past that, as Docker's ``--memory`` does
 
 Made by the keeper (root) before the replica starts and entered by the replica before exec, so that
 bubblewrap and everything it starts are inside; removed when the replica has ended. Where no cgroup
-can be made (not root, no writable v1 hierarchy: cgroup v2 is not written yet), ``make`` says why in
-one line, and the keeper runs the replica without limits, that line first in its log.
+can be made (no writable v1 hierarchy: a cgroup v2 host, where hetflow does not write cgroups yet),
+``make`` says why in one line, and the keeper limits the replica's tasks with an rlimit instead
+(``ReplicaRlimits``; its memory is then not limited), that line first in its log.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,3 +66,29 @@ def make(run_dir: Path, name: str, memory_mb: int, root: Path | None = None) -> 
     if memory_mb:
         (memory / "memory.limit_in_bytes").write_text(str(memory_mb * 2**20))
     return ReplicaCgroups(tuple(made))
+
+
+@dataclass(frozen=True)
+class ReplicaRlimits:
+    """Where no cgroup can be made: the run's uid, which only its replicas run as, under
+    ``REPLICA_TASKS`` processes and threads (RLIMIT_NPROC, set on the replica's first process and
+    inherited by bubblewrap and everything it starts; the run's replicas share the count). Memory
+    stays unlimited: an rlimit bounds address space (RLIMIT_DATA counts every thread's stack), which
+    TensorFlow reserves far beyond what it uses: two workers of the MLP under a 1500 MiB RLIMIT_DATA
+    could not create their threads (pthread_create: EAGAIN)."""
+
+    memory_mb: int  # what the spec asked for, which this cannot enforce
+
+    def enter(self) -> None:
+        """Set the limit on the calling process (a preexec, as root: it holds once it is the run's uid)."""
+        resource.setrlimit(resource.RLIMIT_NPROC, (REPLICA_TASKS, REPLICA_TASKS))
+
+    def remove(self) -> None:
+        """Nothing: the limit ends with the processes."""
+
+    def __str__(self) -> str:
+        memory = f"replica_memory_mb={self.memory_mb} is not enforced" if self.memory_mb else "memory unlimited"
+        return f"{REPLICA_TASKS} tasks for the run's uid (RLIMIT_NPROC); {memory} without a cgroup"
+
+
+ReplicaLimits = ReplicaCgroups | ReplicaRlimits

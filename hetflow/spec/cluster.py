@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from hetflow.spec.sections import Section, SpecModel, short_name, spec_field
+from hetflow.spec.sections import Section, SpecModel, field_backends, short_name, spec_field
 
 # No pipelining unless asked: measured on two CPU replicas (bench/MODEL_PARALLEL.md), every split
 # step took longer than the unsplit one (2, 4, 8 micro-batches: 1.13x, 1.47x, 2.5x the time), each
@@ -119,8 +119,8 @@ class RunPolicy(Section):
 
 
 class Resources(Section):
-    """Limits and GPU requests of every replica: only containers honour them, so with backend=local
-    each must keep its default (which leaves it off)."""
+    """Limits and GPU requests of every replica. The container-only ones (CPUs, GPUs) must keep their
+    default (off) with backend=local; memory is limited there too."""
 
     cpus: float = spec_field(
         0.0,
@@ -134,7 +134,8 @@ class Resources(Section):
     memory_mb: int = spec_field(
         0,
         "Memory limit of each replica in MiB: its container's, service's or pod's; on local, a cgroup of its own "
-        "(where hetflow runs as root on cgroup v1; elsewhere the replica's log says it runs without); 0 = no limit.",
+        "where hetflow runs as root on cgroup v1 (elsewhere it is not enforced, and the replica's log says so); "
+        "0 = no limit.",
         short="replica_memory_mb",
         ge=0,
         le=4_194_304,
@@ -150,13 +151,13 @@ class Resources(Section):
     )
 
     def problems_with_local(self) -> list[str]:
-        # Plain processes: nothing enforces a limit or requests a GPU.
+        # Plain processes: nothing enforces a CPU limit or requests a GPU.
         return [
             f"{short_name(name, field)}={json.dumps(getattr(self, name))} is invalid with "
             f"backend=local: expected {json.dumps(field.default)} "
-            "(limits and GPU requests apply to backend=docker, swarm or kubernetes)"
+            "(CPU limits and GPU requests apply to backend=docker, swarm or kubernetes)"
             for name, field in type(self).model_fields.items()
-            if getattr(self, name) != field.default
+            if field_backends(field) and "local" not in field_backends(field) and getattr(self, name) != field.default
         ]
 
 
