@@ -1,5 +1,5 @@
-"""The run the backend tests plan for, a parameter-server spec of it, and the ConfigMap that owns its
-Kubernetes objects."""
+"""The run the backend tests plan for, a parameter-server spec of it, a swarm sync spec over two named
+nodes, and the ConfigMap that owns its Kubernetes objects."""
 
 from __future__ import annotations
 
@@ -16,3 +16,18 @@ OWNER = manifests.owner_reference(manifests.run_name(RUN_ID), "0b8e4a3c-6f0e-4a8
 
 def ps_spec(backend: str, **values):
     return parse_spec({"backend": backend, "strategy": "parameter_server", "workers": 2, "ps": 1, **values})
+
+
+def swarm_sync_spec(**values):
+    """Two multi_worker_mirrored workers on a swarm, one on each of node-1 and node-2."""
+    return parse_spec(
+        {
+            "backend": "swarm",
+            "strategy": "multi_worker_mirrored",
+            "workers": 2,
+            "worker_devices": [{"node": "node-1"}, {"node": "node-2"}],
+            # This machine's kernel has no IPsec ESP (checked in the preflight test)
+            "encrypt_network": False,
+            **values,
+        }
+    )

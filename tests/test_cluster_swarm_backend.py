@@ -13,9 +13,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from cluster_run import swarm_sync_spec
 from conftest import REPO, dag_run, full_log, wait_for
 from network_probes import ANSWER, CONNECT, SERVE
-from test_cluster_swarm_replicas import sync_spec
 
 from hetflow.cluster import containers
 from hetflow.cluster.layout import SERVICE_PORT, run_slug
@@ -73,34 +73,34 @@ def _run_objects(client, run_id: str) -> list[str]:
 def test_preflight_on_the_swarm_names_each_node_that_lacks_what_the_run_needs(swarm, monkeypatch, tmp_path):
     for key, value in swarm["env"].items():
         monkeypatch.setenv(key, value)
-    assert preflight(sync_spec(), "preflight-run") == []
-    assert preflight(sync_spec(image="hetflow-replica:missing"), "preflight-run") == [
+    assert preflight(swarm_sync_spec(), "preflight-run") == []
+    assert preflight(swarm_sync_spec(image="hetflow-replica:missing"), "preflight-run") == [
         f"node {node} does not have image=hetflow-replica:missing: load it there (docker save | docker load) "
         "or push it to a registry the nodes pull from"
         for node in ("node-1", "node-2")
     ]
-    [unplaced] = preflight(sync_spec(worker_devices=[{"node": "node-1"}, {"node": "node-9"}]), "preflight-run")
+    [unplaced] = preflight(swarm_sync_spec(worker_devices=[{"node": "node-1"}, {"node": "node-9"}]), "preflight-run")
     assert unplaced.startswith(
         "worker_devices[1].node=node-9: no ready, active node of the swarm fits node.hostname==node-9 "
         "(nodes: node-1, node-2)"
     )
     if _kernel_lacks_esp():  # an encrypted overlay would drop every packet between the nodes
-        assert preflight(sync_spec(encrypt_network=True), "preflight-run") == [
+        assert preflight(swarm_sync_spec(encrypt_network=True), "preflight-run") == [
             f"node {node}: its kernel has no IPsec ESP (CONFIG_INET_ESP), so encrypt_network=true cannot carry "
             "traffic between the nodes: set encrypt_network=false where the nodes share a private network"
             for node in ("node-1", "node-2")
         ]
-    [gpu] = preflight(sync_spec(worker_devices=[{"device": "gpu"}, {"node": "node-2"}]), "preflight-run")
+    [gpu] = preflight(swarm_sync_spec(worker_devices=[{"device": "gpu"}, {"node": "node-2"}]), "preflight-run")
     assert gpu.startswith("worker_devices[0].device=gpu: no ready, active node of the swarm fits")
     # A HETFLOW_HOME that the nodes do not mount (here: a directory only this machine has).
     monkeypatch.setenv("HETFLOW_HOME", str(tmp_path))
-    assert preflight(sync_spec(), "preflight-run") == [
+    assert preflight(swarm_sync_spec(), "preflight-run") == [
         f"node {node} does not mount HETFLOW_HOME={tmp_path}: mount the shared storage there at the same path"
         for node in ("node-1", "node-2")
     ]
     node_2 = f"unix:///run/{PREFIX}/node-2/docker.sock"
     monkeypatch.setenv("DOCKER_HOST", node_2)
-    [worker] = preflight(sync_spec(), "preflight-run")
+    [worker] = preflight(swarm_sync_spec(), "preflight-run")
     assert worker.startswith("backend=swarm: node-2 is a swarm worker, not a manager")
     assert [s.name for s in swarm["client"].services.list()] == []  # the checks left no service
 
@@ -132,7 +132,7 @@ def test_a_replica_service_is_hardened_as_its_container(swarm):
     """The service config's command chain (setpriv, timeout) with the probe in the replica's place,
     on a node of Debian's Docker 20.10: no privilege to gain, no capability, a read-only image, a
     bounded process count."""
-    spec, home = sync_spec(), Path(swarm["env"]["HETFLOW_HOME"])
+    spec, home = swarm_sync_spec(), Path(swarm["env"]["HETFLOW_HOME"])
     layout, run_dir = plan(spec, "hardened-run"), home / "runs" / "hardened-run"
     RunPaths(run_dir).output.mkdir(parents=True, exist_ok=True)  # as provisioning makes it: the service mounts it
     client = swarm["client"]
@@ -158,7 +158,7 @@ def test_a_replicas_port_is_reached_by_its_peer_on_another_node_and_by_nothing_o
     so its tasks have no leg on the node's docker_gwbridge and the node no route to them."""
     import docker
 
-    spec, home = sync_spec(), Path(swarm["env"]["HETFLOW_HOME"])
+    spec, home = swarm_sync_spec(), Path(swarm["env"]["HETFLOW_HOME"])
     layout, run_dir = plan(spec, "reach-run"), home / "runs" / "reach-run"
     RunPaths(run_dir).output.mkdir(parents=True, exist_ok=True)
     client = swarm["client"]

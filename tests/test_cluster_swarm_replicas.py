@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cluster_run import swarm_sync_spec
 
 from hetflow.cluster import containers
 from hetflow.cluster.layout import run_slug
@@ -23,26 +24,11 @@ from hetflow.cluster.swarm_replicas import (
 )
 from hetflow.spec import SpecError, parse_spec
 
-
-def sync_spec(**values):
-    return parse_spec(
-        {
-            "backend": "swarm",
-            "strategy": "multi_worker_mirrored",
-            "workers": 2,
-            "worker_devices": [{"node": "node-1"}, {"node": "node-2"}],
-            # This machine's kernel has no IPsec ESP (checked in the preflight test)
-            "encrypt_network": False,
-            **values,
-        }
-    )
-
-
 # --- services, placement and states: pure ------------------------------------------------------------
 
 
 def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_only_by_the_supervisor():
-    spec = sync_spec(replica_cpus=1.5, replica_memory_mb=512)
+    spec = swarm_sync_spec(replica_cpus=1.5, replica_memory_mb=512)
     layout = plan(spec, "manual__2026-11-25T10:00:00+00:00")
     worker = layout.replicas[1]
     config = service_config(layout, worker, spec, Path("/srv/h"), Path("/srv/h/runs/r"), "0:0", 1.0)
@@ -131,13 +117,13 @@ def test_swarm_only_settings_are_refused_elsewhere_and_swarm_refuses_pinning():
             }
         )
     with pytest.raises(SpecError, match=r"^pin_cores=true is invalid with backend=swarm: expected false"):
-        sync_spec(pin_cores=True)
+        swarm_sync_spec(pin_cores=True)
     with pytest.raises(SpecError, match=r"worker_devices\[0\]\.node=\"-x\" is invalid"):
-        sync_spec(worker_devices=[{"node": "-x"}, {"node": "node-2"}])
+        swarm_sync_spec(worker_devices=[{"node": "-x"}, {"node": "node-2"}])
 
 
 def test_preflight_refuses_an_engine_that_is_not_in_a_swarm(docker_client):
-    spec = sync_spec()
+    spec = swarm_sync_spec()
     [problem] = preflight(spec, "not-a-swarm", client=docker_client)  # `make test`'s engine: no swarm
     assert (
         problem.startswith("backend=swarm: the Docker engine of ") and "is not in a swarm: run `docker swarm" in problem
