@@ -62,43 +62,54 @@ def is_chief(task: dict[str, Any]) -> bool:
 
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
-    strategy = make_strategy(spec)
-    workers = spec.cluster.worker.replicas if spec.cluster.strategy == "multi_worker_mirrored" else 1
-    local_replicas = strategy.num_replicas_in_sync // workers
+    return SyncWorker(spec, dataset, paths, task).train()
+
+
+class SyncWorker:
+    """One worker of a synchronous run: its strategy, model and share of every global batch."""
+
+    def __init__(self, spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]):
+        self.spec, self.dataset, self.paths, self.task = spec, dataset, paths, task
+        self.chief = is_chief(task)
+        self.strategy = make_strategy(spec)
+        self.workers = spec.cluster.worker.replicas if spec.cluster.strategy == "multi_worker_mirrored" else 1
+        self.local_replicas = self.strategy.num_replicas_in_sync // self.workers
+        self.loop = EpochLoop(spec, steps_per_epoch(spec, dataset), paths.progress if self.chief else None)
+        with self.strategy.scope():
+            self.model = build_model(
+                spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed
+            )
+            self.optimizer = make_optimizer(spec, self.loop.schedule)
+        self.shares = WorkerShares(spec, paths, task["index"], self.chief)
+        self.loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+        self.training_examples = training_tensors(dataset)  # once: measuring and training slice them
 
     @tf.function
-    def sum_values_over_workers(values):
+    def _sum_values_over_workers(self, values):
         def once_per_worker():
             # Every replica holds its worker's values: only each worker's first one counts them.
-            first_on_worker = tf.distribute.get_replica_context().replica_id_in_sync_group % local_replicas == 0
-            return values * tf.cast(first_on_worker, values.dtype)
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            return values * tf.cast(replica % self.local_replicas == 0, values.dtype)
 
-        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(once_per_worker), axis=None)
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, self.strategy.run(once_per_worker), axis=None)
 
-    def sum_over_workers(values: list[float]) -> list[float]:
-        return sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
+    def sum_over_workers(self, values: list[float]) -> list[float]:
+        return self._sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
 
-    loop = EpochLoop(spec, steps_per_epoch(spec, dataset), paths.progress if is_chief(task) else None)
-    with strategy.scope():
-        model = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
-        optimizer = make_optimizer(spec, loop.schedule)
-    shares = WorkerShares(spec, paths, task["index"], is_chief(task))
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-
-    training_examples = training_tensors(dataset)  # once: measuring and training slice them
-
-    def worker_slices(worker: int, worker_shares: list[int]) -> tf.data.Dataset:
-        # The worker's replicas take its dataset's batches in turn, so it yields their slices in turn.
+    def worker_slices(self, worker: int, worker_shares: list[int]) -> tf.data.Dataset:
+        """The worker's part of every global batch; its replicas take its batches in turn, so it
+        yields their slices in turn."""
+        local_replicas, training = self.local_replicas, self.spec.training
         replica_shares = [part for share in worker_shares for part in split_batch(share, [1.0] * local_replicas)]
         offsets = [0, *itertools.accumulate(replica_shares)]
         slices = [
             train_slices(
-                training_examples,
+                self.training_examples,
                 start=offsets[r],
                 end=offsets[r + 1],
-                global_batch=spec.training.batch_size,
-                shuffle=spec.training.shuffle,
-                seed=spec.training.seed,
+                global_batch=training.batch_size,
+                shuffle=training.shuffle,
+                seed=training.seed,
             )
             for r in range(worker * local_replicas, (worker + 1) * local_replicas)
         ]
@@ -109,87 +120,110 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
             )
         )
 
-    def replica_gradients(images, labels):
+    def replica_gradients(self, images, labels):
+        model = self.model
         with tf.GradientTape() as tape:
             logits = model(images, training=True)
-            loss = tf.reduce_sum(loss_fn(labels, logits)) / spec.training.batch_size
+            loss = tf.reduce_sum(self.loss_fn(labels, logits)) / self.spec.training.batch_size
         correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
         return tape.gradient(loss, model.trainable_variables), loss, correct
 
-    def replica_step(images, labels):
-        gradients, loss, correct = replica_gradients(images, labels)
+    def replica_step(self, images, labels):
+        gradients, loss, correct = self.replica_gradients(images, labels)
         # Summed over the replicas here, not inside the optimizer: the same all-reduce is timed alone.
-        optimizer.apply_gradients(
-            zip(reduce_gradients(gradients), model.trainable_variables), skip_gradients_aggregation=True
+        self.optimizer.apply_gradients(
+            zip(reduce_gradients(gradients), self.model.trainable_variables), skip_gradients_aggregation=True
         )
         return loss, correct
 
     @tf.function
-    def train_step(iterator):
+    def train_step(self, iterator):
         # This worker's part only: summing loss and accuracy over workers every step would add two
         # collectives per step, each waiting on the slowest worker; the epoch loop sums once per epoch.
-        loss, correct = strategy.run(replica_step, args=next(iterator))
+        strategy = self.strategy
+        loss, correct = strategy.run(self.replica_step, args=next(iterator))
         return tuple(tf.add_n(strategy.experimental_local_results(value)) for value in (loss, correct))
 
-    if shares.to_measure:  # balance_batches (one replica per worker): on its gradients, none applied
-        compute_gradients = tf.function(lambda images, labels: strategy.run(replica_gradients, args=(images, labels)))
-        measuring_batches = iter(worker_slices(task["index"], shares.now))
-        shares.measure(compute_gradients, measuring_batches, model.count_params(), sum_over_workers)
+    def measure_shares(self) -> None:
+        """balance_batches (one replica per worker): each worker's speed on its gradients, none applied."""
+        strategy = self.strategy
+        compute_gradients = tf.function(
+            lambda images, labels: strategy.run(self.replica_gradients, args=(images, labels))
+        )
+        measuring_batches = iter(self.worker_slices(self.task["index"], self.shares.now))
+        self.shares.measure(compute_gradients, measuring_batches, self.model.count_params(), self.sum_over_workers)
 
-    if local_replicas == 1:
-        # A worker with one replica feeds it its own batches: strategy.run hands a plain tensor to the
-        # worker's one replica. A distributed iterator costs time on every step under
-        # multi_worker_mirrored, for nothing here (the default strategy has no such cost).
-        batches = iter(worker_slices(task["index"], shares.now))
-    else:
-        batches = iter(
-            strategy.distribute_datasets_from_function(
-                lambda context: worker_slices(context.input_pipeline_id, shares.now)
+    def batches(self):
+        if self.local_replicas == 1:
+            # A worker with one replica feeds it its own batches: strategy.run hands a plain tensor to the
+            # worker's one replica. A distributed iterator costs time on every step under
+            # multi_worker_mirrored, for nothing here (the default strategy has no such cost).
+            return iter(self.worker_slices(self.task["index"], self.shares.now))
+        return iter(
+            self.strategy.distribute_datasets_from_function(
+                lambda context: self.worker_slices(context.input_pipeline_id, self.shares.now)
             )
         )
 
-    predict = tf.function(lambda images: model(images, training=False))
-    # This worker's share of the validation split, in proportion to its share of the batch.
-    validation_size = dataset["splits"]["validation"]
-    worker_offsets = [0, *itertools.accumulate(shares.now)]
-    first, last = (
-        round(worker_offsets[i] * validation_size / spec.training.batch_size)
-        for i in (task["index"], task["index"] + 1)
-    )
-    my_validation = eval_input(dataset, "validation", examples=(first, last))
+    def my_validation(self) -> tf.data.Dataset:
+        """This worker's share of the validation split, in proportion to its share of the batch."""
+        validation_size = self.dataset["splits"]["validation"]
+        worker_offsets = [0, *itertools.accumulate(self.shares.now)]
+        first, last = (
+            round(worker_offsets[i] * validation_size / self.spec.training.batch_size)
+            for i in (self.task["index"], self.task["index"] + 1)
+        )
+        return eval_input(self.dataset, "validation", examples=(first, last))
 
-    with strategy.scope():
-        checkpoint = EpochCheckpoint(spec, paths, is_chief(task), model, optimizer)
-    shares.announce()
-    reduction_seconds = (
-        time_reduction(strategy, model.trainable_variables, lambda: sum_over_workers([0.0])) if workers > 1 else None
-    )
-
-    def each_workers_speed(epoch_seconds: float) -> dict:
+    def each_workers_speed(self, epoch_seconds: float) -> dict:
         # In step with the others: each worker's share of every step, over the epoch's time.
-        rates = {f"worker-{i}": share * loop.steps / epoch_seconds for i, share in enumerate(shares.now)}
+        rates = {f"worker-{i}": share * self.loop.steps / epoch_seconds for i, share in enumerate(self.shares.now)}
         return {"worker_examples_per_second": rates}
 
-    loop.run(
-        loop.one_step_at_a_time(lambda: train_step(batches)),
-        lambda: validation_sums(predict, my_validation),
-        checkpoint,
-        sum_over_workers if workers > 1 else None,
-        each_workers_speed,
-    )
-    total_steps = loop.clock.epochs_done * loop.steps
-    per_worker = {
-        f"worker-{i}": {**worker_rate(share, total_steps, loop.train_seconds), "batch": share}
-        for i, share in enumerate(shares.now)
-    }
-    fields = {
-        "replicas_in_sync": strategy.num_replicas_in_sync,
-        "per_worker": per_worker,
-        # Without balance_batches the shares are equal (validation requires it).
-        "per_replica_batch": shares.now if shares.balanced else split_batch(shares.now[0], [1.0] * local_replicas)[0],
-        "balanced": shares.balanced,
-        "worker_batches": shares.now,
-    }
-    if reduction_seconds is not None:
-        fields["collectives"] = collectives_record(train_step.get_concrete_function(batches), reduction_seconds)
-    return Trained(loop, model, fields, chief=is_chief(task))
+    def train(self) -> Trained:
+        if self.shares.to_measure:
+            self.measure_shares()
+        batches = self.batches()
+        predict = tf.function(lambda images: self.model(images, training=False))
+        my_validation = self.my_validation()
+        with self.strategy.scope():
+            checkpoint = EpochCheckpoint(self.spec, self.paths, self.chief, self.model, self.optimizer)
+        self.shares.announce()
+        several = self.workers > 1
+        reduction_seconds = (
+            time_reduction(self.strategy, self.model.trainable_variables, lambda: self.sum_over_workers([0.0]))
+            if several
+            else None
+        )
+        self.loop.run(
+            self.loop.one_step_at_a_time(lambda: self.train_step(batches)),
+            lambda: validation_sums(predict, my_validation),
+            checkpoint,
+            self.sum_over_workers if several else None,
+            self.each_workers_speed,
+        )
+        fields = self.record()
+        if several:
+            fields["collectives"] = collectives_record(
+                self.train_step.get_concrete_function(batches), reduction_seconds
+            )
+        return Trained(self.loop, self.model, fields, chief=self.chief)
+
+    def record(self) -> dict[str, Any]:
+        """What training.json says of this run's workers and their shares."""
+        shares, loop = self.shares, self.loop
+        total_steps = loop.clock.epochs_done * loop.steps
+        per_worker = {
+            f"worker-{i}": {**worker_rate(share, total_steps, loop.train_seconds), "batch": share}
+            for i, share in enumerate(shares.now)
+        }
+        return {
+            "replicas_in_sync": self.strategy.num_replicas_in_sync,
+            "per_worker": per_worker,
+            # Without balance_batches the shares are equal (validation requires it).
+            "per_replica_batch": shares.now
+            if shares.balanced
+            else split_batch(shares.now[0], [1.0] * self.local_replicas)[0],
+            "balanced": shares.balanced,
+            "worker_batches": shares.now,
+        }
