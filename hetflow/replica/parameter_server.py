@@ -47,42 +47,55 @@ def _per_worker_ids(coordinator):
 
 def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
     """The chief's part: the other replicas ``serve``."""
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    strategy = tf.distribute.ParameterServerStrategy(
-        resolver,
-        variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
-            min_shard_bytes=MIN_SHARD_BYTES, max_shards=spec.cluster.ps.replicas
-        ),
-    )
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    closures_per_epoch = -(-steps_per_epoch(spec, dataset) // STEPS_PER_CLOSURE)  # ceil: at least the steps asked for
-    # Async: every update is one worker's batch_size examples, the batch the scaling rule sees.
-    loop = EpochLoop(spec, closures_per_epoch * STEPS_PER_CLOSURE, paths.progress)
-    with strategy.scope():
-        model = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
-        optimizer = make_optimizer(spec, loop.schedule)
-        # Counts applied updates; lives on a ps, so every worker sees the others' increments.
-        updates_applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates_applied")
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    return AsyncChief(spec, dataset, paths).train()
 
-    def worker_batches() -> tf.data.Dataset:
+
+class AsyncChief:
+    """The chief of an asynchronous run: it schedules closures of steps on whichever worker is free
+    and keeps the staleness of every update and the worker that applied it."""
+
+    def __init__(self, spec: RunSpec, dataset: dict[str, Any], paths: RunPaths):
+        self.spec, self.dataset, self.paths = spec, dataset, paths
+        self.strategy = tf.distribute.ParameterServerStrategy(
+            tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+            variable_partitioner=tf.distribute.experimental.partitioners.MinSizePartitioner(
+                min_shard_bytes=MIN_SHARD_BYTES, max_shards=spec.cluster.ps.replicas
+            ),
+        )
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        # ceil: at least the steps asked for
+        self.closures_per_epoch = -(-steps_per_epoch(spec, dataset) // STEPS_PER_CLOSURE)
+        # Async: every update is one worker's batch_size examples, the batch the scaling rule sees.
+        self.loop = EpochLoop(spec, self.closures_per_epoch * STEPS_PER_CLOSURE, paths.progress)
+        with self.strategy.scope():
+            self.model = build_model(
+                spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed
+            )
+            self.optimizer = make_optimizer(spec, self.loop.schedule)
+            # Counts applied updates; lives on a ps, so every worker sees the others' increments.
+            self.updates_applied = tf.Variable(0, dtype=tf.int64, trainable=False, name="updates_applied")
+        self.loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+        self.run_closure = tf.function(self._closure)
+        self.all_staleness: list[int] = []
+        self.staleness_by_worker: dict[int, list[int]] = {}
+        self.steps_this_epoch: dict[int, int] = {}
+
+    def worker_batches(self) -> tf.data.Dataset:
         # Every worker builds the same pipeline; an unseeded shuffle gives each its own order
         # (TensorFlow tells workers apart no other way under ParameterServerStrategy). Async
         # training is not reproducible anyway: which worker runs which step is up to scheduling.
-        return train_input(dataset, per_worker_batch=spec.training.batch_size, shuffle=True, seed=None)
+        return train_input(self.dataset, per_worker_batch=self.spec.training.batch_size, shuffle=True, seed=None)
 
-    iterator = iter(coordinator.create_per_worker_dataset(worker_batches))
-    worker_ids = _per_worker_ids(coordinator)
-
-    def one_update(images, labels):
+    def one_update(self, images, labels):
+        model, updates_applied = self.model, self.updates_applied
         # Staleness = updates applied between reading the parameters and applying this gradient.
         read_at = updates_applied.read_value()
         with tf.control_dependencies([read_at]):  # the parameters are read after the counter
             with tf.GradientTape() as tape:
                 logits = model(images, training=True)
-                loss = tf.nn.compute_average_loss(loss_fn(labels, logits))
+                loss = tf.nn.compute_average_loss(self.loss_fn(labels, logits))
             gradients = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        self.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
         # A tf.function orders ops on the same variable only, so the update of each parameter is
         # waited for by an op on that parameter (run on its ps, nothing is fetched); only then
         # is the counter increased. ResourceCountUpTo increments and returns the count before,
@@ -94,97 +107,113 @@ def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[st
         correct = tf.reduce_sum(tf.cast(tf.argmax(logits, axis=1) == labels, tf.float32))
         return loss, correct, applied_at - read_at
 
-    @tf.function
-    def run_closure(iterator, worker_id):
+    def _closure(self, iterator, worker_id):
         losses = tf.TensorArray(tf.float32, size=STEPS_PER_CLOSURE)
         staleness = tf.TensorArray(tf.int64, size=STEPS_PER_CLOSURE)
         correct = tf.constant(0.0)
         for i in tf.range(STEPS_PER_CLOSURE):
             images, labels = next(iterator)
-            loss, hits, stale = strategy.run(one_update, args=(images, labels))
+            loss, hits, stale = self.strategy.run(self.one_update, args=(images, labels))
             losses = losses.write(i, loss)
             staleness = staleness.write(i, stale)
             correct += hits
         return losses.stack(), correct, staleness.stack(), tf.identity(worker_id)
 
-    all_staleness: list[int] = []
-    staleness_by_worker: dict[int, list[int]] = {}
-    steps_this_epoch: dict[int, int] = {}
-
-    def train_epoch() -> tuple[float, float]:
-        results = [coordinator.schedule(run_closure, args=(iterator, worker_ids)) for _ in range(closures_per_epoch)]
-        if loop.clock.first_step_seconds is None:
+    def train_epoch(self, iterator, worker_ids) -> tuple[float, float]:
+        coordinator, clock = self.coordinator, self.loop.clock
+        results = [
+            coordinator.schedule(self.run_closure, args=(iterator, worker_ids)) for _ in range(self.closures_per_epoch)
+        ]
+        if clock.first_step_seconds is None:
             results[0].fetch()  # the first closure's steps done: not the whole first epoch's
-            loop.clock.first_step_done()
+            clock.first_step_done()
         coordinator.join()  # bounds the updates in flight, and so the staleness, to one epoch's
         loss_sum, correct = 0.0, 0.0
-        steps_this_epoch.clear()
+        self.steps_this_epoch.clear()
         for result in results:
             losses, hits, staleness, worker = result.fetch()
-            steps_this_epoch[int(worker)] = steps_this_epoch.get(int(worker), 0) + len(staleness)
+            worker = int(worker)
+            self.steps_this_epoch[worker] = self.steps_this_epoch.get(worker, 0) + len(staleness)
             loss_sum += float(np.sum(losses))
             correct += float(hits)
-            all_staleness.extend(int(s) for s in staleness)
-            staleness_by_worker.setdefault(int(worker), []).extend(int(s) for s in staleness)
+            self.all_staleness.extend(int(s) for s in staleness)
+            self.staleness_by_worker.setdefault(worker, []).extend(int(s) for s in staleness)
         return loss_sum, correct
 
-    def staleness_and_speeds(epoch_seconds: float) -> dict:
-        this_epoch = all_staleness[-loop.steps :]
-        batch = spec.training.batch_size
-        rates = {f"worker-{w}": batch * steps / epoch_seconds for w, steps in sorted(steps_this_epoch.items())}
+    def staleness_and_speeds(self, epoch_seconds: float) -> dict:
+        this_epoch = self.all_staleness[-self.loop.steps :]
+        batch = self.spec.training.batch_size
+        rates = {f"worker-{w}": batch * steps / epoch_seconds for w, steps in sorted(self.steps_this_epoch.items())}
         return {
             "staleness_mean": float(np.mean(this_epoch)),
             "staleness_max": int(max(this_epoch)),
             "worker_examples_per_second": rates,
         }
 
-    predict = tf.function(lambda images: model(images, training=False))
-    validation = eval_input(dataset, "validation")
-    with strategy.scope():
-        checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer, updates_applied=updates_applied)
-    variables = model.trainable_variables
-    communication = communication_record(
-        variables,
-        time_exchange(strategy, coordinator, spec.cluster.worker.replicas, variables, STEPS_PER_CLOSURE),
-        STEPS_PER_CLOSURE,
-    )
-    print(
-        f"communication per step, timed alone: {1000 * communication['seconds_per_step']:.1f} ms "
-        f"({communication['bytes_to_worker'] / 1e6:.2f} MB of variables to a worker, as many back to the ps)",
-        flush=True,
-    )
-    loop.run(train_epoch, lambda: validation_sums(predict, validation), checkpoint, epoch_details=staleness_and_speeds)
+    def time_communication(self) -> dict[str, Any]:
+        variables = self.model.trainable_variables
+        seconds = time_exchange(
+            self.strategy, self.coordinator, self.spec.cluster.worker.replicas, variables, STEPS_PER_CLOSURE
+        )
+        communication = communication_record(variables, seconds, STEPS_PER_CLOSURE)
+        print(
+            f"communication per step, timed alone: {1000 * communication['seconds_per_step']:.1f} ms "
+            f"({communication['bytes_to_worker'] / 1e6:.2f} MB of variables to a worker, as many back to the ps)",
+            flush=True,
+        )
+        return communication
 
-    # The model lists a sharded variable as its parts, named <variable>/part_<i>.
-    shards: dict[str, list[dict[str, Any]]] = {}
-    for variable in model.weights:
-        whole, marker, _ = variable.name.rpartition("/part_")
-        if marker:
-            shards.setdefault(whole, []).append({"shape": variable.shape.as_list(), "device": variable.device})
-    # Each worker's share of the steps, and the staleness of the updates it applied.
-    per_worker = {
-        f"worker-{worker}": {
-            **worker_rate(spec.training.batch_size, len(seen), loop.train_seconds),
-            "staleness_mean": float(np.mean(seen)),
-            "staleness_max": int(max(seen)),
+    def train(self) -> Trained:
+        iterator = iter(self.coordinator.create_per_worker_dataset(self.worker_batches))
+        worker_ids = _per_worker_ids(self.coordinator)
+        predict = tf.function(lambda images: self.model(images, training=False))
+        validation = eval_input(self.dataset, "validation")
+        with self.strategy.scope():
+            checkpoint = EpochCheckpoint(
+                self.spec, self.paths, True, self.model, self.optimizer, updates_applied=self.updates_applied
+            )
+        communication = self.time_communication()
+        self.loop.run(
+            lambda: self.train_epoch(iterator, worker_ids),
+            lambda: validation_sums(predict, validation),
+            checkpoint,
+            epoch_details=self.staleness_and_speeds,
+        )
+        fields = {
+            "replicas_in_sync": 1,
+            "per_worker": self.per_worker(),
+            "staleness": self.staleness(),
+            "sharded_variables": self.shards(),
+            "communication": communication,
         }
-        for worker, seen in sorted(staleness_by_worker.items())
-    }
-    # None when this attempt applied no update (a retry after the last epoch's checkpoint).
-    staleness = (
-        {
-            "mean": float(np.mean(all_staleness)),
-            "max": int(max(all_staleness)),
-            "histogram": {str(k): v for k, v in sorted(Counter(all_staleness).items())},
+        return Trained(self.loop, self.model, fields)
+
+    def shards(self) -> dict[str, list[dict[str, Any]]]:
+        # The model lists a sharded variable as its parts, named <variable>/part_<i>.
+        shards: dict[str, list[dict[str, Any]]] = {}
+        for variable in self.model.weights:
+            whole, marker, _ = variable.name.rpartition("/part_")
+            if marker:
+                shards.setdefault(whole, []).append({"shape": variable.shape.as_list(), "device": variable.device})
+        return shards
+
+    def per_worker(self) -> dict[str, dict[str, Any]]:
+        """Each worker's share of the steps, and the staleness of the updates it applied."""
+        return {
+            f"worker-{worker}": {
+                **worker_rate(self.spec.training.batch_size, len(seen), self.loop.train_seconds),
+                "staleness_mean": float(np.mean(seen)),
+                "staleness_max": int(max(seen)),
+            }
+            for worker, seen in sorted(self.staleness_by_worker.items())
         }
-        if all_staleness
-        else None
-    )
-    fields = {
-        "replicas_in_sync": 1,
-        "per_worker": per_worker,
-        "staleness": staleness,
-        "sharded_variables": shards,
-        "communication": communication,
-    }
-    return Trained(loop, model, fields)
+
+    def staleness(self) -> dict[str, Any] | None:
+        """None when this attempt applied no update (a retry after the last epoch's checkpoint)."""
+        if not self.all_staleness:
+            return None
+        return {
+            "mean": float(np.mean(self.all_staleness)),
+            "max": int(max(self.all_staleness)),
+            "histogram": {str(k): v for k, v in sorted(Counter(self.all_staleness).items())},
+        }
