@@ -1,7 +1,8 @@
 """The package's shape as ARCHITECTURE.md draws it: ``hetflow/tasks/`` holds the DAG's tasks and
 nothing else, a stage imports no other stage and shares no module state with one, nothing patches the
 interpreter's imports, the replica reaches neither Airflow nor MLflow, no import cycle, the pipeline
-never imports the developer tools, no grab-bag module, no module over 400 lines, a test file named
+never imports the developer tools, no grab-bag module, no module over 400 lines, no function of the
+package over 80 lines, a test file named
 for what it tests, and the fast tier's guard against replicas.
 
 Each rule is a function that returns what breaks it, run on the tree and on a planted violation."""
@@ -94,6 +95,7 @@ def test_no_module_is_a_grab_bag():
 
 STAGES_FOLDER = REPO / "hetflow" / "tasks"
 MAX_LINES = 400
+MAX_FUNCTION_LINES = 80
 
 
 def _shown(path: Path) -> str:
@@ -223,6 +225,17 @@ def long_modules(files: list[Path]) -> list[str]:
     return [f"{_shown(path)}: {n} lines" for path in files if (n := len(path.read_text().splitlines())) > MAX_LINES]
 
 
+def long_functions(files: list[Path]) -> list[str]:
+    """Every function (or method) over MAX_FUNCTION_LINES lines, its decorators left out."""
+    return [
+        f"{_shown(path)}: {node.name} {length} lines"
+        for path in files
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    ]
+
+
 def _tracked_python() -> list[Path]:
     listed = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     return [REPO / name for name in listed.split() if (REPO / name).exists()]
@@ -282,6 +295,13 @@ def test_no_module_is_over_400_lines(tmp_path):
     (tmp_path / "long.py").write_text("pass\n" * (MAX_LINES + 1))
     (tmp_path / "short.py").write_text("pass\n" * MAX_LINES)
     assert long_modules(sorted(tmp_path.glob("*.py"))) == ["long.py: 401 lines"]
+
+
+def test_no_function_of_the_package_is_over_80_lines(tmp_path):
+    assert long_functions(sorted((REPO / "hetflow").rglob("*.py"))) == []
+    (tmp_path / "long.py").write_text("class Worker:\n    def train(self):\n" + "        pass\n" * MAX_FUNCTION_LINES)
+    (tmp_path / "short.py").write_text("def train():\n" + "    pass\n" * (MAX_FUNCTION_LINES - 1))
+    assert long_functions(sorted(tmp_path.glob("*.py"))) == ["long.py: train 81 lines"]
 
 
 # What a test file's name may start with after ``test_``: a module or package of hetflow, or one of these.
