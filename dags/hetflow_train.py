@@ -43,7 +43,7 @@ from typing import Any
 
 from airflow.sdk import Asset, AssetAlias, dag, task
 
-from hetflow.pipeline.task_log import CALLBACKS as TASK_LOG_CALLBACKS
+from hetflow.pipeline.task_log import DAG_ARGUMENTS
 from hetflow.registry.retrain import PREPARED_DATA_URI
 from hetflow.spec import airflow_params
 
@@ -54,22 +54,14 @@ DATA_CHANGES = AssetAlias("hetflow_data_changes")
 
 @dag(
     dag_id="hetflow_train",
-    schedule=None,
-    catchup=False,
-    # Runs only when triggered; paused, a triggered run would wait in the queue.
-    is_paused_upon_creation=False,
     params=airflow_params(),
     description="Train a TensorFlow model on several replicas and register it in MLflow",
-    tags=["hetflow"],
     doc_md=__doc__,
-    # Task logs: what libraries write to stderr goes to DEBUG, not ERROR; a failed task's log ends
-    # with one ERROR line naming the task and the cause (hetflow/pipeline/task_log.py). Each stage logs what it
-    # did in a few lines; its return value (whole records, on one line) stays out of its log.
-    default_args={"retries": 0, **TASK_LOG_CALLBACKS, "show_return_value_in_logs": False},
     # No max_active_runs: concurrent runs (two triggers, a retrain beside a manual run) are a
     # feature, made safe rather than forbidden: `champion` moves under one lock per registered
     # model (hetflow.registry.champion.promotion_lock). How many runs fit at once is a question of capacity
     # (each replica holds ~1 GB), which the operator sets with [core] max_active_runs_per_dag.
+    **DAG_ARGUMENTS,
 )
 def hetflow_train():
     @task

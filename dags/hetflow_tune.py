@@ -30,20 +30,16 @@ from typing import Any
 
 from airflow.sdk import dag, task
 
-from hetflow.pipeline.task_log import CALLBACKS as TASK_LOG_CALLBACKS
+from hetflow.pipeline.task_log import DAG_ARGUMENTS
 from hetflow.tuning.form import tune_params
 
 
 @dag(
     dag_id="hetflow_tune",
-    schedule=None,
-    catchup=False,
-    is_paused_upon_creation=False,
     params=tune_params(),
     description="Tune a run: the fastest strategy and optimizer settings to a target accuracy",
-    tags=["hetflow"],
     doc_md=__doc__,
-    default_args={"retries": 0, **TASK_LOG_CALLBACKS, "show_return_value_in_logs": False},
+    **DAG_ARGUMENTS,
 )
 def hetflow_tune():
     @task

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,19 +31,18 @@ from hetflow.cluster.containers import (
     PIDS_LIMIT,
     STOP_GRACE_SECONDS,
     TMP_BYTES,
-    container_user,
     lines_to_file,
-    prepare_run_dir,
     replica_environment,
     replica_spec,
 )
+from hetflow.cluster.engine import EngineReplicas, engine_client
 from hetflow.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
-from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
+from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
 from hetflow.cluster.local import core_assignment, replica_view
 from hetflow.cluster.output_lines import cut_lines
 from hetflow.cluster.supervisor import ReplicaState
 from hetflow.cluster.usage import ContainerUsage
-from hetflow.paths import REPO_ROOT, RunPaths, hetflow_home
+from hetflow.paths import REPO_ROOT
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -165,59 +163,32 @@ def replica_state(attrs: dict) -> ReplicaState:
     return ReplicaState(exit_code=state["ExitCode"] if finished else None, note=out_of_memory)
 
 
-class DockerReplicas:
+class DockerReplicas(EngineReplicas):
     """The docker backend's side of the supervision (``supervisor.Replicas``): creates, inspects
     and stops the containers of one run."""
-
-    restarts_in_place = False
-
-    def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, client=None):
-        self.layout = layout
-        self.spec = spec
-        self.run_dir = run_dir
-        self.logs_dir = RunPaths(run_dir).logs
-        self.client = client or docker.from_env()
 
     def provision(self) -> None:
         """The run's network and every replica's container, started."""
         self.client.networks.create(**network_config(self.layout.run_id, self.run_dir))
         self.start(self.layout.replicas)
 
-    def start(self, replicas) -> None:
-        prepare_run_dir(RunPaths(self.run_dir))
-        launched_at = time.time()
-        for replica in replicas:
-            config = container_config(
-                self.layout,
-                replica,
-                self.spec,
-                hetflow_home(),
-                self.run_dir,
-                container_user(self.run_dir),
-                launched_at,
-            )
-            try:  # a restart: the container that exited gives way to a new one of the same name
-                self.client.containers.get(config["name"]).remove(force=True)
-            except docker.errors.NotFound:
-                pass
-            container = self.client.containers.run(**config)
-            limits = [f"{config['nano_cpus'] / 1e9:g} CPUs"] if "nano_cpus" in config else []
-            limits += [f"cpuset {config['cpuset_cpus']}"] if "cpuset_cpus" in config else []
-            log.info(
-                "started %s (container %s) at %s%s",
-                replica.name,
-                container.short_id,
-                replica.address,
-                f", {', '.join(limits)}" if limits else "",
-            )
+    def configure(self, replica: Replica, home: Path, user: str, launched_at: float) -> dict:
+        return container_config(self.layout, replica, self.spec, home, self.run_dir, user, launched_at)
 
-    def attach(self) -> None:
-        """Hold the run's lease and beat its heartbeat: the containers end themselves once neither
-        is kept (``hetflow.cluster.lease``), and `hetflow sweep` leaves a supervised run alone."""
-        self._lease = take_lease(self.run_dir, heartbeat=True)
+    def remove_named(self, name: str) -> None:
+        self.client.containers.get(name).remove(force=True)
 
-    def detach(self) -> None:
-        self._lease.close()
+    def create(self, replica: Replica, config: dict) -> None:
+        container = self.client.containers.run(**config)
+        limits = [f"{config['nano_cpus'] / 1e9:g} CPUs"] if "nano_cpus" in config else []
+        limits += [f"cpuset {config['cpuset_cpus']}"] if "cpuset_cpus" in config else []
+        log.info(
+            "started %s (container %s) at %s%s",
+            replica.name,
+            container.short_id,
+            replica.address,
+            f", {', '.join(limits)}" if limits else "",
+        )
 
     def usage_sampler(self):  # the engine's counters of each container
         return ContainerUsage(self.client, run_filter(self.layout.run_id), (LABEL_ROLE, LABEL_INDEX))
@@ -269,7 +240,7 @@ def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
     """What would stop the run's containers from starting, one line each, found before anything
     starts: no engine, no image, the run's names already taken, limits the host cannot give."""
     try:
-        client = client or docker.from_env()
+        client = client or engine_client()
         info = client.info()
     except docker.errors.DockerException as error:
         reason = str(error).splitlines()[0][:200]
@@ -322,7 +293,7 @@ def run_filter(run_id: str) -> dict:
 def teardown_run(run_id: str, client=None) -> list[str]:
     """Remove every container of the run and its network, found by label; nothing is left to save,
     so running containers are killed, all at once. Returns the names of the containers removed."""
-    client = client or docker.from_env()
+    client = client or engine_client()
     selector = run_filter(run_id)
     containers = client.containers.list(all=True, filters=selector)
 
@@ -343,26 +314,28 @@ def sweep_containers(home: Path, attach_seconds: float) -> dict[str, list[str]]:
     """Remove the containers and networks of this home's runs that no supervisor holds; returns
     their names. Needs a Docker engine; none answering, there is nothing to sweep. Swarm's task
     containers and overlay networks are the swarm backend's (``hetflow.cluster.swarm_backend``)."""
-    from hetflow.cluster.sweep import docker_time, run_is_live
+    from hetflow.cluster.sweep import docker_time, interrupted_runs, run_is_live
 
     try:
-        client = docker.from_env()
+        client = engine_client()
         client.ping()
     except docker.errors.DockerException:
         return {"containers": [], "networks": []}
-    runs: dict[str, tuple[str, float]] = {}  # run id: its run directory, the newest start of its containers
-    for container in client.containers.list(all=True, filters={"label": LABEL_RUN}):
-        labels = container.labels
-        if LABEL_RUN_DIR not in labels:  # made before runs were labelled with their directory
-            continue
-        started = container.attrs["State"].get("StartedAt") or container.attrs["Created"]
-        run_dir, newest = runs.get(labels[LABEL_RUN_ID], (labels[LABEL_RUN_DIR], 0.0))
-        runs[labels[LABEL_RUN_ID]] = (run_dir, max(newest, docker_time(started)))
+    containers = [  # those made before runs were labelled with their directory are left alone
+        c for c in client.containers.list(all=True, filters={"label": LABEL_RUN}) if LABEL_RUN_DIR in c.labels
+    ]
+    parts = [
+        (
+            c.labels[LABEL_RUN_ID],
+            c.labels[LABEL_RUN_DIR],
+            docker_time(c.attrs["State"].get("StartedAt") or c.attrs["Created"]),
+        )
+        for c in containers
+    ]
     removed: dict[str, list[str]] = {"containers": [], "networks": []}
-    for run_id, (run_dir, started_at) in sorted(runs.items()):
-        if not run_is_live(run_dir, started_at, home, attach_seconds):
-            removed["containers"] += teardown_run(run_id, client)
-            log.info("sweep: removed the containers and network of interrupted run %s", run_id)
+    for run_id in interrupted_runs(parts, home, attach_seconds):
+        removed["containers"] += teardown_run(run_id, client)
+        log.info("sweep: removed the containers and network of interrupted run %s", run_id)
     # A network whose containers are gone (its run was torn down halfway) goes too.
     for network in client.networks.list(filters={"label": LABEL_RUN}):
         network.reload()

@@ -309,7 +309,7 @@ def _run_configmaps(core) -> list:
 def sweep_runs(home: Path, attach_seconds: float, core=None, networking=None) -> dict[str, list[str]]:
     """Tear down the Kubernetes runs of this home that no supervisor holds; returns what was deleted
     as ``namespace/kind/name``. Nothing to do (and nothing returned) without a client configuration."""
-    from hetflow.cluster.sweep import run_is_live
+    from hetflow.cluster.sweep import interrupted_runs
 
     if core is None:
         apis = sweep_client()
@@ -324,24 +324,24 @@ def sweep_runs(home: Path, attach_seconds: float, core=None, networking=None) ->
             getattr(error, "reason", None) or error,
         )
         return {}
-    deleted = []
+    parts, namespaces = [], {}
     for configmap in configmaps:
         metadata = configmap.metadata
         annotations = metadata.annotations or {}
         if ANNOTATION_RUN_DIR not in annotations:  # made before runs were annotated with their directory
             continue
-        started_at = metadata.creation_timestamp.timestamp()
-        if run_is_live(annotations[ANNOTATION_RUN_DIR], started_at, home, attach_seconds):
-            continue
         run_id = annotations[ANNOTATION_RUN_ID]
+        parts.append((run_id, annotations[ANNOTATION_RUN_DIR], metadata.creation_timestamp.timestamp()))
+        namespaces[run_id] = metadata.namespace
+    deleted = []
+    for run_id in interrupted_runs(parts, home, attach_seconds):
+        namespace = namespaces[run_id]
         try:
-            names = teardown_run(run_id, metadata.namespace, core, networking)
+            names = teardown_run(run_id, namespace, core, networking)
         except ApiException as error:  # not allowed to delete there: the other runs still go
-            log.warning(
-                "sweep: could not tear down Kubernetes run %s in %s: %s", run_id, metadata.namespace, error.reason
-            )
+            log.warning("sweep: could not tear down Kubernetes run %s in %s: %s", run_id, namespace, error.reason)
             continue
-        deleted += [f"{metadata.namespace}/{name}" for name in names]
+        deleted += [f"{namespace}/{name}" for name in names]
         log.info("sweep: deleted the pods, service, policy and ConfigMap of interrupted Kubernetes run %s", run_id)
     return {"kubernetes objects": deleted}
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import docker
 
 from hetflow.cluster.docker_backend import LABEL_RUN, LABEL_RUN_DIR, LABEL_RUN_ID, run_filter
+from hetflow.cluster.engine import engine_client
 from hetflow.cluster.layout import ClusterLayout
 from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
 from hetflow.cluster.swarm_preflight import preflight
@@ -44,7 +45,7 @@ log = logging.getLogger("hetflow.cluster")
 def teardown_run(run_id: str, client=None) -> list[str]:
     """Remove every service of the run (their tasks stop), then its network, found by label.
     Returns the names of the services removed."""
-    client = client or docker.from_env()
+    client = client or engine_client()
     selector = run_filter(run_id)
     services = client.services.list(filters=selector)
     for service in services:
@@ -75,23 +76,21 @@ def _remove_networks(client, networks) -> None:
 def sweep_services(home: Path, attach_seconds: float) -> dict[str, list[str]]:
     """Remove the services and overlay networks of this home's runs that no supervisor holds.
     Nothing to do where the engine is not a swarm manager."""
-    from hetflow.cluster.sweep import docker_time, run_is_live
+    from hetflow.cluster.sweep import docker_time, interrupted_runs
 
     try:
-        client = docker.from_env()
+        client = engine_client()
         services = client.services.list(filters={"label": LABEL_RUN})
     except docker.errors.DockerException:  # no engine, or not a swarm manager
         return {"services": []}
-    runs: dict[str, tuple[str, float]] = {}
+    parts = []
     for service in services:
         labels = service.attrs["Spec"].get("Labels") or {}
-        run_dir, newest = runs.get(labels[LABEL_RUN_ID], (labels[LABEL_RUN_DIR], 0.0))
-        runs[labels[LABEL_RUN_ID]] = (run_dir, max(newest, docker_time(service.attrs["UpdatedAt"])))
+        parts.append((labels[LABEL_RUN_ID], labels[LABEL_RUN_DIR], docker_time(service.attrs["UpdatedAt"])))
     removed = []
-    for run_id, (run_dir, started_at) in sorted(runs.items()):
-        if not run_is_live(run_dir, started_at, home, attach_seconds):
-            removed += teardown_run(run_id, client)
-            log.info("sweep: removed the services and network of interrupted run %s", run_id)
+    for run_id in interrupted_runs(parts, home, attach_seconds):
+        removed += teardown_run(run_id, client)
+        log.info("sweep: removed the services and network of interrupted run %s", run_id)
     return {"services": removed}
 
 

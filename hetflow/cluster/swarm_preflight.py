@@ -13,6 +13,7 @@ from docker.types import Mount, RestartPolicy, ServiceMode
 
 from hetflow.cluster.containers import container_user
 from hetflow.cluster.docker_backend import run_filter, run_labels, source_digest
+from hetflow.cluster.engine import engine_client
 from hetflow.cluster.swarm_replicas import ENDED, LABEL_DEVICE, newest_task, placement, plan
 from hetflow.paths import hetflow_home, run_paths
 from hetflow.spec import RunSpec
@@ -124,7 +125,7 @@ def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
     no swarm, not a manager, a placement no node satisfies, a node without the image of this code
     or without the shared HETFLOW_HOME."""
     try:
-        client = client or docker.from_env()
+        client = client or engine_client()
         info = client.info()
     except docker.errors.DockerException as error:
         reason = str(error).splitlines()[0][:200]

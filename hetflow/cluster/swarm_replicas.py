@@ -17,19 +17,18 @@ from hetflow.cluster.containers import (
     PIDS_LIMIT,
     STOP_GRACE_SECONDS,
     TMP_BYTES,
-    container_user,
     open_log,
-    prepare_run_dir,
     replica_environment,
     replica_spec,
 )
 from hetflow.cluster.docker_backend import LABEL_INDEX, LABEL_ROLE, container_name, network_name, run_labels
+from hetflow.cluster.engine import EngineReplicas
 from hetflow.cluster.layout import ClusterLayout, Replica, plan_named_cluster
-from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
+from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
 from hetflow.cluster.local import replica_view
 from hetflow.cluster.output_lines import cut_lines
 from hetflow.cluster.supervisor import ReplicaState
-from hetflow.paths import RunPaths, hetflow_home, write_record
+from hetflow.paths import RunPaths, write_record
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -157,18 +156,12 @@ def task_state(task: dict | None) -> ReplicaState:
     return ReplicaState(exit_code)
 
 
-class SwarmReplicas:
+class SwarmReplicas(EngineReplicas):
     """The swarm backend's side of the supervision (``supervisor.Replicas``): creates, inspects and
     removes the services of one run."""
 
-    restarts_in_place = False
-
     def __init__(self, layout: ClusterLayout, spec: RunSpec, run_dir: Path, client=None):
-        self.layout = layout
-        self.spec = spec
-        self.run_dir = run_dir
-        self.logs_dir = RunPaths(run_dir).logs
-        self.client = client or docker.from_env()
+        super().__init__(layout, spec, run_dir, client)
         self.nodes: dict[str, str] = {}  # replica: the id of the node its newest task runs on
 
     def provision(self) -> None:
@@ -178,33 +171,15 @@ class SwarmReplicas:
         )
         self.start(self.layout.replicas)
 
-    def start(self, replicas) -> None:
-        prepare_run_dir(RunPaths(self.run_dir))
-        launched_at = time.time()
-        for replica in replicas:
-            config = service_config(
-                self.layout,
-                replica,
-                self.spec,
-                hetflow_home(),
-                self.run_dir,
-                container_user(self.run_dir),
-                launched_at,
-            )
-            try:  # a restart: the service whose task ended gives way to a new one of the same name
-                self.client.services.get(config["name"]).remove()
-            except docker.errors.NotFound:
-                pass
-            service = self.client.services.create(**config)
-            log.info("created %s (service %s) at %s", replica.name, service.short_id, replica.address)
+    def configure(self, replica: Replica, home: Path, user: str, launched_at: float) -> dict:
+        return service_config(self.layout, replica, self.spec, home, self.run_dir, user, launched_at)
 
-    def attach(self) -> None:
-        """Hold the run's lease and beat its heartbeat: the services' replicas end themselves once
-        it stops (``hetflow.cluster.lease``), and `hetflow sweep` leaves a supervised run alone."""
-        self._lease = take_lease(self.run_dir, heartbeat=True)
+    def remove_named(self, name: str) -> None:
+        self.client.services.get(name).remove()
 
-    def detach(self) -> None:
-        self._lease.close()
+    def create(self, replica: Replica, config: dict) -> None:
+        service = self.client.services.create(**config)
+        log.info("created %s (service %s) at %s", replica.name, service.short_id, replica.address)
 
     def _node_name(self, node_id: str) -> str:
         try:

@@ -18,6 +18,7 @@ NetworkPolicy and ConfigMap. Without a kubeconfig or a service account there is 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from hetflow.cluster.lease import lease_path, supervisor_holds_lease
@@ -33,6 +34,21 @@ def run_is_live(run_dir: str, started_at: float, home: Path, attach_seconds: flo
     if time.time() - started_at < attach_seconds:
         return True  # provisioned, its train task may be about to take it
     return lease_path(path).exists() and supervisor_holds_lease(path)
+
+
+def interrupted_runs(parts: Iterable[tuple[str, str, float]], home: Path, attach_seconds: float) -> list[str]:
+    """The ids of the runs no supervisor holds, sorted, from what a backend found of them: each part
+    (a container, a service) as its run's id, its run directory and when it started; a run is as
+    young as its newest part."""
+    runs: dict[str, tuple[str, float]] = {}
+    for run_id, run_dir, started_at in parts:
+        first_dir, newest = runs.get(run_id, (run_dir, 0.0))
+        runs[run_id] = (first_dir, max(newest, started_at))
+    return [
+        run_id
+        for run_id, (run_dir, newest) in sorted(runs.items())
+        if not run_is_live(run_dir, newest, home, attach_seconds)
+    ]
 
 
 def docker_time(stamp: str) -> float:

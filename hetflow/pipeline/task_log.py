@@ -93,9 +93,21 @@ def log_failure_headline(context: dict[str, Any]) -> None:
     logging.getLogger("hetflow.stages").error("%s", failure_headline(context["ti"].task_id, context.get("exception")))
 
 
-# What the DAGs put in their default_args.
 CALLBACKS = {
     "on_execute_callback": capture_library_output,
     "on_success_callback": log_library_output,
     "on_failure_callback": log_failure_headline,
+}
+
+# What hetflow's DAGs (hetflow_train, hetflow_tune) share: they run when triggered (hetflow_retrain
+# triggers hetflow_train on a schedule or on new data), unpaused, since a paused DAG's triggered run
+# would wait in the queue. Task logs: what libraries write to stderr goes to DEBUG, not ERROR; a failed
+# task's log ends with one ERROR line naming the task and the cause. Each stage logs what it did in a
+# few lines; its return value (whole records, on one line) stays out of its log.
+DAG_ARGUMENTS = {
+    "schedule": None,
+    "catchup": False,
+    "is_paused_upon_creation": False,
+    "tags": ["hetflow"],
+    "default_args": {"retries": 0, **CALLBACKS, "show_return_value_in_logs": False},
 }
