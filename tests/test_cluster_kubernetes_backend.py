@@ -1,5 +1,6 @@
 """``hetflow sweep`` on Kubernetes: the runs nobody holds lose their pods, service, NetworkPolicy and
-ConfigMap, and nothing of a live run or of another HETFLOW_HOME goes. No cluster can run here, so the
+ConfigMap, and nothing of a live run or of another HETFLOW_HOME goes; a teardown gives the pods the
+grace it was given. No cluster can run here, so the
 runs are provisioned by the real backend into ``_Cluster``, which keeps what the API server would
 return (the client's own model objects, made by the client's own deserializer from the JSON of what
 was created, with a namespace, uid and creation time) and answers lists by label selector as the API
@@ -54,6 +55,7 @@ class _Cluster:
         self.forbid_deletes_in = forbid_deletes_in
         self._client = kubernetes.client.ApiClient()
         self._uids = 0
+        self.grace_given: dict[str, int] = {}  # kind/name: the grace_period_seconds of its deletion
 
     def __getattr__(self, method: str):
         for kind, model in KINDS.items():
@@ -64,7 +66,9 @@ class _Cluster:
             if method == f"list_{kind}_for_all_namespaces":
                 return lambda label_selector, **_: self._list(kind, model, None, label_selector)
             if method == f"delete_namespaced_{kind}":
-                return lambda name, namespace, **_: self._delete(kind, name, namespace)
+                return lambda name, namespace, grace_period_seconds=None, **_: self._delete(
+                    kind, name, namespace, grace_period_seconds
+                )
         raise AttributeError(method)
 
     def _create(self, kind: str, model: str, namespace: str, body: dict):
@@ -90,12 +94,13 @@ class _Cluster:
         ]
         return getattr(kubernetes.client, f"{model}List")(items=items)
 
-    def _delete(self, kind: str, name: str, namespace: str):
+    def _delete(self, kind: str, name: str, namespace: str, grace_period_seconds: int | None):
         if namespace in self.forbid_deletes_in:
             raise ApiException(status=403, reason="Forbidden")
         for found in self.objects[kind]:
             if (found.metadata.name, found.metadata.namespace) == (name, namespace):
                 self.objects[kind].remove(found)
+                self.grace_given[f"{kind}/{name}"] = grace_period_seconds
                 return kubernetes.client.V1Status(status="Success")
         raise ApiException(status=404, reason="Not Found")
 
@@ -222,3 +227,18 @@ def test_a_cluster_that_does_not_answer_is_one_warning_not_an_error(tmp_path, ca
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "the Kubernetes API did not answer" in warnings[0]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_a_teardown_gives_the_runs_pods_the_grace_it_was_given(tmp_path, monkeypatch):
+    cluster = _Cluster()
+    monkeypatch.setattr(kubernetes.client, "CoreV1Api", lambda: cluster)
+    monkeypatch.setattr(kubernetes.client, "NetworkingV1Api", lambda: cluster)
+    monkeypatch.setattr(k8s, "load_client_config", lambda: None)
+    spec = parse_spec({"backend": "kubernetes", "strategy": "multi_worker_mirrored", "workers": 2})
+    for run_id, grace, expected in (("stopped", 2.0, 2), ("ended", None, 10)):  # the train task's SIGTERM, a teardown
+        _provision(cluster, run_id, tmp_path / run_id, namespace="default")
+        k8s.BACKEND.teardown(spec, run_id, grace=grace)
+        pods = {
+            name: seconds for name, seconds in cluster.grace_given.items() if name.startswith("pod/") and run_id in name
+        }
+        assert len(pods) == 2 and set(pods.values()) == {expected}, cluster.grace_given

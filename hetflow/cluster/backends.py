@@ -39,7 +39,11 @@ class Backend(Protocol):
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         """End everything of the run, found by its run id; the names of what was ended.
 
-        :param grace: seconds between SIGTERM and SIGKILL (default: the backend's)."""
+        :param grace: the most seconds a replica may take to end once told to (default: the backend's):
+            local processes and Kubernetes pods get SIGTERM, then SIGKILL after it; docker's containers
+            are killed at once, within any grace. Swarm's tasks are the exception: the engine gives
+            them their service's stop grace period, fixed when the service was made
+            (``containers.STOP_GRACE_SECONDS``)."""
 
     def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
         """Remove what interrupted runs of ``home`` left and no supervisor holds, by kind.

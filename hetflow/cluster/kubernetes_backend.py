@@ -234,10 +234,12 @@ class KubernetesReplicas:
                     raise
 
 
-def teardown_run(run_id: str, namespace: str, core=None, networking=None) -> list[str]:
+def teardown_run(
+    run_id: str, namespace: str, core=None, networking=None, grace: float = STOP_GRACE_SECONDS
+) -> list[str]:
     """Delete the run's ConfigMap (the garbage collector deletes what it owns) and, for what an
     interrupted start left without an owner, every pod, service and NetworkPolicy with the run's
-    label. Returns the names deleted."""
+    label, each given ``grace`` whole seconds to stop. Returns the names deleted."""
     if core is None:
         load_client_config()
         core = kubernetes.client.CoreV1Api()
@@ -256,7 +258,7 @@ def teardown_run(run_id: str, namespace: str, core=None, networking=None) -> lis
     ):
         for item in listing(namespace, label_selector=selector).items:
             try:
-                delete(item.metadata.name, namespace, grace_period_seconds=STOP_GRACE_SECONDS)
+                delete(item.metadata.name, namespace, grace_period_seconds=int(grace))
                 deleted.append(f"{kind}/{item.metadata.name}")
             except ApiException as error:
                 if error.status != 404:
@@ -362,7 +364,9 @@ class KubernetesBackend:
         return KubernetesReplicas(layout, spec, run_dir)
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
-        return teardown_run(run_id, spec.cluster.kubernetes.namespace)
+        return teardown_run(
+            run_id, spec.cluster.kubernetes.namespace, grace=STOP_GRACE_SECONDS if grace is None else grace
+        )
 
     def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
         return sweep_runs(home, ATTACH_TIMEOUT_SECONDS if grace is None else grace)
