@@ -4,6 +4,7 @@ that is a link or floods is read no further. The test plays the replica, writing
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -93,3 +94,26 @@ def test_a_watcher_that_asks_to_stop_is_heard_and_one_that_fails_is_dropped(path
         pass  # the last look, on the way out, still runs
     assert seen == [1, 2] and watch.stop_reason == "pruned at epoch 2"
     assert watch.watchers == [pruner]
+
+
+def test_replicas_that_end_within_an_interval_are_sampled_as_training_starts(paths):
+    """A short run's replicas can be gone before the first interval is over: their usage is
+    sampled as the watch starts too, not only every interval and on the way out."""
+    alive, sampled = threading.Event(), threading.Event()
+    alive.set()
+
+    def sample():
+        sampled.set()
+        return {"worker-0": {"memory_mb": 512.0}} if alive.is_set() else {}
+
+    usage_seen = []
+    watch = ProgressWatch(
+        ProgressReader(paths, SPEC, ["worker-0"]),
+        sample,
+        [lambda epochs, usage: usage_seen.append(usage)],
+        interval=60,
+    )
+    with watch:
+        assert sampled.wait(timeout=10), "no sample within 10 s of the start"
+        alive.clear()  # the replicas ended, long before an interval
+    assert {"worker-0": {"memory_mb": 512.0}} in usage_seen, usage_seen

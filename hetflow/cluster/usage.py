@@ -16,7 +16,7 @@ Usage = dict[str, dict[str, float]]
 
 class LocalUsage:
     """Local replicas, by their processes (found by run id: ``hetflow.cluster.processes``). A
-    process's CPU is measured between two samples, so the first sample of each has none."""
+    process's CPU is measured between two samples, so the first sample of each has its memory only."""
 
     def __init__(self, run_id: str):
         self.run_id = run_id
@@ -30,8 +30,10 @@ class LocalUsage:
             process = self._processes.get(name)
             try:
                 if process is None or process.pid != pid:  # new, or restarted
-                    self._processes[name] = psutil.Process(pid)
-                    self._processes[name].cpu_percent(None)  # starts its measuring interval
+                    process = self._processes[name] = psutil.Process(pid)
+                    with process.oneshot():
+                        process.cpu_percent(None)  # starts its measuring interval
+                        usage[name] = {"memory_mb": process.memory_info().rss / 2**20}
                     continue
                 with process.oneshot():
                     cpu_percent, resident = process.cpu_percent(None), process.memory_info().rss
@@ -42,7 +44,8 @@ class LocalUsage:
 
 
 class ContainerUsage:
-    """Docker containers, from the engine's stats (cgroup counters): CPU between two samples."""
+    """Docker containers, from the engine's stats (cgroup counters): CPU between two samples, so
+    the first sample of each has its memory only."""
 
     def __init__(self, client, filters: dict, name_labels: tuple[str, str]):
         """:param filters: the run's containers, as ``containers.list`` takes them.
@@ -66,7 +69,7 @@ class ContainerUsage:
             now = time.monotonic()
             before = self._cpu.get(name)
             self._cpu[name] = (used_ns, now)
+            usage[name] = {"memory_mb": memory / 2**20}  # CPU, from the second sample on
             if before is not None and now > before[1] and used_ns >= before[0]:
-                cpu_percent = 100 * (used_ns - before[0]) / 1e9 / (now - before[1])
-                usage[name] = {"cpu_percent": cpu_percent, "memory_mb": memory / 2**20}
+                usage[name]["cpu_percent"] = 100 * (used_ns - before[0]) / 1e9 / (now - before[1])
         return usage
