@@ -73,13 +73,14 @@ test-all: test-deps
 test-fast: setup
 	$(BIN)/pytest -v -m "not slow and not replicas"
 
-## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md; on a swarm of unequal nodes: bench/STRAGGLER-SWARM.md), model parallelism (bench/MODEL_PARALLEL.md), containers vs processes on local, docker and swarm (bench/CONTAINERS.md) and a default run's fixed overhead (bench/OVERHEAD.md); the swarm benches bring their own swarm up and down (docker/swarm.sh)
+## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md; on a swarm of unequal nodes: bench/STRAGGLER-SWARM.md), model parallelism (bench/MODEL_PARALLEL.md; where pipelining's time goes: bench/PIPELINE_OVERLAP.md), containers vs processes on local, docker and swarm (bench/CONTAINERS.md) and a default run's fixed overhead (bench/OVERHEAD.md); the swarm benches bring their own swarm up and down (docker/swarm.sh)
 bench: setup image
 	$(BIN)/python bench/run.py $(ARGS)
 	$(BIN)/python bench/compression.py
 	$(BIN)/python bench/straggler.py
 	$(BIN)/python bench/straggler.py --backend swarm
 	$(BIN)/python bench/model_parallel.py
+	$(BIN)/python bench/pipeline_overlap.py
 	$(BIN)/python bench/live_logging.py
 	$(BIN)/python bench/tune.py
 	$(BIN)/python bench/containers.py
