@@ -12,9 +12,11 @@ from pydantic import ConfigDict, Field
 
 from hetflow.spec.sections import Section, SpecModel, field_backends, short_name, spec_field
 
-# No pipelining unless asked: measured on two CPU replicas (bench/MODEL_PARALLEL.md), every split
-# step took longer than the unsplit one (2, 4, 8 micro-batches: 1.13x, 1.47x, 2.5x the time), each
-# micro-batch materialising its own weight gradients and the stages barely overlapping.
+# No pipelining unless asked: it pays only where a stage's work grows with its examples. On
+# bench/MODEL_PARALLEL.md's wide model at batch 64 every split step took longer (2, 4, 8
+# micro-batches: 1.13x, 1.47x, 2.5x the time), each micro-batch materialising its own 4096x4096
+# weight gradients; on a compute-bound MLP at batch 2048, 8 micro-batches made the step 1.51x faster
+# (bench/PIPELINE_OVERLAP.md).
 MICRO_BATCHES = 1
 STAGE_SPLIT = "measured"
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
@@ -219,8 +221,10 @@ class ClusterSpec(Section):
         MICRO_BATCHES,
         "model_parallel only: each step's global batch is split into this many micro-batches, so that "
         "layer groups work at the same time (every micro-batch forward, then every one backward, one update "
-        "from their summed gradients: the same update as the unsplit batch). 1, the default: no pipelining "
-        "(on CPU replicas it measured slower, bench/MODEL_PARALLEL.md).",
+        "from their summed gradients: the same update as the unsplit batch). 1, the default: no pipelining. "
+        "It pays where a stage's work grows with its examples (a large batch: 8 made a step 1.51x faster, "
+        "bench/PIPELINE_OVERLAP.md), not where each micro-batch's weight gradients dominate (a wide model at a "
+        "small batch took longer, bench/MODEL_PARALLEL.md).",
         ge=1,
         le=64,
         title="Micro-batches (model_parallel)",
