@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,15 +29,11 @@ from datetime import datetime, timezone
 from report import busy_cores, other_work_line, save  # bench/report.py: the scripts run as bench/<name>.py
 from run import machine_facts
 
+from hetflow.cluster.layout import free_local_port
+
 WIDTH, DEPTH, BATCH, CLASSES = 512, 4, 2048, 10
 MICRO_BATCHES = (1, 2, 4, 8)
 STAGES = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def start_stage_servers(cluster: dict) -> list[subprocess.Popen]:
@@ -163,7 +158,8 @@ def main() -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import hetflow  # noqa: F401  (tf.keras is tf_keras, as in every replica)
 
-    cluster = {"chief": [f"127.0.0.1:{_free_port()}"], "worker": [f"127.0.0.1:{_free_port()}" for _ in range(STAGES)]}
+    chief, *workers = (f"127.0.0.1:{free_local_port()}" for _ in range(1 + STAGES))
+    cluster = {"chief": [chief], "worker": workers}
     busy = [busy_cores()]
     servers = start_stage_servers(cluster)
     try:

@@ -1,11 +1,11 @@
 """``hetflow sweep`` on Kubernetes: the runs nobody holds lose their pods, service, NetworkPolicy and
 ConfigMap, and nothing of a live run or of another HETFLOW_HOME goes; a teardown gives the pods the
-grace it was given. No cluster can run here, so the
-runs are provisioned by the real backend into ``_Cluster``, which keeps what the API server would
-return (the client's own model objects, made by the client's own deserializer from the JSON of what
-was created, with a namespace, uid and creation time) and answers lists by label selector as the API
-server does. Without any client configuration the sweep has nothing to do and says nothing; with a
-kubeconfig whose server does not answer it warns once and goes on."""
+grace it was given. No cluster can run here, so the runs are provisioned by the real backend into
+``_Cluster``, which keeps what the API server would return (the client's own model objects, made by
+the client's own deserializer from the JSON of what was created, with a namespace, uid and creation
+time) and answers lists by label selector as the API server does. Without any client configuration
+the sweep has nothing to do and says nothing; with a kubeconfig whose server does not answer it warns
+once and goes on."""
 
 from __future__ import annotations
 

@@ -93,6 +93,7 @@ def log_failure_headline(context: dict[str, Any]) -> None:
     logging.getLogger("hetflow.stages").error("%s", failure_headline(context["ti"].task_id, context.get("exception")))
 
 
+# What every hetflow DAG puts in its default_args (hetflow_retrain's too).
 CALLBACKS = {
     "on_execute_callback": capture_library_output,
     "on_success_callback": log_library_output,
