@@ -114,7 +114,7 @@ def run_scenario(bench: Bench, name: str) -> dict:
 def sweep_and_clean(bench: Bench) -> dict:
     """``sweep(home)`` for every home of the bench, then whatever of its runs is still there, removed
     by the bench itself (so that nothing outlives it), each reported."""
-    from hetflow.cluster.backends import sweep
+    from hetflow.cluster.backends.base import sweep
 
     runs = [(home, path.read_text()) for home in sorted(bench.homes) for path in home.glob("runs/*/run_id")]
     swept = {str(home): sweep(home) for home in sorted(bench.homes)}
@@ -127,7 +127,7 @@ def sweep_and_clean(bench: Bench) -> dict:
                 with contextlib.suppress(ProcessLookupError):  # gone since it was found
                     os.kill(pid, signal.SIGKILL)
             if bench.docker is not None:
-                from hetflow.cluster.docker_backend import teardown_run
+                from hetflow.cluster.backends.docker.backend import teardown_run
 
                 teardown_run(run_id, bench.docker)
     return {"swept": swept, "left_after_sweep": after}
@@ -332,7 +332,7 @@ def _trouble_lines(ran: dict) -> list[str]:
 
 
 def _sweep_lines(record: dict) -> list[str]:
-    lines = ["", "## Final sweep", "", "`hetflow.cluster.backends.sweep(home)` for each HETFLOW_HOME of the bench:", ""]
+    lines = ["", "## Final sweep", "", "`hetflow.cluster.backends.base.sweep(home)` for each HETFLOW_HOME of the bench:", ""]
     for home, found in record["sweep"]["swept"].items():
         lines.append(f"- `{Path(home).name}`: containers {found['containers']}, networks {found['networks']}")
     left = record["sweep"]["left_after_sweep"]

@@ -139,7 +139,7 @@ def leftovers(bench: Bench, home: Path, run_id: str) -> dict:
         "networks": [],
     }
     if bench.docker is not None:
-        from hetflow.cluster.docker_backend import run_filter
+        from hetflow.cluster.engine import run_filter
 
         found["containers"] = sorted(c.name for c in bench.docker.containers.list(all=True, filters=run_filter(run_id)))
         found["networks"] = sorted(n.name for n in bench.docker.networks.list(filters=run_filter(run_id)))

@@ -28,7 +28,7 @@ from chaos_runs import REPO_ROOT, Bench, docker_unavailable, environment, run_di
 from chaos_scenarios import CLEAR_PASS
 from swarm_nodes import PREFIX, swarm
 
-from hetflow.cluster.docker_backend import LABEL_SOURCE, container_name, network_name, source_digest
+from hetflow.cluster.engine import LABEL_SOURCE, container_name, network_name, source_digest
 from hetflow.paths import RunPaths
 
 NODES = "node-1:1.0:cpu node-2:1.0:cpu"
@@ -105,7 +105,7 @@ def node_client(node: str):
 def objects_of(run_id: str, manager, nodes: dict) -> dict[str, list[str]]:
     """What of the run the swarm still has: services and networks on the manager, task containers
     and the overlay network on each node that answers."""
-    from hetflow.cluster.docker_backend import run_filter
+    from hetflow.cluster.engine import run_filter
 
     prefix, network = container_name(run_id, ""), network_name(run_id)
     found = {

@@ -82,7 +82,7 @@ PATTERNS = {"all_reduce": all_reduce, "round_trip": round_trip}
 
 
 def pin(rank: int) -> None:
-    # The workers' assignment (hetflow/cluster/local.py): the allowed cores in order, round robin.
+    # The workers' assignment (hetflow/cluster/backends/local/replicas.py): the allowed cores in order, round robin.
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[rank % len(cores)]})
 

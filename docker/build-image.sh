@@ -30,7 +30,7 @@ rm -rf "$CONTEXT/hetflow"
 tar -c --exclude=__pycache__ hetflow | tar -x -C "$CONTEXT"
 
 # Labelled with a digest of the code and pins, which a run's preflight compares with its checkout's.
-digest=$(.venv/bin/python -c 'from hetflow.cluster.docker_backend import source_digest; print(source_digest())')
+digest=$(.venv/bin/python -c 'from hetflow.cluster.engine import source_digest; print(source_digest())')
 docker build --quiet --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "SOURCE_DIGEST=$digest" --label "hetflow.source-digest=$digest" \
     -f docker/Dockerfile -t "$IMAGE" "$CONTEXT" >/dev/null
 # Its dependencies' stage, which the compose stack's image builds on (docker/stack-images.sh): from

@@ -228,9 +228,10 @@ class RunPaths:
     @property
     def replicas(self) -> Path:
         """What the pipeline records of the replicas while they run: how each local replica ended, the
-        supervisor's lease (hetflow.cluster.keeper), the restarts, the nodes, auto's request. Replicas see
-        this folder read-only as a whole, made before any starts: a file the pipeline renames into it
-        stays out of their reach, where a read-only bind of one file is lost when the file is replaced."""
+        supervisor's lease (hetflow.cluster.backends.local.keeper), the restarts, the nodes, auto's
+        request. Replicas see this folder read-only as a whole, made before any starts: a file the
+        pipeline renames into it stays out of their reach, where a read-only bind of one file is lost
+        when the file is replaced."""
         return self.root / "replicas"
 
     @property

@@ -3,7 +3,7 @@
 
 A sandboxed command runs as a non-zero uid with no capabilities, in user, mount, pid, ipc and uts
 namespaces of its own, and in a network namespace that is either its own (only loopback) or the
-one its run's replicas share (``hetflow.cluster.netns``). Its file system is built from nothing:
+one its run's replicas share (``hetflow.cluster.backends.local.netns``). Its file system is built from nothing:
 the system's ``/usr`` and ``/etc`` (less the password hashes), a fresh ``/proc``, ``/dev`` and
 ``/tmp``, and only the directories it is shown (the code, the interpreter, a run directory, the
 data). Nothing else exists there: no ``/run`` (the Docker socket), no home, no other run, no

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hetflow.cluster import kubernetes_manifests as manifests
+from hetflow.cluster.backends.kubernetes import manifests as manifests
 from hetflow.spec import parse_spec
 
 RUN_ID = "manual__2026-11-22T00:12:03.120579+00:00"  # an Airflow run id: ':' and '+' included

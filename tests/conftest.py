@@ -120,7 +120,8 @@ def replica_sandbox(run_id: str, *folders: str):
     ``folders`` besides, the output folder handed over) and a sandbox with a replica's view of it,
     less its network: ``(paths, box)``."""
     from hetflow import sandbox
-    from hetflow.cluster.local import file_view, hand_over_writable, provisioned_directories
+    from hetflow.cluster.backends.local.replicas import file_view
+    from hetflow.cluster.replica_view import hand_over_writable, provisioned_directories
     from hetflow.paths import create_run_dir, write_record
     from hetflow.spec import parse_spec
 

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 from cluster_run import OWNER, RUN_DIR, RUN_ID
 
-from hetflow.cluster import kubernetes_backend as k8s
-from hetflow.cluster import kubernetes_manifests as manifests
+from hetflow.cluster.backends.kubernetes import backend as k8s
+from hetflow.cluster.backends.kubernetes import manifests as manifests
 from hetflow.cluster.layout import run_slug
 from hetflow.spec import parse_spec
 

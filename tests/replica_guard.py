@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-REPLICA_MODULES = ("hetflow.cluster.keeper", "hetflow.replica")
+REPLICA_MODULES = ("hetflow.cluster.backends.local.keeper", "hetflow.replica")
 
 
 def starts_replicas(args) -> bool:

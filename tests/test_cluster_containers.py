@@ -11,8 +11,8 @@ import re
 import pytest
 from cluster_run import HOME, RUN_DIR, RUN_ID
 
-from hetflow.cluster import docker_backend as dk
-from hetflow.cluster import kubernetes_backend as k8s
+from hetflow.cluster.backends.docker import backend as dk
+from hetflow.cluster.backends.kubernetes import backend as k8s
 from hetflow.cluster.containers import lines_to_file
 from hetflow.cluster.layout import plan_cluster, run_slug
 from hetflow.paths import RunPaths
@@ -82,7 +82,7 @@ def test_container_only_keys_are_rejected_with_the_local_backend():
             ("request_gpus", "true", "false"),
         )
     ]
-    # Memory is limited on local too (hetflow.cluster.limits): the key is read there.
+    # Memory is limited on local too (hetflow.cluster.backends.local.limits): the key is read there.
     assert parse_spec({"replica_memory_mb": 512}).cluster.resources.memory_mb == 512
     with pytest.raises(SpecError, match=r"pin_cores=true is invalid with backend=kubernetes: expected false"):
         parse_spec({"backend": "kubernetes", "pin_cores": True})

@@ -1,4 +1,4 @@
-"""The docker backend (hetflow/cluster/docker_backend.py): the run's network, each replica's container
+"""The docker backend (hetflow/cluster/backends/docker/backend.py): the run's network, each replica's container
 config, a container's state from `docker inspect`, CPU quotas and cpusets."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 
 from cluster_run import HOME, RUN_DIR, RUN_ID, ps_spec
 
-from hetflow.cluster import docker_backend as dk
+from hetflow.cluster.backends.base import ReplicaState
+from hetflow.cluster.backends.docker import backend as dk
 from hetflow.cluster.layout import run_slug
-from hetflow.cluster.supervisor import ReplicaState
 from hetflow.spec import RunSpec, parse_spec
 
 # --- docker: network and container configs --------------------------------------------------------

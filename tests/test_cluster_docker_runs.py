@@ -54,8 +54,8 @@ def test_provisioning_starts_the_containers_a_clash_is_refused_and_teardown_remo
 
 
 def test_docker_input_the_engine_cannot_serve_is_refused_before_anything_starts(docker_client, monkeypatch):
-    from hetflow.cluster.backends import backend_for
-    from hetflow.cluster.docker_backend import source_digest
+    from hetflow.cluster.backends.base import backend_for
+    from hetflow.cluster.engine import source_digest
 
     def problems(**values):
         spec = parse_spec({"backend": "docker", **values})
@@ -354,7 +354,7 @@ def test_containers_end_themselves_within_seconds_of_a_sigkill_of_their_supervis
 
     from conftest import REPO
 
-    from hetflow.cluster.docker_backend import teardown_run
+    from hetflow.cluster.backends.docker.backend import teardown_run
     from hetflow.cluster.lease import SUPERVISOR_GONE_EXIT_CODE
 
     runs = str(Path(hetflow_env["HETFLOW_HOME"]) / "runs") + "/"

@@ -19,8 +19,8 @@ import kubernetes.config.kube_config
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from hetflow.cluster import kubernetes_backend as k8s
-from hetflow.cluster.kubernetes_manifests import LABEL_RUN
+from hetflow.cluster.backends.kubernetes import backend as k8s
+from hetflow.cluster.backends.kubernetes.manifests import LABEL_RUN
 from hetflow.cluster.layout import run_slug
 from hetflow.spec import parse_spec
 
@@ -191,7 +191,7 @@ def no_cluster_configured(tmp_path, monkeypatch):
 def test_without_a_client_configuration_the_sweep_has_nothing_to_do_and_says_nothing(
     tmp_path, caplog, no_cluster_configured
 ):
-    from hetflow.cluster.backends import sweep
+    from hetflow.cluster.backends.base import sweep
 
     with caplog.at_level(logging.DEBUG):
         assert k8s.BACKEND.sweep(tmp_path, 0) == {}
@@ -203,7 +203,7 @@ def test_a_cluster_that_does_not_answer_is_one_warning_not_an_error(tmp_path, ca
     """Through ``hetflow sweep``'s own function: every backend's sweep runs, Kubernetes' among them."""
     import socket
 
-    from hetflow.cluster.backends import sweep
+    from hetflow.cluster.backends.base import sweep
 
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))

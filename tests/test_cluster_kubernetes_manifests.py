@@ -1,6 +1,6 @@
-"""The kubernetes backend's manifests (hetflow/cluster/kubernetes_manifests.py): the headless service,
+"""The kubernetes backend's manifests (hetflow/cluster/backends/kubernetes/manifests.py): the headless service,
 the pods, the ConfigMap, the TFJob against the training operator's own CRD, the run's network
-policy; pod states (hetflow/cluster/kubernetes_backend.py); and a real run where a cluster exists."""
+policy; pod states (hetflow/cluster/backends/kubernetes/backend.py); and a real run where a cluster exists."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from kubernetes.client import (
     V1PodStatus,
 )
 
-from hetflow.cluster import kubernetes_backend as k8s
-from hetflow.cluster import kubernetes_manifests as manifests
+from hetflow.cluster.backends.base import ReplicaState
+from hetflow.cluster.backends.kubernetes import backend as k8s
+from hetflow.cluster.backends.kubernetes import manifests as manifests
 from hetflow.cluster.layout import run_slug
-from hetflow.cluster.supervisor import ReplicaState
 from hetflow.spec import parse_spec
 
 BIN = Path(sys.executable).parent

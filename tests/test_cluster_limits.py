@@ -1,4 +1,4 @@
-"""A local replica's memory and task limits (``hetflow.cluster.limits``): a hostile process in a
+"""A local replica's memory and task limits (``hetflow.cluster.backends.local.limits``): a hostile process in a
 replica's sandbox, started as its keeper starts a replica (inside its cgroups), forks and allocates
 until the kernel stops it at the replica's limits, not at the host's. Real cgroups, real sandboxes."""
 
@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 from hetflow import sandbox
-from hetflow.cluster import limits
-from hetflow.cluster.keeper import _replica_preexec
+from hetflow.cluster.backends.local import limits
+from hetflow.cluster.backends.local.keeper import _replica_preexec
 
 _FORK_BOMB = textwrap.dedent(
     """
@@ -76,7 +76,7 @@ def test_where_no_cgroup_can_be_made_the_keeper_is_told_in_one_line(tmp_path):
 
 
 def test_where_no_cgroup_can_be_made_the_replicas_tasks_are_limited_and_its_log_says_what_is_not(tmp_path, monkeypatch):
-    from hetflow.cluster import keeper
+    from hetflow.cluster.backends.local import keeper
 
     monkeypatch.setattr(limits, "CGROUP_ROOT", tmp_path / "cgroup-v2-only")
     log_path = tmp_path / "worker-0.log"

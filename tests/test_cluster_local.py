@@ -222,7 +222,7 @@ def test_killing_the_supervisor_ends_servers_and_chief_of_a_parameter_server_run
 
 
 def test_parameter_server_layout_and_core_pinning():
-    from hetflow.cluster.local import core_assignment
+    from hetflow.cluster.layout import core_assignment
 
     ports = iter(range(42000, 42010))
     spec = parse_spec({"strategy": "parameter_server", "workers": 2, "ps": 1})

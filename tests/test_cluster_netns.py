@@ -1,4 +1,4 @@
-"""Local replicas in a network namespace of their run (``hetflow.cluster.netns``): their gRPC servers,
+"""Local replicas in a network namespace of their run (``hetflow.cluster.backends.local.netns``): their gRPC servers,
 which listen on every interface without authentication, are unreachable from this host's network
 and reachable from inside the run's sandboxes; every replica of the run, restarted ones included,
 shares the one namespace, which goes with the run. Real processes in real bubblewrap sandboxes."""
@@ -18,8 +18,8 @@ import psutil
 import pytest
 from conftest import REPO, hetflow, listening, wait_for
 
-from hetflow.cluster import netns
-from hetflow.cluster.local import LocalReplicas
+from hetflow.cluster.backends.local import netns
+from hetflow.cluster.backends.local.replicas import LocalReplicas
 from hetflow.cluster.processes import RUN_ID_ENV, environments_with, run_processes, teardown_runs_of_home
 from hetflow.paths import RunPaths, hetflow_home, run_paths
 
@@ -80,9 +80,9 @@ def _replica_processes(run_id: str) -> list[int]:
 
 @pytest.mark.replicas
 def test_replicas_are_reachable_only_inside_their_namespace_which_all_of_them_share(provisioned):
-    from hetflow.cluster import keeper
+    from hetflow.cluster.backends.local import keeper
+    from hetflow.cluster.backends.local.replicas import file_view
     from hetflow.cluster.layout import ClusterLayout
-    from hetflow.cluster.local import file_view
     from hetflow.pipeline.attempts import load_spec
 
     devices = [{"device": "cpu", "threads": 1}, {"device": "cpu", "threads": 1, "slowdown": 4}]

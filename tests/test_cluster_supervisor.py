@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from hetflow.cluster import docker_backend as dk
+from hetflow.cluster.backends.docker import backend as dk
 from hetflow.cluster.layout import plan_cluster
 from hetflow.cluster.supervisor import (
     ReplicaFailed,

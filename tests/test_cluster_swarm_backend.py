@@ -18,14 +18,14 @@ from conftest import REPO, dag_run, full_log, wait_for
 from network_probes import ANSWER, CONNECT, SERVE
 
 from hetflow.cluster import containers
-from hetflow.cluster.layout import SERVICE_PORT, run_slug
-from hetflow.cluster.swarm_backend import teardown_run
-from hetflow.cluster.swarm_preflight import preflight
-from hetflow.cluster.swarm_replicas import (
+from hetflow.cluster.backends.swarm.backend import teardown_run
+from hetflow.cluster.backends.swarm.preflight import preflight
+from hetflow.cluster.backends.swarm.replicas import (
     network_config,
     plan,
     service_config,
 )
+from hetflow.cluster.layout import SERVICE_PORT, run_slug
 from hetflow.paths import RunPaths
 
 PREFIX = "hetflow-swarm-test"

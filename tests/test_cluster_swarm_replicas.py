@@ -11,9 +11,8 @@ import pytest
 from cluster_run import swarm_sync_spec
 
 from hetflow.cluster import containers
-from hetflow.cluster.layout import run_slug
-from hetflow.cluster.swarm_preflight import preflight, satisfies
-from hetflow.cluster.swarm_replicas import (
+from hetflow.cluster.backends.swarm.preflight import preflight, satisfies
+from hetflow.cluster.backends.swarm.replicas import (
     _stamp_key,
     _stamp_seconds,
     network_config,
@@ -22,6 +21,7 @@ from hetflow.cluster.swarm_replicas import (
     service_config,
     task_state,
 )
+from hetflow.cluster.layout import run_slug
 from hetflow.spec import SpecError, parse_spec
 
 # --- services, placement and states: pure ------------------------------------------------------------

@@ -9,12 +9,13 @@ import uuid
 import pytest
 from conftest import hetflow
 
-from hetflow.cluster.backends import sweep
+from hetflow.cluster.backends.base import sweep
 
 
 def _run_container(client, run_id: str, run_dir, name: str):
     """A container and network labelled as hetflow's docker backend labels a run's."""
-    from hetflow.cluster.docker_backend import network_config, run_labels
+    from hetflow.cluster.backends.docker.backend import network_config
+    from hetflow.cluster.engine import run_labels
 
     network = client.networks.create(**{**network_config(run_id, run_dir), "name": f"{name}-net"})
     container = client.containers.run(
@@ -76,7 +77,7 @@ def test_the_sweep_command_reports_what_it_removed(hetflow_env):
 def test_every_teardown_sweeps_what_earlier_runs_left(docker_client, hetflow_env, monkeypatch):
     import docker
 
-    from hetflow.cluster import docker_backend
+    from hetflow.cluster.backends.docker import backend as docker_backend
     from hetflow.paths import run_paths
     from hetflow.tasks.teardown_cluster import teardown_cluster
     from hetflow.tasks.validate_spec import validate_spec

@@ -72,8 +72,8 @@ def test_a_truncated_shard_is_named_and_the_rest_kept(tmp_path):
 
 
 def test_a_taken_port_moves_the_replica_and_every_tf_config_follows(tmp_path):
+    from hetflow.cluster.backends.local.replicas import LocalReplicas, port_taken
     from hetflow.cluster.layout import plan_cluster
-    from hetflow.cluster.local import LocalReplicas, port_taken
 
     spec = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2})
     with socket.socket() as squatter:

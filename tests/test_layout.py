@@ -73,7 +73,7 @@ def test_the_pipeline_package_has_no_import_cycle():
     assert {
         "hetflow.tasks.train",
         "hetflow.replica.sync",
-        "hetflow.cluster.local",
+        "hetflow.cluster.backends.local.replicas",
     } <= graph.keys()  # the walk found the tree
     assert _cycle(graph) is None, _cycle(graph)
 
@@ -333,7 +333,7 @@ def test_docs_state_the_naming_rule_this_file_checks():
 def test_the_replica_guard_knows_a_replica_start_when_it_sees_one():
     from replica_guard import starts_replicas
 
-    assert starts_replicas(["/venv/bin/python", "-m", "hetflow.cluster.keeper", "--run-dir", "/runs/a"])
+    assert starts_replicas(["/venv/bin/python", "-m", "hetflow.cluster.backends.local.keeper", "--run-dir", "/runs/a"])
     assert starts_replicas("python -m hetflow.replica --run-dir /runs/a")
     assert not starts_replicas(["git", "status"])
     assert not starts_replicas(["python", "-m", "hetflow.cli.main", "validate"])
@@ -373,4 +373,6 @@ def test_architecture_md_lists_the_tracked_layout():
     assert architecture_tree(text) == tracked_layout(tracked)
     # A module's line gone from the tree shows as that module.
     keeper = next(line for line in text.splitlines() if line.lstrip().startswith("keeper.py "))
-    assert tracked_layout(tracked) - architecture_tree(text.replace(keeper + "\n", "")) == {"hetflow/cluster/keeper.py"}
+    assert tracked_layout(tracked) - architecture_tree(text.replace(keeper + "\n", "")) == {
+        "hetflow/cluster/backends/local/keeper.py"
+    }

@@ -66,8 +66,8 @@ def test_auto_goes_async_beyond_the_async_spread():
 
 
 def test_visible_gpus_give_each_gpu_worker_its_own_devices():
+    from hetflow.cluster.backends.local.replicas import visible_gpus
     from hetflow.cluster.layout import plan_cluster
-    from hetflow.cluster.local import visible_gpus
 
     spec = parse_spec(
         {
@@ -143,7 +143,7 @@ def test_the_workers_are_measured_over_the_same_seconds_each_on_its_own_computat
 
 
 def test_throttle_limits_cpu_time_from_outside():
-    from hetflow.cluster.throttle import Throttle
+    from hetflow.cluster.backends.local.throttle import Throttle
 
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     throttle = Throttle(busy.pid, slowdown=4)

@@ -45,9 +45,9 @@ _HOSTILE = ATTEMPT + textwrap.dedent(
 
 @pytest.mark.replicas
 def test_a_replica_that_plants_links_and_rewrites_records_steers_nothing(provisioned, caplog, tmp_path):
-    from hetflow.cluster import keeper
+    from hetflow.cluster.backends.local import keeper
+    from hetflow.cluster.backends.local.replicas import LocalReplicas, file_view
     from hetflow.cluster.layout import ClusterLayout
-    from hetflow.cluster.local import LocalReplicas, file_view
     from hetflow.cluster.processes import run_replicas
     from hetflow.pipeline.attempts import load_spec
 

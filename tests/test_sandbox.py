@@ -73,8 +73,8 @@ def _refused(outcome: str) -> bool:
 
 @pytest.mark.replicas
 def test_a_hostile_process_in_a_replicas_sandbox_reaches_nothing_but_its_peers(provisioned, monkeypatch, tmp_path):
-    from hetflow.cluster import keeper
-    from hetflow.cluster.local import file_view
+    from hetflow.cluster.backends.local import keeper
+    from hetflow.cluster.backends.local.replicas import file_view
     from hetflow.pipeline.attempts import load_spec
 
     home = hetflow_home()
@@ -219,8 +219,8 @@ def test_a_hostile_registered_model_reaches_nothing_from_its_server(hetflow_env,
 def test_without_a_sandbox_a_run_is_refused_unless_the_operator_accepts_it(hetflow_env, monkeypatch):
     """No bwrap on PATH: provisioning refuses, one line naming the setting; with the setting, the
     replicas run unisolated and the run says so."""
+    from hetflow.cluster.backends.local.replicas import LocalReplicas
     from hetflow.cluster.layout import plan_cluster
-    from hetflow.cluster.local import LocalReplicas
     from hetflow.spec import RunSpec
 
     monkeypatch.setenv("PATH", "/nonexistent")
@@ -244,7 +244,7 @@ _UNPRIVILEGED = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     from hetflow import sandbox
-    from hetflow.cluster import netns
+    from hetflow.cluster.backends.local import netns
     run = Path(sys.argv[2])
     (run / "replicas").mkdir()
     with open(run / "holder.log", "ab") as log:

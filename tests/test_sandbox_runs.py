@@ -17,7 +17,7 @@ import pytest
 from conftest import ATTEMPT, run_sandboxed, wait_for
 
 from hetflow import sandbox
-from hetflow.cluster import netns
+from hetflow.cluster.backends.local import netns
 from hetflow.cluster.processes import run_replicas
 from hetflow.paths import run_paths
 

@@ -116,7 +116,7 @@ _SESSION_KEYRING = (
 def test_a_local_replica_starts_with_a_session_keyring_of_its_own_not_its_keepers():
     """Whatever the keeper's session keyring holds (the task's: under a login, the user's keys), the
     replica's is a new one: the keeper's preexec joins a fresh anonymous keyring before bwrap runs."""
-    from hetflow.cluster.keeper import _replica_preexec
+    from hetflow.cluster.backends.local.keeper import _replica_preexec
 
     keyctl = seccomp.syscall_number("keyctl")
     command = [sys.executable, "-c", _SESSION_KEYRING, str(keyctl)]

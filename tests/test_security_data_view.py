@@ -54,8 +54,10 @@ def _prepared(values: dict, run_id: str) -> Path:
 
 def _every_backends_read_only_data(run_dir: Path, home: Path) -> dict[str, list[str]]:
     """What of HETFLOW_HOME/data each backend shows the run's replicas, read-only."""
-    from hetflow.cluster import docker_backend, kubernetes_manifests, swarm_replicas
-    from hetflow.cluster.local import file_view
+    from hetflow.cluster.backends.docker import backend as docker_backend
+    from hetflow.cluster.backends.kubernetes import manifests as kubernetes_manifests
+    from hetflow.cluster.backends.local.replicas import file_view
+    from hetflow.cluster.backends.swarm import replicas as swarm_replicas
     from hetflow.spec import parse_spec
 
     under_data = str(home / "data")
@@ -93,8 +95,8 @@ def test_every_backend_shows_the_replicas_their_runs_dataset_and_no_other_data(h
 def test_a_replica_reads_its_dataset_and_sees_no_other_data(home):
     """The local replica's sandbox, as its keeper makes it, with a replica's process in it: the input
     pipeline reads the run's dataset from its version folder alone; the rest of the data dir is not there."""
-    from hetflow.cluster.keeper import replica_environment
-    from hetflow.cluster.local import file_view
+    from hetflow.cluster.backends.local.keeper import replica_environment
+    from hetflow.cluster.backends.local.replicas import file_view
     from hetflow.paths import RunPaths
     from hetflow.pipeline.attempts import load_spec
 
@@ -137,7 +139,7 @@ def _swap_the_version_folder(home: Path, outside: Path) -> dict:
 
 @pytest.mark.parametrize("swap", [_swap_the_data_dirs_link, _swap_the_version_folder], ids=["data_dir", "dataset"])
 def test_provisioning_refuses_data_that_a_link_now_leads_elsewhere(home, tmp_path, swap):
-    from hetflow.cluster.local import file_view
+    from hetflow.cluster.backends.local.replicas import file_view
     from hetflow.paths import RunPaths
     from hetflow.pipeline.attempts import load_spec
 

@@ -14,7 +14,7 @@ from conftest import wait_for
 from network_probes import ANSWER, CONNECT, SERVE
 
 from hetflow import sandbox
-from hetflow.cluster import docker_backend as dk
+from hetflow.cluster.backends.docker import backend as dk
 from hetflow.cluster.layout import SERVICE_PORT
 
 RUN_ID = "network-attack"

@@ -1,4 +1,4 @@
-"""The NetworkPolicy of a kubernetes run (hetflow/cluster/kubernetes_manifests.py): it admits only the
+"""The NetworkPolicy of a kubernetes run (hetflow/cluster/backends/kubernetes/manifests.py): it admits only the
 run's own pods, on the gRPC port, passes strict schema validation, is created before any pod, owned
 by the run, and deleted with it."""
 
@@ -12,8 +12,8 @@ import yaml
 from cluster_run import OWNER, RUN_DIR, RUN_ID
 from kubernetes_pods import _FakeApi, _specs
 
-from hetflow.cluster import kubernetes_backend as k8s
-from hetflow.cluster import kubernetes_manifests as manifests
+from hetflow.cluster.backends.kubernetes import backend as k8s
+from hetflow.cluster.backends.kubernetes import manifests as manifests
 from hetflow.cluster.layout import run_slug
 
 BIN = Path(sys.executable).parent

@@ -25,8 +25,8 @@ from conftest import REPO
 from kubernetes_pods import _FakeApi, _pod_specs, _specs, restricted_violations
 
 from hetflow import sandbox
-from hetflow.cluster import kubernetes_backend as k8s
-from hetflow.cluster import kubernetes_manifests as manifests
+from hetflow.cluster.backends.kubernetes import backend as k8s
+from hetflow.cluster.backends.kubernetes import manifests as manifests
 from hetflow.spec import RunSpec
 
 BIN = Path(sys.executable).parent
@@ -246,7 +246,7 @@ def test_preflight_refuses_a_supervisor_that_cannot_give_the_pods_their_run_dire
     sandbox.hand_over(home / "runs")
     probe = textwrap.dedent(
         """
-        from hetflow.cluster import kubernetes_backend as k8s
+        from hetflow.cluster.backends.kubernetes import backend as k8s
         from hetflow.spec import parse_spec
         print(*k8s.BACKEND.preflight(parse_spec({"backend": "kubernetes", "kubernetes_volume_claim": "shared"}), "r"))
         """
@@ -279,7 +279,7 @@ def test_preflight_refuses_root_that_may_not_chown_as_on_nfs_with_root_squash(tm
     home = tmp_path / "home"
     probe = textwrap.dedent(
         """
-        from hetflow.cluster import kubernetes_backend as k8s
+        from hetflow.cluster.backends.kubernetes import backend as k8s
         from hetflow.spec import parse_spec
         print(*k8s.BACKEND.preflight(parse_spec({"backend": "kubernetes"}), "r"))
         """

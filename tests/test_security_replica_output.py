@@ -38,9 +38,9 @@ def _peak_bytes(consume) -> tuple[list[str], int]:
 
 
 def test_a_local_replica_flooding_one_line_costs_the_supervisor_one_bounded_line(tmp_path):
-    from hetflow.cluster.keeper import exit_path
+    from hetflow.cluster.backends.local.keeper import exit_path
+    from hetflow.cluster.backends.local.replicas import LocalReplicas
     from hetflow.cluster.layout import plan_cluster
-    from hetflow.cluster.local import LocalReplicas
     from hetflow.spec import parse_spec
 
     spec = parse_spec({})

@@ -123,7 +123,7 @@ def test_probes_a_replica_wrote_are_checked_before_auto_decides(hetflow_env, pro
 @pytest.mark.skipif(os.geteuid() != 0, reason="a chown outside the run directory is what is attacked")
 @pytest.mark.parametrize("swapped", ["checkpoints", "checkpoints/nested"])
 def test_the_clean_up_never_follows_a_folder_a_live_replica_swaps_for_a_link(tmp_path, swapped):
-    from hetflow.cluster.local import hand_over_writable, remove_what_replicas_planted
+    from hetflow.cluster.replica_view import hand_over_writable, remove_what_replicas_planted
 
     paths = RunPaths(tmp_path / "run")
     (paths.checkpoints / "nested").mkdir(parents=True)

@@ -171,7 +171,7 @@ def _cmd_tune(args) -> int:
 
 def _cmd_sweep(args) -> int:
     """What interrupted runs of this HETFLOW_HOME left: containers, networks, services, Kubernetes objects."""
-    from hetflow.cluster.backends import sweep
+    from hetflow.cluster.backends.base import sweep
 
     removed = sweep(hetflow_home())
     for kind, names in removed.items():

@@ -11,8 +11,12 @@ from typing import Iterable, Iterator, Literal
 
 from hetflow import sandbox
 from hetflow.cluster.layout import ClusterLayout, Replica
-from hetflow.cluster.local import hand_over_writable, provisioned_directories, remove_what_replicas_planted
 from hetflow.cluster.processes import RUN_ID_ENV
+from hetflow.cluster.replica_view import (
+    hand_over_writable,
+    provisioned_directories,
+    remove_what_replicas_planted,
+)
 from hetflow.paths import RunPaths
 from hetflow.spec import RunSpec
 

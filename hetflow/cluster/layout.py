@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import socket
 from dataclasses import asdict, dataclass
@@ -125,3 +126,12 @@ def plan_named_cluster(
             for role, index, serves in replica_roles(spec)
         ),
     )
+
+
+def core_assignment(layout: ClusterLayout) -> dict[str, int]:
+    """One core per replica, round robin; workers first, as they do the compute, then ps, then
+    the chief (which under parameter_server only coordinates)."""
+    cores = sorted(os.sched_getaffinity(0))
+    order = {"worker": 0, "ps": 1, "chief": 2}
+    replicas = sorted(layout.replicas, key=lambda r: (order[r.role], r.index))
+    return {replica.name: cores[i % len(cores)] for i, replica in enumerate(replicas)}

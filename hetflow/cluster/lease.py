@@ -8,7 +8,7 @@ it rewrites ``replicas/supervisor.heartbeat`` every ``HEARTBEAT_SECONDS``.
 One rule (``Supervision``) decides from what is seen of those over time that the supervisor is gone:
 it was seen (the lease held, or else the heartbeat changing) and no longer is, or none was seen
 within ``ATTACH_TIMEOUT_SECONDS`` of the replica's start. A local replica's keeper applies it to the lease
-(``hetflow.cluster.keeper``); a container replica applies it to itself (``SupervisorWatch``, started
+(``hetflow.cluster.backends.local.keeper``); a container replica applies it to itself (``SupervisorWatch``, started
 by ``python -m hetflow.replica --watch-supervisor ...``) and exits, so that a SIGKILLed ``train`` leaves
 no container running until its deadline (the replica's ``timeout``, up to 7 days).
 

@@ -18,11 +18,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Literal, Protocol, Sequence
+from typing import Iterable, Literal
 
-from hetflow.cluster.layout import ClusterLayout, Replica
+from hetflow.cluster.backends.base import Replicas, ReplicaState, backend_for
+from hetflow.cluster.layout import ClusterLayout
 from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, write_record
 from hetflow.pipeline.progress import StoppedEarly
+from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
 
@@ -48,49 +50,6 @@ def read_restarts(paths: RunPaths) -> list[dict]:
         ):
             raise NotRegularFile(f"{paths.restarts} holds a restart the supervisor did not write: refused")
     return restarts
-
-
-@dataclass(frozen=True)
-class ReplicaState:
-    exit_code: int | None = None  # None while it runs; negative: killed by that signal
-    # Restarts the engine made by itself (the kubelet restarts a failed container in its pod).
-    restarts: int = 0
-    # Why it cannot start at all (an image that cannot be pulled): waiting would only time out.
-    stuck: str | None = None
-    # What the engine knows of how it ended beyond its exit code (its machine went down).
-    note: str | None = None
-
-
-class Replicas(Protocol):
-    """What a backend does for the supervisor. Where it can see its replicas' CPU and memory, it
-    also offers ``usage_sampler()`` (``hetflow.cluster.usage``), for the live MLflow run."""
-
-    # True where the engine restarts a failed replica in place (Kubernetes pods' restartPolicy):
-    # the supervisor then counts its restarts instead of making them.
-    restarts_in_place: bool
-    layout: ClusterLayout
-
-    def provision(self) -> None:
-        """Create what the run needs (its network, ...) and start every replica of the layout."""
-
-    def attach(self) -> None:
-        """Become the replicas' supervisor (local replicas live only while one is attached)."""
-
-    def detach(self) -> None:
-        """Stop being their supervisor."""
-
-    def start(self, replicas: Sequence[Replica]) -> None:
-        """Start these replicas (again, after a restart)."""
-
-    def poll(self) -> dict[str, ReplicaState]:
-        """Every replica's state, by name."""
-
-    def stop(self, names: Sequence[str]) -> None:
-        """Stop these replicas, all at once, within the grace period."""
-
-    def lines(self, name: str, since: float) -> Iterator[str]:
-        """The replica's output from ``since`` (epoch seconds) until it ends, line by line; the
-        backend also keeps it in ``logs/<name>.log``."""
 
 
 def _killed(exit_code: int) -> bool:
@@ -349,3 +308,38 @@ class Supervisor:
         for name in self._followers if names is None else names:
             for follower in self._followers[name]:
                 follower.join(timeout=5)
+
+
+def start(spec: RunSpec, run_id: str, paths: RunPaths) -> Replicas:
+    """Lay out the run's cluster on its backend, record the layout (cluster.json) and start every
+    replica."""
+    paths.restarts.unlink(missing_ok=True)  # a re-provisioned run starts its restart count anew
+    backend = backend_for(spec)
+    layout = backend.plan(spec, run_id)
+    write_record(paths.cluster, layout.to_dict())
+    cluster = backend.replicas(spec, layout, paths.root)
+    cluster.provision()
+    return cluster
+
+
+def supervise(
+    spec: RunSpec, cluster: Replicas, run_dir: Path, timeout: float, should_stop=None, log_label: str = ""
+) -> dict[str, int]:
+    """Watch ``cluster`` (provisioned replicas) until training ends: the training replicas' exit
+    codes, or ReplicaFailed (StoppedEarly once ``should_stop()`` gives a reason). Local replicas live
+    only while a supervisor holds their lease. ``log_label`` names the run in the replicas' log lines."""
+    supervisor = Supervisor(
+        cluster.layout,
+        spec.cluster.run_policy.restart_policy,
+        spec.cluster.run_policy.backoff_limit,
+        cluster,
+        run_dir,
+        backend_for(spec).loss_report_seconds,
+        log_label,
+    )
+    cluster.attach()
+    try:
+        supervisor.follow(r.name for r in cluster.layout.replicas)
+        return supervisor.wait(timeout, should_stop=should_stop)
+    finally:
+        cluster.detach()

@@ -1,11 +1,11 @@
-"""What ``hetflow sweep`` (``hetflow.cluster.backends.sweep``) needs to tell what interrupted runs left
+"""What ``hetflow sweep`` (``hetflow.cluster.backends.base.sweep``) needs to tell what interrupted runs left
 behind from what live runs hold.
 
 A run is interrupted when its tasks were killed before teardown ran (SIGKILL, a lost worker).
 Local replicas and the holder of their network namespace die with their keepers' supervisor lease
 (the kernel frees the namespace with its last process), so a local run leaves nothing to sweep;
 containers die at their deadline, but exited containers and the Docker network of the run outlive
-them. A run is *live* while a supervisor holds its lease (``hetflow.cluster.keeper``), or within
+them. A run is *live* while a supervisor holds its lease (``hetflow.cluster.backends.local.keeper``), or within
 ``ATTACH_TIMEOUT_SECONDS`` of its replicas' start (provisioned, waiting for the train task): the
 sweep leaves those alone, so it is safe beside running runs and is what every teardown runs after
 its own run's.

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
+from hetflow.cluster.backends import NAMES, backends_that, supports
 from hetflow.spec.sections import Section, SpecModel, field_backends, short_name, spec_field
 
 # No pipelining unless asked: it pays only where a stage's work grows with its examples. On
@@ -20,7 +21,7 @@ from hetflow.spec.sections import Section, SpecModel, field_backends, short_name
 MICRO_BATCHES = 1
 STAGE_SPLIT = "measured"
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
-CONTAINERS = ("docker", "swarm", "kubernetes")
+CONTAINERS = tuple(backends_that(lambda s: s.limits_cpus_and_gpus))
 
 
 class WorkerDevice(SpecModel):
@@ -152,14 +153,14 @@ class Resources(Section):
         title="Request GPUs (docker, swarm, kubernetes)",
     )
 
-    def problems_with_local(self) -> list[str]:
+    def problems_without_limits(self, backend: str) -> list[str]:
         # Plain processes: nothing enforces a CPU limit or requests a GPU.
         return [
             f"{short_name(name, field)}={json.dumps(getattr(self, name))} is invalid with "
-            f"backend=local: expected {json.dumps(field.default)} "
-            "(CPU limits and GPU requests apply to backend=docker, swarm or kubernetes)"
+            f"backend={backend}: expected {json.dumps(field.default)} "
+            f"(CPU limits and GPU requests apply to backend={_either(backends_that(lambda s: s.limits_cpus_and_gpus))})"
             for name, field in type(self).model_fields.items()
-            if field_backends(field) and "local" not in field_backends(field) and getattr(self, name) != field.default
+            if field_backends(field) and getattr(self, name) != field.default
         ]
 
 
@@ -207,7 +208,7 @@ class ClusterSpec(Section):
         "micro_batches) or on one worker's devices (workers=1, devices_per_worker >= 2).",
         title="Distribution strategy",
     )
-    backend: Literal["local", "docker", "swarm", "kubernetes"] = spec_field(
+    backend: Literal[NAMES] = spec_field(
         "local",
         "Where replicas run. `local`: subprocesses on 127.0.0.1. `docker`: one container per replica on a "
         "network of the run's own (needs a Docker engine). `swarm`: one Docker Swarm service per replica, "
@@ -327,10 +328,10 @@ class ClusterSpec(Section):
             problems.append(
                 f"worker_devices has {len(each)} entries with workers={workers}: expected one entry per worker, or none"
             )
-        if self.backend == "kubernetes" and any(d.slowdown != 1.0 for d in each):
+        if any(d.slowdown != 1.0 for d in each) and not supports(self.backend).slows_workers:
             problems.append(
-                "worker_devices slowdown is invalid with backend=kubernetes: expected 1 "
-                "(a slower machine is simulated by the local and docker backends only)"
+                f"worker_devices slowdown is invalid with backend={self.backend}: expected 1 "
+                f"(a slower machine is simulated by backend={_either(backends_that(lambda s: s.slows_workers))} only)"
             )
         if self.worker.balance_batches and (strategy != "multi_worker_mirrored" or devices != 1):
             problems.append(
@@ -340,29 +341,32 @@ class ClusterSpec(Section):
         return problems + self._backend_problems()
 
     def _backend_problems(self) -> list[str]:
-        backend = self.backend
-        problems = []
-        if backend == "local":
-            problems += self.resources.problems_with_local()
-        elif backend == "kubernetes" and self.run_policy.restart_policy == "exit_code":
-            problems.append("restart_policy=exit_code is invalid with backend=kubernetes: expected never or on_failure")
-        if any(d.node for d in self.worker.each) and backend != "swarm":
+        """What the chosen backend declares it cannot do (``hetflow.cluster.backends.<name>.SUPPORTS``)."""
+        backend, can = self.backend, supports(self.backend)
+        problems = [] if can.limits_cpus_and_gpus else self.resources.problems_without_limits(backend)
+        if self.run_policy.restart_policy not in can.restart_policies:
             problems.append(
-                f"worker_devices node is invalid with backend={backend}: expected empty "
-                "(a worker is placed on a named node by backend=swarm only)"
+                f"restart_policy={self.run_policy.restart_policy} is invalid with backend={backend}: "
+                f"expected {' or '.join(can.restart_policies)}"
             )
-        if not self.swarm.encrypt_network and backend != "swarm":
+        if any(d.node for d in self.worker.each) and not can.places_on_named_nodes:
             problems.append(
-                f"encrypt_network=false is invalid with backend={backend}: expected true "
-                "(only backend=swarm's overlay network crosses machines)"
+                f"worker_devices node is invalid with backend={backend}: expected empty (a worker is placed on a "
+                f"named node by backend={_either(backends_that(lambda s: s.places_on_named_nodes))} only)"
             )
-        if backend == "swarm" and self.pin_cores:
+        if not self.swarm.encrypt_network and not can.network_encryption_optional:
             problems.append(
-                "pin_cores=true is invalid with backend=swarm: expected false (Swarm services set CPUs by replica_cpus)"
+                f"encrypt_network=false is invalid with backend={backend}: expected true (only "
+                f"backend={_either(backends_that(lambda s: s.network_encryption_optional))}'s network crosses "
+                "machines unencrypted on request)"
             )
-        if backend == "kubernetes" and self.pin_cores:
+        if self.pin_cores and can.pin_cores_refused:
             problems.append(
-                "pin_cores=true is invalid with backend=kubernetes: expected false "
-                "(a pod's CPUs are set by replica_cpus)"
+                f"pin_cores=true is invalid with backend={backend}: expected false ({can.pin_cores_refused})"
             )
         return problems
+
+
+def _either(names: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hetflow.cluster.backends import supports
 from hetflow.spec.cluster import ClusterSpec
 from hetflow.spec.keys import Key, walk
 from hetflow.spec.messages import SpecError, invalid_line, unknown_key_line
@@ -114,10 +115,10 @@ class RunSpec(BaseModel):
                 f"micro_batches={cluster.micro_batches} is invalid with batch_size={training.batch_size}: "
                 f"expected at most {training.batch_size} (every micro-batch holds at least one example)"
             )
-        if cluster.backend == "kubernetes" and (self.data.data_dir or self.data.folder):
+        if (self.data.data_dir or self.data.folder) and not supports(cluster.backend).mounts_host_folders:
             problems.append(
-                "data_dir and dataset=folder:PATH are invalid with backend=kubernetes: expected data_dir empty and "
-                "a TFDS dataset (pods see only the volume claim holding HETFLOW_HOME)"
+                f"data_dir and dataset=folder:PATH are invalid with backend={cluster.backend}: expected data_dir "
+                "empty and a TFDS dataset (its replicas see only the volume holding HETFLOW_HOME)"
             )
         return problems
 

@@ -20,7 +20,7 @@ auto_log = logging.getLogger("hetflow.auto")
 @reported
 def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Lay out the cluster and start every replica."""
-    from hetflow.cluster import backends
+    from hetflow.cluster import supervisor
 
     paths = run_paths(run_id)
     with attempt(paths, "provision_cluster", run_id, try_number) as receipt:
@@ -31,7 +31,7 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
             # From here on the run trains with the resolved spec; the request stays in requested_spec.json.
             write_record(paths.spec, spec.model_dump(mode="json"))
         record_provisioner(paths)
-        cluster = backends.start(spec, run_id, paths)
+        cluster = supervisor.start(spec, run_id, paths)
     log.info(
         "started %s on %s: %s",
         ", ".join(r.name for r in cluster.layout.replicas),

@@ -14,12 +14,11 @@ log = logging.getLogger("hetflow.stages")
 @reported
 def teardown_cluster(run_id: str) -> list:
     """End what is left of the run's replicas: pids (local), containers (docker), pods (kubernetes)."""
-    from hetflow.cluster import backends
-    from hetflow.cluster.backends import sweep
+    from hetflow.cluster.backends.base import backend_for, sweep
 
     paths = run_paths(run_id)
     spec = load_spec(paths) if paths.spec.exists() else None
-    ended = backends.backend_for(spec).teardown(spec, run_id)
+    ended = backend_for(spec).teardown(spec, run_id)
     log.info("teardown: %s", f"ended {ended}" if ended else "no replica was left running")
     try:  # what earlier runs left when they were killed before their own teardown
         swept = sweep(hetflow_home())

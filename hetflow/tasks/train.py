@@ -34,20 +34,21 @@ def train(
     :param watchers: besides the live MLflow run, what gets each new epoch and usage sample
         (``hetflow.pipeline.progress``); one that returns a reason stops training (StoppedEarly).
     :param log_label: names the run before each replica's output line in the log (a study's trial)."""
-    from hetflow.cluster import backends
+    from hetflow.cluster import supervisor
+    from hetflow.cluster.backends.base import backend_for
     from hetflow.cluster.layout import ClusterLayout
 
     paths = run_paths(run_id)
     with attempt(paths, "train", run_id, try_number) as receipt:
         spec = load_spec(paths)
-        backend = backends.backend_for(spec)
+        backend = backend_for(spec)
         cluster = backend.replicas(spec, ClusterLayout.from_dict(read_record(paths.cluster)), paths.root)
         with (
             stopped_on_sigterm(lambda: backend.teardown(spec, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)),
             _watch(paths, spec, cluster, watchers) as watch,
         ):
             timeout = spec.cluster.run_policy.timeout_seconds
-            backends.supervise(spec, cluster, paths.root, timeout, lambda: watch.stop_reason, log_label)
+            supervisor.supervise(spec, cluster, paths.root, timeout, lambda: watch.stop_reason, log_label)
             if paths.requested_spec.exists():  # provision_cluster's, in a folder replicas see read-only
                 spec = _carry_out_auto(spec, run_id, paths, lambda: watch.stop_reason, log_label)
     training = read_training(paths.training, spec, read_record(paths.dataset))
@@ -91,18 +92,19 @@ def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths, should_stop, lo
     """strategy=auto once its first launch ended: spec.json becomes the spec it decided; where that is
     not the sync all-reduce the workers were launched with (they stopped once they had measured
     themselves), it is launched and supervised from the start. Returns the decided spec."""
-    from hetflow.cluster import backends
+    from hetflow.cluster import supervisor
+    from hetflow.cluster.backends.base import backend_for
 
     decided = auto_decided(paths)
     write_record(paths.spec, decided.model_dump(mode="json"))
     if decided.cluster.strategy == spec.cluster.strategy:
         return decided
     auto_log.info("relaunching the replicas as %s, from the start", decided.cluster.strategy)
-    backends.backend_for(spec).teardown(spec, run_id)
+    backend_for(spec).teardown(spec, run_id)
     shutil.rmtree(paths.checkpoints, ignore_errors=True)  # another strategy's checkpoints are not resumed
-    cluster = backends.start(decided, run_id, paths)
+    cluster = supervisor.start(decided, run_id, paths)
     timeout = decided.cluster.run_policy.timeout_seconds
-    backends.supervise(decided, cluster, paths.root, timeout, should_stop, log_label)
+    supervisor.supervise(decided, cluster, paths.root, timeout, should_stop, log_label)
     return decided
 
 

@@ -23,11 +23,11 @@ def validate_spec(
     """Validate the run's conf (form values plus any extra keys); nothing starts when it is invalid.
     Under a DAG (``dag_id``), the run's MLflow run starts here, RUNNING, linking to ``airflow_url``;
     the record names its page (``mlflow_run_url``, None without one: Airflow's "MLflow run" link)."""
-    from hetflow.cluster import backends
+    from hetflow.cluster.backends.base import backend_for
     from hetflow.data.prepare import data_problems
 
     spec = parse_spec(values)
-    problems = backends.backend_for(spec).preflight(spec, run_id) + data_problems(spec)
+    problems = backend_for(spec).preflight(spec, run_id) + data_problems(spec)
     if problems:
         # Before any record is touched: a refused run id may belong to a run that is still going.
         raise SpecError(problems)

@@ -1,7 +1,7 @@
 """Local backend: every replica is a process on 127.0.0.1.
 
 Each replica runs ``python -m hetflow.replica`` with its own ``TF_CONFIG`` and ``HETFLOW_RUN_ID``,
-in its own process group, under a keeper (``hetflow.cluster.keeper``) that provisioning starts in a
+in its own process group, under a keeper (``hetflow.cluster.backends.local.keeper``) that provisioning starts in a
 session of its own: the replicas outlive the provisioning task and die when the supervising task
 does. Their output goes to ``logs/<role>-<index>.log`` in the run directory; teardown finds every
 process of a run by the run id in its environment.
@@ -9,7 +9,7 @@ process of a run by the run id in its environment.
 Every keeper starts its replica sandboxed (``hetflow.sandbox``: bubblewrap, an unprivileged uid, no
 capabilities): it sees its run directory read-only but for its output folder (``RunPaths.output``,
 read-write), the prepared data (read-only), the code and the interpreter, and nothing else of this
-host; it listens in the run's network namespace (``hetflow.cluster.netns``), with only loopback
+host; it listens in the run's network namespace (``hetflow.cluster.backends.local.netns``), with only loopback
 up, which the run's replicas share and nothing outside reaches (TensorFlow's gRPC servers listen
 on every interface, unauthenticated). Where no sandbox can be had, provisioning refuses the run
 unless the operator set ``HETFLOW_ALLOW_UNISOLATED=1``; then replicas listen on this host's ports,
@@ -18,7 +18,6 @@ and ``cluster.json`` says so.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -31,8 +30,10 @@ import time
 from pathlib import Path
 
 from hetflow import sandbox
-from hetflow.cluster import netns, usage
-from hetflow.cluster.layout import ClusterLayout, Replica, free_local_port
+from hetflow.cluster import usage
+from hetflow.cluster.backends.base import Replicas, ReplicaState
+from hetflow.cluster.backends.local import netns
+from hetflow.cluster.layout import ClusterLayout, Replica, core_assignment, free_local_port
 from hetflow.cluster.output_lines import READ_SIZE, output_lines
 from hetflow.cluster.processes import (
     RUN_ID_ENV,
@@ -42,31 +43,21 @@ from hetflow.cluster.processes import (
     stop_process_groups,
     teardown_run,
 )
-from hetflow.cluster.supervisor import ReplicaState
-from hetflow.data.prepare import shown_to_replicas
+from hetflow.cluster.replica_view import (
+    hand_over_writable,
+    provisioned_directories,
+    remove_what_replicas_planted,
+    replica_view,
+)
 from hetflow.paths import (
     REPO_ROOT,
-    NotRegularFile,
     RunPaths,
-    data_dir,
-    entries_under,
     hetflow_home,
-    planted,
-    read_replica_record,
     write_record,
 )
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
-
-
-def core_assignment(layout: ClusterLayout) -> dict[str, int]:
-    """One core per replica, round robin; workers first, as they do the compute, then ps, then
-    the chief (which under parameter_server only coordinates)."""
-    cores = sorted(os.sched_getaffinity(0))
-    order = {"worker": 0, "ps": 1, "chief": 2}
-    replicas = sorted(layout.replicas, key=lambda r: (order[r.role], r.index))
-    return {replica.name: cores[i % len(cores)] for i, replica in enumerate(replicas)}
 
 
 def visible_gpus(layout: ClusterLayout, spec: RunSpec) -> dict[str, str]:
@@ -81,66 +72,6 @@ def visible_gpus(layout: ClusterLayout, spec: RunSpec) -> dict[str, str]:
         else:
             visible[replica.name] = ""
     return visible
-
-
-def replica_view(spec: RunSpec, run_dir: Path, home: Path) -> dict[str, list[Path]]:
-    """What of HETFLOW_HOME a replica sees, on every backend: its run directory read-only as a whole,
-    its output folder (``RunPaths.output``) alone read-write, and its run's prepared dataset alone
-    (``hetflow.data.prepare.shown_to_replicas``: not every run's data), read-only, at the resolved path
-    it was prepared and checked at in the spec's data dir (or the one under ``home``); refused, one
-    line, where that path leads elsewhere now. A folder read-only as a whole stays so for what the
-    pipeline renames into it later, where a read-only bind of one file is lost with the file."""
-    data = Path(spec.data.data_dir) if spec.data.data_dir else data_dir(home)
-    return {"read_write": [RunPaths(run_dir).output], "read_only": [run_dir, *shown_to_replicas(run_dir, data)]}
-
-
-def provisioned_directories(paths: RunPaths) -> list[Path]:
-    """The folders made before any replica starts: where the pipeline writes how they run (their logs,
-    ``replicas/``) and the replicas' output folder, which their mounts need to exist."""
-    return [paths.logs, paths.replicas, paths.output]
-
-
-def hand_over_writable(paths: RunPaths, owner: tuple[int, int] = sandbox.SANDBOX_OWNER) -> None:
-    """The output folder (``RunPaths.output``: the chief's weights and records, the checkpoints) and
-    what it holds become the replicas' own (``owner``: their uid and gid, the sandbox's by default)
-    where root provisions; the run directory stays the pipeline's. Replicas of the run may be live (a
-    restart's peers): what is in the folder is changed by name relative to its folder's descriptor,
-    never through a link."""
-    paths.output.mkdir(exist_ok=True)  # in the pipeline's read-only folder: no replica put a link here
-    with contextlib.suppress(FileExistsError):  # a replica's link there is neither followed nor entered
-        paths.checkpoints.mkdir()
-    if os.geteuid() == 0:  # as any other user the sandbox writes as that user: nothing to hand over
-        for entry in entries_under(paths.output):
-            with contextlib.suppress(FileNotFoundError):  # moved since it was listed: it is not handed over
-                os.chown(entry.name, *owner, dir_fd=entry.directory_fd, follow_symlinks=False)
-    sandbox.hand_over(paths.output, owner)
-
-
-def remove_what_replicas_planted(run_dir: Path) -> list[Path]:
-    """Remove from the replicas' output folder (the only one they write) what the pipeline would
-    otherwise read through: every link, fifo, socket or device node (TensorFlow and the replica code
-    make none), and a replica's JSON record that is not a bounded JSON object. Each is named in a
-    warning; returns them. Live replicas may swap a folder for a link meanwhile: each name is removed
-    relative to its folder's descriptor, and a folder swapped for a link is not entered
-    (``paths.entries_under``)."""
-    paths = RunPaths(run_dir)
-    removed = []
-    for entry in entries_under(paths.output):
-        if planted(entry.mode):
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # replaced since: not planted
-                os.unlink(entry.name, dir_fd=entry.directory_fd)
-                removed.append(entry.path)
-    for record in (paths.training, paths.plan):
-        if record.exists() and record not in removed:
-            try:
-                read_replica_record(record)
-            except NotRegularFile as refused:
-                log.warning("%s", refused)
-                record.unlink()
-                removed.append(record)
-    for path in removed:
-        log.warning("removed %s, which a replica left (the pipeline reads regular files only)", path)
-    return removed
 
 
 def file_view(spec: RunSpec, run_dir: Path) -> dict:
@@ -170,9 +101,9 @@ def port_taken(port: int) -> bool:
 _HOLDER = "network"  # the name of the keeper of the run's network holder
 
 
-class LocalReplicas:
+class LocalReplicas(Replicas):
     """The local backend's side of the supervision (``supervisor.Replicas``): starts each replica
-    under a keeper (``hetflow.cluster.keeper``), reads how it ended, stops it."""
+    under a keeper (``hetflow.cluster.backends.local.keeper``), reads how it ended, stops it."""
 
     restarts_in_place = False
 
@@ -244,7 +175,7 @@ class LocalReplicas:
 
     def _start_keeper(self, replica: Replica | None) -> None:
         """Start the keeper of ``replica``, or of the run's network holder (None)."""
-        from hetflow.cluster.keeper import exit_path
+        from hetflow.cluster.backends.local.keeper import exit_path
         from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
 
         name = replica.name if replica else _HOLDER
@@ -252,7 +183,7 @@ class LocalReplicas:
         log_path = self.log_path(name)
         self._offsets[name] = log_path.stat().st_size if log_path.exists() else 0
         deadline = time.time() + ATTACH_TIMEOUT_SECONDS + self.spec.cluster.run_policy.timeout_seconds
-        command = [sys.executable, "-m", "hetflow.cluster.keeper", "--run-dir", str(self.run_dir)]
+        command = [sys.executable, "-m", "hetflow.cluster.backends.local.keeper", "--run-dir", str(self.run_dir)]
         command += ["--name", name, "--deadline", repr(deadline)]
         env = {
             **os.environ,
@@ -321,7 +252,7 @@ class LocalReplicas:
         return int(self._pid_path(name).read_text())
 
     def attach(self) -> None:
-        """Take the run's supervisor lease (see hetflow.cluster.keeper): while this process holds
+        """Take the run's supervisor lease (see hetflow.cluster.backends.local.keeper): while this process holds
         it the replicas run; when it ends, however it ends, its keepers kill them."""
         from hetflow.cluster.lease import take_lease
 
@@ -343,7 +274,7 @@ class LocalReplicas:
         return {replica.name: self._state(replica.name) for replica in self.layout.replicas}
 
     def _state(self, name: str) -> ReplicaState:
-        from hetflow.cluster.keeper import exit_path
+        from hetflow.cluster.backends.local.keeper import exit_path
 
         record = exit_path(self.run_dir, name)
         if record.exists():

@@ -11,10 +11,9 @@ from pathlib import Path
 import docker
 from docker.types import Mount, RestartPolicy, ServiceMode
 
+from hetflow.cluster.backends.swarm.replicas import ENDED, LABEL_DEVICE, newest_task, placement, plan
 from hetflow.cluster.containers import container_user
-from hetflow.cluster.docker_backend import run_filter, run_labels, source_digest
-from hetflow.cluster.engine import engine_client
-from hetflow.cluster.swarm_replicas import ENDED, LABEL_DEVICE, newest_task, placement, plan
+from hetflow.cluster.engine import engine_client, run_filter, run_labels, source_digest
 from hetflow.paths import hetflow_home, run_paths
 from hetflow.spec import RunSpec
 

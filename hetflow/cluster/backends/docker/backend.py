@@ -20,13 +20,13 @@ Nothing else of HETFLOW_HOME is visible to it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import docker  # the Docker SDK (its docker.errors comes with it)
 
+from hetflow.cluster.backends.base import Backend, ReplicaState
 from hetflow.cluster.containers import (
     PIDS_LIMIT,
     STOP_GRACE_SECONDS,
@@ -35,41 +35,33 @@ from hetflow.cluster.containers import (
     replica_environment,
     replica_spec,
 )
-from hetflow.cluster.engine import EngineReplicas, engine_client
-from hetflow.cluster.layout import ClusterLayout, Replica, plan_named_cluster, run_slug
+from hetflow.cluster.engine import (
+    LABEL_INDEX,
+    LABEL_ROLE,
+    LABEL_RUN,
+    LABEL_RUN_DIR,
+    LABEL_RUN_ID,
+    LABEL_SOURCE,
+    EngineReplicas,
+    container_name,
+    engine_client,
+    network_name,
+    run_filter,
+    run_labels,
+    source_digest,
+)
+from hetflow.cluster.layout import ClusterLayout, Replica, core_assignment, plan_named_cluster
 from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
-from hetflow.cluster.local import core_assignment, replica_view
 from hetflow.cluster.output_lines import cut_lines
-from hetflow.cluster.supervisor import ReplicaState
+from hetflow.cluster.replica_view import replica_view
 from hetflow.cluster.usage import ContainerUsage
-from hetflow.paths import REPO_ROOT
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
 
-LABEL_RUN = "hetflow.run"  # the run's slug: what teardown filters on
-LABEL_RUN_ID = "hetflow.run-id"  # the Airflow run id as it is
-LABEL_RUN_DIR = "hetflow.run-dir"  # where its supervisor's lease is: how `hetflow sweep` tells a live run
-LABEL_ROLE = "hetflow.role"
-LABEL_INDEX = "hetflow.index"
-# On the replica image: a digest of the code and pins it was built from (``source_digest``).
-LABEL_SOURCE = "hetflow.source-digest"
-
-
-def network_name(run_id: str) -> str:
-    return f"hetflow-{run_slug(run_id)}"
-
-
-def container_name(run_id: str, replica_name: str) -> str:
-    return f"hetflow-{run_slug(run_id)}-{replica_name}"
-
 
 def plan(spec: RunSpec, run_id: str) -> ClusterLayout:
     return plan_named_cluster(spec, run_id, lambda name: container_name(run_id, name))
-
-
-def run_labels(run_id: str, run_dir: Path) -> dict[str, str]:
-    return {LABEL_RUN: run_slug(run_id), LABEL_RUN_ID: run_id, LABEL_RUN_DIR: str(run_dir)}
 
 
 def network_config(run_id: str, run_dir: Path) -> dict:
@@ -225,17 +217,6 @@ class DockerReplicas(EngineReplicas):
             return
 
 
-def source_digest(root: Path = REPO_ROOT) -> str:
-    """SHA-256 of what the replica image is built from: ``hetflow/`` (names and bytes) and the pins.
-    ``make image`` labels the image with it; preflight compares, so an image built from other code
-    than this checkout's is refused rather than run."""
-    digest = hashlib.sha256()
-    sources = sorted(p for p in (root / "hetflow").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    for path in [*sources, root / "requirements.lock", root / "docker" / "replica-requirements.txt"]:
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
 def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
     """What would stop the run's containers from starting, one line each, found before anything
     starts: no engine, no image, the run's names already taken, limits the host cannot give."""
@@ -286,10 +267,6 @@ def preflight(spec: RunSpec, run_id: str, client=None) -> list[str]:
     return problems
 
 
-def run_filter(run_id: str) -> dict:
-    return {"label": f"{LABEL_RUN}={run_slug(run_id)}"}
-
-
 def teardown_run(run_id: str, client=None) -> list[str]:
     """Remove every container of the run and its network, found by label; nothing is left to save,
     so running containers are killed, all at once. Returns the names of the containers removed."""
@@ -313,7 +290,7 @@ def teardown_run(run_id: str, client=None) -> list[str]:
 def sweep_containers(home: Path, attach_seconds: float) -> dict[str, list[str]]:
     """Remove the containers and networks of this home's runs that no supervisor holds; returns
     their names. Needs a Docker engine; none answering, there is nothing to sweep. Swarm's task
-    containers and overlay networks are the swarm backend's (``hetflow.cluster.swarm_backend``)."""
+    containers and overlay networks are the swarm backend's (``hetflow.cluster.backends.swarm.backend``)."""
     from hetflow.cluster.sweep import docker_time, interrupted_runs, run_is_live
 
     try:
@@ -348,8 +325,8 @@ def sweep_containers(home: Path, attach_seconds: float) -> dict[str, list[str]]:
     return removed
 
 
-class DockerBackend:
-    """backend=docker as a ``Backend`` (``hetflow.cluster.backends``)."""
+class DockerBackend(Backend):
+    """backend=docker as a ``Backend`` (``hetflow.cluster.backends.base``)."""
 
     loss_report_seconds = 0.0
 
@@ -365,8 +342,8 @@ class DockerBackend:
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         return teardown_run(run_id)  # containers are killed at once: nothing is left to save
 
-    def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
-        return sweep_containers(home, ATTACH_TIMEOUT_SECONDS if grace is None else grace)
+    def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
+        return sweep_containers(home, ATTACH_TIMEOUT_SECONDS if attach_seconds is None else attach_seconds)
 
 
 BACKEND = DockerBackend()

@@ -1,15 +1,16 @@
-"""backend=local as a ``Backend`` (``hetflow.cluster.backends``): replicas are processes on this
-machine (``hetflow.cluster.local``), found by run id (``hetflow.cluster.processes``)."""
+"""backend=local as a ``Backend`` (``hetflow.cluster.backends.base``): replicas are processes on this
+machine (``hetflow.cluster.backends.local.replicas``), found by run id (``hetflow.cluster.processes``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from hetflow.cluster.backends.base import Backend
 from hetflow.cluster.layout import ClusterLayout, plan_cluster
 from hetflow.spec import RunSpec
 
 
-class LocalBackend:
+class LocalBackend(Backend):
     loss_report_seconds = 0.0
 
     def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
@@ -19,7 +20,7 @@ class LocalBackend:
         return []  # nothing beyond the spec, which is already checked
 
     def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
-        from hetflow.cluster.local import LocalReplicas
+        from hetflow.cluster.backends.local.replicas import LocalReplicas
 
         return LocalReplicas(layout, spec, run_dir)
 
@@ -28,9 +29,9 @@ class LocalBackend:
 
         return teardown_run(run_id, TERM_GRACE_SECONDS if grace is None else grace)
 
-    def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
+    def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
         """Nothing: a run's replicas and the holder of its network namespace die with their keepers'
-        supervisor lease (hetflow.cluster.keeper), and the kernel frees the namespace with them."""
+        supervisor lease (hetflow.cluster.backends.local.keeper), and the kernel frees the namespace with them."""
         return {}
 
 

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import docker
 
-from hetflow.cluster.docker_backend import LABEL_RUN, LABEL_RUN_DIR, LABEL_RUN_ID, run_filter
-from hetflow.cluster.engine import engine_client
+from hetflow.cluster.backends.base import Backend
+from hetflow.cluster.backends.swarm.preflight import preflight
+from hetflow.cluster.backends.swarm.replicas import SwarmReplicas, plan
+from hetflow.cluster.engine import LABEL_RUN, LABEL_RUN_DIR, LABEL_RUN_ID, engine_client, run_filter
 from hetflow.cluster.layout import ClusterLayout
 from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
-from hetflow.cluster.swarm_preflight import preflight
-from hetflow.cluster.swarm_replicas import SwarmReplicas, plan
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -94,8 +94,8 @@ def sweep_services(home: Path, attach_seconds: float) -> dict[str, list[str]]:
     return {"services": removed}
 
 
-class SwarmBackend:
-    """backend=swarm as a ``Backend`` (``hetflow.cluster.backends``)."""
+class SwarmBackend(Backend):
+    """backend=swarm as a ``Backend`` (``hetflow.cluster.backends.base``)."""
 
     # SwarmKit marks a node down after three missed heartbeats (5 s apart by default, plus up to
     # 0.5 s of jitter): up to about 17 s after it died, while a peer exits on the broken connection
@@ -114,8 +114,8 @@ class SwarmBackend:
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         return teardown_run(run_id)
 
-    def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
-        return sweep_services(home, ATTACH_TIMEOUT_SECONDS if grace is None else grace)
+    def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
+        return sweep_services(home, ATTACH_TIMEOUT_SECONDS if attach_seconds is None else attach_seconds)
 
 
 BACKEND = SwarmBackend()

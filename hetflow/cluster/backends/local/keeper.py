@@ -1,4 +1,4 @@
-"""Keeper of one local replica: ``python -m hetflow.cluster.keeper --run-dir DIR --name worker-0``.
+"""Keeper of one local replica: ``python -m hetflow.cluster.backends.local.keeper --run-dir DIR --name worker-0``.
 
 Provisioning starts one keeper per replica, each in a session of its own, so that the replicas
 outlive the process that provisioned them (an Airflow task) and are supervised by the next one
@@ -6,10 +6,10 @@ outlive the process that provisioned them (an Airflow task) and are supervised b
 
 - runs the replica (``python -m hetflow.replica``) in a process group of its own, sandboxed
   (``hetflow.sandbox``: bubblewrap, joined to the run's network namespace, which the run's network
-  holder keeps, see ``hetflow.cluster.netns``) and tied to the keeper (``--die-with-parent``), with an
+  holder keeps, see ``hetflow.cluster.backends.local.netns``) and tied to the keeper (``--die-with-parent``), with an
   allow-listed environment, its output appended to ``logs/<name>.log``;
 - pins it to a core and throttles it (a simulated slower machine) as told, and bounds its tasks and
-  memory (its own cgroups; where none can be made, its tasks by an rlimit: ``hetflow.cluster.limits``);
+  memory (its own cgroups; where none can be made, its tasks by an rlimit: ``hetflow.cluster.backends.local.limits``);
 - records how it ended in ``replicas/<name>.exit`` (the exit code; negative: killed by that
   signal), which is how the supervisor, not being its parent, learns it;
 - ends it on SIGTERM (SIGTERM, then SIGKILL after the grace period: a TF worker waiting on a peer
@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hetflow import sandbox, seccomp
-from hetflow.cluster import limits, netns
+from hetflow.cluster.backends.local import limits, netns
+from hetflow.cluster.backends.local.throttle import Throttle
 from hetflow.cluster.lease import Supervision, supervisor_holds_lease
 from hetflow.cluster.processes import TERM_GRACE_SECONDS, signal_group
-from hetflow.cluster.throttle import Throttle
 from hetflow.paths import REPO_ROOT, RunPaths
 
 _PR_SET_PDEATHSIG = 1

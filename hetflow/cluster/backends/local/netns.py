@@ -4,7 +4,7 @@ listen on every interface, unauthenticated, and run graph ops for whoever connec
 
 bubblewrap makes a namespace per sandbox and cannot join one, so the run's namespace is kept by a
 holder: a sandbox that only sleeps (``hetflow.sandbox.holder_command``), run by a keeper like a
-replica (``hetflow.cluster.keeper --network-holder``), which records in ``replicas/network.json``
+replica (``hetflow.cluster.backends.local.keeper --network-holder``), which records in ``replicas/network.json``
 (where replicas cannot write) the holder's pid and the identity of its user and network
 namespaces. Each replica's sandbox enters that user and network namespace first (``join``): the
 uid that made them may, and no other can. No root needed, nothing named on the host: the kernel

@@ -5,7 +5,7 @@ gives it the DNS name ``hetflow-<run>-worker-0.hetflow-<run>`` that its TF_CONFI
 publishes addresses of pods that are not ready yet, since TensorFlow resolves its peers while they
 all start.
 
-The manifests are ``hetflow.cluster.kubernetes_manifests``'; ``KubernetesReplicas`` only creates,
+The manifests are ``hetflow.cluster.backends.kubernetes.manifests``'; ``KubernetesReplicas`` only creates,
 inspects and deletes for the one supervisor (``hetflow.cluster.supervisor``); the kubelet restarts a
 failed container in its pod (restartPolicy), and the supervisor counts those restarts. The
 supervisor must mount the claim that holds HETFLOW_HOME at the same path as the pods do. The run's
@@ -30,12 +30,8 @@ import urllib3
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from hetflow.cluster.containers import (
-    STOP_GRACE_SECONDS,
-    lines_to_file,
-    prepare_run_dir,
-)
-from hetflow.cluster.kubernetes_manifests import (
+from hetflow.cluster.backends.base import Backend, Replicas, ReplicaState
+from hetflow.cluster.backends.kubernetes.manifests import (
     ANNOTATION_RUN_DIR,
     ANNOTATION_RUN_ID,
     IMAGE_USER,
@@ -51,11 +47,15 @@ from hetflow.cluster.kubernetes_manifests import (
     run_network_policy,
     tfjob_manifest,
 )
+from hetflow.cluster.containers import (
+    STOP_GRACE_SECONDS,
+    lines_to_file,
+    prepare_run_dir,
+)
 from hetflow.cluster.layout import ClusterLayout, plan_named_cluster, run_slug
 from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
-from hetflow.cluster.local import hand_over_writable
 from hetflow.cluster.output_lines import cut_lines
-from hetflow.cluster.supervisor import ReplicaState
+from hetflow.cluster.replica_view import hand_over_writable
 from hetflow.paths import RunPaths, hetflow_home
 from hetflow.spec import RunSpec
 
@@ -136,7 +136,7 @@ def load_client_config() -> None:
         kubernetes.config.load_incluster_config()
 
 
-class KubernetesReplicas:
+class KubernetesReplicas(Replicas):
     """The kubernetes backend's side of the supervision (``supervisor.Replicas``): creates,
     inspects and deletes the pods of one run."""
 
@@ -348,8 +348,8 @@ def sweep_runs(home: Path, attach_seconds: float, core=None, networking=None) ->
     return {"kubernetes objects": deleted}
 
 
-class KubernetesBackend:
-    """backend=kubernetes as a ``Backend`` (``hetflow.cluster.backends``)."""
+class KubernetesBackend(Backend):
+    """backend=kubernetes as a ``Backend`` (``hetflow.cluster.backends.base``)."""
 
     loss_report_seconds = 0.0
 
@@ -368,8 +368,8 @@ class KubernetesBackend:
             run_id, spec.cluster.kubernetes.namespace, grace=STOP_GRACE_SECONDS if grace is None else grace
         )
 
-    def sweep(self, home: Path, grace: float | None = None) -> dict[str, list[str]]:
-        return sweep_runs(home, ATTACH_TIMEOUT_SECONDS if grace is None else grace)
+    def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
+        return sweep_runs(home, ATTACH_TIMEOUT_SECONDS if attach_seconds is None else attach_seconds)
 
 
 BACKEND = KubernetesBackend()

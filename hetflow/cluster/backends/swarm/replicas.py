@@ -1,7 +1,7 @@
 """The swarm backend's services: what each replica's service and the run's overlay network are
 (``service_config``, ``network_config``, placed by ``placement``), and ``SwarmReplicas``, which
 creates, watches and removes them for the supervisor. The backend as a whole is described in
-``hetflow.cluster.swarm_backend``."""
+``hetflow.cluster.backends.swarm.backend``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import docker
 from docker.types import EndpointSpec, Mount, Resources, RestartPolicy, ServiceMode
 
+from hetflow.cluster.backends.base import ReplicaState
 from hetflow.cluster.containers import (
     PIDS_LIMIT,
     STOP_GRACE_SECONDS,
@@ -21,13 +22,11 @@ from hetflow.cluster.containers import (
     replica_environment,
     replica_spec,
 )
-from hetflow.cluster.docker_backend import LABEL_INDEX, LABEL_ROLE, container_name, network_name, run_labels
-from hetflow.cluster.engine import EngineReplicas
+from hetflow.cluster.engine import LABEL_INDEX, LABEL_ROLE, EngineReplicas, container_name, network_name, run_labels
 from hetflow.cluster.layout import ClusterLayout, Replica, plan_named_cluster
 from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
-from hetflow.cluster.local import replica_view
 from hetflow.cluster.output_lines import cut_lines
-from hetflow.cluster.supervisor import ReplicaState
+from hetflow.cluster.replica_view import replica_view
 from hetflow.paths import RunPaths, write_record
 from hetflow.spec import RunSpec
 
