@@ -62,7 +62,7 @@ def main() -> None:
     args = job_parser(__doc__).parse_args()
 
     dataset = prepare_dataset(args.dataset, data_dir())
-    model = build_model(args.model, dataset["input_shape"], dataset["num_classes"], args.seed)
+    model = build_model(args.model, dataset.input_shape, dataset.num_classes, args.seed)
     optimizers = {"sgd": tf.keras.optimizers.SGD, "adam": tf.keras.optimizers.Adam}
     compile_model(model, optimizers[args.optimizer](learning_rate=args.learning_rate))
     batches = train_input(dataset, per_worker_batch=args.batch_size, shuffle=True, seed=args.seed)

@@ -332,7 +332,13 @@ def _trouble_lines(ran: dict) -> list[str]:
 
 
 def _sweep_lines(record: dict) -> list[str]:
-    lines = ["", "## Final sweep", "", "`hetflow.cluster.backends.base.sweep(home)` for each HETFLOW_HOME of the bench:", ""]
+    lines = [
+        "",
+        "## Final sweep",
+        "",
+        "`hetflow.cluster.backends.base.sweep(home)` for each HETFLOW_HOME of the bench:",
+        "",
+    ]
     for home, found in record["sweep"]["swept"].items():
         lines.append(f"- `{Path(home).name}`: containers {found['containers']}, networks {found['networks']}")
     left = record["sweep"]["left_after_sweep"]

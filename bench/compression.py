@@ -78,7 +78,7 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     run = {
         "model": spec.model.architecture,
         "seed": spec.training.seed,
-        "dataset": f"{dataset['name']}:{dataset['version']}",
+        "dataset": f"{dataset.name}:{dataset.version}",
         "float_test_accuracy": float((float_logits.argmax(axis=1) == labels).mean()),
         "trained_steps": trained_steps(training),
         "train_seconds": training["train_seconds"],

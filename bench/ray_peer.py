@@ -71,7 +71,7 @@ def train_loop(config: dict[str, Any]) -> None:
     )
     global_batch = config["per_worker_batch"] * strategy.num_replicas_in_sync
     with strategy.scope():
-        model = build_model(config["model"], dataset["input_shape"], dataset["num_classes"], config["seed"])
+        model = build_model(config["model"], dataset.input_shape, dataset.num_classes, config["seed"])
         compile_model(model, tf.keras.optimizers.Adam(learning_rate=config["learning_rate"]))
 
     def worker_batches(context: tf.distribute.InputContext) -> tf.data.Dataset:

@@ -39,12 +39,12 @@ def test_a_crashing_replica_fails_the_run_with_its_log_tail(run_id):
     from hetflow.cluster.processes import run_processes
     from hetflow.cluster.supervisor import ReplicaFailed
     from hetflow.paths import run_paths
+    from hetflow.records import DatasetRecord
     from hetflow.tasks.train import train
 
     paths = run_paths(run_id)
-    dataset = json.loads(paths.dataset.read_text())
-    missing = dataset["prepared_dir"].replace("1.0.0", "9.9.9")
-    paths.dataset.write_text(json.dumps({**dataset, "prepared_dir": missing}))
+    dataset = DatasetRecord.read(paths)
+    dataset.model_copy(update={"prepared_dir": dataset.prepared_dir.replace("1.0.0", "9.9.9")}).write(paths)
     with pytest.raises(ReplicaFailed, match=r"replica worker-0 exited with code 1; last output: .*") as caught:
         train(run_id)
     assert "9.9.9" in str(caught.value)

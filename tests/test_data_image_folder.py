@@ -113,16 +113,16 @@ def test_new_images_make_a_new_prepared_version_beside_the_old(tmp_path):
     root = write_digit_folder(tmp_path / "digits", per_class=10)
     first = prepare_dataset(f"folder:{root}", tmp_path / "data")
     again = prepare_dataset(f"folder:{root}", tmp_path / "data")
-    assert (again["reused"], again["fingerprint"], again["version"]) == (True, first["fingerprint"], first["version"])
-    assert (first["input_shape"], first["num_classes"], first["splits"]["train"]) == ([28, 28, 1], 10, 70)
-    assert first["class_names"][3] == "digit_3" and first["source_path"] == str(root)
+    assert (again.reused, again.fingerprint, again.version) == (True, first.fingerprint, first.version)
+    assert (first.input_shape, first.num_classes, first.splits["train"]) == ([28, 28, 1], 10, 70)
+    assert first.class_names[3] == "digit_3" and first.source_path == str(root)
 
     write_digit_folder(root, per_class=2, first=10)  # two new images per class
     grown = prepare_dataset(f"folder:{root}", tmp_path / "data")
-    assert not grown["reused"] and grown["fingerprint"] != first["fingerprint"]
-    assert grown["version"] != first["version"] and grown["name"] == first["name"] == f"folder:{root}"
-    assert grown["data_changed"] and sum(grown["splits"].values()) == 120
-    assert Path(first["prepared_dir"]).is_dir()  # the earlier version's data is kept for the runs that used it
+    assert not grown.reused and grown.fingerprint != first.fingerprint
+    assert grown.version != first.version and grown.name == first.name == f"folder:{root}"
+    assert grown.data_changed and sum(grown.splits.values()) == 120
+    assert Path(first.prepared_dir).is_dir()  # the earlier version's data is kept for the runs that used it
 
     # An image changed in place, to other pixels of exactly its size in bytes: only its content differs.
     by_size: dict[int, list[Path]] = {}
@@ -133,7 +133,7 @@ def test_new_images_make_a_new_prepared_version_beside_the_old(tmp_path):
     )[:2]
     edited_image.write_bytes(donor.read_bytes())
     edited = prepare_dataset(f"folder:{root}", tmp_path / "data")
-    assert edited["version"] != grown["version"] and edited["fingerprint"] != grown["fingerprint"]
+    assert edited.version != grown.version and edited.fingerprint != grown.fingerprint
 
 
 def test_the_validate_spec_task_refuses_a_bad_folder_before_it_makes_a_run_directory(tmp_path, monkeypatch):

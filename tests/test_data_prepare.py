@@ -19,13 +19,13 @@ def prepared(tmp_path_factory):
 
 def test_prepare_builds_versioned_sharded_splits(prepared):
     data_dir, record = prepared
-    assert (record["name"], record["version"]) == ("uci_digits", "1.0.0")
-    assert record["prepared_dir"] == record["source_path"] == str(data_dir / "uci_digits" / "1.0.0")
-    assert record["splits"] == {"train": 1258, "validation": 180, "test": 359}
-    assert sum(record["splits"].values()) == 1797  # every sklearn digit, each in one split
-    assert record["shards"] == {"train": 4, "validation": 4, "test": 4}
-    assert (record["input_shape"], record["num_classes"]) == ([8, 8, 1], 10)
-    assert len(record["fingerprint"]) == 64 and not record["reused"]
+    assert (record.name, record.version) == ("uci_digits", "1.0.0")
+    assert record.prepared_dir == record.source_path == str(data_dir / "uci_digits" / "1.0.0")
+    assert record.splits == {"train": 1258, "validation": 180, "test": 359}
+    assert sum(record.splits.values()) == 1797  # every sklearn digit, each in one split
+    assert record.shards == {"train": 4, "validation": 4, "test": 4}
+    assert (record.input_shape, record.num_classes) == ([8, 8, 1], 10)
+    assert len(record.fingerprint) == 64 and not record.reused
 
 
 def test_prepare_is_idempotent_and_the_fingerprint_stable(prepared):
@@ -35,7 +35,7 @@ def test_prepare_is_idempotent_and_the_fingerprint_stable(prepared):
     shard = next(p for p in (data_dir / "uci_digits" / "1.0.0").iterdir() if ".tfrecord-" in p.name)
     mtime = shard.stat().st_mtime_ns
     again = prepare_dataset("uci_digits", data_dir)
-    assert again["reused"] and again["fingerprint"] == first["fingerprint"]
+    assert again.reused and again.fingerprint == first.fingerprint
     assert shard.stat().st_mtime_ns == mtime
 
 
@@ -47,10 +47,10 @@ def test_fingerprint_changes_with_the_data(prepared, tmp_path):
     data_dir, record = prepared
     copy = tmp_path / "copy"
     shutil.copytree(data_dir / "uci_digits" / "1.0.0", copy)
-    assert _digests(copy)[0] == record["fingerprint"]
+    assert _digests(copy)[0] == record.fingerprint
     shard = sorted(copy.glob("*train.tfrecord-*"))[0]
     shard.write_bytes(shard.read_bytes()[:-1] + b"\0")
-    assert _digests(copy)[0] != record["fingerprint"]
+    assert _digests(copy)[0] != record.fingerprint
 
 
 def _flip_a_byte_in_place(path):
@@ -81,7 +81,7 @@ def test_a_shard_changed_in_place_is_named_not_reused(tmp_path):
     assert len(list(version_dir.glob("*.tfrecord-*"))) == 12  # nothing deleted behind the user's back
     # The index still holds the fingerprint of the data as prepared.
     index = json.loads((tmp_path / "hetflow_fingerprints.json").read_text())
-    assert index == {"uci_digits": first["fingerprint"]}
+    assert index == {"uci_digits": first.fingerprint}
 
 
 def test_a_shard_rewritten_with_valid_records_is_named(tmp_path):

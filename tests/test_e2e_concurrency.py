@@ -23,7 +23,7 @@ data_dir, go, ready = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 ready.touch()
 while not go.exists():
     time.sleep(0.01)
-print(json.dumps(prepare_dataset("uci_digits", data_dir)))
+print(prepare_dataset("uci_digits", data_dir).model_dump_json())
 """
 
 

@@ -12,6 +12,7 @@ from conftest import hetflow
 from digit_folders import DIGITS_PER_CLASS, write_digit_folder
 
 from hetflow.paths import RunPaths
+from hetflow.records import DatasetRecord
 
 
 @pytest.mark.slow
@@ -69,11 +70,11 @@ class TestTrainingOnAnImageFolder:
         import tensorflow as tf
 
         _, summary = first
-        dataset = json.loads((Path(summary["run_dir"]) / "dataset.json").read_text())
+        dataset = DatasetRecord.read(RunPaths(summary["run_dir"]))
         run = client.get_run(summary["mlflow_run_id"])
         [logged] = run.inputs.dataset_inputs
-        assert logged.dataset.name == f"folder:{folder}@{dataset['version']}"
-        assert logged.dataset.digest == dataset["fingerprint"][:36]
+        assert logged.dataset.name == f"folder:{folder}@{dataset.version}"
+        assert logged.dataset.digest == dataset.fingerprint[:36]
         assert json.loads(logged.dataset.source) == {"uri": str(folder)}
         image_spec = json.loads(logged.dataset.schema)["mlflow_colspec"][0]["tensor-spec"]
         assert image_spec == {"dtype": "uint8", "shape": [-1, 28, 28, 1]}
@@ -89,7 +90,7 @@ class TestTrainingOnAnImageFolder:
         assert curves["epoch_accuracy"] == pytest.approx(dict(enumerate(training["history"]["val_accuracy"])))
 
         version = client.get_model_version(self.MODEL, "1")
-        assert f"fingerprint `{dataset['fingerprint']}`, from `{folder}`" in version.description
+        assert f"fingerprint `{dataset.fingerprint}`, from `{folder}`" in version.description
         assert "served check: passed" in version.description
 
     def test_the_same_data_and_spec_again_trains_and_registers_nothing(self, env, folder, first, client):

@@ -12,6 +12,8 @@ import pytest
 from conftest import E2E_MODEL as MODEL
 from conftest import replica_listening, run_dag
 
+from hetflow.paths import RunPaths
+from hetflow.records import DatasetRecord
 from hetflow.spec import SPEC_KEYS
 
 pytestmark = pytest.mark.slow
@@ -98,7 +100,7 @@ def test_first_version_is_candidate_and_champion_and_predicts_the_test_split(fir
     assert client.get_registered_model(f"{MODEL}-tflite").description.startswith("Trained by hetflow: the TFLite")
     assert float(champion.tags["test_accuracy"]) == pytest.approx(summary["metrics"]["test_accuracy"], abs=1e-6)
 
-    dataset = json.loads((Path(summary["run_dir"]) / "dataset.json").read_text())
+    dataset = DatasetRecord.read(RunPaths(summary["run_dir"]))
     images, labels = split_arrays(dataset, "test")
     model = mlflow.pyfunc.load_model(f"models:/{MODEL}@champion")
     logits = np.asarray(model.predict(images))
@@ -123,8 +125,8 @@ def test_second_run_reuses_data_and_does_not_take_champion_below_the_gate(first,
     _, first_summary = first
     done, summary = second
     assert done.returncode == 0, done.stderr[-3000:]
-    dataset = json.loads((Path(summary["run_dir"]) / "dataset.json").read_text())
-    assert dataset["reused"] and dataset["fingerprint"] == first_summary["dataset"]["fingerprint"]
+    dataset = DatasetRecord.read(RunPaths(summary["run_dir"]))
+    assert dataset.reused and dataset.fingerprint == first_summary["dataset"]["fingerprint"]
     assert summary["mlflow_run_id"] != first_summary["mlflow_run_id"]
     assert summary["registry"]["version"] == 2
     assert summary["registry"]["aliases"] == ["candidate"] and not summary["registry"]["promoted"]
@@ -156,7 +158,9 @@ import hetflow
 from hetflow.data.pipeline import split_arrays
 from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 from pathlib import Path
-exported, dataset = json.loads(Path(sys.argv[1]).read_text()), json.loads(Path(sys.argv[2]).read_text())
+from hetflow.records import DatasetRecord
+exported = json.loads(Path(sys.argv[1]).read_text())
+dataset = DatasetRecord.model_validate_json(Path(sys.argv[2]).read_text())
 images, labels = split_arrays(dataset, "test")
 import tensorflow as tf
 assert [d.name for d in tf.config.list_logical_devices()] == ["/device:CPU:0"]  # one device, no cluster
@@ -256,7 +260,7 @@ def test_chosen_tflite_variant_is_registered_and_its_champion_predicts(first, cl
     assert version.tags["dataset.fingerprint"] == summary["dataset"]["fingerprint"]
     assert "test accuracy" in version.description and "gate: no champion yet" in version.description
 
-    dataset = json.loads((Path(summary["run_dir"]) / "dataset.json").read_text())
+    dataset = DatasetRecord.read(RunPaths(summary["run_dir"]))
     images, labels = split_arrays(dataset, "test")
     model = mlflow.pyfunc.load_model(f"models:/{MODEL}-tflite@champion")
     accuracy = float(np.mean(np.argmax(np.asarray(model.predict(images)), axis=1) == labels))

@@ -178,6 +178,7 @@ def test_a_training_done_before_is_skipped_with_the_reason_prepare_data_recorded
     record says why the run skips, and summary.json reports that sentence (summarize reads it from
     the record, not from prepare_data's code)."""
     from hetflow.paths import run_paths
+    from hetflow.records import DatasetRecord
     from hetflow.registry.training_key import TRAINING_KEY_TAG
     from hetflow.tasks.prepare_data import prepare_data
     from hetflow.tasks.summarize import summarize
@@ -185,18 +186,18 @@ def test_a_training_done_before_is_skipped_with_the_reason_prepare_data_recorded
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}")
     paths = run_paths("rerun")
-    dataset = json.loads(paths.dataset.read_text())
+    dataset = DatasetRecord.read(paths)
     client = MlflowClient()
     model = json.loads(paths.spec.read_text())["registry"]["model_name"]
     client.create_registered_model(model)
     client.create_model_version(
-        model, source=str(home), tags={TRAINING_KEY_TAG: dataset["training_key"], "airflow.run_id": "earlier"}
+        model, source=str(home), tags={TRAINING_KEY_TAG: dataset.training_key, "airflow.run_id": "earlier"}
     )
     returned = {"validate_spec": prepared_run["validate_spec"], "prepare_data": prepare_data("rerun", try_number=2)}
     record = json.loads(paths.dataset.read_text())
     assert record["trained_before"]["airflow_run_id"] == "earlier"
     reason = (
-        f"{model} v1 was trained from this spec on data with fingerprint {dataset['fingerprint'][:12]} by Airflow "
+        f"{model} v1 was trained from this spec on data with fingerprint {dataset.fingerprint[:12]} by Airflow "
         "run earlier: nothing to train or register (skip_unchanged=false trains again)"
     )
     assert record["skip_reason"] == reason

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from mlflow_hosts import _home
 
+from hetflow.records import DatasetRecord
+
 FINGERPRINT = "f" * 16  # every version was scored on the same prepared data: recorded accuracies count
 
 
@@ -75,7 +77,7 @@ def _gate(name: str, version: str, accuracy: float, log_dir: Path, ready=None) -
         RunSpec.from_values({"min_improvement": 0.001}),
         registered,
         accuracy,
-        {"fingerprint": FINGERPRINT},
+        DatasetRecord.model_construct(fingerprint=FINGERPRINT),
         {"dataset.fingerprint": FINGERPRINT},
         checked,
         "report",
@@ -236,7 +238,11 @@ def test_register_refuses_a_registered_model_hetflow_did_not_create(hetflow_env,
 
     with pytest.raises(ForeignRegisteredModel) as refused:
         register_model(
-            RunSpec.from_values({"registered_model": name}), paths, {"fingerprint": FINGERPRINT}, "hetflow_train", name
+            RunSpec.from_values({"registered_model": name}),
+            paths,
+            DatasetRecord.model_construct(fingerprint=FINGERPRINT),
+            "hetflow_train",
+            name,
         )
     message = str(refused.value)
     assert "\n" not in message and message.startswith(f"registered_model '{name}': "), message

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import hetflow  # noqa: F401  (sets TF_USE_LEGACY_KERAS before anything here imports TensorFlow)
+from hetflow.records import DatasetRecord
 
-DIGITS = {"input_shape": [8, 8, 1], "num_classes": 10}
+DIGITS = DatasetRecord.model_construct(input_shape=[8, 8, 1], num_classes=10)  # what building the model reads
 
 
 def hostile_model(marker: Path):
@@ -32,8 +33,8 @@ def hostile_model(marker: Path):
         pathlib.Path(marker).write_text("code from the artifact ran")
         return x
 
-    mlp = build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=1)
-    pixels = tf.keras.Input(shape=DIGITS["input_shape"], dtype=tf.uint8)
+    mlp = build_model("mlp", DIGITS.input_shape, DIGITS.num_classes, seed=1)
+    pixels = tf.keras.Input(shape=DIGITS.input_shape, dtype=tf.uint8)
     model = tf.keras.Model(pixels, mlp(tf.keras.layers.Lambda(payload)(pixels)))
     marker.unlink()  # building it called the payload once
     return model
@@ -52,7 +53,7 @@ def trained_weights(directory: Path) -> tuple[Path, list[np.ndarray]]:
     from hetflow.replica.weights import save_model
     from hetflow.spec import RunSpec
 
-    model = build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=3)
+    model = build_model("mlp", DIGITS.input_shape, DIGITS.num_classes, seed=3)
     model.set_weights([w * 2 + 0.5 for w in model.get_weights()])
     path = directory / "model.weights.h5"
     save_model(model, RunSpec.from_values({"model": "mlp", "seed": 1}), DIGITS, path)
@@ -62,7 +63,7 @@ def trained_weights(directory: Path) -> tuple[Path, list[np.ndarray]]:
 def fresh_mlp():
     from hetflow.models.architectures import build_model
 
-    return build_model("mlp", DIGITS["input_shape"], DIGITS["num_classes"], seed=1)
+    return build_model("mlp", DIGITS.input_shape, DIGITS.num_classes, seed=1)
 
 
 def test_the_chief_writes_weights_that_read_back_into_the_rebuilt_model_and_nothing_more(tmp_path):
@@ -100,7 +101,7 @@ def _other_architecture(tmp_path: Path) -> Path:
     from hetflow.models.architectures import build_model
 
     path = tmp_path / "model.weights.h5"
-    build_model("cnn", DIGITS["input_shape"], DIGITS["num_classes"], seed=1).save_weights(path)
+    build_model("cnn", DIGITS.input_shape, DIGITS.num_classes, seed=1).save_weights(path)
     return path
 
 

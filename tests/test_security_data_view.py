@@ -22,11 +22,13 @@ from hetflow import sandbox
 _PROBE = ATTEMPT + textwrap.dedent(
     """
     import json, os, sys
-    data, other, dataset = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    data, other = sys.argv[1], sys.argv[2]
     attempt("list-data-dir", lambda: print("data-dir", sorted(os.listdir(data))))
     attempt("read-other-dataset", lambda: os.listdir(other))
     import hetflow
     from hetflow.data.pipeline import split_arrays
+    from hetflow.records import DatasetRecord
+    dataset = DatasetRecord.model_validate_json(sys.argv[3])
     images, labels = split_arrays(dataset, "test")
     print("test-examples", len(labels))
     """
@@ -89,7 +91,7 @@ def test_every_backend_shows_the_replicas_their_runs_dataset_and_no_other_data(h
     assert prepared == str(home / "data" / "uci_digits" / "1.0.0")
     shown = _every_backends_read_only_data(run_dir, home)
     assert shown == {backend: [prepared] for backend in ("local", "docker", "swarm", "kubernetes")}
-    assert others["prepared_dir"] not in str(shown)
+    assert others.prepared_dir not in str(shown)
 
 
 def test_a_replica_reads_its_dataset_and_sees_no_other_data(home):

@@ -13,11 +13,12 @@ import pytest
 from conftest import REPO
 
 from hetflow.paths import NotRegularFile, RunPaths, write_record
+from hetflow.records import DatasetRecord
 from hetflow.replica.training_json import read_training
 from hetflow.spec import parse_spec
 
 SPEC = parse_spec({"strategy": "multi_worker_mirrored", "workers": 2, "epochs": 3, "batch_size": 32})
-DATASET = {"splits": {"train": 160, "validation": 32, "test": 32}}  # 5 steps of 32 an epoch
+DATASET = DatasetRecord.model_construct(splits={"train": 160, "validation": 32, "test": 32})  # 5 steps of 32 an epoch
 
 
 class _Resumed:

@@ -110,7 +110,7 @@ def _trained_run(tmp_path, **values):
     spec = RunSpec.from_values({"seed": 1, "target_sparsity": 0.8, "export_formats": ["tflite"], **values})
     paths = RunPaths(tmp_path / "run")
     paths.output.mkdir(parents=True)  # as provisioning makes it: the replicas' weights go there
-    model = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
+    model = build_model(spec.model.architecture, dataset.input_shape, dataset.num_classes, spec.training.seed)
     compile_model(model, tf.keras.optimizers.Adam(spec.training.learning_rate))
     steps = steps_per_epoch(spec, dataset)
     batches = train_input(dataset, per_worker_batch=spec.training.batch_size, shuffle=True, seed=spec.training.seed)

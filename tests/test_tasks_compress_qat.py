@@ -32,7 +32,7 @@ def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(t
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
     spec = RunSpec.from_values({"model": "mlp", "seed": 1, "target_sparsity": 0.8, "max_accuracy_drop": BUDGET})
-    model = build_model("mlp", dataset["input_shape"], dataset["num_classes"], spec.training.seed)
+    model = build_model("mlp", dataset.input_shape, dataset.num_classes, spec.training.seed)
     compile_model(model, tf.keras.optimizers.Adam(spec.training.learning_rate))
     model.fit(train_input(dataset, per_worker_batch=32, shuffle=True, seed=1), epochs=20, steps_per_epoch=39, verbose=0)
     # 400 steps, the second 200 at 80 %: a target never reached and patience never spent.
@@ -88,7 +88,7 @@ def test_the_cnn_fine_tunes_quantization_aware_keeping_its_zeros(tmp_path):
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
     spec = RunSpec.from_values({"model": "cnn", "seed": 1})
-    model = build_model("cnn", dataset["input_shape"], dataset["num_classes"], spec.training.seed)
+    model = build_model("cnn", dataset.input_shape, dataset.num_classes, spec.training.seed)
     compile_model(model, tf.keras.optimizers.Adam(spec.training.learning_rate))
     dense = model.get_layer(index=-2)
     kernel, bias = dense.get_weights()

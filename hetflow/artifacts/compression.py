@@ -27,6 +27,7 @@ from hetflow.data.pipeline import split_arrays, train_input
 from hetflow.models.architectures import compile_model
 from hetflow.models.fine_tuning import Recovery, fine_tune
 from hetflow.models.schedule import make_optimizer
+from hetflow.records import DatasetRecord
 from hetflow.spec import RunSpec
 
 _PRUNABLE = (tf.keras.layers.Dense, tf.keras.layers.Conv2D)
@@ -94,15 +95,15 @@ def pruning_recovery(spec: RunSpec, training: dict[str, Any], float_validation_a
     )
 
 
-def validation_arrays(dataset: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+def validation_arrays(dataset: DatasetRecord) -> tuple[np.ndarray, np.ndarray]:
     """The split fine-tuning and the int8 choice are scored on (train where a dataset has none)."""
-    return split_arrays(dataset, "validation" if "validation" in dataset["splits"] else "train")
+    return split_arrays(dataset, "validation" if "validation" in dataset.splits else "train")
 
 
 def prune(
     model: tf.keras.Model,
     spec: RunSpec,
-    dataset: dict[str, Any],
+    dataset: DatasetRecord,
     recovery: Recovery,
     callbacks: Sequence[tf.keras.callbacks.Callback] = (),
 ) -> tuple[tf.keras.Model, dict[str, Any]]:
@@ -148,7 +149,7 @@ def prune(
     return tfmot.sparsity.keras.strip_pruning(pruning), record
 
 
-def _batches(spec: RunSpec, dataset: dict[str, Any]) -> tf.data.Dataset:
+def _batches(spec: RunSpec, dataset: DatasetRecord) -> tf.data.Dataset:
     return train_input(
         dataset, per_worker_batch=spec.training.batch_size, shuffle=spec.training.shuffle, seed=spec.training.seed
     )
@@ -176,7 +177,7 @@ class _PrunePreservingScheme(tfmot.experimental.combine.Default8BitPrunePreserve
 
 
 def quantization_aware(
-    model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], recovery: Recovery
+    model: tf.keras.Model, spec: RunSpec, dataset: DatasetRecord, recovery: Recovery
 ) -> tuple[tf.keras.Model, dict[str, Any]]:
     """Fine-tune ``model`` with fake int8 quantization of its Dense and Conv2D layers (inputs,
     weights, outputs), keeping its zero weights zero, until ``recovery`` stops it; convert the result
@@ -207,7 +208,7 @@ def keras_accuracy(model: tf.keras.Model, images: np.ndarray, labels: np.ndarray
 
 
 def int8_file(
-    model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], max_steps: int, sparse: bool, scratch: Path
+    model: tf.keras.Model, spec: RunSpec, dataset: DatasetRecord, max_steps: int, sparse: bool, scratch: Path
 ) -> tuple[bytes, dict[str, Any]]:
     """The full-integer file of ``model``: post-training quantized, or, when that loses more than
     ``max_accuracy_drop`` against ``model`` on the validation split, quantization-aware fine-tuned

@@ -22,12 +22,13 @@ import tensorflow as tf
 from ai_edge_litert import schema_py_generated as schema
 
 from hetflow.data.pipeline import split_arrays
+from hetflow.records import DatasetRecord
 
 REPRESENTATIVE_EXAMPLES = 200
 SPARSE_ENCODABLE = ("none", "int8")
 
 
-def representative_images(dataset: dict[str, Any], seed: int) -> np.ndarray:
+def representative_images(dataset: DatasetRecord, seed: int) -> np.ndarray:
     """The int8 calibration sample: ``REPRESENTATIVE_EXAMPLES`` train images drawn with ``seed``."""
     images, _ = split_arrays(dataset, "train")
     return np.random.default_rng(seed).permutation(images)[:REPRESENTATIVE_EXAMPLES]

@@ -8,6 +8,8 @@ from typing import Any
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from hetflow.records import DatasetRecord
+
 
 @functools.lru_cache(maxsize=8)
 def _prepared(prepared_dir: str):
@@ -30,12 +32,12 @@ def _without_autotuning_thread(examples: tf.data.Dataset) -> tf.data.Dataset:
     return examples.with_options(options)
 
 
-def _load(dataset: dict[str, Any], split: str) -> tf.data.Dataset:
-    return _prepared(dataset["prepared_dir"]).as_dataset(split=split, as_supervised=True, shuffle_files=False)
+def _load(dataset: DatasetRecord, split: str) -> tf.data.Dataset:
+    return _prepared(dataset.prepared_dir).as_dataset(split=split, as_supervised=True, shuffle_files=False)
 
 
 def train_input(
-    dataset: dict[str, Any],
+    dataset: DatasetRecord,
     *,
     per_worker_batch: int,
     shuffle: bool,
@@ -82,15 +84,15 @@ def train_slices(
     return _without_autotuning_thread(batches.prefetch(tf.data.AUTOTUNE))
 
 
-def _training_examples(dataset: dict[str, Any], shuffle: bool, seed: int) -> tf.data.Dataset:
+def _training_examples(dataset: DatasetRecord, shuffle: bool, seed: int) -> tf.data.Dataset:
     examples = _load(dataset, "train").cache()
     if shuffle:
-        examples = examples.shuffle(dataset["splits"]["train"], seed=seed, reshuffle_each_iteration=True)
+        examples = examples.shuffle(dataset.splits["train"], seed=seed, reshuffle_each_iteration=True)
     return examples.repeat()
 
 
 def eval_input(
-    dataset: dict[str, Any], split: str, batch_size: int = 256, examples: tuple[int, int] | None = None
+    dataset: DatasetRecord, split: str, batch_size: int = 256, examples: tuple[int, int] | None = None
 ) -> tf.data.Dataset:
     """One ordered pass over ``split`` (or over its examples ``start:end``), for validation and test."""
     ordered = _load(dataset, split)
@@ -100,13 +102,13 @@ def eval_input(
     return _without_autotuning_thread(ordered.cache().batch(batch_size).prefetch(tf.data.AUTOTUNE))
 
 
-def training_tensors(dataset: dict[str, Any]) -> tuple[tf.Tensor, tf.Tensor]:
+def training_tensors(dataset: DatasetRecord) -> tuple[tf.Tensor, tf.Tensor]:
     """The training split's images and labels as tensors, for ``train_slices``."""
     images, labels = split_arrays(dataset, "train")
     return tf.convert_to_tensor(images), tf.convert_to_tensor(labels)
 
 
-def split_arrays(dataset: dict[str, Any], split: str) -> tuple[Any, Any]:
+def split_arrays(dataset: DatasetRecord, split: str) -> tuple[Any, Any]:
     """The whole split as numpy arrays (images uint8, labels int64), for scoring and plots."""
-    images, labels = tfds.as_numpy(_load(dataset, split).batch(dataset["splits"][split]).get_single_element())
+    images, labels = tfds.as_numpy(_load(dataset, split).batch(dataset.splits[split]).get_single_element())
     return images, labels

@@ -14,10 +14,10 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 from hetflow.paths import RunPaths, read_replica_record, write_record
 from hetflow.paths import data_dir as shared_data_dir
+from hetflow.records import DatasetRecord
 from hetflow.spec.data_roots import as_checked, confined, data_roots
 
 # Builders that need no network. Importing their module registers them with TFDS. Image folders
@@ -46,8 +46,8 @@ def shown_to_replicas(run_dir: Path, data_dir: Path) -> list[Path]:
     record = RunPaths(run_dir).dataset
     if not record.exists():
         return []
-    prepared = read_replica_record(record).get("prepared_dir")
-    return [as_checked(str(prepared), str(data_dir), "prepared data")]
+    prepared = DatasetRecord.model_validate(read_replica_record(record)).prepared_dir
+    return [as_checked(prepared, str(data_dir), "prepared data")]
 
 
 @contextlib.contextmanager
@@ -227,7 +227,7 @@ def data_problems(spec) -> list[str]:
     return []
 
 
-def prepare_dataset(name: str, data_dir: Path, image_size: str | None = None) -> dict[str, Any]:
+def prepare_dataset(name: str, data_dir: Path, image_size: str | None = None) -> DatasetRecord:
     """Download (where needed) and prepare ``name`` under ``data_dir``; re-use it when already there.
 
     Returns what later stages need: where the prepared dataset is, split sizes, input shape, classes
@@ -266,19 +266,19 @@ def prepare_dataset(name: str, data_dir: Path, image_size: str | None = None) ->
         version_dir = as_checked(str(builder.data_dir), str(data_dir), "prepared data")
         fingerprint = _fingerprint(info, version_dir)
     image_key, label_key = info.supervised_keys
-    return {
-        "name": identity,
-        "version": f"{info.version}{version_suffix}",
-        "data_dir": str(data_dir),
-        "prepared_dir": str(version_dir),
+    return DatasetRecord(
+        name=identity,
+        version=f"{info.version}{version_suffix}",
+        data_dir=str(data_dir),
+        prepared_dir=str(version_dir),
         # What the data was prepared from: the image folder, or TFDS's prepared copy.
-        "source_path": source or str(version_dir),
-        "reused": prepared_before,
-        "splits": {split: info.splits[split].num_examples for split in info.splits},
-        "shards": {split: info.splits[split].num_shards for split in info.splits},
-        "input_shape": list(info.features[image_key].shape),
-        "num_classes": info.features[label_key].num_classes,
-        "class_names": info.features[label_key].names,
-        "fingerprint": fingerprint,
-        "data_changed": fingerprint_changed(data_dir, identity, fingerprint),
-    }
+        source_path=source or str(version_dir),
+        reused=prepared_before,
+        splits={split: info.splits[split].num_examples for split in info.splits},
+        shards={split: info.splits[split].num_shards for split in info.splits},
+        input_shape=list(info.features[image_key].shape),
+        num_classes=info.features[label_key].num_classes,
+        class_names=info.features[label_key].names,
+        fingerprint=fingerprint,
+        data_changed=fingerprint_changed(data_dir, identity, fingerprint),
+    )

@@ -18,6 +18,7 @@ import h5py
 import tensorflow as tf
 
 from hetflow.models.stage_split import split_by_parameters
+from hetflow.records import DatasetRecord
 
 if TYPE_CHECKING:
     from hetflow.spec import RunSpec
@@ -167,10 +168,10 @@ def read_weights(model: tf.keras.Model, path: Path) -> tf.keras.Model:
     return model
 
 
-def trained_model(spec: RunSpec, dataset: dict[str, Any], path: Path) -> tf.keras.Model:
+def trained_model(spec: RunSpec, dataset: DatasetRecord, path: Path) -> tf.keras.Model:
     """The run's architecture rebuilt from its spec, with the trained weights read from ``path``."""
     return read_weights(
-        build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed), path
+        build_model(spec.model.architecture, dataset.input_shape, dataset.num_classes, spec.training.seed), path
     )
 
 

@@ -8,11 +8,12 @@ from typing import Any
 
 import tensorflow as tf
 
+from hetflow.records import DatasetRecord
 from hetflow.spec import RunSpec
 
 
-def steps_per_epoch(spec: RunSpec, dataset: dict[str, Any]) -> int:
-    return spec.training.steps_per_epoch or max(1, dataset["splits"]["train"] // spec.training.batch_size)
+def steps_per_epoch(spec: RunSpec, dataset: DatasetRecord) -> int:
+    return spec.training.steps_per_epoch or max(1, dataset.splits["train"] // spec.training.batch_size)
 
 
 class WarmupLinearScaling(tf.keras.optimizers.schedules.LearningRateSchedule):

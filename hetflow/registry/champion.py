@@ -22,6 +22,7 @@ import numpy as np
 from mlflow.exceptions import MlflowException
 
 from hetflow.paths import hetflow_home
+from hetflow.records import DatasetRecord
 from hetflow.registry.registry_lock import RegistryLock, local_lock_identity
 from hetflow.registry.store import tracking_uri
 from hetflow.serving import server as serving
@@ -68,7 +69,7 @@ def version_by_alias(client: MlflowClient, name: str, alias: str):
         return None
 
 
-def champion_accuracy(champion, dataset: dict, log_dir: Path) -> float:
+def champion_accuracy(champion, dataset: DatasetRecord, log_dir: Path) -> float:
     """The champion's test accuracy on *this* run's test split.
 
     Its recorded accuracy counts when it was measured on the same prepared data (same dataset
@@ -76,7 +77,7 @@ def champion_accuracy(champion, dataset: dict, log_dir: Path) -> float:
     is never loaded in this process, where a registered model's code would run. Raises
     ``serving.ServingError`` when it cannot be served.
     """
-    if champion.tags.get("dataset.fingerprint") == dataset["fingerprint"]:
+    if champion.tags.get("dataset.fingerprint") == dataset.fingerprint:
         return float(champion.tags["test_accuracy"])
     from hetflow.data.pipeline import split_arrays
 
@@ -139,7 +140,7 @@ def promote(
     spec: RunSpec,
     version,
     accuracy: float,
-    dataset: dict,
+    dataset: DatasetRecord,
     tags: dict[str, str],
     check: Future | None,
     report: str,

@@ -13,32 +13,33 @@ from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.types import Schema, TensorSpec
 
+from hetflow.records import DatasetRecord
 from mlflow import MlflowClient
 
 # MLflow stores a dataset digest in 36 characters; the full fingerprint is in the run's tags.
 _DIGEST_CHARS = 36
 
 
-def dataset_input(dataset: dict) -> DatasetInput:
+def dataset_input(dataset: DatasetRecord) -> DatasetInput:
     """The prepared dataset as an MLflow dataset input: name, version, fingerprint as digest, the
     source it was prepared from, and the schema the model reads (raw uint8 images, int64 labels)."""
     schema = Schema(
         [
-            TensorSpec(np.dtype(np.uint8), (-1, *dataset["input_shape"]), "image"),
+            TensorSpec(np.dtype(np.uint8), (-1, *dataset.input_shape), "image"),
             TensorSpec(np.dtype(np.int64), (-1,), "label"),
         ]
     )
     meta = MetaDataset(
         # A folder of images is its own source; a TFDS dataset's is its prepared copy under data_dir.
-        resolve_dataset_source(dataset["source_path"]),
-        name=f"{dataset['name']}@{dataset['version']}",
-        digest=dataset["fingerprint"][:_DIGEST_CHARS],
+        resolve_dataset_source(dataset.source_path),
+        name=f"{dataset.name}@{dataset.version}",
+        digest=dataset.fingerprint[:_DIGEST_CHARS],
         schema=schema,
     )
     return DatasetInput(meta._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", "training")])
 
 
-def log_dataset(client: MlflowClient, run_id: str, dataset: dict) -> None:
+def log_dataset(client: MlflowClient, run_id: str, dataset: DatasetRecord) -> None:
     """Safe to repeat: MLflow keeps one input per (dataset, digest) and run."""
     client.log_inputs(run_id, datasets=[dataset_input(dataset)])
 

@@ -17,6 +17,7 @@ from mlflow.utils.time import get_current_time_millis
 
 from hetflow.cluster.supervisor import read_restarts
 from hetflow.paths import NotRegularFile, RunPaths, read_regular
+from hetflow.records import DatasetRecord
 from hetflow.registry import lineage
 from hetflow.registry.store import git_commit
 from hetflow.replica.balance import measured
@@ -151,17 +152,17 @@ def log_run_record(
     run_id: str,
     spec: RunSpec,
     paths: RunPaths,
-    dataset: dict,
+    dataset: DatasetRecord,
     training: dict,
     evaluation: dict,
     exported: dict,
 ) -> None:
     """Tags, params, curves, final metrics and artifacts of the run; safe to repeat on retry."""
     tags = {
-        "dataset.name": dataset["name"],
-        "dataset.version": dataset["version"],
-        "dataset.fingerprint": dataset["fingerprint"],
-        "dataset.source": dataset["source_path"],
+        "dataset.name": dataset.name,
+        "dataset.version": dataset.version,
+        "dataset.fingerprint": dataset.fingerprint,
+        "dataset.source": dataset.source_path,
         "mlflow.source.git.commit": git_commit(),
         "mlflow.note.content": headline(training, evaluation, client.get_run(run_id).data.tags.get("airflow.url")),
         "strategy": spec.cluster.strategy,

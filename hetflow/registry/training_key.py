@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from hetflow.records import DatasetRecord, TrainedBefore
 from hetflow.spec import RunSpec
 from hetflow.spec.cluster import MICRO_BATCHES, STAGE_SPLIT
 from mlflow import MlflowClient
@@ -30,7 +31,7 @@ def training_key(spec: RunSpec, fingerprint: str) -> str:
 TRAINING_KEY_TAG = "hetflow.training_key"  # on every model version: the training_key it came from
 
 
-def trained_before(client: MlflowClient, registered_model: str, key: str, airflow_run_id: str) -> dict | None:
+def trained_before(client: MlflowClient, registered_model: str, key: str, airflow_run_id: str) -> TrainedBefore | None:
     """The version of ``registered_model`` that another Airflow run already trained with ``key``, or
     None. This run's own version (a Clear re-runs its stages) does not count."""
     if not client.search_registered_models(f"name = '{registered_model}'"):
@@ -39,21 +40,21 @@ def trained_before(client: MlflowClient, registered_model: str, key: str, airflo
         f"name = '{registered_model}' and tags.`{TRAINING_KEY_TAG}` = '{key}'", order_by=["version_number ASC"]
     ):
         if version.tags.get("airflow.run_id") != airflow_run_id:
-            return {
-                "model_name": registered_model,
-                "version": int(version.version),
-                "mlflow_run_id": version.run_id,
-                "airflow_run_id": version.tags.get("airflow.run_id"),
-                "aliases": sorted(version.aliases),
-            }
+            return TrainedBefore(
+                model_name=registered_model,
+                version=int(version.version),
+                mlflow_run_id=version.run_id,
+                airflow_run_id=version.tags.get("airflow.run_id"),
+                aliases=sorted(version.aliases),
+            )
     return None
 
 
-def skip_reason(dataset: dict) -> str:
+def skip_reason(dataset: DatasetRecord) -> str:
     """Why a run skips, from prepare_data's record of a training done before (``trained_before``)."""
-    before = dataset["trained_before"]
+    before = dataset.trained_before
     return (
-        f"{before['model_name']} v{before['version']} was trained from this spec on data with fingerprint "
-        f"{dataset['fingerprint'][:12]} by Airflow run {before['airflow_run_id']}: nothing to train or register "
+        f"{before.model_name} v{before.version} was trained from this spec on data with fingerprint "
+        f"{dataset.fingerprint[:12]} by Airflow run {before.airflow_run_id}: nothing to train or register "
         "(skip_unchanged=false trains again)"
     )

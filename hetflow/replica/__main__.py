@@ -24,6 +24,7 @@ from typing import Any
 
 from hetflow.cluster.lease import SIGNALS, SupervisorWatch
 from hetflow.paths import RunPaths
+from hetflow.records import DatasetRecord
 from hetflow.spec import RunSpec
 
 
@@ -44,14 +45,14 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 def main(args: argparse.Namespace) -> None:
     paths = RunPaths(args.run_dir)
     spec = RunSpec.from_json(paths.spec.read_text())
-    dataset = json.loads(paths.dataset.read_text())
+    dataset = DatasetRecord.read(paths)
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     print(f"replica {task['type']}-{task['index']} pid {os.getpid()} strategy={spec.cluster.strategy}", flush=True)
 
     run_replica(spec, dataset, paths, task)
 
 
-def run_replica(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> None:
+def run_replica(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str, Any]) -> None:
     """This replica's part: serving variables and steps (parameter_server's ps and workers,
     model_parallel's stages across workers), or training with the spec's strategy and writing its
     results."""

@@ -43,6 +43,7 @@ from hetflow.models.architectures import build_model_parallel, layer_chain
 from hetflow.models.schedule import make_optimizer, steps_per_epoch
 from hetflow.models.stage_split import split_by_parameters, split_by_time, stage_seconds
 from hetflow.paths import RunPaths, write_record
+from hetflow.records import DatasetRecord
 from hetflow.replica.checkpoint import EpochCheckpoint
 from hetflow.replica.loop import EpochLoop, validation_sums
 from hetflow.replica.record import Trained, tensor_bytes, worker_rate
@@ -164,11 +165,11 @@ def time_devices(devices: list[str]) -> list[float]:
     return timings
 
 
-def plan_stages(spec: RunSpec, dataset: dict[str, Any], devices: list[str]) -> dict[str, Any]:
+def plan_stages(spec: RunSpec, dataset: DatasetRecord, devices: list[str]) -> dict[str, Any]:
     """Where to cut the model (``hetflow.models.stage_split``), by the spec's ``stage_split``, and
     the numbers behind it: plan.json's ``stage_split``, which the pipeline recomputes."""
     micro_batch = -(-spec.training.batch_size // spec.cluster.micro_batches)
-    profile = profile_layers(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], micro_batch)
+    profile = profile_layers(spec.model.architecture, dataset.input_shape, dataset.num_classes, micro_batch)
     by_parameters = split_by_parameters(profile["parameters"], len(devices))
     work = time_devices(devices)
     by_time = split_by_time(profile["layer_seconds"], work)
@@ -292,15 +293,15 @@ def stage_record(groups, optimizer) -> list[dict[str, Any]]:
     return stages
 
 
-def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
+def train(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str, Any]) -> Trained:
     across_workers = spec.cluster.chief_coordinates
     devices = connect_stage_workers() if across_workers else local_devices(spec.cluster.worker_device(0).count)
     plan = plan_stages(spec, dataset, devices)
     write_record(paths.plan, {"stage_split": plan})
     model, groups = build_model_parallel(
         spec.model.architecture,
-        dataset["input_shape"],
-        dataset["num_classes"],
+        dataset.input_shape,
+        dataset.num_classes,
         spec.training.seed,
         devices,
         plan["bounds"],

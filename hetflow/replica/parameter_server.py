@@ -22,6 +22,7 @@ from hetflow.data.pipeline import eval_input, train_input
 from hetflow.models.architectures import build_model
 from hetflow.models.schedule import make_optimizer, steps_per_epoch
 from hetflow.paths import RunPaths
+from hetflow.records import DatasetRecord
 from hetflow.replica.checkpoint import EpochCheckpoint
 from hetflow.replica.loop import EpochLoop, validation_sums
 from hetflow.replica.ps_exchange import communication_record, time_exchange
@@ -45,7 +46,7 @@ def _per_worker_ids(coordinator):
     return tf.distribute.experimental.coordinator.PerWorkerValues(ids)
 
 
-def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
+def train(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str, Any]) -> Trained:
     """The chief's part: the other replicas ``serve``."""
     return AsyncChief(spec, dataset, paths).train()
 
@@ -54,7 +55,7 @@ class AsyncChief:
     """The chief of an asynchronous run: it schedules closures of steps on whichever worker is free
     and keeps the staleness of every update and the worker that applied it."""
 
-    def __init__(self, spec: RunSpec, dataset: dict[str, Any], paths: RunPaths):
+    def __init__(self, spec: RunSpec, dataset: DatasetRecord, paths: RunPaths):
         self.spec, self.dataset, self.paths = spec, dataset, paths
         self.strategy = tf.distribute.ParameterServerStrategy(
             tf.distribute.cluster_resolver.TFConfigClusterResolver(),
@@ -69,7 +70,7 @@ class AsyncChief:
         self.loop = EpochLoop(spec, self.closures_per_epoch * STEPS_PER_CLOSURE, paths.progress)
         with self.strategy.scope():
             self.model = build_model(
-                spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed
+                spec.model.architecture, dataset.input_shape, dataset.num_classes, spec.training.seed
             )
             self.optimizer = make_optimizer(spec, self.loop.schedule)
             # Counts applied updates; lives on a ps, so every worker sees the others' increments.

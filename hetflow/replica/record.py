@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from hetflow.models.schedule import learning_rate_plan
 from hetflow.paths import RunPaths, write_record
+from hetflow.records import DatasetRecord
 from hetflow.replica.loop import EpochLoop
 from hetflow.replica.weights import save_model
 from hetflow.spec import RunSpec
@@ -78,7 +79,7 @@ class Trained:
     chief: bool = True
 
 
-def finish(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, trained: Trained) -> None:
+def finish(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, trained: Trained) -> None:
     """Write the final weights (every replica takes part) and, on the chief, training.json."""
     save_model(trained.model, spec, dataset, paths.model, chief=trained.chief)
     if not trained.chief:

@@ -38,6 +38,7 @@ from hetflow.data.pipeline import eval_input, train_slices, training_tensors
 from hetflow.models.architectures import build_model
 from hetflow.models.schedule import make_optimizer, steps_per_epoch
 from hetflow.paths import RunPaths
+from hetflow.records import DatasetRecord
 from hetflow.replica.balance import WorkerShares
 from hetflow.replica.batch_shares import split_batch
 from hetflow.replica.checkpoint import EpochCheckpoint
@@ -61,14 +62,14 @@ def is_chief(task: dict[str, Any]) -> bool:
     return task["type"] == "worker" and task["index"] == 0
 
 
-def train(spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]) -> Trained:
+def train(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str, Any]) -> Trained:
     return SyncWorker(spec, dataset, paths, task).train()
 
 
 class SyncWorker:
     """One worker of a synchronous run: its strategy, model and share of every global batch."""
 
-    def __init__(self, spec: RunSpec, dataset: dict[str, Any], paths: RunPaths, task: dict[str, Any]):
+    def __init__(self, spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str, Any]):
         self.spec, self.dataset, self.paths, self.task = spec, dataset, paths, task
         self.chief = is_chief(task)
         self.strategy = make_strategy(spec)
@@ -77,7 +78,7 @@ class SyncWorker:
         self.loop = EpochLoop(spec, steps_per_epoch(spec, dataset), paths.progress if self.chief else None)
         with self.strategy.scope():
             self.model = build_model(
-                spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed
+                spec.model.architecture, dataset.input_shape, dataset.num_classes, spec.training.seed
             )
             self.optimizer = make_optimizer(spec, self.loop.schedule)
         self.shares = WorkerShares(spec, paths, task["index"], self.chief)
@@ -167,7 +168,7 @@ class SyncWorker:
 
     def my_validation(self) -> tf.data.Dataset:
         """This worker's share of the validation split, in proportion to its share of the batch."""
-        validation_size = self.dataset["splits"]["validation"]
+        validation_size = self.dataset.splits["validation"]
         worker_offsets = [0, *itertools.accumulate(self.shares.now)]
         first, last = (
             round(worker_offsets[i] * validation_size / self.spec.training.batch_size)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from hetflow.paths import NotRegularFile, read_replica_record
+from hetflow.records import DatasetRecord
 from hetflow.spec import RunSpec
 from hetflow.spec.cluster import STRATEGIES
 
@@ -167,10 +168,10 @@ class TrainingRecord(Strict):
     micro_batches: Annotated[int, Field(ge=1, le=64)] | None = None
 
 
-def planned_steps(spec: RunSpec, dataset: dict[str, Any]) -> int:
+def planned_steps(spec: RunSpec, dataset: DatasetRecord) -> int:
     """The steps an epoch of ``spec`` runs (``hetflow.models.schedule.steps_per_epoch``, in whole
     closures under parameter_server), from the pipeline's own records."""
-    steps = spec.training.steps_per_epoch or max(1, dataset["splits"]["train"] // spec.training.batch_size)
+    steps = spec.training.steps_per_epoch or max(1, dataset.splits["train"] // spec.training.batch_size)
     if spec.cluster.strategy == "parameter_server":
         return -(-steps // PS_STEPS_PER_CLOSURE) * PS_STEPS_PER_CLOSURE
     return steps
@@ -184,7 +185,7 @@ def _where(location: tuple) -> str:
     return text
 
 
-def _as_spec_says(record: TrainingRecord, spec: RunSpec, dataset: dict[str, Any]) -> list[tuple[str, str]]:
+def _as_spec_says(record: TrainingRecord, spec: RunSpec, dataset: DatasetRecord) -> list[tuple[str, str]]:
     """(field, what it must be) for each field that disagrees with the spec or with the epochs that ran."""
     training, strategy = spec.training, spec.cluster.strategy
     batch, target = record.global_batch, record.target_accuracy
@@ -228,7 +229,7 @@ def _as_spec_says(record: TrainingRecord, spec: RunSpec, dataset: dict[str, Any]
     return [(field, must) for field, must, holds in checks if not holds]
 
 
-def read_training(path, spec: RunSpec, dataset: dict[str, Any]) -> dict[str, Any]:
+def read_training(path, spec: RunSpec, dataset: DatasetRecord) -> dict[str, Any]:
     """training.json at ``path`` as the pipeline takes it: read as data (``read_replica_record``),
     checked against ``TrainingRecord`` and ``spec`` (the run's, and ``dataset``, the prepared data's:
     the pipeline's own records); else NotRegularFile, one line naming the file and the field.

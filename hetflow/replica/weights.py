@@ -5,15 +5,15 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import tensorflow as tf
 
 from hetflow.models.architectures import build_model
+from hetflow.records import DatasetRecord
 from hetflow.spec import RunSpec
 
 
-def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], path, chief: bool = True) -> None:
+def save_model(model: tf.keras.Model, spec: RunSpec, dataset: DatasetRecord, path, chief: bool = True) -> None:
     """Save the trained weights, and only them, at ``path`` (``*.weights.h5``), from a fresh copy
     of the model.
 
@@ -23,7 +23,7 @@ def save_model(model: tf.keras.Model, spec: RunSpec, dataset: dict[str, Any], pa
     strategies every worker must take part in saving (it may run collectives); each writes into a
     scratch dir and only the chief's copy is moved to ``path``, whole.
     """
-    plain = build_model(spec.model.architecture, dataset["input_shape"], dataset["num_classes"], spec.training.seed)
+    plain = build_model(spec.model.architecture, dataset.input_shape, dataset.num_classes, spec.training.seed)
     # A checkpoint stores each variable whole, whatever its distribution, and restores by name.
     # Each ps writes its own shards: the scratch dir is beside ``path`` in the run directory, which
     # every replica sees (a container's /tmp is its own).

@@ -41,7 +41,8 @@ from hetflow.artifacts.compression import (
 from hetflow.artifacts.tflite import SPARSE_ENCODABLE, representative_images, to_tflite, weight_encoding
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, run_paths, write_record
-from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.pipeline.attempts import attempt, load_spec, reported
+from hetflow.records import DatasetRecord
 from hetflow.replica.training_json import read_training
 from hetflow.spec import RunSpec
 
@@ -52,7 +53,7 @@ log = logging.getLogger("hetflow.stages")
 def compress(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     paths = run_paths(run_id)
     with attempt(paths, "compress", run_id, try_number) as receipt:
-        spec, dataset = load_spec(paths), read_record(paths.dataset)
+        spec, dataset = load_spec(paths), DatasetRecord.read(paths)
         record = compress_model(spec, paths, dataset, read_training(paths.training, spec, dataset))
     log.info("compressed variants: %s; kernel sparsity %s", list(record["variants"]), record.get("kernel_sparsity"))
     return {**record, "attempt": receipt}
@@ -62,7 +63,7 @@ def pruned_weights_path(paths: RunPaths):
     return paths.compressed / "pruned.weights.h5"
 
 
-def compress_model(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any], training: dict[str, Any]) -> dict[str, Any]:
+def compress_model(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord, training: dict[str, Any]) -> dict[str, Any]:
     """Prune (``prune=true``) and quantize (``quantize``) the trained model; writes compression.json."""
     model = trained_model(spec, dataset, paths.model)
     paths.compressed.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,8 @@ from hetflow.artifacts.tflite import to_tflite, weight_encoding
 from hetflow.data.pipeline import split_arrays
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
-from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.pipeline.attempts import attempt, load_spec, reported
+from hetflow.records import DatasetRecord
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
@@ -108,7 +109,7 @@ def judge(artifacts: dict[str, dict[str, Any]], float_accuracy: float, max_accur
 def export(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     paths = run_paths(run_id)
     with attempt(paths, "export", run_id, try_number) as receipt:
-        record = export_artifacts(load_spec(paths), paths, read_record(paths.dataset))
+        record = export_artifacts(load_spec(paths), paths, DatasetRecord.read(paths))
     for name, artifact in record["artifacts"].items():
         log.info(
             "%s: accuracy %.4f (drop %+.4f), %d bytes (%d gzipped), %s weights, sparsity %.3f, %.4f ms/example%s",
@@ -129,7 +130,7 @@ def export(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     }
 
 
-def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: dict[str, Any]) -> dict[str, Any]:
+def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> dict[str, Any]:
     """Write the float model's artifacts, score them and compress's variants, choose the TFLite
     variant to deploy; writes export.json and the size-vs-accuracy plot."""
     model = trained_model(spec, dataset, paths.model)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hetflow.paths import run_paths, write_record
+from hetflow.paths import run_paths
 from hetflow.pipeline import timing
 from hetflow.pipeline.attempts import attempt, load_spec, reported
+from hetflow.records import TrainedBefore
 from hetflow.spec import RunSpec, SpecError, data_location_problems, data_roots
 from hetflow.spec.data_roots import confined
 
@@ -19,7 +20,7 @@ log = logging.getLogger("hetflow.stages")
 def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     """Prepare the dataset (or re-use it) and say whether this training was done before: with
     skip_unchanged, a version trained by another run from the same spec on the same data makes the
-    rest of the run skip (``record["trained_before"]``, and why in ``record["skip_reason"]``)."""
+    rest of the run skip (``trained_before``, and why in ``skip_reason``)."""
     from hetflow.data.prepare import dataset_dir, prepare_dataset
     from hetflow.registry.training_key import skip_reason, training_key
 
@@ -31,22 +32,23 @@ def prepare_data(run_id: str, try_number: int | None = None) -> dict[str, Any]:
         problems = data_location_problems(spec.data)
         if problems:
             raise SpecError(problems)
-        record = prepare_dataset(_checked_dataset(spec), dataset_dir(spec), spec.data.image_size)
-        record["training_key"] = training_key(spec, record["fingerprint"])
-        record["trained_before"] = _trained_before(spec, record["training_key"], run_id)
-        if record["trained_before"]:  # what summarize and the DAG's skip say
-            record["skip_reason"] = skip_reason(record)
-        write_record(paths.dataset, record)
+        prepared = prepare_dataset(_checked_dataset(spec), dataset_dir(spec), spec.data.image_size)
+        key = training_key(spec, prepared.fingerprint)
+        before = _trained_before(spec, key, run_id)
+        record = prepared.model_copy(update={"training_key": key, "trained_before": before})
+        if before:  # what summarize and the DAG's skip say
+            record = record.model_copy(update={"skip_reason": skip_reason(record)})
+        record.write(paths)
     log.info(
         "dataset %s %s %s (fingerprint %s)",
-        record["name"],
-        record["version"],
-        "re-used" if record["reused"] else "prepared",
-        record["fingerprint"][:12],
+        record.name,
+        record.version,
+        "re-used" if record.reused else "prepared",
+        record.fingerprint[:12],
     )
-    if record["trained_before"]:
-        log.info("unchanged: %s", record["skip_reason"])
-    return {**record, "attempt": receipt}
+    if record.trained_before:
+        log.info("unchanged: %s", record.skip_reason)
+    return {**record.as_json(), "attempt": receipt}
 
 
 def _checked_dataset(spec: RunSpec) -> str:
@@ -60,7 +62,7 @@ def _checked_dataset(spec: RunSpec) -> str:
         raise SpecError([str(refused)]) from None
 
 
-def _trained_before(spec: RunSpec, key: str, run_id: str) -> dict[str, Any] | None:
+def _trained_before(spec: RunSpec, key: str, run_id: str) -> TrainedBefore | None:
     if not spec.data.skip_unchanged:
         return None
     from hetflow.registry.store import tracking_uri

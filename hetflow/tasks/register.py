@@ -20,7 +20,8 @@ from hetflow.data.pipeline import split_arrays
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
 from hetflow.pipeline import timing
-from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
+from hetflow.pipeline.attempts import attempt, load_spec, reported
+from hetflow.records import DatasetRecord
 from hetflow.registry import champion, run_record, store, versions
 from hetflow.registry.training_key import TRAINING_KEY_TAG
 from hetflow.replica.training_json import read_training
@@ -45,7 +46,7 @@ def register(run_id: str, dag_id: str, try_number: int | None = None) -> dict[st
     paths = run_paths(run_id)
     try:
         with attempt(paths, "register", run_id, try_number) as receipt:
-            record = register_model(load_spec(paths), paths, read_record(paths.dataset), dag_id, run_id)
+            record = register_model(load_spec(paths), paths, DatasetRecord.read(paths), dag_id, run_id)
     except (MlflowException, requests.exceptions.RequestException) as error:
         reason = str(error).splitlines()[0][:300]
         raise TrackingUnavailable(
@@ -66,7 +67,9 @@ class Candidate:
     report: str  # the version's description: how it was made
 
 
-def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, airflow_run_id: str) -> dict[str, Any]:
+def register_model(
+    spec: RunSpec, paths: RunPaths, dataset: DatasetRecord, dag_id: str, airflow_run_id: str
+) -> dict[str, Any]:
     """Record the run in MLflow, register the float model and the chosen TFLite variant, serve each
     (infra validation), move the aliases; writes registry.json."""
     # Where replicas write (the run directory's top): read as data, like the training record itself.
@@ -138,22 +141,24 @@ def register_model(spec: RunSpec, paths: RunPaths, dataset: dict, dag_id: str, a
     return record
 
 
-def _version_tags_and_headline(spec: RunSpec, dataset: dict, airflow_run_id: str) -> tuple[dict[str, str], str]:
+def _version_tags_and_headline(
+    spec: RunSpec, dataset: DatasetRecord, airflow_run_id: str
+) -> tuple[dict[str, str], str]:
     """What every version of this run is tagged with, and its description's first lines."""
     tags = {
         "airflow.run_id": airflow_run_id,
-        "dataset.name": dataset["name"],
-        "dataset.version": dataset["version"],
-        "dataset.fingerprint": dataset["fingerprint"],
-        TRAINING_KEY_TAG: dataset["training_key"],
+        "dataset.name": dataset.name,
+        "dataset.version": dataset.version,
+        "dataset.fingerprint": dataset.fingerprint,
+        TRAINING_KEY_TAG: dataset.training_key,
         "strategy": spec.cluster.strategy,
         "model": spec.model.architecture,
     }
     headline = (
         f"Trained by Airflow run `{airflow_run_id}` ({spec.cluster.strategy}, {spec.model.architecture}) on "
-        f"{dataset['name']} {dataset['version']}.\n\n"
-        f"- dataset: {dataset['name']} {dataset['version']}, fingerprint `{dataset['fingerprint']}`, "
-        f"from `{dataset['source_path']}`\n"
+        f"{dataset.name} {dataset.version}.\n\n"
+        f"- dataset: {dataset.name} {dataset.version}, fingerprint `{dataset.fingerprint}`, "
+        f"from `{dataset.source_path}`\n"
     )
     return tags, headline
 

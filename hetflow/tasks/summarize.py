@@ -12,6 +12,7 @@ from hetflow.models.stage_split import read_stage_split
 from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, run_paths, write_record
 from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, load_spec, read_record, reported
 from hetflow.pipeline.timing import PARTS
+from hetflow.records import DatasetRecord
 from hetflow.registry import live
 from hetflow.replica.training_json import read_training
 
@@ -101,8 +102,8 @@ def summarize(
     # Only the records of the stages before the failed one are this attempt's: nothing after it is reported.
     finished = STAGES[: STAGES.index(failed_stage)] if failed_stage else STAGES
     unchanged = None
-    if failed_stage == "provision_cluster" and read_record(paths.dataset).get("trained_before"):
-        unchanged = read_record(paths.dataset)  # prepare_data found this training done before: the rest skipped
+    if failed_stage == "provision_cluster" and (prepared := DatasetRecord.read(paths)).trained_before:
+        unchanged = prepared  # prepare_data found this training done before: the rest skipped
         failed_stage = None
     # Read as data: the records from training on are at the run directory's top, where replicas write.
     read = {
@@ -110,20 +111,18 @@ def summarize(
         for stage, record in STAGE_OUTPUTS
         if stage != "train"
     }
-    read["train"] = (
-        read_training(paths.training, load_spec(paths), read["prepare_data"]) if "train" in finished else None
-    )
+    dataset = DatasetRecord.model_validate(read["prepare_data"]) if read["prepare_data"] else None
+    read["train"] = read_training(paths.training, load_spec(paths), dataset) if "train" in finished else None
     training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
-    dataset = read["prepare_data"] or {}
     summary = {
         "run_id": run_id,
         "status": "failed" if failed_stage else "skipped" if unchanged else "success",
         "failed_stage": failed_stage,
-        "skipped_because": unchanged["skip_reason"] if unchanged else None,
+        "skipped_because": unchanged.skip_reason if unchanged else None,
         "run_dir": str(paths.root),
         "attempts": {stage: read_record(paths.attempt(stage)) for stage in finished},
         "spec": read["validate_spec"],
-        "dataset": {k: dataset.get(k) for k in ("name", "version", "fingerprint", "splits", "source_path")},
+        "dataset": {k: getattr(dataset, k, None) for k in ("name", "version", "fingerprint", "splits", "source_path")},
         "mlflow_tracking_uri": registry.get("mlflow_tracking_uri"),
         "mlflow_run_id": registry.get("mlflow_run_id"),
         "mlflow_run_url": live.tracked_page(paths),
@@ -148,7 +147,7 @@ def summarize(
             k: registry.get(k) for k in ("model_name", "version", "model_uri", "aliases", "promoted", "gate", "models")
         }
         if registry
-        else unchanged["trained_before"]
+        else unchanged.trained_before.model_dump()
         if unchanged
         else None,
     }

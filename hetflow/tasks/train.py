@@ -14,6 +14,7 @@ from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
 from hetflow.pipeline.interrupt import stopped_on_sigterm
 from hetflow.pipeline.progress import ProgressReader, ProgressWatch, Watcher
+from hetflow.records import DatasetRecord
 from hetflow.replica.training_json import read_training
 from hetflow.spec import RunSpec, parse_spec
 
@@ -51,7 +52,7 @@ def train(
             supervisor.supervise(spec, cluster, paths.root, timeout, lambda: watch.stop_reason, log_label)
             if paths.requested_spec.exists():  # provision_cluster's, in a folder replicas see read-only
                 spec = _carry_out_auto(spec, run_id, paths, lambda: watch.stop_reason, log_label)
-    training = read_training(paths.training, spec, read_record(paths.dataset))
+    training = read_training(paths.training, spec, DatasetRecord.read(paths))
     if spec.cluster.strategy == "model_parallel":
         _log_stage_split(read_stage_split(paths.plan, spec, training))
     return {**training, "attempt": receipt}
