@@ -13,7 +13,7 @@ from cluster_run import HOME, RUN_DIR, RUN_ID
 
 from hetflow.cluster.backends.docker import backend as dk
 from hetflow.cluster.backends.kubernetes import backend as k8s
-from hetflow.cluster.containers import lines_to_file
+from hetflow.cluster.containers import ReplicaLaunch, lines_to_file
 from hetflow.cluster.layout import plan_cluster, run_slug
 from hetflow.paths import RunPaths
 from hetflow.spec import SpecError, parse_spec
@@ -129,7 +129,7 @@ def test_a_replica_container_runs_unprivileged_on_a_read_only_root_and_sees_the_
 
     spec = parse_spec({"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2})
     layout = dk.plan(spec, RUN_ID)
-    config = dk.container_config(layout, layout.replicas[0], spec, HOME, RUN_DIR, "65534:65534", 0.0)
+    config = dk.container_config(ReplicaLaunch(layout, layout.replicas[0], spec, HOME, RUN_DIR, "65534:65534", 0.0))
     assert config["cap_drop"] == ["ALL"] and config["security_opt"] == ["no-new-privileges"]
     assert config["read_only"] is True and "/tmp" in config["tmpfs"] and config["pids_limit"] == containers.PIDS_LIMIT
     # The run directory, its records included, read-only as a whole; only the output folder writable.

@@ -9,6 +9,7 @@ from cluster_run import HOME, RUN_DIR, RUN_ID, ps_spec
 
 from hetflow.cluster.backends.base import ReplicaState
 from hetflow.cluster.backends.docker import backend as dk
+from hetflow.cluster.containers import ReplicaLaunch
 from hetflow.cluster.layout import run_slug
 from hetflow.spec import RunSpec, parse_spec
 
@@ -28,7 +29,10 @@ def test_docker_network_is_internal_and_labelled_with_the_run():
 def test_docker_container_configs_carry_tf_config_labels_limits_and_gpus():
     spec = ps_spec("docker", replica_cpus=1.5, replica_memory_mb=2048, request_gpus=True, restart_policy="on_failure")
     layout = dk.plan(spec, RUN_ID)
-    configs = {r.name: dk.container_config(layout, r, spec, HOME, RUN_DIR, "1000:1000", 12.5) for r in layout.replicas}
+    configs = {
+        r.name: dk.container_config(ReplicaLaunch(layout, r, spec, HOME, RUN_DIR, "1000:1000", 12.5))
+        for r in layout.replicas
+    }
     assert set(configs) == {"chief-0", "worker-0", "worker-1", "ps-0"}
     for replica in layout.replicas:
         config = configs[replica.name]
@@ -77,13 +81,13 @@ def test_docker_container_configs_carry_tf_config_labels_limits_and_gpus():
 def test_docker_config_without_limits_sets_none_and_never_restarts():
     spec = parse_spec({"backend": "docker", "strategy": "mirrored", "devices_per_worker": 2})
     layout = dk.plan(spec, RUN_ID)
-    config = dk.container_config(layout, layout.replicas[0], spec, HOME, RUN_DIR, "0:0", 0.0)
+    config = dk.container_config(ReplicaLaunch(layout, layout.replicas[0], spec, HOME, RUN_DIR, "0:0", 0.0))
     assert not {"nano_cpus", "mem_limit", "device_requests"} & set(config)
     assert config["restart_policy"] == {"Name": "no"}
     # The container's own deadline: the keeper's attach timeout (600 s) plus train_timeout_seconds (3600 s).
     assert config["entrypoint"] == ["timeout", "--kill-after=10", "4200", "python", "-m", "hetflow.replica"]
     with_gpus = parse_spec({"backend": "docker", "strategy": "mirrored", "devices_per_worker": 2, "request_gpus": True})
-    config = dk.container_config(layout, layout.replicas[0], with_gpus, HOME, RUN_DIR, "0:0", 0.0)
+    config = dk.container_config(ReplicaLaunch(layout, layout.replicas[0], with_gpus, HOME, RUN_DIR, "0:0", 0.0))
     assert config["device_requests"][0]["Count"] == 2
 
 
@@ -101,10 +105,12 @@ def test_a_slower_worker_is_a_container_with_a_smaller_cpu_quota_and_pinning_is_
         {"backend": "docker", "strategy": "multi_worker_mirrored", "workers": 2, "worker_devices": devices}
     )
     layout = dk.plan(spec, RUN_ID)
-    configs = [dk.container_config(layout, r, spec, HOME, RUN_DIR, "0:0", 0.0) for r in layout.replicas]
+    configs = [dk.container_config(ReplicaLaunch(layout, r, spec, HOME, RUN_DIR, "0:0", 0.0)) for r in layout.replicas]
     # half of one core, where replica_cpus is unset; the other worker is not limited
     assert [c.get("nano_cpus") for c in configs] == [None, 500_000_000]
     limited = RunSpec.from_values({**spec.flat(), "replica_cpus": 1.5, "pin_cores": True})
-    configs = [dk.container_config(layout, r, limited, HOME, RUN_DIR, "0:0", 0.0) for r in layout.replicas]
+    configs = [
+        dk.container_config(ReplicaLaunch(layout, r, limited, HOME, RUN_DIR, "0:0", 0.0)) for r in layout.replicas
+    ]
     assert [c["nano_cpus"] for c in configs] == [1_500_000_000, 750_000_000]
     assert len({c["cpuset_cpus"] for c in configs}) == min(2, len(os.sched_getaffinity(0)))

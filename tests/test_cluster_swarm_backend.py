@@ -25,6 +25,7 @@ from hetflow.cluster.backends.swarm.replicas import (
     plan,
     service_config,
 )
+from hetflow.cluster.containers import ReplicaLaunch
 from hetflow.cluster.layout import SERVICE_PORT, run_slug
 from hetflow.paths import RunPaths
 
@@ -137,7 +138,7 @@ def test_a_replica_service_is_hardened_as_its_container(swarm):
     RunPaths(run_dir).output.mkdir(parents=True, exist_ok=True)  # as provisioning makes it: the service mounts it
     client = swarm["client"]
     client.networks.create(**network_config(layout.run_id, run_dir, encrypted=False))
-    config = service_config(layout, layout.replicas[0], spec, home, run_dir, "65534:65534", 0.0)
+    config = service_config(ReplicaLaunch(layout, layout.replicas[0], spec, home, run_dir, "65534:65534", 0.0))
     config.update(command=[*config["command"][:-3], "python", "-c", PROBE], args=[])
     try:
         service = client.services.create(**config)
@@ -165,7 +166,7 @@ def test_a_replicas_port_is_reached_by_its_peer_on_another_node_and_by_nothing_o
     network = client.networks.create(**network_config(layout.run_id, run_dir, encrypted=False))
 
     def service(replica, *argv: str):
-        config = service_config(layout, replica, spec, home, run_dir, "65534:65534", 0.0)
+        config = service_config(ReplicaLaunch(layout, replica, spec, home, run_dir, "65534:65534", 0.0))
         config.update(command=[*config["command"][:-3], "python", "-c", *argv], args=[])
         return client.services.create(**config)
 

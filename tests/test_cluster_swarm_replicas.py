@@ -21,6 +21,7 @@ from hetflow.cluster.backends.swarm.replicas import (
     service_config,
     task_state,
 )
+from hetflow.cluster.containers import ReplicaLaunch
 from hetflow.cluster.layout import run_slug
 from hetflow.spec import SpecError, parse_spec
 
@@ -31,7 +32,7 @@ def test_a_replica_service_is_one_task_by_dns_name_placed_by_node_and_restarted_
     spec = swarm_sync_spec(replica_cpus=1.5, replica_memory_mb=512)
     layout = plan(spec, "manual__2026-11-25T10:00:00+00:00")
     worker = layout.replicas[1]
-    config = service_config(layout, worker, spec, Path("/srv/h"), Path("/srv/h/runs/r"), "0:0", 1.0)
+    config = service_config(ReplicaLaunch(layout, worker, spec, Path("/srv/h"), Path("/srv/h/runs/r"), "0:0", 1.0))
     assert worker.address == f"hetflow-{run_slug(layout.run_id)}-worker-1:2222" == f"{config['name']}:2222"
     assert config["endpoint_spec"]["Mode"] == "dnsrr"  # no virtual IP: the name resolves to the task
     assert config["restart_policy"]["Condition"] == "none"
@@ -85,7 +86,7 @@ def test_placement_follows_the_device_label_or_the_named_node_and_gpus_are_gener
     assert [satisfies(n, by_name["worker-1"]) for n in (gpu_node, plain_node)] == [False, True]
     assert satisfies(plain_node, ["node.hostname==p"]) and not satisfies(gpu_node, ["node.hostname==p"])
     worker = layout.replicas[1]
-    config = service_config(layout, worker, spec, Path("/h"), Path("/h/runs/r"), "0:0", 1.0)
+    config = service_config(ReplicaLaunch(layout, worker, spec, Path("/h"), Path("/h/runs/r"), "0:0", 1.0))
     assert config["resources"]["Reservations"]["GenericResources"] == [
         {"DiscreteResourceSpec": {"Kind": "NVIDIA-GPU", "Value": 1}}
     ]

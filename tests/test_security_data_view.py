@@ -16,6 +16,7 @@ from conftest import ATTEMPT
 from digit_folders import write_digit_folder
 
 from hetflow import sandbox
+from hetflow.cluster.containers import ReplicaLaunch
 
 # What a replica's process tries: the other datasets of the data dir, and its own data through the
 # input pipeline every strategy reads.
@@ -72,10 +73,10 @@ def _every_backends_read_only_data(run_dir: Path, home: Path) -> dict[str, list[
         spec = parse_spec({"backend": backend})
         layout = docker_backend.plan(spec, "data-view")
         if backend == "docker":
-            config = module.container_config(layout, layout.replicas[0], spec, home, run_dir, "0:0", 0.0)
+            config = module.container_config(ReplicaLaunch(layout, layout.replicas[0], spec, home, run_dir, "0:0", 0.0))
             shown[backend] = data_only(key for key, bind in config["volumes"].items() if bind["mode"] == "ro")
         else:
-            config = module.service_config(layout, layout.replicas[0], spec, home, run_dir, "0:0", 0.0)
+            config = module.service_config(ReplicaLaunch(layout, layout.replicas[0], spec, home, run_dir, "0:0", 0.0))
             shown[backend] = data_only(m["Source"] for m in config["mounts"] if m.get("ReadOnly"))
     shown["kubernetes"] = data_only(m["mountPath"] for m in kubernetes_manifests.volume_mounts(run_dir))
     return shown

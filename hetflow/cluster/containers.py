@@ -5,7 +5,7 @@ replica's log file."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Iterable, Iterator, Literal
 
@@ -30,6 +30,30 @@ TMP_BYTES = 512 * 2**20
 # Grace between SIGTERM and SIGKILL when stopping a replica: a TF worker waiting for a peer
 # ignores SIGTERM (see the local backend), so the engine's escalation is what ends it.
 STOP_GRACE_SECONDS = 10
+
+
+@dataclass(frozen=True)
+class ReplicaLaunch:
+    """One replica of a run as an engine launches it (a docker container, a swarm service).
+
+    :param home: HETFLOW_HOME; the run directory and the data dir (the spec's, or the one under
+        ``home``) are mounted at the same paths.
+    :param run_dir: the run directory (under ``home``).
+    :param user: ``uid:gid`` the replica runs as (``container_user``).
+    :param launched_at: when the supervisor launched the run (for time to first step).
+    """
+
+    layout: ClusterLayout
+    replica: Replica
+    spec: RunSpec
+    home: Path
+    run_dir: Path
+    user: str
+    launched_at: float
+
+    def __iter__(self):
+        """Its fields in order, as they are (``dataclasses.astuple`` would copy the layout into tuples)."""
+        return iter(getattr(self, field.name) for field in fields(self))
 
 
 @dataclass(frozen=True)

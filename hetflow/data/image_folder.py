@@ -234,15 +234,13 @@ def _builder_class():
             super().__init__(config=config, **kwargs)
 
         def _info(self) -> tfds.core.DatasetInfo:
-            return self.dataset_info_from_configs(
-                description=f"Image folder {self.inventory.folder}",
-                features=tfds.features.FeaturesDict(
-                    {
-                        "image": tfds.features.Image(shape=self.inventory.shape, dtype=np.uint8),
-                        "label": tfds.features.ClassLabel(names=list(self.inventory.classes)),
-                    }
-                ),
-                supervised_keys=("image", "label"),
+            from hetflow.data.features import labelled_images_info
+
+            return labelled_images_info(
+                self,
+                f"Image folder {self.inventory.folder}",
+                self.inventory.shape,
+                tfds.features.ClassLabel(names=list(self.inventory.classes)),
                 homepage=self.inventory.folder.as_uri(),
             )
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow_datasets as tfds
 
+from hetflow.data.features import labelled_images_info
+
 SPLIT_SIZES = {"train": 10_000, "validation": 1_000, "test": 2_000}
 NUM_CLASSES = 10
 IMAGE_SHAPE = (32, 32, 3)
@@ -43,16 +45,7 @@ class SyntheticCifar(tfds.core.GeneratorBasedBuilder):
     NUM_SHARDS = 4
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return self.dataset_info_from_configs(
-            description=__doc__,
-            features=tfds.features.FeaturesDict(
-                {
-                    "image": tfds.features.Image(shape=IMAGE_SHAPE, dtype=np.uint8),
-                    "label": tfds.features.ClassLabel(num_classes=NUM_CLASSES),
-                }
-            ),
-            supervised_keys=("image", "label"),
-        )
+        return labelled_images_info(self, __doc__, IMAGE_SHAPE, tfds.features.ClassLabel(num_classes=NUM_CLASSES))
 
     def _split_generators(self, dl_manager: tfds.download.DownloadManager):
         templates = class_templates()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow_datasets as tfds
 
+from hetflow.data.features import labelled_images_info
+
 # Fixed split of the 1,797 examples; changing it needs a new VERSION.
 SPLIT_FRACTIONS = {"train": 0.7, "validation": 0.1, "test": 0.2}
 _SPLIT_SEED = 20261122
@@ -24,15 +26,11 @@ class UciDigits(tfds.core.GeneratorBasedBuilder):
     NUM_SHARDS = 4
 
     def _info(self) -> tfds.core.DatasetInfo:
-        return self.dataset_info_from_configs(
-            description=__doc__,
-            features=tfds.features.FeaturesDict(
-                {
-                    "image": tfds.features.Image(shape=(8, 8, 1), dtype=np.uint8),
-                    "label": tfds.features.ClassLabel(num_classes=10),
-                }
-            ),
-            supervised_keys=("image", "label"),
+        return labelled_images_info(
+            self,
+            __doc__,
+            (8, 8, 1),
+            tfds.features.ClassLabel(num_classes=10),
             homepage="https://archive.ics.uci.edu/dataset/80/optical+recognition+of+handwritten+digits",
         )
 

@@ -31,6 +31,7 @@ from hetflow.cluster.containers import (
     PIDS_LIMIT,
     STOP_GRACE_SECONDS,
     TMP_BYTES,
+    ReplicaLaunch,
     lines_to_file,
     replica_environment,
     replica_spec,
@@ -77,24 +78,10 @@ def network_config(run_id: str, run_dir: Path) -> dict:
     }
 
 
-def container_config(
-    layout: ClusterLayout,
-    replica: Replica,
-    spec: RunSpec,
-    home: Path,
-    run_dir: Path,
-    user: str,
-    launched_at: float,
-) -> dict:
+def container_config(launch: ReplicaLaunch) -> dict:
     """Keyword arguments of ``client.containers.run`` for one replica: no capabilities, no
-    privilege to gain, a read-only root file system with a private /tmp, a bounded process count.
-
-    :param home: HETFLOW_HOME; the run directory and the data dir (the spec's, or the one under
-        ``home``) are mounted at the same paths.
-    :param run_dir: the run directory (under ``home``).
-    :param user: ``uid:gid`` the replica runs as (``containers.container_user``).
-    :param launched_at: when the supervisor launched the run (for time to first step).
-    """
+    privilege to gain, a read-only root file system with a private /tmp, a bounded process count."""
+    layout, replica, spec, home, run_dir, user, launched_at = launch
     view = replica_view(spec, run_dir, home)
     needs = replica_spec(spec, replica)
     # A container ends itself at its deadline, as a local replica's keeper ends it, whether or not
@@ -165,7 +152,7 @@ class DockerReplicas(EngineReplicas):
         self.start(self.layout.replicas)
 
     def configure(self, replica: Replica, home: Path, user: str, launched_at: float) -> dict:
-        return container_config(self.layout, replica, self.spec, home, self.run_dir, user, launched_at)
+        return container_config(ReplicaLaunch(self.layout, replica, self.spec, home, self.run_dir, user, launched_at))
 
     def remove_named(self, name: str) -> None:
         self.client.containers.get(name).remove(force=True)

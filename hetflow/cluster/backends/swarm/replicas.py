@@ -18,6 +18,7 @@ from hetflow.cluster.containers import (
     PIDS_LIMIT,
     STOP_GRACE_SECONDS,
     TMP_BYTES,
+    ReplicaLaunch,
     open_log,
     replica_environment,
     replica_spec,
@@ -69,22 +70,14 @@ def network_config(run_id: str, run_dir: Path, encrypted: bool) -> dict:
     }
 
 
-def service_config(
-    layout: ClusterLayout,
-    replica: Replica,
-    spec: RunSpec,
-    home: Path,
-    run_dir: Path,
-    user: str,
-    launched_at: float,
-) -> dict:
-    """Keyword arguments of ``client.services.create`` for one replica (see the docker backend's
-    ``container_config`` for what the parameters mean: the replica is the same), hardened as its
+def service_config(launch: ReplicaLaunch) -> dict:
+    """Keyword arguments of ``client.services.create`` for one replica, hardened as its
     container is: no capabilities, a read-only root file system with a private /tmp, a bounded
     process count (``Limits.Pids``, API 1.41: Docker 20.10), and no privilege to gain, which a service
     cannot ask of Docker 20.10 (``Privileges.NoNewPrivileges`` came with a later API): ``setpriv
     --no-new-privs`` sets the same kernel flag on the replica's first process, and every process it
     starts inherits it."""
+    layout, replica, spec, home, run_dir, user, launched_at = launch
     view = replica_view(spec, run_dir, home)
     deadline = ATTACH_TIMEOUT_SECONDS + spec.cluster.run_policy.timeout_seconds
     # Before its deadline a replica ends once its supervisor's heartbeat stops; not on the lease,
@@ -171,7 +164,7 @@ class SwarmReplicas(EngineReplicas):
         self.start(self.layout.replicas)
 
     def configure(self, replica: Replica, home: Path, user: str, launched_at: float) -> dict:
-        return service_config(self.layout, replica, self.spec, home, self.run_dir, user, launched_at)
+        return service_config(ReplicaLaunch(self.layout, replica, self.spec, home, self.run_dir, user, launched_at))
 
     def remove_named(self, name: str) -> None:
         self.client.services.get(name).remove()
