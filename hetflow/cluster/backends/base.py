@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 from hetflow.cluster.backends import NAMES
 from hetflow.cluster.layout import ClusterLayout, Replica
+from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
 
 if TYPE_CHECKING:
     from hetflow.spec import RunSpec
@@ -97,9 +98,12 @@ class Backend(ABC):
     def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
         """What would stop the run's replicas from starting, one line each."""
 
-    @abstractmethod
+    # What ``replicas`` makes, from the layout, the spec and the run directory.
+    replicas_type: type[Replicas]
+
     def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path) -> Replicas:
         """The run's replicas for the supervisor."""
+        return self.replicas_type(layout, spec, run_dir)
 
     @abstractmethod
     def teardown(self, spec: RunSpec | None, run_id: str, grace: float | None = None) -> list:
@@ -111,12 +115,16 @@ class Backend(ABC):
             them their service's stop grace period, fixed when the service was made
             (``containers.STOP_GRACE_SECONDS``)."""
 
-    @abstractmethod
     def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
         """Remove what interrupted runs of ``home`` left and no supervisor holds, by kind.
 
         :param attach_seconds: what started less than this many seconds ago may belong to a run being
             provisioned and is left alone (default: the attach timeout)."""
+        return self.remove_interrupted(home, ATTACH_TIMEOUT_SECONDS if attach_seconds is None else attach_seconds)
+
+    def remove_interrupted(self, home: Path, attach_seconds: float) -> dict[str, list[str]]:
+        """``sweep``'s work; nothing where a run leaves nothing once its supervisor is gone (local)."""
+        return {}
 
 
 def backend_for(spec: RunSpec | None) -> Backend:

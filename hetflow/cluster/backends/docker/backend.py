@@ -315,22 +315,13 @@ def sweep_containers(home: Path, attach_seconds: float) -> dict[str, list[str]]:
 class DockerBackend(Backend):
     """backend=docker as a ``Backend`` (``hetflow.cluster.backends.base``)."""
 
-    loss_report_seconds = 0.0
-
-    def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
-        return plan(spec, run_id)
-
-    def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
-        return preflight(spec, run_id)
-
-    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
-        return DockerReplicas(layout, spec, run_dir)
+    replicas_type = DockerReplicas
+    plan = staticmethod(plan)
+    preflight = staticmethod(preflight)
+    remove_interrupted = staticmethod(sweep_containers)
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         return teardown_run(run_id)  # containers are killed at once: nothing is left to save
-
-    def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
-        return sweep_containers(home, ATTACH_TIMEOUT_SECONDS if attach_seconds is None else attach_seconds)
 
 
 BACKEND = DockerBackend()

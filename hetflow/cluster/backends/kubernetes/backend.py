@@ -53,7 +53,7 @@ from hetflow.cluster.containers import (
     prepare_run_dir,
 )
 from hetflow.cluster.layout import ClusterLayout, plan_named_cluster, run_slug
-from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, take_lease
+from hetflow.cluster.lease import take_lease
 from hetflow.cluster.output_lines import cut_lines
 from hetflow.cluster.replica_view import hand_over_writable
 from hetflow.paths import RunPaths, hetflow_home
@@ -351,25 +351,18 @@ def sweep_runs(home: Path, attach_seconds: float, core=None, networking=None) ->
 class KubernetesBackend(Backend):
     """backend=kubernetes as a ``Backend`` (``hetflow.cluster.backends.base``)."""
 
-    loss_report_seconds = 0.0
-
-    def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
-        return plan(spec, run_id)
+    replicas_type = KubernetesReplicas
+    plan = staticmethod(plan)
+    remove_interrupted = staticmethod(sweep_runs)
 
     def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
         # Only the claim (mounted here) is tried: the API server validates what is created.
         return pod_access_problems(spec)
 
-    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
-        return KubernetesReplicas(layout, spec, run_dir)
-
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         return teardown_run(
             run_id, spec.cluster.kubernetes.namespace, grace=STOP_GRACE_SECONDS if grace is None else grace
         )
-
-    def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
-        return sweep_runs(home, ATTACH_TIMEOUT_SECONDS if attach_seconds is None else attach_seconds)
 
 
 BACKEND = KubernetesBackend()

@@ -11,7 +11,9 @@ from hetflow.spec import RunSpec
 
 
 class LocalBackend(Backend):
-    loss_report_seconds = 0.0
+    """backend=local as a ``Backend``. Its sweep removes nothing: a run's replicas and the holder of its
+    network namespace die with their keepers' supervisor lease (``keeper``), and the kernel frees the
+    namespace with them."""
 
     def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
         return plan_cluster(spec, run_id)
@@ -28,11 +30,6 @@ class LocalBackend(Backend):
         from hetflow.cluster.processes import TERM_GRACE_SECONDS, teardown_run
 
         return teardown_run(run_id, TERM_GRACE_SECONDS if grace is None else grace)
-
-    def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
-        """Nothing: a run's replicas and the holder of its network namespace die with their keepers'
-        supervisor lease (hetflow.cluster.backends.local.keeper), and the kernel frees the namespace with them."""
-        return {}
 
 
 BACKEND = LocalBackend()

@@ -35,8 +35,6 @@ from hetflow.cluster.backends.base import Backend
 from hetflow.cluster.backends.swarm.preflight import preflight
 from hetflow.cluster.backends.swarm.replicas import SwarmReplicas, plan
 from hetflow.cluster.engine import LABEL_RUN, LABEL_RUN_DIR, LABEL_RUN_ID, engine_client, run_filter
-from hetflow.cluster.layout import ClusterLayout
-from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.cluster")
@@ -101,21 +99,13 @@ class SwarmBackend(Backend):
     # 0.5 s of jitter): up to about 17 s after it died, while a peer exits on the broken connection
     # within a second or two. Twice that leaves room for a busy manager.
     loss_report_seconds = 35.0
-
-    def plan(self, spec: RunSpec, run_id: str) -> ClusterLayout:
-        return plan(spec, run_id)
-
-    def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
-        return preflight(spec, run_id)
-
-    def replicas(self, spec: RunSpec, layout: ClusterLayout, run_dir: Path):
-        return SwarmReplicas(layout, spec, run_dir)
+    replicas_type = SwarmReplicas
+    plan = staticmethod(plan)
+    preflight = staticmethod(preflight)
+    remove_interrupted = staticmethod(sweep_services)
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
-        return teardown_run(run_id)
-
-    def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
-        return sweep_services(home, ATTACH_TIMEOUT_SECONDS if attach_seconds is None else attach_seconds)
+        return teardown_run(run_id)  # the services' stop grace period was fixed when they were made
 
 
 BACKEND = SwarmBackend()
