@@ -11,6 +11,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from hetflow.replica.training_json import TrainingRecord
+
 
 def confusion_matrix(matrix: np.ndarray, accuracy: float, path) -> None:
     fig, ax = plt.subplots(figsize=(6, 5))
@@ -28,9 +30,9 @@ def confusion_matrix(matrix: np.ndarray, accuracy: float, path) -> None:
     plt.close(fig)
 
 
-def training(record: dict[str, Any], folder: Path) -> None:
+def training(record: TrainingRecord, folder: Path) -> None:
     """Loss and accuracy per epoch; examples/s per worker; the staleness histogram (async)."""
-    history = record["history"]
+    history = dict(record.history)
     epochs = range(1, len(history["loss"]) + 1)
     fig, (loss_ax, accuracy_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for name, values in history.items():
@@ -39,27 +41,27 @@ def training(record: dict[str, Any], folder: Path) -> None:
     accuracy_ax.set(xlabel="epoch", title="accuracy")
     loss_ax.legend()
     accuracy_ax.legend()
-    fig.suptitle(f"{record['strategy']}: training curves")
+    fig.suptitle(f"{record.strategy}: training curves")
     fig.tight_layout()
     fig.savefig(folder / "training_curves.png", dpi=100)
     plt.close(fig)
 
-    workers = record["per_worker"]
+    workers = record.per_worker
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(list(workers), [w["examples_per_second"] for w in workers.values()])
-    ax.set(ylabel="examples/s", title=f"{record['strategy']}: throughput per worker")
+    ax.bar(list(workers), [w.examples_per_second for w in workers.values()])
+    ax.set(ylabel="examples/s", title=f"{record.strategy}: throughput per worker")
     fig.tight_layout()
     fig.savefig(folder / "worker_throughput.png", dpi=100)
     plt.close(fig)
 
-    if record.get("staleness"):
-        histogram = record["staleness"]["histogram"]
+    if record.staleness:
+        histogram = record.staleness.histogram
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.bar([int(k) for k in histogram], list(histogram.values()))
         ax.set(
             xlabel="staleness (other updates between read and apply)",
             ylabel="updates",
-            title=f"staleness: mean {record['staleness']['mean']:.2f}, max {record['staleness']['max']}",
+            title=f"staleness: mean {record.staleness.mean:.2f}, max {record.staleness.max}",
         )
         fig.tight_layout()
         fig.savefig(folder / "staleness.png", dpi=100)

@@ -77,12 +77,12 @@ def test_the_sweep_command_reports_what_it_removed(hetflow_env):
 def test_every_teardown_sweeps_what_earlier_runs_left(docker_client, hetflow_env, monkeypatch):
     import docker
 
-    from hetflow.cluster.backends import base
+    from hetflow.cluster import sweep as sweep_rules
     from hetflow.paths import run_paths
     from hetflow.tasks.teardown_cluster import teardown_cluster
     from hetflow.tasks.validate_spec import validate_spec
 
-    monkeypatch.setattr(base, "ATTACH_TIMEOUT_SECONDS", 0)  # what a sweep leaves alone by default
+    monkeypatch.setattr(sweep_rules, "ATTACH_TIMEOUT_SECONDS", 0)  # what every sweep leaves alone by default
     tag = uuid.uuid4().hex[:8]
     interrupted = run_paths(f"sweep-interrupted-{tag}").root
     interrupted.mkdir(parents=True)  # a run whose supervisor was killed: no lease held

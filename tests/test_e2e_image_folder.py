@@ -70,7 +70,7 @@ class TestTrainingOnAnImageFolder:
         import tensorflow as tf
 
         _, summary = first
-        dataset = DatasetRecord.read(RunPaths(summary["run_dir"]))
+        dataset = DatasetRecord.read(RunPaths(Path(summary["run_dir"])))
         run = client.get_run(summary["mlflow_run_id"])
         [logged] = run.inputs.dataset_inputs
         assert logged.dataset.name == f"folder:{folder}@{dataset.version}"

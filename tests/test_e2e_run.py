@@ -100,7 +100,7 @@ def test_first_version_is_candidate_and_champion_and_predicts_the_test_split(fir
     assert client.get_registered_model(f"{MODEL}-tflite").description.startswith("Trained by hetflow: the TFLite")
     assert float(champion.tags["test_accuracy"]) == pytest.approx(summary["metrics"]["test_accuracy"], abs=1e-6)
 
-    dataset = DatasetRecord.read(RunPaths(summary["run_dir"]))
+    dataset = DatasetRecord.read(RunPaths(Path(summary["run_dir"])))
     images, labels = split_arrays(dataset, "test")
     model = mlflow.pyfunc.load_model(f"models:/{MODEL}@champion")
     logits = np.asarray(model.predict(images))
@@ -125,7 +125,7 @@ def test_second_run_reuses_data_and_does_not_take_champion_below_the_gate(first,
     _, first_summary = first
     done, summary = second
     assert done.returncode == 0, done.stderr[-3000:]
-    dataset = DatasetRecord.read(RunPaths(summary["run_dir"]))
+    dataset = DatasetRecord.read(RunPaths(Path(summary["run_dir"])))
     assert dataset.reused and dataset.fingerprint == first_summary["dataset"]["fingerprint"]
     assert summary["mlflow_run_id"] != first_summary["mlflow_run_id"]
     assert summary["registry"]["version"] == 2
@@ -260,7 +260,7 @@ def test_chosen_tflite_variant_is_registered_and_its_champion_predicts(first, cl
     assert version.tags["dataset.fingerprint"] == summary["dataset"]["fingerprint"]
     assert "test accuracy" in version.description and "gate: no champion yet" in version.description
 
-    dataset = DatasetRecord.read(RunPaths(summary["run_dir"]))
+    dataset = DatasetRecord.read(RunPaths(Path(summary["run_dir"])))
     images, labels = split_arrays(dataset, "test")
     model = mlflow.pyfunc.load_model(f"models:/{MODEL}-tflite@champion")
     accuracy = float(np.mean(np.argmax(np.asarray(model.predict(images)), axis=1) == labels))

@@ -11,6 +11,7 @@ import pytest
 
 from hetflow.models.stage_split import read_stage_split, split_by_parameters, split_by_time, stage_seconds
 from hetflow.paths import NotRegularFile
+from hetflow.replica.training_json import Placement, TrainingRecord
 from hetflow.spec import parse_spec
 
 
@@ -63,14 +64,14 @@ PLAN = {
 SPEC = parse_spec({"strategy": "model_parallel", "workers": 2})
 
 
-def trained(groups: list[int]) -> dict:
+def trained(groups: list[int]) -> TrainingRecord:
     """training.json's layer placement for layer groups of these sizes, stage i on worker i."""
     names = iter(["rescaling_1", "flatten_1", "dense_1", "logits"])
     placement = []
     for stage, size in enumerate(groups):
         device = f"/job:worker/replica:0/task:{stage}/device:CPU:0"
-        placement += [{"layer": next(names), "device": device} for _ in range(size)]
-    return {"layer_placement": placement}
+        placement += [Placement.model_construct(layer=next(names), device=device) for _ in range(size)]
+    return TrainingRecord.model_construct(layer_placement=placement)
 
 
 def test_the_pipeline_recomputes_the_split_and_names_its_replica(tmp_path):

@@ -1,5 +1,6 @@
-"""The records stages hand each other (hetflow/records.py): typed, read and written through their
-model at the path RunPaths gives, and never read by string key anywhere in the pipeline."""
+"""The records stages hand each other (hetflow/records.py, and training.json's TrainingRecord, which
+the trust boundary's reader checks): typed, read and written through their model at the path RunPaths
+gives, and never read by string key anywhere in the pipeline."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from hetflow.paths import RunPaths
 from hetflow.records import DatasetRecord, StageRecord
 
 _READERS = {"read_record", "read_replica_record", "loads"}
+# The names the pipeline gives the typed records (dataset.json, training.json) wherever it holds one.
+TYPED = {"dataset", "training"}
 
 
 def _names(node: ast.expr) -> str | None:
@@ -52,7 +55,7 @@ def untyped_reads(files: list[Path], record_names: set[str]) -> list[str]:
 def test_no_typed_record_is_read_by_string_key_or_past_its_model(tmp_path):
     files = [p for folder in ("hetflow", "dags", "plugins") for p in sorted((REPO / folder).rglob("*.py"))]
     assert len(files) > 50
-    assert untyped_reads(files, {"dataset"}) == []
+    assert untyped_reads(files, TYPED) == []
     planted = tmp_path / "evaluate.py"
     planted.write_text(
         "shape = dataset['input_shape']\n"

@@ -94,10 +94,12 @@ def test_model_parallel_across_two_workers_pipelined_takes_the_one_device_steps(
     assert logits["variables"] == ["/job:worker/replica:0/task:1/device:CPU:0"]
     from hetflow.models.stage_split import read_stage_split
     from hetflow.paths import RunPaths
+    from hetflow.replica.training_json import TrainingRecord
     from hetflow.spec import RunSpec
 
     paths = RunPaths(staged)
-    split = read_stage_split(paths.plan, RunSpec.from_json(paths.spec.read_text()), record)
+    trained = TrainingRecord.model_validate(record)
+    split = read_stage_split(paths.plan, RunSpec.from_json(paths.spec.read_text()), trained)
     assert [stage["layers"] for stage in split["stages"]] == [workers["worker-0"]["layers"], ["logits"]]
 
 

@@ -103,6 +103,7 @@ def _trained_run(tmp_path, **values):
     from hetflow.models.architectures import build_model, compile_model
     from hetflow.models.schedule import steps_per_epoch
     from hetflow.paths import RunPaths
+    from hetflow.replica.training_json import TrainingRecord
     from hetflow.replica.weights import save_model
     from hetflow.spec import RunSpec
 
@@ -116,7 +117,9 @@ def _trained_run(tmp_path, **values):
     batches = train_input(dataset, per_worker_batch=spec.training.batch_size, shuffle=True, seed=spec.training.seed)
     model.fit(batches, epochs=spec.training.epochs, steps_per_epoch=steps, verbose=0)
     save_model(model, spec, dataset, paths.model)
-    return spec, paths, dataset, {"epochs_done": spec.training.epochs, "steps_per_epoch": steps}
+    # What compress reads of the training record.
+    trained = TrainingRecord.model_construct(epochs_done=spec.training.epochs, steps_per_epoch=steps)
+    return spec, paths, dataset, trained
 
 
 def test_the_pruned_files_are_smaller_in_the_file_itself_and_say_how(tmp_path):

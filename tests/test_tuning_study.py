@@ -3,14 +3,17 @@ pipeline saw; a trial that missed the target ranks below every one that reached 
 
 from __future__ import annotations
 
+from hetflow.replica.training_json import History, TrainingRecord
 from hetflow.tuning.space import parse_study
 from hetflow.tuning.study import objective_value
 
 STUDY = parse_study({"target_accuracy": 0.9, "budget_seconds": 600})
 
 
-def record(reached_at, accuracies=(0.5, 0.92)) -> dict:
-    return {"history": {"val_accuracy": list(accuracies)}, "launched_at": 1000.0, "target_reached_at": reached_at}
+def record(reached_at, accuracies=(0.5, 0.92)) -> TrainingRecord:
+    """What the objective reads of a training record."""
+    history = History.model_construct(val_accuracy=list(accuracies))
+    return TrainingRecord.model_construct(history=history, launched_at=1000.0, target_reached_at=reached_at)
 
 
 def test_the_time_to_target_is_the_records_within_what_the_pipeline_saw():

@@ -28,6 +28,7 @@ from hetflow.models.architectures import compile_model
 from hetflow.models.fine_tuning import Recovery, fine_tune
 from hetflow.models.schedule import make_optimizer
 from hetflow.records import DatasetRecord
+from hetflow.replica.training_json import TrainingRecord
 from hetflow.spec import RunSpec
 
 _PRUNABLE = (tf.keras.layers.Dense, tf.keras.layers.Conv2D)
@@ -75,16 +76,16 @@ def pruning_block(layer: tf.keras.layers.Layer) -> tuple[int, int]:
     return (1, 1)
 
 
-def trained_steps(training: dict[str, Any]) -> int:
-    return training["epochs_done"] * training["steps_per_epoch"]
+def trained_steps(training: TrainingRecord) -> int:
+    return training.epochs_done * training.steps_per_epoch
 
 
-def longest_fine_tuning(spec: RunSpec, training: dict[str, Any]) -> int:
+def longest_fine_tuning(spec: RunSpec, training: TrainingRecord) -> int:
     """The most optimizer steps the pruning fine-tuning may take (quantization-aware: half of it)."""
     return max(MIN_FINE_TUNING_STEPS, round(spec.compression.fine_tuning_share * trained_steps(training)))
 
 
-def pruning_recovery(spec: RunSpec, training: dict[str, Any], float_validation_accuracy: float) -> Recovery:
+def pruning_recovery(spec: RunSpec, training: TrainingRecord, float_validation_accuracy: float) -> Recovery:
     """When the pruning fine-tuning of a model trained as ``training`` (training.json) may stop."""
     ramp = max(MIN_RAMP_STEPS, round(RAMP_SHARE * trained_steps(training)))
     return Recovery(

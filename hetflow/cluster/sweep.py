@@ -21,22 +21,23 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from hetflow.cluster.lease import lease_path, supervisor_holds_lease
+from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS, lease_path, supervisor_holds_lease
 
 
-def run_is_live(run_dir: str, started_at: float, home: Path, attach_seconds: float) -> bool:
-    """Whether the run may still be supervised; a run of another HETFLOW_HOME always counts as live."""
+def run_is_live(run_dir: str, started_at: float, home: Path, attach_seconds: float | None) -> bool:
+    """Whether the run may still be supervised; a run of another HETFLOW_HOME always counts as live.
+    One started less than ``attach_seconds`` ago (None: the attach timeout) may be being provisioned."""
     path = Path(run_dir)
     if not path.is_relative_to(home / "runs"):
         return True  # another deployment's run: not this sweep's to judge
     if not path.is_dir():
         return False  # its run directory is gone: nothing will supervise it
-    if time.time() - started_at < attach_seconds:
+    if time.time() - started_at < (ATTACH_TIMEOUT_SECONDS if attach_seconds is None else attach_seconds):
         return True  # provisioned, its train task may be about to take it
     return lease_path(path).exists() and supervisor_holds_lease(path)
 
 
-def interrupted_runs(parts: Iterable[tuple[str, str, float]], home: Path, attach_seconds: float) -> list[str]:
+def interrupted_runs(parts: Iterable[tuple[str, str, float]], home: Path, attach_seconds: float | None) -> list[str]:
     """The ids of the runs no supervisor holds, sorted, from what a backend found of them: each part
     (a container, a service) as its run's id, its run directory and when it started; a run is as
     young as its newest part."""

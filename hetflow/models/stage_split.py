@@ -17,7 +17,16 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError
 
 from hetflow.paths import NotRegularFile, read_replica_record
-from hetflow.replica.training_json import MAX_LAYERS, MAX_SECONDS, MAX_WORKERS, Count, Name, Seconds, Strict
+from hetflow.replica.training_json import (
+    MAX_LAYERS,
+    MAX_SECONDS,
+    MAX_WORKERS,
+    Count,
+    Name,
+    Seconds,
+    Strict,
+    TrainingRecord,
+)
 from hetflow.spec import RunSpec
 
 
@@ -89,7 +98,7 @@ class _Split(Strict):
     parameter_stage_seconds: Annotated[list[Seconds], Field(max_length=MAX_WORKERS)]
 
 
-def read_stage_split(path: Path, spec: RunSpec, training: dict[str, Any]) -> dict[str, Any]:
+def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> dict[str, Any]:
     """model_parallel's split as the pipeline takes it: plan.json's numbers (a replica's: read as
     data, every field typed), the split recomputed from them with this module's code, and the layer
     groups training.json (read by ``read_training``) says trained; NotRegularFile, one line naming
@@ -154,13 +163,13 @@ def _group_sizes(bounds: list[int], layers: int) -> list[int]:
     return [end - start for start, end in zip([0, *bounds], [*bounds, layers])]
 
 
-def _trained_groups(training: dict[str, Any]) -> list[list[str]]:
+def _trained_groups(training: TrainingRecord) -> list[list[str]]:
     """The layers each stage trained, in order, from training.json's layer placement."""
     groups: list[list[str]] = []
     previous = None
-    for entry in training.get("layer_placement") or []:
-        if entry["device"] != previous:
+    for entry in training.layer_placement or []:
+        if entry.device != previous:
             groups.append([])
-            previous = entry["device"]
-        groups[-1].append(entry["layer"])
+            previous = entry.device
+        groups[-1].append(entry.layer)
     return groups

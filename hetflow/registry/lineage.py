@@ -14,6 +14,7 @@ from mlflow.entities import DatasetInput, InputTag
 from mlflow.types import Schema, TensorSpec
 
 from hetflow.records import DatasetRecord
+from hetflow.replica.training_json import TrainingRecord
 from mlflow import MlflowClient
 
 # MLflow stores a dataset digest in 36 characters; the full fingerprint is in the run's tags.
@@ -44,7 +45,7 @@ def log_dataset(client: MlflowClient, run_id: str, dataset: DatasetRecord) -> No
     client.log_inputs(run_id, datasets=[dataset_input(dataset)])
 
 
-def write_tensorboard_events(training: dict, log_dir: Path) -> Path:
+def write_tensorboard_events(training: TrainingRecord, log_dir: Path) -> Path:
     """The per-epoch curves as TensorBoard event files, laid out as Keras's TensorBoard callback
     writes them (``train/`` and ``validation/``, tags ``epoch_<metric>``, step = epoch), so that
     ``tensorboard --logdir`` on the downloaded artifact shows what a Keras user expects. The folder
@@ -53,13 +54,13 @@ def write_tensorboard_events(training: dict, log_dir: Path) -> Path:
 
     shutil.rmtree(log_dir, ignore_errors=True)
     runs: dict[str, dict[str, list[float]]] = {"train": {}, "validation": {}}
-    for name, values in training["history"].items():
+    for name, values in dict(training.history).items():
         if name.startswith("val_"):
             runs["validation"][f"epoch_{name[len('val_') :]}"] = values
         else:
             runs["train"][f"epoch_{name}"] = values
-    runs["train"]["epoch_learning_rate"] = training["learning_rate_per_epoch"]
-    runs["train"]["epoch_seconds"] = training["epoch_seconds"]
+    runs["train"]["epoch_learning_rate"] = training.learning_rate_per_epoch
+    runs["train"]["epoch_seconds"] = training.epoch_seconds
     for run, series in runs.items():
         writer = tf.summary.create_file_writer(str(log_dir / run))
         with writer.as_default():

@@ -21,6 +21,7 @@ from hetflow.records import DatasetRecord
 from hetflow.registry import lineage
 from hetflow.registry.store import git_commit
 from hetflow.replica.balance import measured
+from hetflow.replica.training_json import TrainingRecord
 from hetflow.serving import server as serving
 from hetflow.spec import RunSpec
 from mlflow import MlflowClient
@@ -66,25 +67,25 @@ def run_name(spec: RunSpec, started: float | None) -> str:
     return f"{dataset} {_STRATEGY_WORDS[spec.cluster.strategy]} {replicas} {spec.model.architecture} {when:%H:%M:%S}"
 
 
-def _stepped_metrics(training: dict, logged: dict[str, set[int]]) -> list[Metric]:
+def _stepped_metrics(training: TrainingRecord, logged: dict[str, set[int]]) -> list[Metric]:
     """Metrics with a step: the per-epoch history (loss, accuracy, val_*), epoch time and learning
     rate (step = epoch), and under async training the staleness histogram (step = staleness,
     value = updates that saw it). Steps in ``logged`` (by metric: what training logged live, or an
     earlier try of register) are left out, so that no curve gets a second copy of a point."""
     now = get_current_time_millis()
     series = {
-        name if name.startswith("val_") else f"train_{name}": values for name, values in training["history"].items()
+        name if name.startswith("val_") else f"train_{name}": values for name, values in dict(training.history).items()
     }
-    series["epoch_seconds"] = training["epoch_seconds"]
-    series["learning_rate"] = training["learning_rate_per_epoch"]
+    series["epoch_seconds"] = training.epoch_seconds
+    series["learning_rate"] = training.learning_rate_per_epoch
     metrics = [
         Metric(name, value, now, epoch)
         for name, values in series.items()
         for epoch, value in enumerate(values, start=1)
         if epoch not in logged.get(name, set())
     ]
-    if training.get("staleness") and not logged.get("staleness_updates"):
-        histogram = training["staleness"]["histogram"]
+    if training.staleness and not logged.get("staleness_updates"):
+        histogram = training.staleness.histogram
         metrics += [Metric("staleness_updates", count, now, int(stale)) for stale, count in histogram.items()]
     return metrics
 
@@ -92,24 +93,24 @@ def _stepped_metrics(training: dict, logged: dict[str, set[int]]) -> list[Metric
 _STEPPED = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "epoch_seconds", "learning_rate")
 
 
-def _summary_metrics(training: dict, evaluation: dict) -> dict[str, float]:
+def _summary_metrics(training: TrainingRecord, evaluation: dict) -> dict[str, float]:
     """One value per run: test scores, speed, and per-worker speed and share of the steps."""
     metrics = {
         "test_loss": evaluation["test_loss"],
         "test_accuracy": evaluation["test_accuracy"],
-        "train_seconds": training["train_seconds"],
-        "examples_per_second": training["examples_per_second"],
-        "time_to_first_step_seconds": training["time_to_first_step_seconds"],
+        "train_seconds": training.train_seconds,
+        "examples_per_second": training.examples_per_second,
+        "time_to_first_step_seconds": training.time_to_first_step_seconds,
     }
-    for worker, numbers in training["per_worker"].items():
-        for key, value in numbers.items():
+    for worker, numbers in training.per_worker.items():
+        for key, value in numbers.model_dump(exclude_unset=True).items():
             if not isinstance(value, list):  # a model_parallel stage's layers are in training.json
                 metrics[f"{worker.replace('-', '_')}_{key}"] = value
-    if training.get("seconds_to_target") is not None:
-        metrics["seconds_to_target_accuracy"] = training["seconds_to_target"]
-    if training.get("staleness"):
-        metrics["staleness_mean"] = training["staleness"]["mean"]
-        metrics["staleness_max"] = training["staleness"]["max"]
+    if training.seconds_to_target is not None:
+        metrics["seconds_to_target_accuracy"] = training.seconds_to_target
+    if training.staleness:
+        metrics["staleness_mean"] = training.staleness.mean
+        metrics["staleness_max"] = training.staleness.max
     # None where nothing was measured (a retry that had no epoch left to train).
     return {name: value for name, value in metrics.items() if value is not None}
 
@@ -122,16 +123,16 @@ def readable(value: float) -> float:
     return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
-def headline(training: dict, evaluation: dict, airflow_url: str | None = None) -> str:
+def headline(training: TrainingRecord, evaluation: dict, airflow_url: str | None = None) -> str:
     """The run's description, at the top of its MLflow page: the figures a reviewer compares first
     (MLflow lists metrics alphabetically, epoch_seconds and export_* before the accuracies), and the
     way back to the Airflow run that made it."""
-    last_epoch = {name: values[-1] for name, values in training["history"].items() if values}
+    last_epoch = {name: values[-1] for name, values in dict(training.history).items() if values}
     parts = [f"**test accuracy {evaluation['test_accuracy']:.4f}**"]
     if "val_accuracy" in last_epoch:
         parts.append(f"validation accuracy {last_epoch['val_accuracy']:.4f}")
     parts.append(f"test loss {evaluation['test_loss']:.4f}")
-    speed, seconds = training.get("examples_per_second"), training.get("train_seconds")
+    speed, seconds = training.examples_per_second, training.train_seconds
     if speed is not None and seconds is not None:
         parts.append(f"{speed:.0f} examples/s in training ({seconds:.1f} s)")
     link = f"\n\n[The Airflow run]({airflow_url}): its tasks and their logs." if airflow_url else ""
@@ -153,7 +154,7 @@ def log_run_record(
     spec: RunSpec,
     paths: RunPaths,
     dataset: DatasetRecord,
-    training: dict,
+    training: TrainingRecord,
     evaluation: dict,
     exported: dict,
 ) -> None:
@@ -169,9 +170,9 @@ def log_run_record(
     }
     params = {
         **spec.flat(),
-        "effective_steps_per_epoch": training["steps_per_epoch"],
-        "replicas_in_sync": training["replicas_in_sync"],
-        "per_replica_batch": training["per_replica_batch"],
+        "effective_steps_per_epoch": training.steps_per_epoch,
+        "replicas_in_sync": training.replicas_in_sync,
+        "per_replica_batch": training.per_replica_batch,
     }
     summary = {**_summary_metrics(training, evaluation), **_export_metrics(exported)}
     restarts = read_restarts(paths)

@@ -11,7 +11,7 @@ pydantic here: summarize and register import it without TensorFlow.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
@@ -229,11 +229,11 @@ def _as_spec_says(record: TrainingRecord, spec: RunSpec, dataset: DatasetRecord)
     return [(field, must) for field, must, holds in checks if not holds]
 
 
-def read_training(path, spec: RunSpec, dataset: DatasetRecord) -> dict[str, Any]:
+def read_training(path, spec: RunSpec, dataset: DatasetRecord) -> TrainingRecord:
     """training.json at ``path`` as the pipeline takes it: read as data (``read_replica_record``),
     checked against ``TrainingRecord`` and ``spec`` (the run's, and ``dataset``, the prepared data's:
     the pipeline's own records); else NotRegularFile, one line naming the file and the field.
-    Returns exactly the fields checked."""
+    Returns the checked record."""
     value = read_replica_record(path)
     try:
         record = TrainingRecord.model_validate(value)
@@ -244,4 +244,4 @@ def read_training(path, spec: RunSpec, dataset: DatasetRecord) -> dict[str, Any]
     if wrong:
         field, must = wrong[0]
         raise NotRegularFile(f"{path}: {field} must be {must}: refused")
-    return record.model_dump(mode="json", exclude_unset=True)
+    return record

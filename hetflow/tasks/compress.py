@@ -43,7 +43,7 @@ from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, reported
 from hetflow.records import DatasetRecord
-from hetflow.replica.training_json import read_training
+from hetflow.replica.training_json import TrainingRecord, read_training
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
@@ -63,7 +63,7 @@ def pruned_weights_path(paths: RunPaths):
     return paths.compressed / "pruned.weights.h5"
 
 
-def compress_model(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord, training: dict[str, Any]) -> dict[str, Any]:
+def compress_model(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord, training: TrainingRecord) -> dict[str, Any]:
     """Prune (``prune=true``) and quantize (``quantize``) the trained model; writes compression.json."""
     model = trained_model(spec, dataset, paths.model)
     paths.compressed.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, load_spec, read_rec
 from hetflow.pipeline.timing import PARTS
 from hetflow.records import DatasetRecord
 from hetflow.registry import live
-from hetflow.replica.training_json import read_training
+from hetflow.replica.training_json import TrainingRecord, read_training
 
 log = logging.getLogger("hetflow.stages")
 
@@ -49,9 +49,9 @@ def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
     return {"requested": plan["requested"].cluster.strategy, "decision": plan["decision"], "probes": plan["probes"]}
 
 
-def _stage_split(paths: RunPaths, training: dict[str, Any]) -> dict[str, Any] | None:
+def _stage_split(paths: RunPaths, training: TrainingRecord | None) -> dict[str, Any] | None:
     """strategy=model_parallel: each stage's layers and predicted time, and on swarm its node."""
-    if training.get("strategy") != "model_parallel":
+    if training is None or training.strategy != "model_parallel":
         return None
     split = read_stage_split(paths.plan, load_spec(paths), training)
     nodes = read_replica_record(paths.nodes) if paths.nodes.exists() else {}
@@ -60,7 +60,9 @@ def _stage_split(paths: RunPaths, training: dict[str, Any]) -> dict[str, Any] | 
     return split
 
 
-def _timings(paths: RunPaths, finished: tuple[str, ...], training: dict, dag_started_at: float | None) -> dict | None:
+def _timings(
+    paths: RunPaths, finished: tuple[str, ...], training: TrainingRecord | None, dag_started_at: float | None
+) -> dict | None:
     """Where the run's time went so far: the DAG's wall time (from the DAG run's start, else the first
     stage's), the training's (the replicas' whole job: launch to final weights), the fixed overhead
     (DAG wall time less training), each finished stage's parts (``hetflow.pipeline.timing``) and Airflow's time
@@ -72,7 +74,7 @@ def _timings(paths: RunPaths, finished: tuple[str, ...], training: dict, dag_sta
     first_stage = min(timing["started_at"] for timing in stages.values())
     started = first_stage if dag_started_at is None else dag_started_at
     dag_seconds = time.time() - started
-    training_seconds = training.get("whole_job_seconds")
+    training_seconds = training.whole_job_seconds if training is not None else None
     in_stages = sum(timing["wall"] for timing in stages.values())
     return {
         "dag_seconds": dag_seconds,
@@ -113,7 +115,7 @@ def summarize(
     }
     dataset = DatasetRecord.model_validate(read["prepare_data"]) if read["prepare_data"] else None
     read["train"] = read_training(paths.training, load_spec(paths), dataset) if "train" in finished else None
-    training, evaluation, registry = read["train"] or {}, read["evaluate"] or {}, read["register"] or {}
+    training, evaluation, registry = read["train"], read["evaluate"] or {}, read["register"] or {}
     summary = {
         "run_id": run_id,
         "status": "failed" if failed_stage else "skipped" if unchanged else "success",
@@ -129,11 +131,11 @@ def summarize(
         "metrics": {
             "test_accuracy": evaluation.get("test_accuracy"),
             "test_loss": evaluation.get("test_loss"),
-            "train_seconds": training.get("train_seconds"),
-            "examples_per_second": training.get("examples_per_second"),
-            "time_to_first_step_seconds": training.get("time_to_first_step_seconds"),
+            "train_seconds": getattr(training, "train_seconds", None),
+            "examples_per_second": getattr(training, "examples_per_second", None),
+            "time_to_first_step_seconds": getattr(training, "time_to_first_step_seconds", None),
         },
-        "artifacts": _artifacts(paths, trained=bool(training), export=read["export"] or {}),
+        "artifacts": _artifacts(paths, trained=training is not None, export=read["export"] or {}),
         "replicas": (read["provision_cluster"] or {}).get("replicas"),
         "restarts": read_restarts(paths),
         # backend=swarm: the node each replica ran on (train writes it)

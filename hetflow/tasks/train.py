@@ -55,7 +55,7 @@ def train(
     training = read_training(paths.training, spec, DatasetRecord.read(paths))
     if spec.cluster.strategy == "model_parallel":
         _log_stage_split(read_stage_split(paths.plan, spec, training))
-    return {**training, "attempt": receipt}
+    return {**training.model_dump(mode="json", exclude_unset=True), "attempt": receipt}
 
 
 def _watch(paths: RunPaths, spec: RunSpec, cluster, watchers: Sequence[Watcher]) -> ProgressWatch:

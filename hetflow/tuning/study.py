@@ -21,6 +21,7 @@ import optuna
 from optuna.trial import TrialState
 
 from hetflow.paths import hetflow_home
+from hetflow.replica.training_json import TrainingRecord
 from hetflow.spec import SpecError, parse_spec
 from hetflow.tuning.space import INTEGER_RANGES, StudySpec
 
@@ -138,13 +139,13 @@ class Pruner:
         return None
 
 
-def objective_value(spec: StudySpec, training: dict[str, Any], launched_wall: float) -> tuple[float, float | None]:
+def objective_value(spec: StudySpec, training: TrainingRecord, launched_wall: float) -> tuple[float, float | None]:
     """(Optuna's value, launch-to-target seconds or None). The record's times are the chief's: they
     are believed only within what the pipeline saw (from before the launch to now)."""
-    best = max(training["history"]["val_accuracy"], default=0.0)
-    reached = training.get("target_reached_at")
+    best = max(training.history.val_accuracy, default=0.0)
+    reached = training.target_reached_at
     if reached is not None:
-        launch_to_target = reached - training["launched_at"]
+        launch_to_target = reached - training.launched_at
         if 0 <= launch_to_target <= launched_wall:
             return launch_to_target, launch_to_target
     return spec.budget_seconds * (2 + spec.target_accuracy - best), None

@@ -48,8 +48,11 @@ def trial_record(trial: optuna.trial.FrozenTrial) -> dict[str, Any]:
 def run_trial(trial: optuna.Trial, spec: StudySpec, study_id: str, airflow_url: str | None) -> float:
     """One trial, start to teardown: its objective value, or TrialPruned / TrialFailed."""
     from hetflow.cluster.supervisor import ReplicaFailed
+    from hetflow.pipeline.attempts import load_spec
     from hetflow.pipeline.interrupt import Interrupted
     from hetflow.pipeline.progress import StoppedEarly
+    from hetflow.records import DatasetRecord
+    from hetflow.replica.training_json import read_training
     from hetflow.tasks.prepare_data import prepare_data
     from hetflow.tasks.provision_cluster import provision_cluster
     from hetflow.tasks.teardown_cluster import teardown_cluster
@@ -72,9 +75,10 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, study_id: str, airflow_url: 
         pruner.launched = time.time()
         try:
             provision_cluster(trial_run)
-            training = train(trial_run, watchers=[pruner], log_label=f"trial-{trial.number}")
+            train(trial_run, watchers=[pruner], log_label=f"trial-{trial.number}")
         finally:
             teardown_cluster(trial_run)
+        training = read_training(trial_paths.training, load_spec(trial_paths), DatasetRecord.read(trial_paths))
         value, record["launch_to_target_seconds"] = tuning.objective_value(
             spec, training, time.time() - pruner.launched
         )

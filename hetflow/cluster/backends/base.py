@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 from hetflow.cluster.backends import NAMES
 from hetflow.cluster.layout import ClusterLayout, Replica
-from hetflow.cluster.lease import ATTACH_TIMEOUT_SECONDS
 
 if TYPE_CHECKING:
     from hetflow.spec import RunSpec
@@ -120,9 +119,9 @@ class Backend(ABC):
 
         :param attach_seconds: what started less than this many seconds ago may belong to a run being
             provisioned and is left alone (default: the attach timeout)."""
-        return self.remove_interrupted(home, ATTACH_TIMEOUT_SECONDS if attach_seconds is None else attach_seconds)
+        return self.remove_interrupted(home, attach_seconds)
 
-    def remove_interrupted(self, home: Path, attach_seconds: float) -> dict[str, list[str]]:
+    def remove_interrupted(self, home: Path, attach_seconds: float | None) -> dict[str, list[str]]:
         """``sweep``'s work; nothing where a run leaves nothing once its supervisor is gone (local)."""
         return {}
 
