@@ -60,7 +60,7 @@ def check_nodes(client, spec: RunSpec, run_id: str, nodes: list[dict], home: Pat
             hostname = node["Description"]["Hostname"]
             services[hostname] = client.services.create(
                 spec.cluster.image,
-                # Confined as the replicas are (swarm_replicas.service_config), which also checks that
+                # Confined as the replicas are (replicas.service_config), which also checks that
                 # the image has the setpriv they start with.
                 command=["setpriv", "--no-new-privs", "sh", "-c"]
                 + [f'echo "digest=$HETFLOW_SOURCE_DIGEST"; {_ESP_CHECK}; cat {marker}'],
