@@ -115,21 +115,21 @@ class Backend(ABC):
             (``containers.STOP_GRACE_SECONDS``)."""
 
     def sweep(self, home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
-        """Remove what interrupted runs of ``home`` left and no supervisor holds, by kind.
+        """Remove what interrupted runs of ``home`` left and no supervisor holds, by kind; nothing where
+        a run leaves nothing once its supervisor is gone (local).
 
         :param attach_seconds: what started less than this many seconds ago may belong to a run being
-            provisioned and is left alone (default: the attach timeout)."""
-        return self.remove_interrupted(home, attach_seconds)
-
-    def remove_interrupted(self, home: Path, attach_seconds: float | None) -> dict[str, list[str]]:
-        """``sweep``'s work; nothing where a run leaves nothing once its supervisor is gone (local)."""
+            provisioned and is left alone (None: the attach timeout)."""
         return {}
 
 
 def backend_for(spec: RunSpec | None) -> Backend:
-    """The run's backend. Without a spec (validation failed) only local processes can exist.
-    Imported only when chosen: the Docker SDK and the Kubernetes client cost time at import."""
-    name = spec.cluster.backend if spec is not None else "local"
+    """The run's backend. Without a spec (validation failed) only local processes can exist."""
+    return _backend_named(spec.cluster.backend if spec is not None else "local")
+
+
+def _backend_named(name: str) -> Backend:
+    # Imported only when chosen: the Docker SDK and the Kubernetes client cost time at import.
     return importlib.import_module(f"hetflow.cluster.backends.{name}.backend").BACKEND
 
 
@@ -143,7 +143,6 @@ def sweep(home: Path, attach_seconds: float | None = None) -> dict[str, list]:
         (default: the backends' attach timeout)."""
     removed: dict[str, list] = {}
     for name in NAMES:
-        backend = importlib.import_module(f"hetflow.cluster.backends.{name}.backend").BACKEND
-        for kind, names in backend.sweep(home, attach_seconds).items():
+        for kind, names in _backend_named(name).sweep(home, attach_seconds).items():
             removed[kind] = removed.get(kind, []) + names
     return removed

@@ -274,7 +274,7 @@ def teardown_run(run_id: str, client=None) -> list[str]:
     return [c.name for c in containers]
 
 
-def sweep_containers(home: Path, attach_seconds: float | None) -> dict[str, list[str]]:
+def sweep_containers(home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
     """Remove the containers and networks of this home's runs that no supervisor holds; returns
     their names. Needs a Docker engine; none answering, there is nothing to sweep. Swarm's task
     containers and overlay networks are the swarm backend's (``hetflow.cluster.backends.swarm.backend``)."""
@@ -318,7 +318,7 @@ class DockerBackend(Backend):
     replicas_type = DockerReplicas
     plan = staticmethod(plan)
     preflight = staticmethod(preflight)
-    remove_interrupted = staticmethod(sweep_containers)
+    sweep = staticmethod(sweep_containers)
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         return teardown_run(run_id)  # containers are killed at once: nothing is left to save

@@ -308,7 +308,7 @@ def _run_configmaps(core) -> list:
         return []
 
 
-def sweep_runs(home: Path, attach_seconds: float | None, core=None, networking=None) -> dict[str, list[str]]:
+def sweep_runs(home: Path, attach_seconds: float | None = None, core=None, networking=None) -> dict[str, list[str]]:
     """Tear down the Kubernetes runs of this home that no supervisor holds; returns what was deleted
     as ``namespace/kind/name``. Nothing to do (and nothing returned) without a client configuration."""
     from hetflow.cluster.sweep import interrupted_runs
@@ -353,7 +353,7 @@ class KubernetesBackend(Backend):
 
     replicas_type = KubernetesReplicas
     plan = staticmethod(plan)
-    remove_interrupted = staticmethod(sweep_runs)
+    sweep = staticmethod(sweep_runs)
 
     def preflight(self, spec: RunSpec, run_id: str) -> list[str]:
         # Only the claim (mounted here) is tried: the API server validates what is created.

@@ -71,7 +71,7 @@ def _remove_networks(client, networks) -> None:
                 time.sleep(0.5)
 
 
-def sweep_services(home: Path, attach_seconds: float | None) -> dict[str, list[str]]:
+def sweep_services(home: Path, attach_seconds: float | None = None) -> dict[str, list[str]]:
     """Remove the services and overlay networks of this home's runs that no supervisor holds.
     Nothing to do where the engine is not a swarm manager."""
     from hetflow.cluster.sweep import docker_time, interrupted_runs
@@ -102,7 +102,7 @@ class SwarmBackend(Backend):
     replicas_type = SwarmReplicas
     plan = staticmethod(plan)
     preflight = staticmethod(preflight)
-    remove_interrupted = staticmethod(sweep_services)
+    sweep = staticmethod(sweep_services)
 
     def teardown(self, spec: RunSpec, run_id: str, grace: float | None = None) -> list[str]:
         return teardown_run(run_id)  # the services' stop grace period was fixed when they were made
