@@ -8,7 +8,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from hetflow.paths import RunPaths, write_record
+from hetflow.paths import RunPaths, read_replica_record, write_record
 
 Record = TypeVar("Record", bound="StageRecord")
 
@@ -20,7 +20,8 @@ class StageRecord(BaseModel):
 
     @classmethod
     def read(cls: type[Record], paths: RunPaths) -> Record:
-        return cls.model_validate_json(getattr(paths, cls.FILE).read_text())
+        """Read as data (``read_replica_record``: a regular file, bounded), then checked."""
+        return cls.model_validate(read_replica_record(getattr(paths, cls.FILE)))
 
     def write(self, paths: RunPaths) -> None:
         write_record(getattr(paths, self.FILE), self.as_json())
@@ -64,3 +65,14 @@ class DatasetRecord(StageRecord):
     training_key: str = ""  # the spec and data this training is for (hetflow.registry.training_key)
     trained_before: TrainedBefore | None = None
     skip_reason: str | None = None  # why the rest of the run skips, where it was trained before
+
+
+class EvaluationRecord(StageRecord):
+    """evaluate's record (evaluation.json): the trained model on the test split."""
+
+    FILE = "evaluation"
+
+    test_loss: float
+    test_accuracy: float
+    test_examples: int
+    confusion_matrix: list[list[int]]  # rows: true class, columns: predicted

@@ -15,8 +15,9 @@ from hetflow.paths import RunPaths
 from hetflow.records import DatasetRecord, StageRecord
 
 _READERS = {"read_record", "read_replica_record", "loads"}
-# The names the pipeline gives the typed records (dataset.json, training.json) wherever it holds one.
-TYPED = {"dataset", "training"}
+# The names the pipeline gives the typed records (dataset.json, training.json, evaluation.json)
+# wherever it holds one.
+TYPED = {"dataset", "training", "evaluation"}
 
 
 def _names(node: ast.expr) -> str | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from mlflow_hosts import _home
 
-from hetflow.records import DatasetRecord
+from hetflow.records import DatasetRecord, EvaluationRecord
 
 FINGERPRINT = "f" * 16  # every version was scored on the same prepared data: recorded accuracies count
 
@@ -213,8 +213,9 @@ def test_a_worse_candidate_that_read_the_champion_first_does_not_take_it_from_a_
 def _write_run_records(paths, chosen_tflite: str | None) -> None:
     """What the stages before register leave, as far as register reads before it touches MLflow."""
     paths.output.mkdir(parents=True, exist_ok=True)
-    for path in (paths.training, paths.evaluation, paths.compression):
+    for path in (paths.training, paths.compression):
         path.write_text("{}")
+    EvaluationRecord(test_loss=0.3, test_accuracy=0.9, test_examples=10, confusion_matrix=[[9, 1], [0, 0]]).write(paths)
     paths.export.write_text(json.dumps({"chosen_tflite": chosen_tflite}))
 
 

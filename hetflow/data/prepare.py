@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from hetflow.paths import RunPaths, read_replica_record, write_record
+from hetflow.paths import RunPaths, write_record
 from hetflow.paths import data_dir as shared_data_dir
 from hetflow.records import DatasetRecord
 from hetflow.spec.data_roots import as_checked, confined, data_roots
@@ -43,11 +43,10 @@ def shown_to_replicas(run_dir: Path, data_dir: Path) -> list[Path]:
     ``hetflow.data.pipeline`` reads), not the other datasets and versions of the data dir, as it
     was recorded resolved; refused (one line) when it now resolves elsewhere or lies outside
     ``data_dir``. Nothing before prepare_data has recorded it."""
-    record = RunPaths(run_dir).dataset
-    if not record.exists():
+    paths = RunPaths(run_dir)
+    if not paths.dataset.exists():
         return []
-    prepared = DatasetRecord.model_validate(read_replica_record(record)).prepared_dir
-    return [as_checked(prepared, str(data_dir), "prepared data")]
+    return [as_checked(DatasetRecord.read(paths).prepared_dir, str(data_dir), "prepared data")]
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from mlflow.utils.time import get_current_time_millis
 
 from hetflow.cluster.supervisor import read_restarts
 from hetflow.paths import NotRegularFile, RunPaths, read_regular
-from hetflow.records import DatasetRecord
+from hetflow.records import DatasetRecord, EvaluationRecord
 from hetflow.registry import lineage
 from hetflow.registry.store import git_commit
 from hetflow.replica.balance import measured
@@ -93,11 +93,11 @@ def _stepped_metrics(training: TrainingRecord, logged: dict[str, set[int]]) -> l
 _STEPPED = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "epoch_seconds", "learning_rate")
 
 
-def _summary_metrics(training: TrainingRecord, evaluation: dict) -> dict[str, float]:
+def _summary_metrics(training: TrainingRecord, evaluation: EvaluationRecord) -> dict[str, float]:
     """One value per run: test scores, speed, and per-worker speed and share of the steps."""
     metrics = {
-        "test_loss": evaluation["test_loss"],
-        "test_accuracy": evaluation["test_accuracy"],
+        "test_loss": evaluation.test_loss,
+        "test_accuracy": evaluation.test_accuracy,
         "train_seconds": training.train_seconds,
         "examples_per_second": training.examples_per_second,
         "time_to_first_step_seconds": training.time_to_first_step_seconds,
@@ -123,15 +123,15 @@ def readable(value: float) -> float:
     return float(f"{value:.4g}") if isinstance(value, float) else value
 
 
-def headline(training: TrainingRecord, evaluation: dict, airflow_url: str | None = None) -> str:
+def headline(training: TrainingRecord, evaluation: EvaluationRecord, airflow_url: str | None = None) -> str:
     """The run's description, at the top of its MLflow page: the figures a reviewer compares first
     (MLflow lists metrics alphabetically, epoch_seconds and export_* before the accuracies), and the
     way back to the Airflow run that made it."""
     last_epoch = {name: values[-1] for name, values in dict(training.history).items() if values}
-    parts = [f"**test accuracy {evaluation['test_accuracy']:.4f}**"]
+    parts = [f"**test accuracy {evaluation.test_accuracy:.4f}**"]
     if "val_accuracy" in last_epoch:
         parts.append(f"validation accuracy {last_epoch['val_accuracy']:.4f}")
-    parts.append(f"test loss {evaluation['test_loss']:.4f}")
+    parts.append(f"test loss {evaluation.test_loss:.4f}")
     speed, seconds = training.examples_per_second, training.train_seconds
     if speed is not None and seconds is not None:
         parts.append(f"{speed:.0f} examples/s in training ({seconds:.1f} s)")
@@ -155,7 +155,7 @@ def log_run_record(
     paths: RunPaths,
     dataset: DatasetRecord,
     training: TrainingRecord,
-    evaluation: dict,
+    evaluation: EvaluationRecord,
     exported: dict,
 ) -> None:
     """Tags, params, curves, final metrics and artifacts of the run; safe to repeat on retry."""

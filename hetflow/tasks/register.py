@@ -21,7 +21,7 @@ from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
 from hetflow.pipeline import timing
 from hetflow.pipeline.attempts import attempt, load_spec, reported
-from hetflow.records import DatasetRecord
+from hetflow.records import DatasetRecord, EvaluationRecord
 from hetflow.registry import champion, run_record, store, versions
 from hetflow.registry.training_key import TRAINING_KEY_TAG
 from hetflow.replica.training_json import read_training
@@ -73,7 +73,7 @@ def register_model(
     """Record the run in MLflow, register the float model and the chosen TFLite variant, serve each
     (infra validation), move the aliases; writes registry.json."""
     # Where replicas write (the run directory's top): read as data, like the training record itself.
-    evaluation = read_replica_record(paths.evaluation)
+    evaluation = EvaluationRecord.read(paths)
     exported = read_replica_record(paths.export)
     compression = read_replica_record(paths.compression)
     client = timing.TimedClient(MlflowClient(store.tracking_uri()))
@@ -100,7 +100,7 @@ def register_model(
                 name,
                 lambda: versions.log_saved_model(paths.saved_model, name, images, float_predict),
                 float_predict,
-                evaluation["test_accuracy"],
+                evaluation.test_accuracy,
                 tags,
                 report,
             )

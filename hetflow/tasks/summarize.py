@@ -12,7 +12,7 @@ from hetflow.models.stage_split import read_stage_split
 from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, run_paths, write_record
 from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, load_spec, read_record, reported
 from hetflow.pipeline.timing import PARTS
-from hetflow.records import DatasetRecord
+from hetflow.records import DatasetRecord, EvaluationRecord
 from hetflow.registry import live
 from hetflow.replica.training_json import TrainingRecord, read_training
 
@@ -115,7 +115,8 @@ def summarize(
     }
     dataset = DatasetRecord.model_validate(read["prepare_data"]) if read["prepare_data"] else None
     read["train"] = read_training(paths.training, load_spec(paths), dataset) if "train" in finished else None
-    training, evaluation, registry = read["train"], read["evaluate"] or {}, read["register"] or {}
+    training, registry = read["train"], read["register"] or {}
+    evaluation = EvaluationRecord.model_validate(read["evaluate"]) if read["evaluate"] else None
     summary = {
         "run_id": run_id,
         "status": "failed" if failed_stage else "skipped" if unchanged else "success",
@@ -129,8 +130,8 @@ def summarize(
         "mlflow_run_id": registry.get("mlflow_run_id"),
         "mlflow_run_url": live.tracked_page(paths),
         "metrics": {
-            "test_accuracy": evaluation.get("test_accuracy"),
-            "test_loss": evaluation.get("test_loss"),
+            "test_accuracy": getattr(evaluation, "test_accuracy", None),
+            "test_loss": getattr(evaluation, "test_loss", None),
             "train_seconds": getattr(training, "train_seconds", None),
             "examples_per_second": getattr(training, "examples_per_second", None),
             "time_to_first_step_seconds": getattr(training, "time_to_first_step_seconds", None),
