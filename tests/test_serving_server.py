@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 from conftest import hetflow, listening
 
+from hetflow.paths import RunPaths
+from hetflow.records import DatasetRecord
+
 pytestmark = pytest.mark.slow
 
 MODEL = "serve-digits"
@@ -39,7 +42,7 @@ def client(hetflow_env):
 def test_images(run) -> tuple[np.ndarray, np.ndarray]:
     from hetflow.data.pipeline import split_arrays
 
-    return split_arrays(json.loads((Path(run["run_dir"]) / "dataset.json").read_text()), "test")
+    return split_arrays(DatasetRecord.read(RunPaths(Path(run["run_dir"]))), "test")
 
 
 def _server_gone(check: dict) -> bool:
@@ -124,7 +127,7 @@ def test_a_champion_scored_on_other_data_is_served_not_loaded(run, client, tmp_p
     from hetflow.registry.champion import champion_accuracy
 
     champion = client.get_model_version_by_alias(MODEL, "champion")
-    dataset = {**json.loads((Path(run["run_dir"]) / "dataset.json").read_text()), "fingerprint": "other data"}
+    dataset = DatasetRecord.read(RunPaths(Path(run["run_dir"]))).model_copy(update={"fingerprint": "other data"})
     # A recorded accuracy for other data does not count: the value comes from the served model.
     client.set_model_version_tag(MODEL, champion.version, "test_accuracy", "0.123")
     try:
@@ -175,7 +178,7 @@ def test_a_served_model_that_disagrees_is_not_promoted_and_its_server_is_gone(ru
     # served check can stop the float model.
     spec = RunSpec.from_values({**load_spec(paths).flat(), "min_improvement": 0.0})
     monkeypatch.setattr(versions, "log_saved_model", _log_class_order_reversed)
-    record = register_model(spec, paths, json.loads(paths.dataset.read_text()), "hetflow_train", "broken")
+    record = register_model(spec, paths, DatasetRecord.read(paths), "hetflow_train", "broken")
 
     float_model, tflite_model = record["models"]
     served = float_model["served"]

@@ -1,6 +1,8 @@
-"""The Docker engine that backend=docker and backend=swarm drive: its client, made in one place, and
-what their replicas share as the supervisor's ``Replicas``: a restart replaces what exited under
-the same name, and the run's lease is held while they are supervised."""
+"""The Docker engine that backend=docker and backend=swarm drive: its client, made in one place; the
+names and labels by which a run's containers, services and networks are found; the digest that ties
+the replica image to this checkout; and what their replicas share as the supervisor's ``Replicas``:
+a restart replaces what exited under the same name, and the run's lease is held while they are
+supervised."""
 
 from __future__ import annotations
 
