@@ -66,11 +66,13 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     from hetflow.models.architectures import trained_model
     from hetflow.paths import RunPaths
     from hetflow.pipeline.attempts import load_spec
+    from hetflow.records import DatasetRecord
+    from hetflow.replica.training_json import read_training
     from hetflow.tasks.export import score
 
     paths = RunPaths(run_dir)
-    spec, dataset = load_spec(paths), json.loads(paths.dataset.read_text())
-    training = json.loads(paths.training.read_text())
+    spec, dataset = load_spec(paths), DatasetRecord.read(paths)
+    training = read_training(paths.training, spec, dataset)
     model = trained_model(spec, dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
@@ -81,7 +83,7 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
         "dataset": f"{dataset.name}:{dataset.version}",
         "float_test_accuracy": float((float_logits.argmax(axis=1) == labels).mean()),
         "trained_steps": trained_steps(training),
-        "train_seconds": training["train_seconds"],
+        "train_seconds": training.train_seconds,
         "pruned_layers": pruned_layers(model),
         "variants": [],
     }
@@ -281,13 +283,15 @@ def diagnose_failures(record: dict) -> None:
         from hetflow.models.architectures import trained_model
         from hetflow.paths import RunPaths
         from hetflow.pipeline.attempts import load_spec
+        from hetflow.records import DatasetRecord
+        from hetflow.replica.training_json import read_training
 
         record["bounds"] = []
         for model, seed, target in failing:
             paths = RunPaths(train(model, seed, env))
-            spec, dataset = load_spec(paths), json.loads(paths.dataset.read_text())
+            spec, dataset = load_spec(paths), DatasetRecord.read(paths)
             trained = trained_model(spec, dataset, paths.model)
-            bound = diagnose(trained, spec, dataset, json.loads(paths.training.read_text()), target)
+            bound = diagnose(trained, spec, dataset, read_training(paths.training, spec, dataset), target)
             record["bounds"].append({"model": model, "seed": seed, **bound})
     save("compression", record, "COMPRESSION.md", markdown(record))
 
