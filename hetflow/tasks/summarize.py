@@ -103,10 +103,6 @@ def summarize(
     failed_stage = next((stage for stage, record in STAGE_OUTPUTS if not _done(paths, stage, record, returned)), None)
     # Only the records of the stages before the failed one are this attempt's: nothing after it is reported.
     finished = STAGES[: STAGES.index(failed_stage)] if failed_stage else STAGES
-    unchanged = None
-    if failed_stage == "provision_cluster" and (prepared := DatasetRecord.read(paths)).trained_before:
-        unchanged = prepared  # prepare_data found this training done before: the rest skipped
-        failed_stage = None
     # Read as data: the records from training on are at the run directory's top, where replicas write.
     read = {
         stage: read_replica_record(getattr(paths, record)) if stage in finished else None
@@ -114,6 +110,10 @@ def summarize(
         if stage != "train"
     }
     dataset = DatasetRecord.model_validate(read["prepare_data"]) if read["prepare_data"] else None
+    unchanged = None
+    if failed_stage == "provision_cluster" and dataset.trained_before:
+        unchanged = dataset  # prepare_data found this training done before: the rest skipped
+        failed_stage = None
     read["train"] = read_training(paths.training, load_spec(paths), dataset) if "train" in finished else None
     training, registry = read["train"], read["register"] or {}
     evaluation = EvaluationRecord.model_validate(read["evaluate"]) if read["evaluate"] else None
