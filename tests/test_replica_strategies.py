@@ -140,3 +140,18 @@ def test_without_scaling_the_rate_is_the_base_rate_whatever_the_batch():
     assert learning_rate(spec, 10)[1] == pytest.approx([0.1] * 4)
     plan = learning_rate_plan(spec, 10)
     assert (plan["base"], plan["peak"], plan["reference_batch"], plan["warmup_steps"]) == (0.1, 0.1, None, 10)
+
+
+def test_a_served_replica_computes_with_the_threads_its_worker_devices_entry_gives():
+    """A stage or a parameter_server worker runs the chief's functions in its TF server's pools,
+    which the process-wide settings do not reach: the server is given them."""
+    from hetflow.replica.runtime import replica_threads, server_config
+
+    spec = parse_spec({"strategy": "model_parallel", "workers": 2, "worker_devices": [{"threads": 1}, {"threads": 3}]})
+    stage_threads = [replica_threads(spec, {"type": "worker", "index": i}) for i in (0, 1)]
+    configs = [server_config(threads) for threads in stage_threads]
+    assert [(c.intra_op_parallelism_threads, c.inter_op_parallelism_threads) for c in configs] == [(1, 2), (3, 3)]
+    default = server_config(
+        replica_threads(parse_spec({"strategy": "parameter_server", "workers": 2, "ps": 1}), {"type": "ps", "index": 0})
+    )
+    assert default.intra_op_parallelism_threads == 0  # TensorFlow's default: one per core

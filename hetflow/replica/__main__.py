@@ -64,7 +64,7 @@ def run_replica(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: di
     from hetflow.replica.record import finish
 
     if spec.cluster.chief_coordinates and task["type"] != "chief":
-        serve(task)
+        serve(spec, task)
         return
     train = {"parameter_server": parameter_server.train, "model_parallel": model_parallel.train}.get(
         spec.cluster.strategy, sync.train

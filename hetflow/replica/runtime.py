@@ -18,10 +18,15 @@ def replica_device(spec: RunSpec, task: dict[str, Any]) -> WorkerDevice:
     return WorkerDevice()
 
 
+def replica_threads(spec: RunSpec, task: dict[str, Any]) -> int:
+    """This replica's intra- and inter-op threads; 0 leaves TensorFlow's default (one per core)."""
+    return replica_device(spec, task).threads or spec.cluster.replica_threads
+
+
 def configure_runtime(spec: RunSpec, task: dict[str, Any]) -> None:
     """Threads and devices; must run before TensorFlow executes its first op."""
     device = replica_device(spec, task)
-    threads = device.threads or spec.cluster.replica_threads
+    threads = replica_threads(spec, task)
     if threads:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(threads)
@@ -47,15 +52,23 @@ def local_devices(count: int) -> list[str]:
     return [d.name for d in devices[:count]]
 
 
-def serve(task: dict[str, Any]) -> None:
+def server_config(threads: int) -> tf.compat.v1.ConfigProto:
+    """The thread pools of a replica's TF server, which runs the functions a chief sends it: the
+    process-wide settings ``configure_runtime`` makes do not reach them (a stage given
+    ``threads: 1`` was seen computing on both cores). Its ops get ``threads`` (0: one per core).
+    TensorFlow sizes the inter-op pool by the cores the process may use: one thread for a replica
+    pinned to a core, with which the chief was seen to wait without end for the first functions it
+    sent (a function's ops can block until another of them has run: a receive, for its send). At
+    least two."""
+    inter_op = max(2, threads or len(os.sched_getaffinity(0)))
+    return tf.compat.v1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=inter_op)
+
+
+def serve(spec: RunSpec, task: dict[str, Any]) -> None:
     """A replica a chief drives (a ps, a worker under parameter_server, a stage of model_parallel
     across workers): run a TF server until the supervisor stops this process."""
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    # TensorFlow sizes a server's inter-op pool by the cores the process may use: one thread for a
-    # replica pinned to a core, with which the chief was seen to wait without end for the first
-    # functions it sent (a function's ops can block until another of them has run: a receive, for
-    # its send). At least two.
-    config = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=max(2, len(os.sched_getaffinity(0))))
+    config = server_config(replica_threads(spec, task))
     server = tf.distribute.Server(
         resolver.cluster_spec(),
         job_name=task["type"],
