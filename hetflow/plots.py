@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
@@ -11,6 +10,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from hetflow.records import ExportedArtifact
 from hetflow.replica.training_json import TrainingRecord
 
 
@@ -68,14 +68,14 @@ def training(record: TrainingRecord, folder: Path) -> None:
         plt.close(fig)
 
 
-def size_vs_accuracy(artifacts: dict[str, dict[str, Any]], float_accuracy: float, path: Path) -> None:
+def size_vs_accuracy(artifacts: dict[str, ExportedArtifact], float_accuracy: float, path: Path) -> None:
     """Each exported artifact: gzipped size against test accuracy; rejected ones in red."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, artifact in artifacts.items():
-        color = "tab:blue" if artifact["accepted"] else "tab:red"
-        size_kb = artifact["gzip_bytes"] / 1024
-        ax.scatter(size_kb, artifact["test_accuracy"], color=color)
-        ax.annotate(name, (size_kb, artifact["test_accuracy"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        color = "tab:blue" if artifact.accepted else "tab:red"
+        size_kb = artifact.gzip_bytes / 1024
+        ax.scatter(size_kb, artifact.test_accuracy, color=color)
+        ax.annotate(name, (size_kb, artifact.test_accuracy), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.axhline(float_accuracy, color="gray", linestyle="--", linewidth=1, label="float model")
     ax.set(xlabel="size, gzipped (KiB)", ylabel="test accuracy", title="Exported variants: size vs accuracy")
     ax.set_xscale("log")

@@ -78,11 +78,11 @@ def test_the_pipeline_recomputes_the_split_and_names_its_replica(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"stage_split": PLAN}))
     split = read_stage_split(path, SPEC, trained([3, 1]))
-    assert [(stage["replica"], stage["layers"]) for stage in split["stages"]] == [
+    assert [(stage.replica, stage.layers) for stage in split.stages] == [
         ("worker-0", ["rescaling_1", "flatten_1", "dense_1"]),
         ("worker-1", ["logits"]),
     ]
-    assert split["slowest_stage_seconds"] == pytest.approx(0.01 * 4 / 8)
+    assert split.slowest_stage_seconds == pytest.approx(0.01 * 4 / 8)
 
 
 @pytest.mark.parametrize(

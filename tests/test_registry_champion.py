@@ -9,7 +9,6 @@ an unserialised gate goes wrong.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 from mlflow_hosts import _home
 
-from hetflow.records import DatasetRecord, EvaluationRecord
+from hetflow.records import CompressionRecord, DatasetRecord, EvaluationRecord, ExportRecord
 
 FINGERPRINT = "f" * 16  # every version was scored on the same prepared data: recorded accuracies count
 
@@ -213,10 +212,10 @@ def test_a_worse_candidate_that_read_the_champion_first_does_not_take_it_from_a_
 def _write_run_records(paths, chosen_tflite: str | None) -> None:
     """What the stages before register leave, as far as register reads before it touches MLflow."""
     paths.output.mkdir(parents=True, exist_ok=True)
-    for path in (paths.training, paths.compression):
-        path.write_text("{}")
+    paths.training.write_text("{}")
     EvaluationRecord(test_loss=0.3, test_accuracy=0.9, test_examples=10, confusion_matrix=[[9, 1], [0, 0]]).write(paths)
-    paths.export.write_text(json.dumps({"chosen_tflite": chosen_tflite}))
+    CompressionRecord(prune=False, quantize="none", variants={}).write(paths)
+    ExportRecord(float_test_accuracy=0.9, artifacts={}, chosen_tflite=chosen_tflite).write(paths)
 
 
 @pytest.mark.parametrize("foreign", ["float", "tflite"])

@@ -6,50 +6,64 @@ from __future__ import annotations
 
 import re
 
+from hetflow.records import ExportRecord
+
 EXPORTED = {
     "float_test_accuracy": 0.9359,
     "chosen_tflite": "tflite_pruned_int8",
     "artifacts": {
         "saved_model": {
             "format": "saved_model",
+            "path": "/runs/a/saved_model",
             "bytes": 98604,
             "gzip_bytes": 46336,
             "test_accuracy": 0.93593,
             "agreement_with_float": 1.0,
+            "max_logit_difference": 1e-6,
             "latency_ms": 0.57911,
+            "accuracy_drop": -0.00003,
             "accepted": True,
         },
         "tflite_pruned_int8": {
             "format": "tflite",
+            "path": "/runs/a/compressed/pruned_int8.tflite",
             "bytes": 14220,
             "gzip_bytes": 7101,
             "test_accuracy": 0.9331,
             "agreement_with_float": 0.98999,
+            "max_logit_difference": 2.1,
             "latency_ms": 0.00412,
             "sparsity": 0.5012,
             "encoding": "sparse",
+            "accuracy_drop": 0.0028,
             "accepted": True,
         },
         "tflite_float16": {
             "format": "tflite",
+            "path": "/runs/a/compressed/float16.tflite",
             "bytes": 21344,
             "gzip_bytes": 19020,
             "test_accuracy": 0.9359,
             "agreement_with_float": 1.0,
+            "max_logit_difference": 0.01,
             "latency_ms": 0.0061,
             "sparsity": 0.0,
             "encoding": "dense",
+            "accuracy_drop": 0.0,
             "accepted": True,
         },
         "tflite_int8": {
             "format": "tflite",
+            "path": "/runs/a/compressed/int8.tflite",
             "bytes": 12000,
             "gzip_bytes": 9101,
             "test_accuracy": 0.8,
             "agreement_with_float": 0.81,
+            "max_logit_difference": 6.3,
             "latency_ms": 0.0041,
             "sparsity": 0.0,
             "encoding": "dense",
+            "accuracy_drop": 0.1359,
             "accepted": False,
             "reason": "accuracy drop 0.1359 > max_accuracy_drop 0.01",
         },
@@ -60,7 +74,7 @@ EXPORTED = {
 def test_the_compression_table_is_a_code_block_of_aligned_columns_with_every_value():
     from hetflow.tasks.register import compression_table
 
-    assert compression_table(EXPORTED) == (
+    assert compression_table(ExportRecord.model_validate(EXPORTED)) == (
         "```\n"
         "artifact            bytes  gzipped      test  agreement  latency  sparsity  weight    verdict\n"
         "                             bytes  accuracy   w/ float       ms            encoding\n"
@@ -83,7 +97,7 @@ def test_a_long_rejection_reason_goes_below_the_table_and_does_not_widen_it():
     reason = "served predictions disagree with the float model's on 31 of 256 test images " * 5
     exported = {**EXPORTED, "artifacts": {**EXPORTED["artifacts"]}}
     exported["artifacts"]["tflite_int8"] = {**exported["artifacts"]["tflite_int8"], "reason": reason}
-    block, _, notes = compression_table(exported).split("\n\n")
+    block, _, notes = compression_table(ExportRecord.model_validate(exported)).split("\n\n")
     lines = block.splitlines()[1:-1]  # within the fences
     assert max(map(len, lines)) == 94  # within the 95 characters MLflow's page shows without scrolling
     assert notes == f"- `tflite_int8` rejected: {reason}"

@@ -12,21 +12,22 @@ import pytest
 from conftest import NO_COMPRESSION, dag_run, hetflow
 
 from hetflow.paths import RunPaths
-from hetflow.replica.auto_strategy import ASYNC_SPREAD, decide
+from hetflow.replica.auto_strategy import ASYNC_SPREAD, Probe, decide
 from hetflow.replica.batch_shares import split_batch
 from hetflow.spec import parse_spec
 
 SLOW_WORKER = '[{"threads": 1}, {"threads": 1, "slowdown": 3}]'
 
 
-def _probe(worker: int, speed: float, step_seconds: float) -> dict:
-    return {
-        "worker": f"worker-{worker}",
-        "examples_per_second": speed,
-        "step_seconds": step_seconds,
-        "batch": 32,
-        "model_parameters": 1_116_970,
-    }
+def _probe(worker: int, speed: float, step_seconds: float) -> Probe:
+    return Probe(
+        worker=f"worker-{worker}",
+        examples_per_second=speed,
+        step_seconds=step_seconds,
+        batch=32,
+        steps=10,
+        model_parameters=1_116_970,
+    )
 
 
 def _spec(**values):
@@ -43,26 +44,26 @@ def test_split_batch_is_proportional_and_exact():
 
 def test_auto_keeps_short_steps_on_one_device():
     decision = decide(_spec(), [_probe(0, 9000, 0.004), _probe(1, 8800, 0.004)])
-    assert decision["strategy"] == "one_device" and decision["settings"]["workers"] == 1
-    assert "steps under 20 ms" in decision["reason"]
+    assert decision.strategy == "one_device" and decision.settings["workers"] == 1
+    assert "steps under 20 ms" in decision.reason
 
 
 def test_auto_uses_sync_with_equal_shares_for_an_even_cluster():
     decision = decide(_spec(), [_probe(0, 700, 0.09), _probe(1, 680, 0.094)])
     settings = {"strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": False}
-    assert decision["settings"] == settings
-    assert "spread 1.03x" in decision["reason"]
+    assert decision.settings == settings
+    assert "spread 1.03x" in decision.reason
 
 
 def test_auto_balances_a_worker_twice_as_slow():
     decision = decide(_spec(), [_probe(0, 700, 0.09), _probe(1, 350, 0.18)])
-    assert decision["settings"]["balance_batches"] is True
-    assert "per-worker batches 43/21 (global 64)" in decision["reason"]
+    assert decision.settings["balance_batches"] is True
+    assert "per-worker batches 43/21 (global 64)" in decision.reason
 
 
 def test_auto_goes_async_beyond_the_async_spread():
     decision = decide(_spec(), [_probe(0, 1000, 0.03), _probe(1, 1000 / (ASYNC_SPREAD + 1), 0.15)])
-    assert decision["settings"] == {"strategy": "parameter_server", "ps": 1, "batch_size": 32}
+    assert decision.settings == {"strategy": "parameter_server", "ps": 1, "batch_size": 32}
 
 
 def test_visible_gpus_give_each_gpu_worker_its_own_devices():
@@ -137,9 +138,9 @@ def test_the_workers_are_measured_over_the_same_seconds_each_on_its_own_computat
     measured_steps = len(computed) - balance.WARMUP_STEPS
     assert sums[0] == [0.0] and sums[1][1] == measured_steps  # warm-up steps are not counted
     assert 0.3 <= sums[1][0] < 0.5 and 15 <= measured_steps <= 30
-    assert 64 / 0.02 <= probes[0]["examples_per_second"] <= 64 / 0.01  # steps of 10 ms and a little more
-    assert probes[0]["examples_per_second"] == pytest.approx(4 * probes[1]["examples_per_second"])
-    assert [p["batch"] for p in probes] == [64, 64] and [p["worker"] for p in probes] == ["worker-0", "worker-1"]
+    assert 64 / 0.02 <= probes[0].examples_per_second <= 64 / 0.01  # steps of 10 ms and a little more
+    assert probes[0].examples_per_second == pytest.approx(4 * probes[1].examples_per_second)
+    assert [p.batch for p in probes] == [64, 64] and [p.worker for p in probes] == ["worker-0", "worker-1"]
 
 
 def test_throttle_limits_cpu_time_from_outside():

@@ -100,7 +100,7 @@ def test_model_parallel_across_two_workers_pipelined_takes_the_one_device_steps(
     paths = RunPaths(staged)
     trained = TrainingRecord.model_validate(record)
     split = read_stage_split(paths.plan, RunSpec.from_json(paths.spec.read_text()), trained)
-    assert [stage["layers"] for stage in split["stages"]] == [workers["worker-0"]["layers"], ["logits"]]
+    assert [stage.layers for stage in split.stages] == [workers["worker-0"]["layers"], ["logits"]]
 
 
 def test_parameter_server_shards_variables_measures_staleness_per_worker_and_communication(hetflow_env):

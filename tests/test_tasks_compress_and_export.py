@@ -129,26 +129,26 @@ def test_the_pruned_files_are_smaller_in_the_file_itself_and_say_how(tmp_path):
     spec, paths, dataset, training = _trained_run(tmp_path, model="mlp", epochs=10)
     compression = compress_model(spec, paths, dataset, training)
     # 10 x 39 steps trained: sparsity ramps over 146, checked every 18 steps, at most 1.5 x 390 in all.
-    fine_tuning = compression["fine_tuning"]
-    assert fine_tuning["max_steps"] == 576 and fine_tuning["steps"] == compression["fine_tuning_steps"]
-    assert fine_tuning["validation_accuracy"][0][0] == 18 and fine_tuning["steps"] >= 162
-    [hidden] = compression["pruned_layers"]  # the logits stay dense
-    assert hidden != "logits" and compression["kernel_sparsity"][hidden] == pytest.approx(0.8, abs=0.01)
-    artifacts = export_artifacts(spec, paths, dataset)["artifacts"]
+    fine_tuning = compression.fine_tuning
+    assert fine_tuning.max_steps == 576 and fine_tuning.steps == compression.fine_tuning_steps
+    assert fine_tuning.validation_accuracy[0][0] == 18 and fine_tuning.steps >= 162
+    [hidden] = compression.pruned_layers  # the logits stay dense
+    assert hidden != "logits" and compression.kernel_sparsity[hidden] == pytest.approx(0.8, abs=0.01)
+    artifacts = export_artifacts(spec, paths, dataset).artifacts
     dense, pruned = artifacts["tflite_float"], artifacts["tflite_pruned"]
     dense_int8, pruned_int8 = artifacts["tflite_float_int8"], artifacts["tflite_pruned_int8"]
 
     # No gzip: the bytes a consumer of the file gets (without the encoding they are the dense ones).
-    assert pruned["bytes"] < 0.4 * dense["bytes"], (pruned["bytes"], dense["bytes"])
-    assert pruned_int8["bytes"] < 0.85 * dense_int8["bytes"], (pruned_int8["bytes"], dense_int8["bytes"])
-    assert (dense["encoding"], dense_int8["encoding"]) == ("dense", "dense")
-    assert (pruned["encoding"], pruned_int8["encoding"]) == ("sparse", "sparse")
+    assert pruned.bytes < 0.4 * dense.bytes, (pruned.bytes, dense.bytes)
+    assert pruned_int8.bytes < 0.85 * dense_int8.bytes, (pruned_int8.bytes, dense_int8.bytes)
+    assert (dense.encoding, dense_int8.encoding) == ("dense", "dense")
+    assert (pruned.encoding, pruned_int8.encoding) == ("sparse", "sparse")
     # The int8 kernel in TFLite's layout (units x inputs), in the only blocks its interpreter runs.
-    assert [(t["shape"], t["block"]) for t in pruned_int8["sparse_tensors"]] == [([128, 64], [1, 16])]
-    assert pruned_int8["sparsity"] == compression["sparsity"] > 0.6  # 80 % of 8,192 of 9,472 weights
+    assert [(t.shape, t.block) for t in pruned_int8.sparse_tensors] == [([128, 64], [1, 16])]
+    assert pruned_int8.sparsity == compression.sparsity > 0.6  # 80 % of 8,192 of 9,472 weights
     # The sparse float file computes what the pruned Keras model computes.
-    assert pruned["max_logit_difference_to_pruned"] < 1e-4
-    assert pruned_int8["agreement_with_float"] > 0.9
+    assert pruned.max_logit_difference_to_pruned < 1e-4
+    assert pruned_int8.agreement_with_float > 0.9
 
 
 # Fine-tuning that recovers: at 80 % sparsity the pruned int8 file of the CNN trained with the
@@ -171,13 +171,13 @@ def test_pruning_the_cnn_to_80_percent_passes_the_gate_only_when_fine_tuned_long
     spec, paths, dataset, training = _trained_run(tmp_path, model="cnn")
     compression = compress_model(spec, paths, dataset, training)
     # Stopped by recovery, not by its maximum (1.5 of the 40 x 39 steps trained).
-    assert compression["fine_tuning"]["stopped"] == "recovered", compression["fine_tuning"]
-    assert compression["fine_tuning_steps"] < 2340
-    assert all(compression["kernel_sparsity"][name] >= 0.79 for name in compression["pruned_layers"])
+    assert compression.fine_tuning.stopped == "recovered", compression.fine_tuning
+    assert compression.fine_tuning_steps < 2340
+    assert all(compression.kernel_sparsity[name] >= 0.79 for name in compression.pruned_layers)
     exported = export_artifacts(spec, paths, dataset)
-    pruned_int8 = exported["artifacts"]["tflite_pruned_int8"]
-    assert pruned_int8["accepted"], pruned_int8
-    assert exported["chosen_tflite"] == "tflite_pruned_int8"  # the smallest accepted file
+    pruned_int8 = exported.artifacts["tflite_pruned_int8"]
+    assert pruned_int8.accepted, pruned_int8
+    assert exported.chosen_tflite == "tflite_pruned_int8"  # the smallest accepted file
 
     model = trained_model(spec, dataset, paths.model)
     short, _ = prune(
@@ -194,5 +194,5 @@ def test_pruning_the_cnn_to_80_percent_passes_the_gate_only_when_fine_tuned_long
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, verbose=0)
     artifacts = {"tflite_short": {"format": "tflite", **score(tflite_predictor(path), images, labels, float_logits)}}
-    judge(artifacts, exported["float_test_accuracy"], spec.export.max_accuracy_drop)
+    judge(artifacts, exported.float_test_accuracy, spec.export.max_accuracy_drop)
     assert not artifacts["tflite_short"]["accepted"], artifacts

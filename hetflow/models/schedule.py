@@ -57,8 +57,8 @@ def learning_rate_plan(spec: RunSpec, steps: int) -> dict[str, Any]:
 def learning_rate(spec: RunSpec, steps: int) -> tuple[WarmupLinearScaling, list[float]]:
     """The schedule, and its value at the start of each epoch (logged as the effective schedule).
     The replica count plays no part (see ``learning_rate_plan``)."""
-    plan = learning_rate_plan(spec, steps)
-    schedule = WarmupLinearScaling(plan["base"], plan["peak"], plan["warmup_steps"])
+    rates = learning_rate_plan(spec, steps)
+    schedule = WarmupLinearScaling(rates["base"], rates["peak"], rates["warmup_steps"])
     return schedule, [float(schedule(epoch * steps)) for epoch in range(spec.training.epochs)]
 
 

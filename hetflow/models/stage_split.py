@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError
 
-from hetflow.paths import NotRegularFile, read_replica_record
+from hetflow.paths import NotRegularFile
+from hetflow.records import PlanFile
 from hetflow.replica.training_json import (
     MAX_LAYERS,
     MAX_SECONDS,
@@ -83,8 +84,8 @@ def split_by_time(layer_seconds: list[float], stage_work_seconds: list[float]) -
     return bounds[::-1]
 
 
-class _Split(Strict):
-    """plan.json's ``stage_split``, as the model_parallel chief writes it."""
+class StageSplitPlan(Strict):
+    """plan.json's ``stage_split``: the model_parallel chief's split and the numbers behind it."""
 
     method: Literal["measured", "parameters"]
     devices: Annotated[list[Name], Field(min_length=1, max_length=MAX_WORKERS)]
@@ -98,7 +99,26 @@ class _Split(Strict):
     parameter_stage_seconds: Annotated[list[Seconds], Field(max_length=MAX_WORKERS)]
 
 
-def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> dict[str, Any]:
+class Stage(Strict):
+    """One stage of a model_parallel run, as the pipeline recomputed it."""
+
+    replica: str
+    device: str
+    layers: list[str]  # as the trained model names them
+    predicted_seconds: float  # a micro-batch's forward and backward, in the split's units
+    node: str | None = None  # the swarm node that ran it, where the run records one (summarize)
+
+
+class StageSplit(Strict):
+    """model_parallel's split as the pipeline takes it (``read_stage_split``)."""
+
+    method: Literal["measured", "parameters"]
+    stages: list[Stage]
+    slowest_stage_seconds: float
+    slowest_by_parameters_seconds: float
+
+
+def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> StageSplit:
     """model_parallel's split as the pipeline takes it: plan.json's numbers (a replica's: read as
     data, every field typed), the split recomputed from them with this module's code, and the layer
     groups training.json (read by ``read_training``) says trained; NotRegularFile, one line naming
@@ -106,7 +126,7 @@ def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> dic
     layers (as the trained model names them) and predicted seconds, and the slowest stage by
     either method."""
     try:
-        split = _Split.model_validate(read_replica_record(path).get("stage_split"))
+        split = StageSplitPlan.model_validate(PlanFile.read(path).stage_split)
     except ValidationError as invalid:
         error = invalid.errors(include_url=False, include_input=False)[0]
         where = ".".join(str(part) for part in error["loc"])
@@ -135,22 +155,15 @@ def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> dic
             f"and the layer groups trained: refused"
         )
     predicted = stage_seconds(bounds, split.layer_seconds, split.stage_work_seconds)
-    return {
-        "method": spec.cluster.stage_split,
-        "stages": [
-            {
-                "replica": _replica(device),
-                "device": device,
-                "layers": names,
-                "predicted_seconds": seconds,
-            }
+    return StageSplit(
+        method=spec.cluster.stage_split,
+        stages=[
+            Stage(replica=_replica(device), device=device, layers=names, predicted_seconds=seconds)
             for device, names, seconds in zip(split.devices, trained, predicted)
         ],
-        "slowest_stage_seconds": max(predicted),
-        "slowest_by_parameters_seconds": max(
-            stage_seconds(by_parameters, split.layer_seconds, split.stage_work_seconds)
-        ),
-    }
+        slowest_stage_seconds=max(predicted),
+        slowest_by_parameters_seconds=max(stage_seconds(by_parameters, split.layer_seconds, split.stage_work_seconds)),
+    )
 
 
 def _replica(device: str) -> str:

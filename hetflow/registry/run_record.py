@@ -17,7 +17,7 @@ from mlflow.utils.time import get_current_time_millis
 
 from hetflow.cluster.supervisor import read_restarts
 from hetflow.paths import NotRegularFile, RunPaths, read_regular
-from hetflow.records import DatasetRecord, EvaluationRecord
+from hetflow.records import DatasetRecord, EvaluationRecord, ExportRecord
 from hetflow.registry import lineage
 from hetflow.registry.store import git_commit
 from hetflow.replica.balance import measured
@@ -139,12 +139,12 @@ def headline(training: TrainingRecord, evaluation: EvaluationRecord, airflow_url
     return " · ".join(parts) + link
 
 
-def _export_metrics(exported: dict) -> dict[str, float]:
+def _export_metrics(exported: ExportRecord) -> dict[str, float]:
     """Per exported artifact: size raw and gzipped, test accuracy, agreement, latency."""
     metrics = {}
-    for name, artifact in exported["artifacts"].items():
+    for name, artifact in exported.artifacts.items():
         for key in ("bytes", "gzip_bytes", "test_accuracy", "agreement_with_float", "latency_ms"):
-            metrics[f"export_{name}_{key}"] = artifact[key]
+            metrics[f"export_{name}_{key}"] = getattr(artifact, key)
     return metrics
 
 
@@ -156,7 +156,7 @@ def log_run_record(
     dataset: DatasetRecord,
     training: TrainingRecord,
     evaluation: EvaluationRecord,
-    exported: dict,
+    exported: ExportRecord,
 ) -> None:
     """Tags, params, curves, final metrics and artifacts of the run; safe to repeat on retry."""
     tags = {
@@ -183,13 +183,13 @@ def log_run_record(
         )[:5000]
     plan = measured(paths, spec)  # the workers were probed (strategy=auto, or balance_batches by the workers)
     if plan is not None:
-        params["requested_strategy"] = plan["requested"].cluster.strategy
-        for probe in plan["probes"]:
-            summary[f"probe_{probe['worker'].replace('-', '_')}_examples_per_second"] = probe["examples_per_second"]
-        if plan["decision"] is not None:
-            tags["auto.decision"] = plan["decision"]["reason"]
-        if plan["worker_batches"] is not None:
-            params["worker_batches"] = plan["worker_batches"]
+        params["requested_strategy"] = plan.requested.cluster.strategy
+        for probe in plan.probes:
+            summary[f"probe_{probe.worker.replace('-', '_')}_examples_per_second"] = probe.examples_per_second
+        if plan.decision is not None:
+            tags["auto.decision"] = plan.decision.reason
+        if plan.worker_batches is not None:
+            params["worker_batches"] = plan.worker_batches
     now = get_current_time_millis()
     metrics = [Metric(key, readable(value), now, 0) for key, value in summary.items()]
     logged = {

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from dataclasses import dataclass
 
-from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, write_record
-from hetflow.replica.auto_strategy import checked_probes, decide
+from hetflow.paths import NotRegularFile, RunPaths
+from hetflow.records import PlanFile
+from hetflow.replica.auto_strategy import AutoDecision, Probe, checked_probes, decide
 from hetflow.replica.batch_shares import split_batch
 from hetflow.spec import RunSpec
 
@@ -36,7 +37,7 @@ class Relaunch(Exception):
 
 def measure_workers(
     compute, batches, batch: int, worker: int, workers: int, model_parameters: int, sum_over_workers
-) -> list[dict[str, Any]]:
+) -> list[Probe]:
     """Every worker's probe (as plan.json keeps them): ``compute(images, labels)`` run on ``batches``
     of ``batch`` examples without a pause for ``MEASURE_SECONDS``, all workers at once."""
     for _ in range(WARMUP_STEPS):
@@ -51,14 +52,14 @@ def measure_workers(
     slots[2 * worker : 2 * worker + 2] = seconds, steps
     summed = sum_over_workers(slots)
     return [
-        {
-            "worker": f"worker-{i}",
-            "batch": batch,
-            "steps": int(steps_i),
-            "examples_per_second": batch * steps_i / seconds_i,
-            "step_seconds": seconds_i / steps_i,
-            "model_parameters": model_parameters,
-        }
+        Probe(
+            worker=f"worker-{i}",
+            batch=batch,
+            steps=int(steps_i),
+            examples_per_second=batch * steps_i / seconds_i,
+            step_seconds=seconds_i / steps_i,
+            model_parameters=model_parameters,
+        )
         for i, (seconds_i, steps_i) in enumerate(zip(summed[0::2], summed[1::2]))
     ]
 
@@ -74,9 +75,9 @@ class WorkerShares:
         self.spec, self.paths, self.worker, self.is_chief = spec, paths, worker, is_chief
         self.workers = spec.cluster.worker.replicas if spec.cluster.strategy == "multi_worker_mirrored" else 1
         self.equal = split_batch(spec.training.batch_size, [1.0] * self.workers)
-        plan = read_replica_record(paths.plan) if spec.cluster.worker.balance_batches and paths.plan.exists() else {}
-        self.now: list[int] = plan.get("worker_batches") or self.equal
-        self.to_measure = spec.cluster.worker.balance_batches and self.workers > 1 and "worker_batches" not in plan
+        plan = PlanFile.read(paths.plan) if spec.cluster.worker.balance_batches and paths.plan.exists() else PlanFile()
+        self.now: list[int] = plan.worker_batches or self.equal
+        self.to_measure = spec.cluster.worker.balance_batches and self.workers > 1 and plan.worker_batches is None
 
     @property
     def balanced(self) -> bool:
@@ -90,32 +91,36 @@ class WorkerShares:
         )
         mine = probes[self.worker]
         print(
-            f"probe worker-{self.worker}: {mine['examples_per_second']:.0f} examples/s "
-            f"({1000 * mine['step_seconds']:.1f} ms per step of {mine['batch']}, {mine['steps']} steps)",
+            f"probe worker-{self.worker}: {mine.examples_per_second:.0f} examples/s "
+            f"({1000 * mine.step_seconds:.1f} ms per step of {mine.batch}, {mine.steps} steps)",
             flush=True,
         )
         requested = (
             RunSpec.from_json(self.paths.requested_spec.read_text()) if self.paths.requested_spec.exists() else None
         )
-        plan = {"requested": (requested or self.spec).flat(mode="json"), "probes": probes}
+        measured_plan = {
+            "requested": (requested or self.spec).flat(mode="json"),
+            "probes": [p.model_dump() for p in probes],
+        }
         balance = True
         if requested is not None:
             # Read as the pipeline validated and wrote it: its checks against the host (a folder
             # dataset's allowed roots) cannot run in the replica's sandbox, which sees other paths.
-            plan["decision"] = decide(requested, probes)
-            print(plan["decision"]["reason"], flush=True)
-            if plan["decision"]["strategy"] != "multi_worker_mirrored":
-                self._record(plan)
-                raise Relaunch(plan["decision"]["reason"])
-            balance = plan["decision"]["settings"]["balance_batches"]
-        speeds = [p["examples_per_second"] for p in probes] if balance else [1.0] * self.workers
-        plan["worker_batches"] = self.now = split_batch(self.spec.training.batch_size, speeds)
+            decision = decide(requested, probes)
+            measured_plan["decision"] = decision.model_dump()
+            print(decision.reason, flush=True)
+            if decision.strategy != "multi_worker_mirrored":
+                self._record(PlanFile(**measured_plan))
+                raise Relaunch(decision.reason)
+            balance = decision.settings["balance_batches"]
+        speeds = [p.examples_per_second for p in probes] if balance else [1.0] * self.workers
+        self.now = split_batch(self.spec.training.batch_size, speeds)
         self.to_measure = False
-        self._record(plan)
+        self._record(PlanFile(**measured_plan, worker_batches=self.now))
 
-    def _record(self, plan: dict[str, Any]) -> None:
+    def _record(self, plan: PlanFile) -> None:
         if self.is_chief:
-            write_record(self.paths.plan, plan)
+            plan.write(self.paths.plan)
 
     def announce(self) -> None:
         kind = "balanced" if self.balanced else "equal"
@@ -125,18 +130,28 @@ class WorkerShares:
         )
 
 
-def measured(paths: RunPaths, spec: RunSpec) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class Measured:
+    """What the pipeline takes of plan.json where the workers were probed (``measured``)."""
+
+    requested: RunSpec  # the pipeline's own request, not the replica's copy
+    probes: list[Probe]
+    decision: AutoDecision | None  # strategy=auto's, made again by the pipeline
+    worker_batches: list[int] | None  # each worker's share of the global batch, where they were balanced
+
+
+def measured(paths: RunPaths, spec: RunSpec) -> Measured | None:
     """What the pipeline takes of plan.json, which the chief replica writes (None where no worker was
     probed): the probes and the shares, checked; the request is the pipeline's own (requested_spec.json,
     in a folder replicas see read-only, else ``spec``) and auto's decision is made again from it by the
     pipeline's code. A plan that is not what the chief writes raises NotRegularFile, one line."""
-    plan = read_replica_record(paths.plan) if os.path.lexists(paths.plan) else {}
-    if "probes" not in plan:
+    plan = PlanFile.read(paths.plan) if os.path.lexists(paths.plan) else PlanFile()
+    if plan.probes is None:
         return None
     requested = RunSpec.from_json(paths.requested_spec.read_text()) if paths.requested_spec.exists() else None
     asked = requested or spec
-    probes = checked_probes(plan["probes"], asked.cluster.worker.replicas, paths.plan)
-    shares = plan.get("worker_batches")
+    probes = checked_probes(plan.probes, asked.cluster.worker.replicas, paths.plan)
+    shares = plan.worker_batches
     if shares is not None and not (
         isinstance(shares, list)
         and len(shares) == len(probes)
@@ -146,9 +161,4 @@ def measured(paths: RunPaths, spec: RunSpec) -> dict[str, Any] | None:
         raise NotRegularFile(
             f"{paths.plan}: worker_batches must be {len(probes)} whole shares of {asked.training.batch_size}: refused"
         )
-    return {
-        "requested": asked,
-        "probes": probes,
-        "decision": decide(requested, probes) if requested is not None else None,
-        "worker_batches": shares,
-    }
+    return Measured(asked, probes, decide(requested, probes) if requested is not None else None, shares)

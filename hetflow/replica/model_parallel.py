@@ -41,9 +41,9 @@ import tensorflow as tf
 from hetflow.data.pipeline import eval_input, train_input
 from hetflow.models.architectures import build_model_parallel, layer_chain
 from hetflow.models.schedule import make_optimizer, steps_per_epoch
-from hetflow.models.stage_split import split_by_parameters, split_by_time, stage_seconds
-from hetflow.paths import RunPaths, write_record
-from hetflow.records import DatasetRecord
+from hetflow.models.stage_split import StageSplitPlan, split_by_parameters, split_by_time, stage_seconds
+from hetflow.paths import RunPaths
+from hetflow.records import DatasetRecord, PlanFile
 from hetflow.replica.checkpoint import EpochCheckpoint
 from hetflow.replica.loop import EpochLoop, validation_sums
 from hetflow.replica.record import Trained, tensor_bytes, worker_rate
@@ -165,7 +165,7 @@ def time_devices(devices: list[str]) -> list[float]:
     return timings
 
 
-def plan_stages(spec: RunSpec, dataset: DatasetRecord, devices: list[str]) -> dict[str, Any]:
+def plan_stages(spec: RunSpec, dataset: DatasetRecord, devices: list[str]) -> StageSplitPlan:
     """Where to cut the model (``hetflow.models.stage_split``), by the spec's ``stage_split``, and
     the numbers behind it: plan.json's ``stage_split``, which the pipeline recomputes."""
     micro_batch = -(-spec.training.batch_size // spec.cluster.micro_batches)
@@ -174,16 +174,16 @@ def plan_stages(spec: RunSpec, dataset: DatasetRecord, devices: list[str]) -> di
     work = time_devices(devices)
     by_time = split_by_time(profile["layer_seconds"], work)
     bounds = by_time if spec.cluster.stage_split == "measured" else by_parameters
-    return {
-        "method": spec.cluster.stage_split,
-        "devices": devices,
+    return StageSplitPlan(
+        method=spec.cluster.stage_split,
+        devices=devices,
         **profile,
-        "stage_work_seconds": work,
-        "bounds": bounds,
-        "stage_seconds": stage_seconds(bounds, profile["layer_seconds"], work),
-        "parameter_bounds": by_parameters,
-        "parameter_stage_seconds": stage_seconds(by_parameters, profile["layer_seconds"], work),
-    }
+        stage_work_seconds=work,
+        bounds=bounds,
+        stage_seconds=stage_seconds(bounds, profile["layer_seconds"], work),
+        parameter_bounds=by_parameters,
+        parameter_stage_seconds=stage_seconds(by_parameters, profile["layer_seconds"], work),
+    )
 
 
 def update_on_each_stage(optimizer) -> None:
@@ -297,23 +297,23 @@ def train(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str
     across_workers = spec.cluster.chief_coordinates
     devices = connect_stage_workers() if across_workers else local_devices(spec.cluster.worker_device(0).count)
     plan = plan_stages(spec, dataset, devices)
-    write_record(paths.plan, {"stage_split": plan})
+    PlanFile(stage_split=plan.model_dump()).write(paths.plan)
     model, groups = build_model_parallel(
         spec.model.architecture,
         dataset.input_shape,
         dataset.num_classes,
         spec.training.seed,
         devices,
-        plan["bounds"],
+        plan.bounds,
     )
-    predicted = dict(zip(devices, plan["stage_seconds"]))
+    predicted = dict(zip(devices, plan.stage_seconds))
     for device, layers in groups:
         names = ", ".join(layer.name for layer in layers)
         print(f"{device}: {names} ({1000 * predicted[device]:.1f} ms a micro-batch, predicted)", flush=True)
-    slowest = max(plan["stage_seconds"])
+    slowest = max(plan.stage_seconds)
     print(
-        f"layer groups split by {plan['method']}: slowest stage {1000 * slowest:.1f} ms a micro-batch, predicted; "
-        f"by parameters it would be {1000 * max(plan['parameter_stage_seconds']):.1f} ms",
+        f"layer groups split by {plan.method}: slowest stage {1000 * slowest:.1f} ms a micro-batch, predicted; "
+        f"by parameters it would be {1000 * max(plan.parameter_stage_seconds):.1f} ms",
         flush=True,
     )
     loop = EpochLoop(spec, steps_per_epoch(spec, dataset), paths.progress)

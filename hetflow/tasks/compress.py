@@ -25,6 +25,8 @@ import logging
 import time
 from typing import Any
 
+import tensorflow as tf
+
 from hetflow.artifacts.compression import (
     int8_file,
     keras_accuracy,
@@ -40,9 +42,9 @@ from hetflow.artifacts.compression import (
 )
 from hetflow.artifacts.tflite import SPARSE_ENCODABLE, representative_images, to_tflite, weight_encoding
 from hetflow.models.architectures import trained_model
-from hetflow.paths import RunPaths, run_paths, write_record
+from hetflow.paths import RunPaths, run_paths
 from hetflow.pipeline.attempts import attempt, load_spec, reported
-from hetflow.records import DatasetRecord
+from hetflow.records import CompressionRecord, DatasetRecord, TfliteVariant
 from hetflow.replica.training_json import TrainingRecord, read_training
 from hetflow.spec import RunSpec
 
@@ -55,38 +57,25 @@ def compress(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     with attempt(paths, "compress", run_id, try_number) as receipt:
         spec, dataset = load_spec(paths), DatasetRecord.read(paths)
         record = compress_model(spec, paths, dataset, read_training(paths.training, spec, dataset))
-    log.info("compressed variants: %s; kernel sparsity %s", list(record["variants"]), record.get("kernel_sparsity"))
-    return {**record, "attempt": receipt}
+    log.info("compressed variants: %s; kernel sparsity %s", list(record.variants), record.kernel_sparsity)
+    return {**record.as_json(), "attempt": receipt}
 
 
 def pruned_weights_path(paths: RunPaths):
     return paths.compressed / "pruned.weights.h5"
 
 
-def compress_model(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord, training: TrainingRecord) -> dict[str, Any]:
+def compress_model(
+    spec: RunSpec, paths: RunPaths, dataset: DatasetRecord, training: TrainingRecord
+) -> CompressionRecord:
     """Prune (``prune=true``) and quantize (``quantize``) the trained model; writes compression.json."""
     model = trained_model(spec, dataset, paths.model)
     paths.compressed.mkdir(parents=True, exist_ok=True)
-    record: dict[str, Any] = {"prune": spec.compression.prune, "quantize": spec.compression.quantize, "variants": {}}
     bases = {"float": model}
+    pruning: dict[str, Any] = {}  # the record's pruning fields: none without pruning
     if spec.compression.prune:
-        started = time.perf_counter()
-        recovery = pruning_recovery(spec, training, keras_accuracy(model, *validation_arrays(dataset)))
-        pruned, fine_tuning = prune(model, spec, dataset, recovery)
-        record["fine_tuning_seconds"] = time.perf_counter() - started
-        record["fine_tuning_steps"] = fine_tuning["steps"]
-        record["fine_tuning"] = fine_tuning
-        record["trained_steps"] = trained_steps(training)
-        record["target_sparsity"] = spec.compression.target_sparsity
-        record["pruned_layers"] = pruned_layers(pruned)
-        record["pruning_blocks"] = {
-            name: list(pruning_block(pruned.get_layer(name))) for name in record["pruned_layers"]
-        }
-        record["kernel_sparsity"] = kernel_sparsity(pruned)
-        record["sparsity"] = overall_sparsity(pruned)
-        pruned.save_weights(pruned_weights_path(paths))
-        record["pruned_weights"] = str(pruned_weights_path(paths))
-        bases["pruned"] = pruned
+        bases["pruned"], pruning = _prune(model, spec, paths, dataset, training)
+    variants = {}
     if "tflite" in spec.export.formats:
         representative = representative_images(dataset, spec.training.seed)
         conversions = [("pruned", "pruned", "none")] if spec.compression.prune else []
@@ -104,13 +93,40 @@ def compress_model(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord, train
             else:
                 data = to_tflite(bases[base], quantize, representative, sparse=sparse)
             path.write_bytes(data)
-            record["variants"][name] = {
-                "path": str(path),
-                "base": base,
-                "quantize": quantize,
-                "sparsity": record["sparsity"] if base == "pruned" else overall_sparsity(model),
+            variants[name] = TfliteVariant(
+                path=str(path),
+                base=base,
+                quantize=quantize,
+                sparsity=overall_sparsity(bases[base]),
                 **weight_encoding(data),
                 **choice,
-            }
-    write_record(paths.compression, record)
+            )
+    record = CompressionRecord(
+        prune=spec.compression.prune, quantize=spec.compression.quantize, variants=variants, **pruning
+    )
+    record.write(paths)
     return record
+
+
+def _prune(
+    model: tf.keras.Model, spec: RunSpec, paths: RunPaths, dataset: DatasetRecord, training: TrainingRecord
+) -> tuple[tf.keras.Model, dict[str, Any]]:
+    """The pruned model, its weights kept for export's parity check, and the record's pruning fields."""
+    started = time.perf_counter()
+    recovery = pruning_recovery(spec, training, keras_accuracy(model, *validation_arrays(dataset)))
+    pruned, fine_tuning = prune(model, spec, dataset, recovery)
+    seconds = time.perf_counter() - started
+    pruned.save_weights(pruned_weights_path(paths))
+    layers = pruned_layers(pruned)
+    return pruned, {
+        "fine_tuning_seconds": seconds,
+        "fine_tuning_steps": fine_tuning["steps"],
+        "fine_tuning": fine_tuning,
+        "trained_steps": trained_steps(training),
+        "target_sparsity": spec.compression.target_sparsity,
+        "pruned_layers": layers,
+        "pruning_blocks": {name: list(pruning_block(pruned.get_layer(name))) for name in layers},
+        "kernel_sparsity": kernel_sparsity(pruned),
+        "sparsity": overall_sparsity(pruned),
+        "pruned_weights": str(pruned_weights_path(paths)),
+    }

@@ -28,9 +28,9 @@ from hetflow.artifacts.saved_model import save_serving_model
 from hetflow.artifacts.tflite import to_tflite, weight_encoding
 from hetflow.data.pipeline import split_arrays
 from hetflow.models.architectures import trained_model
-from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.paths import RunPaths, run_paths
 from hetflow.pipeline.attempts import attempt, load_spec, reported
-from hetflow.records import DatasetRecord
+from hetflow.records import CompressionRecord, DatasetRecord, ExportRecord, TfliteVariant
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
@@ -109,52 +109,50 @@ def judge(artifacts: dict[str, dict[str, Any]], float_accuracy: float, max_accur
 def export(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     paths = run_paths(run_id)
     with attempt(paths, "export", run_id, try_number) as receipt:
-        record = export_artifacts(load_spec(paths), paths, DatasetRecord.read(paths))
-    for name, artifact in record["artifacts"].items():
+        exported = export_artifacts(load_spec(paths), paths, DatasetRecord.read(paths))
+    for name, artifact in exported.artifacts.items():
         log.info(
             "%s: accuracy %.4f (drop %+.4f), %d bytes (%d gzipped), %s weights, sparsity %.3f, %.4f ms/example%s",
             name,
-            artifact["test_accuracy"],
-            artifact["accuracy_drop"],
-            artifact["bytes"],
-            artifact["gzip_bytes"],
-            artifact.get("encoding", "dense"),
-            artifact.get("sparsity", 0.0),
-            artifact["latency_ms"],
-            "" if artifact["accepted"] else f" -- rejected: {artifact['reason']}",
+            artifact.test_accuracy,
+            artifact.accuracy_drop,
+            artifact.bytes,
+            artifact.gzip_bytes,
+            artifact.encoding or "dense",
+            artifact.sparsity or 0.0,
+            artifact.latency_ms,
+            "" if artifact.accepted else f" -- rejected: {artifact.reason}",
         )
     return {
-        "chosen_tflite": record["chosen_tflite"],
-        "float_test_accuracy": record["float_test_accuracy"],
+        "chosen_tflite": exported.chosen_tflite,
+        "float_test_accuracy": exported.float_test_accuracy,
         "attempt": receipt,
     }
 
 
-def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> dict[str, Any]:
+def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> ExportRecord:
     """Write the float model's artifacts, score them and compress's variants, choose the TFLite
     variant to deploy; writes export.json and the size-vs-accuracy plot."""
     model = trained_model(spec, dataset, paths.model)
     images, labels = split_arrays(dataset, "test")
     float_logits = model.predict(images, batch_size=256, verbose=0)
     float_accuracy = float(np.mean(np.argmax(float_logits, axis=1) == labels))
-    compression = read_replica_record(paths.compression)  # at the run directory's top, where replicas write
+    compression = CompressionRecord.read(paths)  # at the run directory's top, where replicas write
     tflite_variants = {}
     if "tflite" in spec.export.formats:
         paths.float_tflite.parent.mkdir(parents=True, exist_ok=True)
         data = to_tflite(model, "none")
         paths.float_tflite.write_bytes(data)
-        tflite_variants["float"] = {
-            "path": str(paths.float_tflite),
-            "base": "float",
-            "quantize": "none",
-            **weight_encoding(data),
-        }
-    tflite_variants |= compression["variants"]
+        tflite_variants["float"] = TfliteVariant(  # not pruned: reported as sparsity 0
+            path=str(paths.float_tflite), base="float", quantize="none", sparsity=0.0, **weight_encoding(data)
+        )
+    tflite_variants |= compression.variants
     pruned_logits = None
     if "pruned" in tflite_variants:
-        pruned = trained_model(spec, dataset, Path(compression["pruned_weights"]))
+        pruned = trained_model(spec, dataset, Path(compression.pruned_weights))
         pruned_logits = pruned.predict(images, batch_size=256, verbose=0)
 
+    # Dicts until judged: judge adds each one's verdict.
     artifacts: dict[str, dict[str, Any]] = {}
     if "saved_model" in spec.export.formats:
         save_serving_model(model, paths.saved_model)
@@ -166,18 +164,18 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> 
             **score(saved_model_predictor(paths.saved_model), images, labels, float_logits),
         }
     for name, variant in tflite_variants.items():
-        path = Path(variant["path"])
+        path = Path(variant.path)
         predict = tflite_predictor(path)
         artifacts[f"tflite_{name}"] = {
             "format": "tflite",
             "variant": name,
-            "quantize": variant["quantize"],
-            "pruned": variant["base"] == "pruned",
-            "sparsity": variant.get("sparsity", 0.0),
-            "encoding": variant["encoding"],
-            "sparse_tensors": variant["sparse_tensors"],
+            "quantize": variant.quantize,
+            "pruned": variant.base == "pruned",
+            "sparsity": variant.sparsity,
+            "encoding": variant.encoding,
+            "sparse_tensors": variant.sparse_tensors,
             # int8 only: post_training, or quantization_aware where post-training lost too much (compress)
-            "int8_method": variant.get("int8_method"),
+            "int8_method": variant.int8_method,
             "path": str(path),
             **_sizes(path),
             **score(predict, images, labels, float_logits),
@@ -186,12 +184,9 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> 
             difference = np.max(np.abs(predict(images) - pruned_logits))
             artifacts[f"tflite_{name}"]["max_logit_difference_to_pruned"] = float(difference)
 
-    record = {
-        "float_test_accuracy": float_accuracy,
-        "artifacts": artifacts,
-        "chosen_tflite": judge(artifacts, float_accuracy, spec.export.max_accuracy_drop),
-    }
+    chosen = judge(artifacts, float_accuracy, spec.export.max_accuracy_drop)
+    exported = ExportRecord(float_test_accuracy=float_accuracy, artifacts=artifacts, chosen_tflite=chosen)
     paths.plots.mkdir(parents=True, exist_ok=True)
-    plots.size_vs_accuracy(artifacts, float_accuracy, paths.plots / "size_vs_accuracy.png")
-    write_record(paths.export, record)
-    return record
+    plots.size_vs_accuracy(exported.artifacts, float_accuracy, paths.plots / "size_vs_accuracy.png")
+    exported.write(paths)
+    return exported

@@ -18,10 +18,10 @@ from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 from hetflow.artifacts.saved_model import save_serving_model
 from hetflow.data.pipeline import split_arrays
 from hetflow.models.architectures import trained_model
-from hetflow.paths import RunPaths, read_replica_record, run_paths, write_record
+from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline import timing
 from hetflow.pipeline.attempts import attempt, load_spec, reported
-from hetflow.records import DatasetRecord, EvaluationRecord
+from hetflow.records import CompressionRecord, DatasetRecord, EvaluationRecord, ExportRecord
 from hetflow.registry import champion, run_record, store, versions
 from hetflow.registry.training_key import TRAINING_KEY_TAG
 from hetflow.replica.training_json import read_training
@@ -74,10 +74,9 @@ def register_model(
     (infra validation), move the aliases; writes registry.json."""
     # Where replicas write (the run directory's top): read as data, like the training record itself.
     evaluation = EvaluationRecord.read(paths)
-    exported = read_replica_record(paths.export)
-    compression = read_replica_record(paths.compression)
+    exported, compression = ExportRecord.read(paths), CompressionRecord.read(paths)
     client = timing.TimedClient(MlflowClient(store.tracking_uri()))
-    name, chosen = spec.registry.model_name, exported["chosen_tflite"]
+    name, chosen = spec.registry.model_name, exported.chosen_tflite
     # Refused before anything is written to MLflow.
     for model_name in [name, f"{name}-tflite"] if chosen is not None else [name]:
         versions.own_registered_model(client, model_name, name)
@@ -106,15 +105,15 @@ def register_model(
             )
         ]
         if chosen is not None:
-            artifact = exported["artifacts"][chosen]
-            tflite_name, tflite_predict = f"{name}-tflite", tflite_predictor(Path(artifact["path"]))
+            artifact = exported.artifacts[chosen]
+            tflite_name, tflite_predict = f"{name}-tflite", tflite_predictor(Path(artifact.path))
             tflite_tags, report = _tflite_description(spec, exported, compression, headline)
             candidates.append(
                 registrar.candidate(
                     tflite_name,
-                    lambda: versions.log_tflite_model(artifact["path"], tflite_name, images, tflite_predict),
+                    lambda: versions.log_tflite_model(artifact.path, tflite_name, images, tflite_predict),
                     tflite_predict,
-                    artifact["test_accuracy"],
+                    artifact.test_accuracy,
                     {**tags, **tflite_tags},
                     report,
                 )
@@ -181,25 +180,27 @@ class _Registrar:
         return Candidate(version, check, test_accuracy, tags, report)
 
 
-def _tflite_description(spec: RunSpec, exported: dict, compression: dict, headline: str) -> tuple[dict, str]:
+def _tflite_description(
+    spec: RunSpec, exported: ExportRecord, compression: CompressionRecord, headline: str
+) -> tuple[dict, str]:
     """The chosen TFLite variant's tags and its version's description."""
-    artifact = exported["artifacts"][exported["chosen_tflite"]]
+    artifact = exported.artifacts[exported.chosen_tflite]
     tags = {
-        "variant": artifact["variant"],
+        "variant": artifact.variant,
         "prune": str(spec.compression.prune),
-        "target_sparsity": str(compression.get("target_sparsity", 0.0)),
-        "quantize": artifact["quantize"],
-        "size_bytes": str(artifact["bytes"]),
-        "size_gzip_bytes": str(artifact["gzip_bytes"]),
-        "sparsity": f"{artifact['sparsity']:.4f}",
-        "weight_encoding": artifact["encoding"],
-        **({"int8_method": artifact["int8_method"]} if artifact.get("int8_method") else {}),
+        "target_sparsity": str(compression.target_sparsity or 0.0),  # None: not pruned
+        "quantize": artifact.quantize,
+        "size_bytes": str(artifact.bytes),
+        "size_gzip_bytes": str(artifact.gzip_bytes),
+        "sparsity": f"{artifact.sparsity:.4f}",
+        "weight_encoding": artifact.encoding,
+        **({"int8_method": artifact.int8_method} if artifact.int8_method else {}),
     }
     report = headline + (
-        f"- TFLite variant `{artifact['variant']}`: {artifact['bytes']} bytes, {artifact['gzip_bytes']} "
-        f"gzipped, sparsity {artifact['sparsity']:.4f}, {artifact['encoding']} weight encoding, float model's "
-        f"accuracy {exported['float_test_accuracy']:.4f}, agreement with it "
-        f"{artifact['agreement_with_float']:.4f}, latency at batch 1 {artifact['latency_ms']:.4f} ms"
+        f"- TFLite variant `{artifact.variant}`: {artifact.bytes} bytes, {artifact.gzip_bytes} "
+        f"gzipped, sparsity {artifact.sparsity:.4f}, {artifact.encoding} weight encoding, float model's "
+        f"accuracy {exported.float_test_accuracy:.4f}, agreement with it "
+        f"{artifact.agreement_with_float:.4f}, latency at batch 1 {artifact.latency_ms:.4f} ms"
     )
     return tags, report
 
@@ -226,7 +227,7 @@ LEGEND = (
 )
 
 
-def compression_table(exported: dict) -> str:
+def compression_table(exported: ExportRecord) -> str:
     """export.json as a fixed-width table in a code block, with each rejected artifact's reason in a
     list below it: what a reviewer compares on the version's page in MLflow.
 
@@ -237,22 +238,22 @@ def compression_table(exported: dict) -> str:
     are two spaces apart, and the reasons stay out of it, where a long one wraps instead of widening
     every row."""
     rows, reasons = [], []
-    for name, artifact in exported["artifacts"].items():
-        if not artifact["accepted"]:
+    for name, artifact in exported.artifacts.items():
+        if not artifact.accepted:
             verdict = "rejected"
-            reasons.append(f"- `{name}` rejected: {artifact['reason']}")
+            reasons.append(f"- `{name}` rejected: {artifact.reason}")
         else:
-            verdict = "chosen" if name == exported["chosen_tflite"] else "accepted"
+            verdict = "chosen" if name == exported.chosen_tflite else "accepted"
         rows.append(
             [
                 name,
-                str(artifact["bytes"]),
-                str(artifact["gzip_bytes"]),
-                f"{artifact['test_accuracy']:.4f}",
-                f"{artifact['agreement_with_float']:.4f}",
-                f"{artifact['latency_ms']:.4f}",
-                f"{artifact.get('sparsity', 0.0):.4f}",
-                artifact.get("encoding", "dense"),
+                str(artifact.bytes),
+                str(artifact.gzip_bytes),
+                f"{artifact.test_accuracy:.4f}",
+                f"{artifact.agreement_with_float:.4f}",
+                f"{artifact.latency_ms:.4f}",
+                f"{artifact.sparsity or 0.0:.4f}",  # None: the SavedModel's
+                artifact.encoding or "dense",
                 verdict,
             ]
         )

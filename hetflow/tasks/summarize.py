@@ -12,7 +12,7 @@ from hetflow.models.stage_split import read_stage_split
 from hetflow.paths import NotRegularFile, RunPaths, read_replica_record, run_paths, write_record
 from hetflow.pipeline.attempts import STAGE_OUTPUTS, STAGES, load_spec, read_record, reported
 from hetflow.pipeline.timing import PARTS
-from hetflow.records import DatasetRecord, EvaluationRecord
+from hetflow.records import DatasetRecord, EvaluationRecord, ExportRecord
 from hetflow.registry import live
 from hetflow.replica.training_json import TrainingRecord, read_training
 
@@ -46,7 +46,11 @@ def _auto_decision(paths: RunPaths) -> dict[str, Any] | None:
         return None
     if plan is None:
         return None
-    return {"requested": plan["requested"].cluster.strategy, "decision": plan["decision"], "probes": plan["probes"]}
+    return {
+        "requested": plan.requested.cluster.strategy,
+        "decision": plan.decision.model_dump() if plan.decision is not None else None,
+        "probes": [probe.model_dump() for probe in plan.probes],
+    }
 
 
 def _stage_split(paths: RunPaths, training: TrainingRecord | None) -> dict[str, Any] | None:
@@ -55,9 +59,8 @@ def _stage_split(paths: RunPaths, training: TrainingRecord | None) -> dict[str, 
         return None
     split = read_stage_split(paths.plan, load_spec(paths), training)
     nodes = read_replica_record(paths.nodes) if paths.nodes.exists() else {}
-    for stage in split["stages"]:
-        stage["node"] = nodes.get(stage["replica"])
-    return split
+    stages = [stage.model_copy(update={"node": nodes.get(stage.replica)}) for stage in split.stages]
+    return split.model_copy(update={"stages": stages}).model_dump()
 
 
 def _timings(
@@ -117,6 +120,7 @@ def summarize(
     read["train"] = read_training(paths.training, load_spec(paths), dataset) if "train" in finished else None
     training, registry = read["train"], read["register"] or {}
     evaluation = EvaluationRecord.model_validate(read["evaluate"]) if read["evaluate"] else None
+    exported = ExportRecord.model_validate(read["export"]) if read["export"] else None
     summary = {
         "run_id": run_id,
         "status": "failed" if failed_stage else "skipped" if unchanged else "success",
@@ -136,7 +140,7 @@ def summarize(
             "examples_per_second": getattr(training, "examples_per_second", None),
             "time_to_first_step_seconds": getattr(training, "time_to_first_step_seconds", None),
         },
-        "artifacts": _artifacts(paths, trained=training is not None, export=read["export"] or {}),
+        "artifacts": _artifacts(paths, trained=training is not None, exported=exported),
         "replicas": (read["provision_cluster"] or {}).get("replicas"),
         "restarts": read_restarts(paths),
         # backend=swarm: the node each replica ran on (train writes it)
@@ -164,17 +168,23 @@ def summarize(
     return summary
 
 
-def _artifacts(paths: RunPaths, trained: bool, export: dict[str, Any]) -> dict[str, Any]:
+def _artifacts(paths: RunPaths, trained: bool, exported: ExportRecord | None) -> dict[str, Any]:
     """The run's files: the trained weights, the exported artifacts, replica logs and plots."""
     return {
         "model": {"path": str(paths.model), "bytes": paths.model.stat().st_size}
         if trained and paths.model.exists()
         else None,
         "exported": {
-            name: {k: a[k] for k in ("path", "bytes", "gzip_bytes", "test_accuracy", "accepted")}
-            for name, a in export.get("artifacts", {}).items()
+            name: {
+                "path": a.path,
+                "bytes": a.bytes,
+                "gzip_bytes": a.gzip_bytes,
+                "test_accuracy": a.test_accuracy,
+                "accepted": a.accepted,
+            }
+            for name, a in (exported.artifacts if exported else {}).items()
         },
-        "chosen_tflite": export.get("chosen_tflite"),
+        "chosen_tflite": exported.chosen_tflite if exported else None,
         "replica_logs": sorted(str(p) for p in paths.logs.glob("*.log")),
         "plots": sorted(str(p) for p in paths.plots.glob("*.png")),
     }

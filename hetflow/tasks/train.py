@@ -9,7 +9,7 @@ import logging
 import shutil
 from typing import Any, Sequence
 
-from hetflow.models.stage_split import read_stage_split
+from hetflow.models.stage_split import StageSplit, read_stage_split
 from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
 from hetflow.pipeline.interrupt import stopped_on_sigterm
@@ -71,21 +71,21 @@ def _watch(paths: RunPaths, spec: RunSpec, cluster, watchers: Sequence[Watcher])
     return ProgressWatch(ProgressReader(paths, spec, workers), sample, everyone)
 
 
-def _log_stage_split(split: dict[str, Any]) -> None:
+def _log_stage_split(split: StageSplit) -> None:
     """model_parallel's layer groups and why: each stage's layers and predicted time, as the
     pipeline recomputed them from the chief's measurements."""
-    for stage in split["stages"]:
+    for stage in split.stages:
         log.info(
             "stage on %s: %s (%.1f ms a micro-batch, predicted)",
-            stage["device"],
-            ", ".join(stage["layers"]),
-            1000 * stage["predicted_seconds"],
+            stage.device,
+            ", ".join(stage.layers),
+            1000 * stage.predicted_seconds,
         )
     log.info(
         "layer groups split by %s: slowest stage %.1f ms a micro-batch; split by parameters: %.1f ms",
-        split["method"],
-        1000 * split["slowest_stage_seconds"],
-        1000 * split["slowest_by_parameters_seconds"],
+        split.method,
+        1000 * split.slowest_stage_seconds,
+        1000 * split.slowest_by_parameters_seconds,
     )
 
 
@@ -118,4 +118,4 @@ def auto_decided(paths: RunPaths) -> RunSpec:
     plan = measured(paths, load_spec(paths))
     if plan is None:
         return load_spec(paths)  # decided without measuring (one worker), or trained before measuring enough
-    return parse_spec({**plan["requested"].flat(), **plan["decision"]["settings"]})
+    return parse_spec({**plan.requested.flat(), **plan.decision.settings})
