@@ -391,7 +391,7 @@ def main() -> None:
         "scenarios": scenarios,
         "sweep": swept,
     }
-    save("chaos", record, "CHAOS.md", markdown(record))
+    save("chaos", record, "CHAOS.md", markdown)
 
 
 if __name__ == "__main__":

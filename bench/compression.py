@@ -293,7 +293,7 @@ def diagnose_failures(record: dict) -> None:
             trained = trained_model(spec, dataset, paths.model)
             bound = diagnose(trained, spec, dataset, read_training(paths.training, spec, dataset), target)
             record["bounds"].append({"model": model, "seed": seed, **bound})
-    save("compression", record, "COMPRESSION.md", markdown(record))
+    save("compression", record, "COMPRESSION.md", markdown)
 
 
 def main() -> None:
@@ -342,7 +342,7 @@ def main() -> None:
         "runs": runs,
     }
     record["summary"] = summary(runs)
-    save("compression", record, "COMPRESSION.md", markdown(record))
+    save("compression", record, "COMPRESSION.md", markdown)
 
 
 if __name__ == "__main__":

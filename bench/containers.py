@@ -239,7 +239,7 @@ def main() -> int:
     }
     if "swarm" in backends:
         report |= {"swarm_nodes": node_cpus(SWARM_NODES), "swarm_left": left_on_engine()}
-    print(save("containers", report, "CONTAINERS.md", markdown(report), at=started_at))
+    print(save("containers", report, "CONTAINERS.md", markdown, at=started_at))
     return 1 if errors else 0
 
 

@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
@@ -132,15 +131,13 @@ def main() -> int:
             runs.append(one_run(live, index))
             print(runs[-1], file=sys.stderr, flush=True)
             time.sleep(2)
-    at = datetime.now(timezone.utc)
     record = {
         "job": JOB,
         "repeats": args.repeats,
         "machine": machine_facts(),
         "runs": runs,
-        "results_file": f"bench/results/live-logging-{at:%Y%m%dT%H%M%SZ}.json",
     }
-    save("live-logging", record, "LIVE_LOGGING.md", summary(record), at)
+    save("live-logging", record, "LIVE_LOGGING.md", summary)
     return 0
 
 

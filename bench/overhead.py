@@ -292,7 +292,7 @@ def main() -> int:
         "aim_tensorflow_imports": AIM_IMPORTS,
         "runs": runs,
     }
-    print(save("overhead", report, "OVERHEAD.md", markdown(report), at=started_at))
+    print(save("overhead", report, "OVERHEAD.md", markdown, at=started_at))
     return 0
 
 

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 
 from report import busy_cores, other_work_line, save  # bench/report.py: the scripts run as bench/<name>.py
 from run import machine_facts
@@ -174,7 +173,6 @@ def main() -> int:
         for server in servers:
             server.kill()
             server.wait()
-    at = datetime.now(timezone.utc)
     record = {
         "job": {"width": WIDTH, "depth_per_stage": DEPTH, "batch": BATCH, "stages": STAGES},
         "rounds": args.rounds,
@@ -182,9 +180,8 @@ def main() -> int:
         "busy_before": busy,
         "machine": machine_facts(),
         "seconds": seconds,
-        "results_file": f"bench/results/pipeline-overlap-{at:%Y%m%dT%H%M%SZ}.json",
     }
-    save("pipeline-overlap", record, "PIPELINE_OVERLAP.md", summary(record), at)
+    save("pipeline-overlap", record, "PIPELINE_OVERLAP.md", summary)
     return 0
 
 

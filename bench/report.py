@@ -6,17 +6,23 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 
 
-def save(kind: str, record: dict, summary_name: str, summary: str, at: datetime | None = None) -> Path:
-    """Write bench/results/<kind>-<UTC time ``at``, default now>.json and bench/<summary_name>;
+def save(
+    kind: str, record: dict, summary_name: str, summarize: Callable[[dict], str], at: datetime | None = None
+) -> Path:
+    """Write bench/results/<kind>-<UTC time ``at``, default now>.json, with its own path in the
+    record's ``results_file``, and bench/<summary_name>, written by ``summarize`` from the record;
     print the summary; return the JSON's path."""
     stamp = (at or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
     results = BENCH_DIR / "results" / f"{kind}-{stamp}.json"
+    record["results_file"] = str(results.relative_to(BENCH_DIR.parent))
+    summary = summarize(record)
     results.parent.mkdir(exist_ok=True)
     results.write_text(json.dumps(record, indent=2) + "\n")
     (BENCH_DIR / summary_name).write_text(summary)

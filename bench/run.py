@@ -347,7 +347,7 @@ def main() -> int:
             print(f"[bench] {exc}", file=sys.stderr, flush=True)
     if bound_errors:
         report["socket_bound_error"] = errors["socket_bound"] = "\n".join(bound_errors)
-    print(save("throughput", report, "RESULTS.md", markdown(report), at=started_at))
+    print(save("throughput", report, "RESULTS.md", markdown, at=started_at))
     return 1 if errors else 0
 
 

@@ -353,7 +353,7 @@ def main() -> None:
         "runs": runs,
         "medians": summarize(runs),
     }
-    save("straggler" if args.backend == "local" else "straggler-swarm", record, SUMMARY[args.backend], markdown(record))
+    save("straggler" if args.backend == "local" else "straggler-swarm", record, SUMMARY[args.backend], markdown)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import os
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
@@ -175,16 +174,14 @@ def main() -> int:
     stamp = f"{os.getpid()}"
     grid = study(f"bench-grid-{stamp}", pruning=False)
     tuner = study(f"bench-tuner-{stamp}", pruning=True)
-    at = datetime.now(timezone.utc)
     record = {
         "base": BASE,
         "target_accuracy": TARGET,
         "machine": machine_facts(),
         "grid": grid,
         "tuner": tuner,
-        "results_file": f"bench/results/tune-{at:%Y%m%dT%H%M%SZ}.json",
     }
-    save("tune", record, "TUNE.md", summary(record), at)
+    save("tune", record, "TUNE.md", summary)
     return 0
 
 
