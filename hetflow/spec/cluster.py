@@ -225,7 +225,7 @@ class ClusterSpec(Section):
         "from their summed gradients: the same update as the unsplit batch). 1, the default: no pipelining. "
         "It pays where a stage's work grows with its examples (a large batch: 8 made a step 1.51x faster, "
         "bench/PIPELINE_OVERLAP.md), not where each micro-batch's weight gradients dominate (a wide model at a "
-        "small batch took longer, bench/MODEL_PARALLEL.md).",
+        "small batch, where every micro-batch reads every weight again).",
         ge=1,
         le=64,
         title="Micro-batches (model_parallel)",
