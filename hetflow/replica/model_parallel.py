@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import socket
 import time
 from typing import Any
@@ -58,7 +59,11 @@ CALIBRATION_SIZE, CALIBRATION_PRODUCTS = 256, 16
 # Timings add calls up to at least this long; a device's spans several of the kernel's 100 ms CPU
 # quota periods, which is how a slower worker (worker_devices slowdown, replica_cpus) is held back.
 LAYER_TIMING_SECONDS, DEVICE_TIMING_SECONDS = 0.1, 0.5
-LAYER_REPEATS = 20
+# A small layer's pass is repeated inside one call until the call takes about this long, so that the
+# call's own overhead (a millisecond) does not make every small layer look alike; a large one is
+# timed once (at a micro-batch of 1024, one wide_mlp layer's pass takes half a second: repeated 20
+# times for each, they held the first step back by 100 s).
+LAYER_CALL_SECONDS, MAX_LAYER_REPEATS = 0.02, 20
 
 
 def micro_batch_sizes(batch: int, parts: int) -> list[int]:
@@ -124,11 +129,9 @@ def profile_layers(kind: str, input_shape: list[int], num_classes: int, micro_ba
         outputs = layer(x)
 
         @tf.function
-        def forward_backward(layer=layer, inputs=x):
-            # Repeated inside one call, so that the call's own overhead (a millisecond, more than a
-            # small layer's work) does not make every layer look alike.
+        def forward_backward(repeats, layer=layer, inputs=x):
             differentiable, touched = inputs.dtype.is_floating, tf.constant(0.0)
-            for _ in tf.range(LAYER_REPEATS):
+            for _ in tf.range(repeats):
                 with tf.GradientTape() as tape:
                     if differentiable:
                         tape.watch(inputs)
@@ -138,12 +141,22 @@ def profile_layers(kind: str, input_shape: list[int], num_classes: int, micro_ba
                     touched += tf.cast(tf.reshape(tensor, [-1])[0], tf.float32)  # keeps the work from being pruned
             return touched
 
-        seconds.append(_seconds_per_call(forward_backward, LAYER_TIMING_SECONDS) / LAYER_REPEATS)
+        seconds.append(_layer_seconds(forward_backward))
         names.append(layer.name)
         parameters.append(layer.count_params())
         x = outputs
     tf.get_logger().removeFilter(quiet)
     return {"layers": names, "parameters": parameters, "layer_seconds": seconds}
+
+
+def _layer_seconds(forward_backward) -> float:
+    """Seconds of one pass of ``forward_backward(repeats)``: timed once, and again repeated inside
+    each call where one pass is shorter than ``LAYER_TIMING_SECONDS``."""
+    once = _seconds_per_call(lambda: forward_backward(tf.constant(1)), 0.0)
+    if once >= LAYER_TIMING_SECONDS:
+        return once
+    repeats = max(1, min(MAX_LAYER_REPEATS, math.ceil(LAYER_CALL_SECONDS / once)))
+    return _seconds_per_call(lambda: forward_backward(tf.constant(repeats)), LAYER_TIMING_SECONDS) / repeats
 
 
 def time_devices(devices: list[str]) -> list[float]:
