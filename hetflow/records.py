@@ -184,6 +184,14 @@ class ExportRecord(StageRecord):
     chosen_tflite: str | None
 
 
+def refused(path: Path, invalid: ValidationError, within: tuple[str, ...] = ()) -> NotRegularFile:
+    """A replica's record at ``path`` that its model refused, as one line naming the first field at
+    fault, as a dotted path from ``within`` (the part of the file the model checked)."""
+    error = invalid.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in (*within, *error["loc"]))
+    return NotRegularFile(f"{path}: {where}: {error['msg']}: refused")
+
+
 class PlanFile(_Part):
     """plan.json, which the chief replica writes in its output folder: what the workers measured
     before their first step (balance_batches, strategy=auto) or model_parallel's split. A replica's
@@ -202,8 +210,7 @@ class PlanFile(_Part):
         try:
             return cls.model_validate(read_replica_record(path))
         except ValidationError as invalid:
-            error = invalid.errors(include_url=False, include_input=False)[0]
-            raise NotRegularFile(f"{path}: {'.'.join(map(str, error['loc']))}: {error['msg']}: refused") from None
+            raise refused(path, invalid) from None
 
     def write(self, path: Path) -> None:
         write_record(path, self.model_dump(mode="json", exclude_none=True))

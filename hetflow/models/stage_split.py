@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationError
 
 from hetflow.paths import NotRegularFile
-from hetflow.records import PlanFile
+from hetflow.records import PlanFile, refused
 from hetflow.replica.training_json import (
     MAX_LAYERS,
     MAX_SECONDS,
@@ -128,9 +128,7 @@ def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> Sta
     try:
         split = StageSplitPlan.model_validate(PlanFile.read(path).stage_split)
     except ValidationError as invalid:
-        error = invalid.errors(include_url=False, include_input=False)[0]
-        where = ".".join(str(part) for part in error["loc"])
-        raise NotRegularFile(f"{path}: stage_split.{where}: {error['msg']}: refused") from None
+        raise refused(path, invalid, within=("stage_split",)) from None
     stages, layers = len(split.devices), len(split.layers)
     workers = spec.cluster.worker.replicas
     expected = workers if workers > 1 else spec.cluster.worker_device(0).count
