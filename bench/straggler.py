@@ -225,7 +225,8 @@ def markdown(record: dict) -> str:
         "validation included); `vs` columns divide by the scenario's baseline (naive or plain sync).",
         "- **launch s**: from the command's start until the target, process start-up included, and measuring: "
         f"balanced sync and auto measure the workers for {MEASURE_SECONDS:.0f} s before their first step "
-        "(auto relaunches only where it chooses one_device or async); **before 1st step s**: launch s less train s.",
+        "(auto in a launch of its own, then launches the workers as it decided); **before 1st step s**: launch s "
+        "less train s.",
         "- **wall s**: the whole command, shutdown included.",
         "- every case runs one epoch loop (validation inside each epoch, a checkpoint after it); naive and "
         "balanced sync share their step too (validation split over the workers), differing in the batch "

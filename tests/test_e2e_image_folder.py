@@ -179,10 +179,12 @@ def test_strategies_reading_data_their_own_way_train_the_mlp_on_a_28x28_folder(
     training_path = Path(done.stdout.strip().splitlines()[-1])
     training = json.loads(training_path.read_text())
     requested = strategy_keys[0].split("=")[1]
-    if requested == "auto":  # it trains with what it chose from the probes of both workers
-        plan = json.loads((training_path.parent / "plan.json").read_text())
+    if requested == "auto":  # it trains with what provisioning chose from the probes of both workers
+        paths = RunPaths(training_path.parent.parent)
+        plan = json.loads(paths.plan.read_text())
         assert [probe["worker"] for probe in plan["probes"]] == ["worker-0", "worker-1"]
-        assert training["strategy"] == plan["decision"]["strategy"]
+        decided = json.loads(paths.spec.read_text())["cluster"]["strategy"]
+        assert training["strategy"] == decided != "auto"
     else:
         assert training["strategy"] == requested
     assert training["history"]["val_accuracy"][-1] >= 0.4  # ten classes: chance is 0.1

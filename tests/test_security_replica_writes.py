@@ -61,7 +61,7 @@ def test_a_replica_can_neither_make_a_run_auto_nor_touch_what_the_pipeline_rewri
     attacks = ("create-requested", "create-nodes", "plant-restarts", "rewrite-restarts", "swap-restarts")
     for attack in (*attacks, "remove-restarts"):
         assert seen[attack] != "ok", f"{attack}: {seen[attack]}"
-    # train relaunches a run as auto only where provision_cluster recorded the request
+    # only provision_cluster records a run's request as auto
     assert not paths.requested_spec.exists() and not paths.nodes.exists()
     assert read_restarts(paths) == [restart]
 
@@ -71,10 +71,9 @@ def _request_and_plan(paths: RunPaths, probes) -> None:
 
     requested = parse_spec({"strategy": "auto", "workers": 2, "batch_size": 64, "registered_model": "digits"})
     write_record(paths.requested_spec, requested.model_dump(mode="json"))
-    write_record(paths.spec, parse_spec({**requested.flat(), "strategy": "multi_worker_mirrored"}).model_dump())
-    # What the replica adds besides its numbers is not read: the spec comes from the pipeline's request.
+    # The replica's copy of the spec is not read: the decision comes from the pipeline's request.
     forged = {"strategy": "parameter_server", "registered_model": "theirs", "backend": "docker", "image": "evil"}
-    write_record(paths.plan, {"requested": forged, "probes": probes, "decision": {"settings": forged}})
+    write_record(paths.plan, {"requested": forged, "probes": probes})
 
 
 def _probe(worker: int, speed, step_seconds=0.09) -> dict:
@@ -89,7 +88,7 @@ def _probe(worker: int, speed, step_seconds=0.09) -> dict:
 
 
 def test_auto_decides_from_the_pipelines_request_and_only_the_probes_numbers(hetflow_env):
-    from hetflow.tasks.train import auto_decided
+    from hetflow.tasks.provision_cluster import auto_decided
 
     paths = create_run_dir("test_auto_request")
     _request_and_plan(paths, [_probe(0, 700.0), _probe(1, 350.0)])
@@ -112,7 +111,7 @@ def test_auto_decides_from_the_pipelines_request_and_only_the_probes_numbers(het
     ],
 )
 def test_probes_a_replica_wrote_are_checked_before_auto_decides(hetflow_env, probes, named):
-    from hetflow.tasks.train import auto_decided
+    from hetflow.tasks.provision_cluster import auto_decided
 
     paths = create_run_dir("test_auto_probes")
     _request_and_plan(paths, probes)

@@ -86,7 +86,5 @@ class LiveView(logging.Handler):
             bar = "#" * filled + "." * (BAR_WIDTH - filled)
             shown = " - ".join(f"{key} {float(value):.4f}" for key, value in metrics.items())
             self._print(f"  [{name}] Epoch {done}/{total} [{bar}] {shown}")
-        elif line.startswith("auto chose "):  # strategy=auto's decision, from the workers' measurement
-            self._print(f"  auto: {line}")
         elif line.startswith("trained "):
             self._print(f"  [{name}] {line}")

@@ -14,6 +14,11 @@ from collections.abc import Callable
 log = logging.getLogger("hetflow.stages")
 
 
+# Airflow 3 SIGKILLs a task 5 s after its SIGTERM: the replicas get 2 s to stop before SIGKILL, so
+# the teardown (the network namespace's deletion included) is over before the task is killed.
+SIGTERM_STOP_GRACE_SECONDS = 2.0
+
+
 class Interrupted(RuntimeError):
     pass
 

@@ -62,8 +62,8 @@ def open_run(
     """The DAG run's MLflow run, created RUNNING (or found again on a retry) with the spec as params
     and tags naming the Airflow run; recorded in ``tracking.json`` for the later stages. Returns
     where a person opens it (``store.run_page``); None, with a warning, where MLflow does not answer.
-    ``strategy=auto`` decides its spec while it trains, and MLflow keeps a param's first value: its
-    params wait for register (the decided spec, and ``requested_strategy``)."""
+    ``strategy=auto`` decides its spec when it provisions, after this run opens, and MLflow keeps a
+    param's first value: its params wait for register (the decided spec, and ``requested_strategy``)."""
     started = time.time()
     params = {} if spec.cluster.strategy == "auto" else spec.flat()
     return open_named_run(paths, run_name(spec, started), params, dag_id, airflow_run_id, airflow_url, started)

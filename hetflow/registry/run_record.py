@@ -188,7 +188,7 @@ def log_run_record(
             summary[f"probe_{probe.worker.replace('-', '_')}_examples_per_second"] = probe.examples_per_second
         if plan.decision is not None:
             tags["auto.decision"] = plan.decision.reason
-        if plan.worker_batches is not None:
+        if plan.worker_batches is not None and spec.cluster.worker.balance_batches:  # else they trained equal
             params["worker_batches"] = plan.worker_batches
     now = get_current_time_millis()
     metrics = [Metric(key, readable(value), now, 0) for key, value in summary.items()]

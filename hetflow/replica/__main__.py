@@ -60,7 +60,7 @@ def run_replica(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: di
 
     configure_runtime(spec, task)
     from hetflow.replica import model_parallel, parameter_server, sync
-    from hetflow.replica.balance import Relaunch
+    from hetflow.replica.balance import Probed
     from hetflow.replica.record import finish
 
     if spec.cluster.chief_coordinates and task["type"] != "chief":
@@ -71,8 +71,8 @@ def run_replica(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: di
     )
     try:
         trained = train(spec, dataset, paths, task)
-    except Relaunch as relaunch:
-        print(f"stopping for a relaunch: {relaunch}", flush=True)
+    except Probed as probed:
+        print(f"{probed}: stopping, strategy=auto decides", flush=True)
         return
     finish(spec, dataset, paths, trained)
 

@@ -1,5 +1,6 @@
 """balance_batches and strategy=auto: the workers measured by the training replicas themselves, in
-the seconds before their first step, not in a launch of their own.
+the seconds before their first step. balance_batches then trains in the same launch; strategy=auto's
+launch only measures, and provisioning decides from the probes (``hetflow.tasks.provision_cluster``).
 
 Once the strategy has connected the workers and traced the step, every worker computes gradients
 on batches of an equal share, without applying them and without any collective, for
@@ -31,8 +32,8 @@ WARMUP_STEPS = 2  # tracing and first touches stay out of the measurement
 MEASURE_SECONDS = 2.0
 
 
-class Relaunch(Exception):
-    """strategy=auto chose a layout this launch does not have: the replicas stop, ``train`` relaunches."""
+class Probed(Exception):
+    """A launch of ``strategy=auto``'s has measured its workers: they stop, and provisioning decides."""
 
 
 def measure_workers(
@@ -67,17 +68,20 @@ def measure_workers(
 class WorkerShares:
     """Every worker's share of the global batch for one replica's training (``now``): equal without
     ``balance_batches``; plan.json's, where an earlier launch of this group measured them; else to
-    be ``measure``d before the first step. With strategy=auto (requested_spec.json) the probes go
-    to its policy: equal or balanced shares, or ``Relaunch``. The chief records what was measured
-    and decided in plan.json."""
+    be ``measure``d before the first step. Under strategy=auto the workers only measure: the chief
+    records the probes in plan.json, and every worker stops (``Probed``)."""
 
     def __init__(self, spec: RunSpec, paths: RunPaths, worker: int, is_chief: bool):
         self.spec, self.paths, self.worker, self.is_chief = spec, paths, worker, is_chief
-        self.workers = spec.cluster.worker.replicas if spec.cluster.strategy == "multi_worker_mirrored" else 1
+        self.probing = spec.cluster.strategy == "auto"  # launched as multi_worker_mirrored (make_strategy)
+        all_reduced = spec.cluster.strategy in ("multi_worker_mirrored", "auto")
+        self.workers = spec.cluster.worker.replicas if all_reduced else 1  # workers in sync
         self.equal = split_batch(spec.training.batch_size, [1.0] * self.workers)
-        plan = PlanFile.read(paths.plan) if spec.cluster.worker.balance_batches and paths.plan.exists() else PlanFile()
+        balanced = spec.cluster.worker.balance_batches and not self.probing
+        plan = PlanFile.read(paths.plan) if balanced and paths.plan.exists() else PlanFile()
         self.now: list[int] = plan.worker_batches or self.equal
-        self.to_measure = spec.cluster.worker.balance_batches and self.workers > 1 and plan.worker_batches is None
+        wanted = spec.cluster.worker.balance_batches or self.probing
+        self.to_measure = wanted and self.workers > 1 and plan.worker_batches is None
 
     @property
     def balanced(self) -> bool:
@@ -85,7 +89,8 @@ class WorkerShares:
         return self.now != self.equal
 
     def measure(self, compute, batches, model_parameters: int, sum_over_workers) -> None:
-        """Measure the workers (``measure_workers``) and keep the shares that follow."""
+        """Measure the workers (``measure_workers``) and keep the shares that follow: proportional to
+        each worker's speed, which balanced sync, if auto decides on it, starts from."""
         probes = measure_workers(
             compute, batches, self.equal[self.worker], self.worker, self.workers, model_parameters, sum_over_workers
         )
@@ -95,28 +100,15 @@ class WorkerShares:
             f"({1000 * mine.step_seconds:.1f} ms per step of {mine.batch}, {mine.steps} steps)",
             flush=True,
         )
-        requested = (
-            RunSpec.from_json(self.paths.requested_spec.read_text()) if self.paths.requested_spec.exists() else None
-        )
-        measured_plan = {
-            "requested": (requested or self.spec).flat(mode="json"),
-            "probes": [p.model_dump() for p in probes],
-        }
-        balance = True
-        if requested is not None:
-            # Read as the pipeline validated and wrote it: its checks against the host (a folder
-            # dataset's allowed roots) cannot run in the replica's sandbox, which sees other paths.
-            decision = decide(requested, probes)
-            measured_plan["decision"] = decision.model_dump()
-            print(decision.reason, flush=True)
-            if decision.strategy != "multi_worker_mirrored":
-                self._record(PlanFile(**measured_plan))
-                raise Relaunch(decision.reason)
-            balance = decision.settings["balance_batches"]
-        speeds = [p.examples_per_second for p in probes] if balance else [1.0] * self.workers
-        self.now = split_batch(self.spec.training.batch_size, speeds)
+        self.now = split_batch(self.spec.training.batch_size, [p.examples_per_second for p in probes])
         self.to_measure = False
-        self._record(PlanFile(**measured_plan, worker_batches=self.now))
+        self._record(
+            PlanFile(
+                requested=self.spec.flat(mode="json"), probes=[p.model_dump() for p in probes], worker_batches=self.now
+            )
+        )
+        if self.probing:
+            raise Probed(f"worker-{self.worker} measured")
 
     def _record(self, plan: PlanFile) -> None:
         if self.is_chief:

@@ -15,9 +15,9 @@ Validation is shared the same way: each worker scores its share of the validatio
 the sums are all-reduced once per epoch, so every worker sees the same accuracy (and stops at the
 target together) without the slow worker scoring the whole split.
 
-The shares are ``hetflow.replica.balance``'s: equal without ``balance_batches``; with it (and with
-``strategy=auto``, which starts here) measured in the seconds before the first step; or plan.json's,
-where an earlier launch of this group measured them.
+The shares are ``hetflow.replica.balance``'s: equal without ``balance_batches``; with it measured in
+the seconds before the first step; or plan.json's, where an earlier launch of this group measured
+them (strategy=auto's launch, which measures its workers here and stops).
 
 A custom loop, not ``model.fit``: fit divides each replica's loss by its own batch size (it would
 weight a small share as much as a large one), all-reduces its metrics every step (two collectives
@@ -55,6 +55,7 @@ def make_strategy(spec: RunSpec) -> tf.distribute.Strategy:
         return tf.distribute.get_strategy()
     if spec.cluster.strategy == "mirrored":
         return tf.distribute.MirroredStrategy(local_devices(spec.cluster.worker_device(0).count))
+    # multi_worker_mirrored, and strategy=auto's launch that measures the workers
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=COMMUNICATION)
 
 
@@ -73,7 +74,8 @@ class SyncWorker:
         self.spec, self.dataset, self.paths, self.task = spec, dataset, paths, task
         self.chief = is_chief(task)
         self.strategy = make_strategy(spec)
-        self.workers = spec.cluster.worker.replicas if spec.cluster.strategy == "multi_worker_mirrored" else 1
+        self.shares = WorkerShares(spec, paths, task["index"], self.chief)
+        self.workers = self.shares.workers
         self.local_replicas = self.strategy.num_replicas_in_sync // self.workers
         self.loop = EpochLoop(spec, steps_per_epoch(spec, dataset), paths.progress if self.chief else None)
         with self.strategy.scope():
@@ -81,7 +83,6 @@ class SyncWorker:
                 spec.model.architecture, dataset.input_shape, dataset.num_classes, spec.training.seed
             )
             self.optimizer = make_optimizer(spec, self.loop.schedule)
-        self.shares = WorkerShares(spec, paths, task["index"], self.chief)
         self.loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
         self.training_examples = training_tensors(dataset)  # once: measuring and training slice them
 

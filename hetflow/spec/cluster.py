@@ -199,8 +199,8 @@ class ClusterSpec(Section):
 
     strategy: Literal[STRATEGIES] = spec_field(
         "one_device",
-        "`auto`: start sync workers that measure themselves before their first step, then choose equal or "
-        "balanced batches, or relaunch as one_device or async (the decision and its numbers are logged). "
+        "`auto`: provisioning launches the workers to measure themselves, then starts them as one_device, "
+        "sync with equal or balanced batches, or async, as measured (the decision and its numbers are logged). "
         "`one_device`: one replica, one device. `mirrored`: one replica, several devices, sync all-reduce. "
         "`multi_worker_mirrored`: several workers, sync all-reduce (worker 0 is chief). `parameter_server`: "
         "async updates; a chief coordinates workers, variables sharded over the ps. `model_parallel`: the "

@@ -1,14 +1,17 @@
 """provision_cluster: the cluster laid out and every replica started (processes, containers or
-pods); ``strategy=auto`` starts what it can decide without measuring. ``train`` supervises the
-replicas, ``teardown_cluster`` ends them."""
+pods). ``strategy=auto`` is decided here, once: one worker trains on one device; several are first
+launched to measure themselves (``hetflow.replica.balance``), and the pipeline's policy
+(``hetflow.replica.auto_strategy``) chooses from their numbers. ``train`` supervises the replicas,
+``teardown_cluster`` ends them."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-from hetflow.paths import run_paths, write_record
+from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline.attempts import attempt, load_spec, reported
+from hetflow.pipeline.interrupt import SIGTERM_STOP_GRACE_SECONDS, stopped_on_sigterm
 from hetflow.pipeline.provisioned_by import record_provisioner
 from hetflow.spec import RunSpec, parse_spec
 
@@ -25,12 +28,11 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
     paths = run_paths(run_id)
     with attempt(paths, "provision_cluster", run_id, try_number) as receipt:
         spec = load_spec(paths)
-        if spec.cluster.strategy == "auto":
-            write_record(paths.requested_spec, spec.model_dump(mode="json"))
-            spec = start_of_auto(spec)
-            # From here on the run trains with the resolved spec; the request stays in requested_spec.json.
-            write_record(paths.spec, spec.model_dump(mode="json"))
         record_provisioner(paths)
+        if spec.cluster.strategy == "auto":
+            spec = decide_auto(spec, run_id, paths)
+            # The one spec the run trains with; the request stays in requested_spec.json.
+            write_record(paths.spec, spec.model_dump(mode="json"))
         cluster = supervisor.start(spec, run_id, paths)
     log.info(
         "started %s on %s: %s",
@@ -41,17 +43,50 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
     return {**cluster.layout.to_dict(), "attempt": receipt}
 
 
-def start_of_auto(spec: RunSpec) -> RunSpec:
-    """What ``strategy=auto`` launches: one worker trains on one device; several start as sync
-    all-reduce and measure themselves before their first step (``hetflow.replica.balance``), then keep
-    equal batches, balance them, or stop so that ``train`` relaunches them as ``one_device`` or
-    ``parameter_server`` (``hetflow.replica.auto_strategy`` decides, from what they measured)."""
-    if spec.cluster.worker.replicas == 1:
+def decide_auto(requested: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
+    """The spec ``strategy=auto`` decides for ``requested``: one worker trains on one device; several
+    are launched as sync all-reduce, measure themselves and stop (``measure_workers``), and the
+    decision is taken from their probes."""
+    write_record(paths.requested_spec, requested.model_dump(mode="json"))
+    if requested.cluster.worker.replicas == 1:
         auto_log.info("auto chose one_device: one worker")
-        return parse_spec({**spec.flat(), "strategy": "one_device"})
+        return parse_spec({**requested.flat(), "strategy": "one_device"})
     auto_log.info(
-        "auto starts sync all-reduce on %d workers, which measure themselves before their first step and then "
-        "keep equal batches, balance them, or are relaunched as one_device or parameter_server",
-        spec.cluster.worker.replicas,
+        "auto launches %d workers as sync all-reduce to measure themselves, then decides",
+        requested.cluster.worker.replicas,
     )
-    return parse_spec({**spec.flat(), "strategy": "multi_worker_mirrored", "ps": 0, "balance_batches": True})
+    measure_workers(requested, run_id, paths)
+    decided = auto_decided(paths)
+    if decided.cluster.strategy == "auto":
+        raise RuntimeError(f"strategy=auto: the workers stopped before they measured themselves ({paths.plan})")
+    return decided
+
+
+def measure_workers(requested: RunSpec, run_id: str, paths: RunPaths) -> None:
+    """Launch ``requested``'s workers, which read ``strategy=auto`` in spec.json as: measure, record the
+    probes in plan.json and stop; end what the launch started, also when it fails."""
+    from hetflow.cluster import supervisor
+    from hetflow.cluster.backends.base import backend_for
+
+    probing = parse_spec({**requested.flat(), "ps": 0})  # the workers alone: a ps has nothing to measure
+    backend = backend_for(probing)
+    try:
+        with stopped_on_sigterm(lambda: backend.teardown(probing, run_id, grace=SIGTERM_STOP_GRACE_SECONDS)):
+            cluster = supervisor.start(probing, run_id, paths)
+            supervisor.supervise(probing, cluster, paths.root, probing.cluster.run_policy.timeout_seconds)
+    finally:
+        backend.teardown(probing, run_id)
+
+
+def auto_decided(paths: RunPaths) -> RunSpec:
+    """The spec ``strategy=auto`` decided from the requested spec and the workers' measurements
+    (plan.json): the pipeline's policy, from the request it recorded, with only the replicas'
+    numbers (checked) and its own code. The request itself where nothing was measured."""
+    from hetflow.replica.balance import measured
+
+    requested = RunSpec.from_json(paths.requested_spec.read_text())
+    plan = measured(paths, requested)
+    if plan is None or plan.decision is None:
+        return requested
+    auto_log.info("%s", plan.decision.reason)
+    return parse_spec({**requested.flat(), **plan.decision.settings})

@@ -6,24 +6,18 @@ task's log, each epoch the chief reports and each replica's CPU and memory go to
 from __future__ import annotations
 
 import logging
-import shutil
 from typing import Any, Sequence
 
 from hetflow.models.stage_split import StageSplit, read_stage_split
-from hetflow.paths import RunPaths, run_paths, write_record
+from hetflow.paths import RunPaths, run_paths
 from hetflow.pipeline.attempts import attempt, load_spec, read_record, reported
-from hetflow.pipeline.interrupt import stopped_on_sigterm
+from hetflow.pipeline.interrupt import SIGTERM_STOP_GRACE_SECONDS, stopped_on_sigterm
 from hetflow.pipeline.progress import ProgressReader, ProgressWatch, Watcher
 from hetflow.records import DatasetRecord
 from hetflow.replica.training_json import read_training
-from hetflow.spec import RunSpec, parse_spec
+from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
-auto_log = logging.getLogger("hetflow.auto")  # shown by `hetflow run`'s live view
-
-# Airflow 3 SIGKILLs a task 5 s after its SIGTERM: the replicas get 2 s to stop before SIGKILL, so
-# the teardown (the network namespace's deletion included) is over before the task is killed.
-SIGTERM_STOP_GRACE_SECONDS = 2.0
 
 
 @reported
@@ -50,8 +44,6 @@ def train(
         ):
             timeout = spec.cluster.run_policy.timeout_seconds
             supervisor.supervise(spec, cluster, paths.root, timeout, lambda: watch.stop_reason, log_label)
-            if paths.requested_spec.exists():  # provision_cluster's, in a folder replicas see read-only
-                spec = _carry_out_auto(spec, run_id, paths, lambda: watch.stop_reason, log_label)
     training = read_training(paths.training, spec, DatasetRecord.read(paths))
     if spec.cluster.strategy == "model_parallel":
         _log_stage_split(read_stage_split(paths.plan, spec, training))
@@ -87,35 +79,3 @@ def _log_stage_split(split: StageSplit) -> None:
         1000 * split.slowest_stage_seconds,
         1000 * split.slowest_by_parameters_seconds,
     )
-
-
-def _carry_out_auto(spec: RunSpec, run_id: str, paths: RunPaths, should_stop, log_label: str) -> RunSpec:
-    """strategy=auto once its first launch ended: spec.json becomes the spec it decided; where that is
-    not the sync all-reduce the workers were launched with (they stopped once they had measured
-    themselves), it is launched and supervised from the start. Returns the decided spec."""
-    from hetflow.cluster import supervisor
-    from hetflow.cluster.backends.base import backend_for
-
-    decided = auto_decided(paths)
-    write_record(paths.spec, decided.model_dump(mode="json"))
-    if decided.cluster.strategy == spec.cluster.strategy:
-        return decided
-    auto_log.info("relaunching the replicas as %s, from the start", decided.cluster.strategy)
-    backend_for(spec).teardown(spec, run_id)
-    shutil.rmtree(paths.checkpoints, ignore_errors=True)  # another strategy's checkpoints are not resumed
-    cluster = supervisor.start(decided, run_id, paths)
-    timeout = decided.cluster.run_policy.timeout_seconds
-    supervisor.supervise(decided, cluster, paths.root, timeout, should_stop, log_label)
-    return decided
-
-
-def auto_decided(paths: RunPaths) -> RunSpec:
-    """The spec ``strategy=auto`` decided from the requested spec and the workers' measurements
-    (plan.json): the pipeline decides again, from the request it recorded, with only the replicas'
-    numbers (checked) and its own code."""
-    from hetflow.replica.balance import measured
-
-    plan = measured(paths, load_spec(paths))
-    if plan is None:
-        return load_spec(paths)  # decided without measuring (one worker), or trained before measuring enough
-    return parse_spec({**plan.requested.flat(), **plan.decision.settings})
