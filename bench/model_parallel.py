@@ -13,7 +13,10 @@ parameter-count split on unequal workers.
 Every case is one ``hetflow train`` with a fixed number of steps. Reported per case, medians over
 ``--repeats``: the command's wall time and whole-job examples/s (launch to final weights), time to
 first step, steady examples/s and step time, each replica's peak resident memory (VmHWM, read from
-/proc while it runs), and each worker's variable and optimizer-slot bytes. The pipeline bubble is
+/proc while it runs), the cores the replicas keep busy over the last epoch (their CPU seconds from
+/proc over its wall seconds: a step's work is the same pipelined or not, so the cores the
+unpipelined case leaves idle bound what pipelining can win), and each worker's variable and
+optimizer-slot bytes. The pipeline bubble is
 measured as the share of a stage's time it waits: ``1 - t / T_M``, with ``t`` one stage's work for
 the whole batch (half the unpipelined step, the two stages being cut to equal time) and ``T_M`` the
 pipelined step; its theory for N stages and M micro-batches is (N-1)/(M+N-1).
@@ -85,32 +88,51 @@ MEASURES = (
 PIPELINE_AIM, SHARE_AIM, SPLIT_AIM = 1.5, 0.6, 0.8
 
 
-def peak_memory(run_home: Path, stop: threading.Event, into: dict[str, int]) -> None:
-    """Each replica's VmHWM (peak resident memory, KiB), read every 0.2 s from /proc until ``stop``."""
+def watch_replicas(run_home: Path, stop: threading.Event, peaks: dict[str, int], epochs: list[dict]) -> None:
+    """Every 0.2 s until ``stop``, from /proc, for the run that starts after this call: each
+    replica's VmHWM (peak resident memory, KiB) into ``peaks``, and, each time the chief's
+    progress.jsonl gains an epoch, every replica's CPU seconds so far (user + system; a replica's
+    last reading once it is gone) into ``epochs``."""
+    cpu: dict[str, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    earlier = set((run_home / "runs").glob("*"))  # the cases before this one's
     while not stop.is_set():
-        runs = (
-            sorted((run_home / "runs").glob("*"), key=lambda p: p.stat().st_mtime)
-            if (run_home / "runs").exists()
-            else []
-        )
+        runs = sorted(set((run_home / "runs").glob("*")) - earlier, key=lambda p: p.stat().st_mtime)
         if runs:
             run_id = (runs[-1] / "run_id").read_text().strip() if (runs[-1] / "run_id").exists() else None
             for name, pid in (run_replicas(run_id, run_home) if run_id else {}).items():
                 try:
                     status = Path(f"/proc/{pid}/status").read_text()
+                    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 except OSError:
                     continue
                 peak = int(status.split("VmHWM:")[1].split()[0])
-                into[name] = max(into.get(name, 0), peak)
+                peaks[name] = max(peaks.get(name, 0), peak)
+                cpu[name] = (int(stat[11]) + int(stat[12])) / ticks  # utime, stime
+            progress = runs[-1] / "replica_output" / "progress.jsonl"
+            done = len(progress.read_text().splitlines()) if progress.exists() else 0
+            if done > (epochs[-1]["epochs"] if epochs else 0):
+                epochs.append({"epochs": done, "at": time.monotonic(), "cpu_seconds": dict(cpu)})
         stop.wait(0.2)
+
+
+def busy_cores_over_last_epoch(epochs: list[dict]) -> float | None:
+    """The replicas' CPU seconds over the last epoch's wall seconds (steps and validation, traced in
+    the epoch before): how many of the machine's cores training kept busy; None with one epoch."""
+    if len(epochs) < 2:
+        return None
+    before, after = epochs[-2], epochs[-1]
+    spent = sum(after["cpu_seconds"][name] - before["cpu_seconds"].get(name, 0.0) for name in after["cpu_seconds"])
+    return spent / (after["at"] - before["at"])
 
 
 def run_case(group: str, name: str, env: dict[str, str], home: Path) -> dict:
     settings = CASES[group][name]
     command = [str(BIN / "hetflow"), "train", *(f"--set={k}={v}" for k, v in settings.items())]
     peaks: dict[str, int] = {}
+    epochs: list[dict] = []
     stop = threading.Event()
-    watcher = threading.Thread(target=peak_memory, args=(home, stop, peaks), daemon=True)
+    watcher = threading.Thread(target=watch_replicas, args=(home, stop, peaks, epochs), daemon=True)
     watcher.start()
     started = time.monotonic()
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
@@ -132,6 +154,7 @@ def run_case(group: str, name: str, env: dict[str, str], home: Path) -> dict:
         "examples_per_second": record["examples_per_second"],
         "step_seconds": min(worker["step_seconds"] for worker in workers.values()),
         "peak_rss_mib": {replica: kib / 1024 for replica, kib in sorted(peaks.items())},
+        "busy_cores_last_epoch": busy_cores_over_last_epoch(epochs),
         "variable_bytes": {w: part.get("variable_bytes") for w, part in workers.items()},
         "slot_bytes": {w: part.get("slot_bytes") for w, part in workers.items()},
         "layers": {w: part.get("layers") for w, part in workers.items()},
@@ -152,8 +175,10 @@ def medians(runs: list[dict]) -> dict[str, dict[str, dict]]:
                 replica: statistics.median(r["peak_rss_mib"][replica] for r in ok if replica in r["peak_rss_mib"])
                 for replica in ok[0]["peak_rss_mib"]
             }
+            busy = [r["busy_cores_last_epoch"] for r in ok if r["busy_cores_last_epoch"] is not None]
             result[group][name] = {key: statistics.median(r[key] for r in ok) for key in MEASURES} | {
                 "runs": len(ok),
+                "busy_cores_last_epoch": statistics.median(busy) if busy else None,
                 "peak_rss_mib": peaks,
                 "variable_bytes": ok[0]["variable_bytes"],
                 "slot_bytes": ok[0]["slot_bytes"],
@@ -180,6 +205,23 @@ def bubble(unpipelined_step: float, pipelined_step: float, stages: int = 2) -> f
     return 1 - (unpipelined_step / stages) / pipelined_step
 
 
+def cores_text(busy: float | None) -> str:
+    return "not measured" if busy is None else f"{busy:.2f}"
+
+
+def core_bound_lines(unpipelined_busy: float | None, cores: int) -> list[str]:
+    """What the machine's cores leave pipelining: the work a step does is the same pipelined or not,
+    so it can at most fill the cores the unpipelined step leaves idle."""
+    if unpipelined_busy is None:
+        return []
+    return [
+        f"- unpipelined, the replicas already keep {unpipelined_busy:.2f} of the machine's {cores} cores busy "
+        "(within a stage, one layer's weight and input gradients and each stage's update run side by side; "
+        "the chief reads the input): a step that does the same work on these cores can be at most "
+        f"{cores / unpipelined_busy:.2f}x faster, whatever the split and the number of micro-batches"
+    ]
+
+
 def summary_text(record: dict) -> str:
     cases = record["medians"]
     pipeline, split = cases["pipeline"], cases["split"]
@@ -198,12 +240,12 @@ def summary_text(record: dict) -> str:
         "parameters; a chief drives them).",
         "",
         "| case | command wall s | whole-job examples/s | first step s | steady examples/s | step s | "
-        "peak RSS MiB per replica | variable + slot MB per worker |",
-        "|---|---|---|---|---|---|---|---|",
+        "cores busy, last epoch | peak RSS MiB per replica | variable + slot MB per worker |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, case in pipeline.items():
         if case.get("failed"):
-            lines.append(f"| {name} | failed | | | | | | |")
+            lines.append(f"| {name} | failed | | | | | | | |")
             continue
         peaks = ", ".join(f"{replica} {mib:.0f}" for replica, mib in case["peak_rss_mib"].items())
         held = (
@@ -217,7 +259,7 @@ def summary_text(record: dict) -> str:
         lines.append(
             f"| {name} | {case['wall_seconds']:.1f} | {case['whole_job_examples_per_second']:.1f} | "
             f"{case['time_to_first_step_seconds']:.1f} | {case['examples_per_second']:.1f} | "
-            f"{case['step_seconds']:.2f} | {peaks} | {held} |"
+            f"{case['step_seconds']:.2f} | {cores_text(case.get('busy_cores_last_epoch'))} | {peaks} | {held} |"
         )
     lines += ["", "## What it shows, against the aims", ""]
     one = pipeline.get("stages_mb1", {})
@@ -239,6 +281,7 @@ def summary_text(record: dict) -> str:
                 f"bubble measured {bubble(one['step_seconds'], case['step_seconds']):.2f}, theory (N-1)/(M+N-1) = "
                 f"{theory:.2f}"
             )
+        lines += core_bound_lines(one.get("busy_cores_last_epoch"), record["machine"]["nproc"])
         best = max(
             (pipeline[f"stages_mb{m}"] for m in (2, 4, 8) if not pipeline.get(f"stages_mb{m}", {}).get("failed")),
             key=lambda c: -c["step_seconds"],

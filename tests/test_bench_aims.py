@@ -1,7 +1,8 @@
 """The benches' verdicts on hand-made figures: bench/straggler.py's on its aims from launch (balanced
 sync <= 0.75x naive sync, auto within 10% of the best case) and the bound it states from the probes;
 bench/overhead.py's floor under the fixed overhead (the Airflow floor and the later stages' imports);
-and how a bench tells whether other work competed for the cores."""
+bench/model_parallel.py's bound from the cores a run keeps busy; and how a bench tells whether other
+work competed for the cores."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))  # the bench scripts import each other as top-level modules
+import model_parallel  # noqa: E402
 import overhead  # noqa: E402
 import straggler  # noqa: E402
 
@@ -101,3 +103,17 @@ def test_other_work_is_read_from_the_cores_busy_before_a_run():
     assert other_work_line([0.01, 0.3], "before each run").endswith(
         "0.01, 0.30 (other work was competing for the cores)"
     )
+
+
+def test_the_cores_a_run_keeps_busy_are_its_replicas_cpu_seconds_over_the_last_epoch_and_bound_pipelining():
+    epochs = [
+        {"epochs": 1, "at": 10.0, "cpu_seconds": {"chief-0": 5.0, "worker-0": 3.0}},
+        # worker-1 had not been read at epoch 1: all its CPU time counts
+        {"epochs": 2, "at": 14.0, "cpu_seconds": {"chief-0": 6.0, "worker-0": 8.0, "worker-1": 4.0}},
+    ]
+    assert model_parallel.busy_cores_over_last_epoch(epochs) == 2.5  # (1 + 5 + 4) s over 4 s
+    assert model_parallel.busy_cores_over_last_epoch(epochs[:1]) is None
+    (line,) = model_parallel.core_bound_lines(1.6, 2)
+    assert line.startswith("- unpipelined, the replicas already keep 1.60 of the machine's 2 cores busy")
+    assert line.endswith("can be at most 1.25x faster, whatever the split and the number of micro-batches")
+    assert model_parallel.core_bound_lines(None, 2) == []
