@@ -77,19 +77,22 @@ def hetflow_train():
 
     @task(outlets=[DATA_CHANGES])
     def prepare_data(run_id: str | None = None, outlet_events=None, ti=None):
+        from hetflow.paths import run_paths
+        from hetflow.records import DatasetRecord
         from hetflow.tasks import prepare_data as stage
 
-        record = stage.prepare_data(run_id, ti.try_number)
-        if record["data_changed"]:
-            extra = {key: record[key] for key in ("name", "version", "fingerprint")}
+        returned = stage.prepare_data(run_id, ti.try_number)
+        dataset = DatasetRecord.read(run_paths(run_id))
+        if dataset.data_changed:
+            extra = {"name": dataset.name, "version": dataset.version, "fingerprint": dataset.fingerprint}
             outlet_events[DATA_CHANGES].add(Asset(PREPARED_DATA_URI), extra=extra)
-        if record["trained_before"]:
+        if dataset.trained_before:
             from airflow.sdk.exceptions import AirflowSkipException
 
             # Skipped, every task downstream is skipped too; summarize still reads the record.
-            ti.xcom_push(key="return_value", value=record)
-            raise AirflowSkipException(record["skip_reason"])
-        return record
+            ti.xcom_push(key="return_value", value=returned)
+            raise AirflowSkipException(dataset.skip_reason)
+        return returned
 
     @task
     def provision_cluster(run_id: str | None = None, ti=None):
