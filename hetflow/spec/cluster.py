@@ -29,7 +29,14 @@ class WorkerDevice(SpecModel):
 
     device: Literal["cpu", "gpu"] = Field("cpu", description="Device kind the worker computes on.")
     count: int = Field(1, ge=1, le=8, description="Devices of that kind on the worker.")
-    threads: int = Field(0, ge=0, le=64, description="TensorFlow intra/inter-op threads; 0 takes replica_threads.")
+    threads: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="TensorFlow intra/inter-op threads; 0 takes replica_threads. A replica a chief drives (a "
+        "model_parallel stage, a ps, an async worker) runs two ops at once at least, so it can keep two cores "
+        "busy: pin_cores holds it to one.",
+    )
     slowdown: float = Field(
         1.0,
         ge=1.0,
