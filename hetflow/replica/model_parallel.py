@@ -34,6 +34,7 @@ import inspect
 import logging
 import math
 import socket
+import statistics
 import time
 from typing import Any
 
@@ -64,6 +65,10 @@ LAYER_TIMING_SECONDS, DEVICE_TIMING_SECONDS = 0.1, 0.5
 # timed once (at a micro-batch of 1024, one wide_mlp layer's pass takes half a second: repeated 20
 # times for each, they held the first step back by 100 s).
 LAYER_CALL_SECONDS, MAX_LAYER_REPEATS = 0.02, 20
+# A small layer's figure is the median of this many timings: one timing taken while something else
+# held the core gave the convnet's conv2d_3 0.20 of the model's cost where two others gave 0.28, and
+# that moved the cut.
+LAYER_TIMINGS = 3
 
 
 def micro_batch_sizes(batch: int, parts: int) -> list[int]:
@@ -156,13 +161,18 @@ def profile_layers(kind: str, input_shape: list[int], num_classes: int, micro_ba
 
 
 def _layer_seconds(forward_backward) -> float:
-    """Seconds of one pass of ``forward_backward(repeats)``: timed once, and again repeated inside
-    each call where one pass is shorter than ``LAYER_TIMING_SECONDS``."""
+    """Seconds of one pass of ``forward_backward(repeats)``: timed once, and where one pass is shorter
+    than ``LAYER_TIMING_SECONDS``, the median of ``LAYER_TIMINGS`` timings with it repeated inside
+    each call."""
     once = _seconds_per_call(lambda: forward_backward(tf.constant(1)), 0.0)
     if once >= LAYER_TIMING_SECONDS:
         return once
-    repeats = max(1, min(MAX_LAYER_REPEATS, math.ceil(LAYER_CALL_SECONDS / once)))
-    return _seconds_per_call(lambda: forward_backward(tf.constant(repeats)), LAYER_TIMING_SECONDS) / repeats
+    repeats = tf.constant(max(1, min(MAX_LAYER_REPEATS, math.ceil(LAYER_CALL_SECONDS / once))))
+    timings = [
+        _seconds_per_call(lambda: forward_backward(repeats), LAYER_TIMING_SECONDS) / int(repeats)
+        for _ in range(LAYER_TIMINGS)
+    ]
+    return statistics.median(timings)
 
 
 def time_devices(devices: list[str]) -> list[float]:
