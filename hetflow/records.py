@@ -195,9 +195,9 @@ def refused(path: Path, invalid: ValidationError, within: tuple[str, ...] = ()) 
 class PlanFile(_Part):
     """plan.json, which the chief replica writes in its output folder: what the workers measured
     before their first step (balance_batches, strategy=auto's launch to measure) or model_parallel's
-    split. A replica's
-    record: each part is checked by its one reader (``hetflow.replica.balance.measured``,
-    ``hetflow.models.stage_split.read_stage_split``), which decides again from the numbers."""
+    split. A replica's record: each part is checked by its one reader
+    (``hetflow.replica.balance.measured``, ``hetflow.models.stage_split.read_stage_split``), which
+    decides again from the numbers."""
 
     requested: dict[str, Any] | None = None  # the spec the replicas were given (the pipeline keeps its own)
     probes: Any = None  # hetflow.replica.auto_strategy.Probe each, once checked

@@ -45,7 +45,7 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
 
 def decide_auto(requested: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
     """The spec ``strategy=auto`` decides for ``requested``: one worker trains on one device; several
-    are launched as sync all-reduce, measure themselves and stop (``measure_workers``), and the
+    are launched as sync all-reduce, measure themselves and stop (``launch_to_measure``), and the
     decision is taken from their probes."""
     write_record(paths.requested_spec, requested.model_dump(mode="json"))
     if requested.cluster.worker.replicas == 1:
@@ -55,14 +55,14 @@ def decide_auto(requested: RunSpec, run_id: str, paths: RunPaths) -> RunSpec:
         "auto launches %d workers as sync all-reduce to measure themselves, then decides",
         requested.cluster.worker.replicas,
     )
-    measure_workers(requested, run_id, paths)
+    launch_to_measure(requested, run_id, paths)
     decided = auto_decided(paths)
     if decided.cluster.strategy == "auto":
         raise RuntimeError(f"strategy=auto: the workers stopped before they measured themselves ({paths.plan})")
     return decided
 
 
-def measure_workers(requested: RunSpec, run_id: str, paths: RunPaths) -> None:
+def launch_to_measure(requested: RunSpec, run_id: str, paths: RunPaths) -> None:
     """Launch ``requested``'s workers, which read ``strategy=auto`` in spec.json as: measure, record the
     probes in plan.json and stop; end what the launch started, also when it fails."""
     from hetflow.cluster import supervisor
