@@ -2,15 +2,17 @@
 count or by measured time. No TensorFlow: the pipeline recomputes a replica's split with it.
 
 A pipelined step runs at the pace of its slowest stage, so the measured split minimises the
-largest stage time: each layer's measured cost (forward and backward of one micro-batch) in the
-share of the whole model's cost it takes, times each stage's measured seconds for a fixed piece of
-work, solved exactly as a contiguous partition by dynamic programming over layer boundaries.
+largest stage time: its layers' measured seconds (forward and backward of one micro-batch), scaled
+by its device's speed against the device they were measured on, plus what crosses the cut before it
+(the activations forward, their gradients back, at the measured seconds per byte), solved exactly
+as a contiguous partition by dynamic programming over layer boundaries.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -45,36 +47,48 @@ def split_by_parameters(counts: list[int], parts: int) -> list[int]:
     return bounds
 
 
-def stage_seconds(bounds: list[int], layer_seconds: list[float], stage_work_seconds: list[float]) -> list[float]:
-    """Each stage's predicted time per micro-batch: the share of the model's measured cost its
-    layers take, times the seconds its device took for the fixed calibration work."""
-    total = sum(layer_seconds) or 1.0
-    starts, ends = [0, *bounds], [*bounds, len(layer_seconds)]
-    return [work * sum(layer_seconds[start:end]) / total for work, start, end in zip(stage_work_seconds, starts, ends)]
+@dataclass(frozen=True)
+class StageCosts:
+    """What a stage's time is predicted from: each layer's measured seconds (forward and backward of
+    one micro-batch, on the first stage's device), each stage device's seconds for a fixed piece of
+    work (its speed), each layer's output bytes for one micro-batch, and the seconds per byte that
+    moving a tensor from each stage's device to the next took."""
+
+    layer_seconds: list[float]
+    stage_work_seconds: list[float]
+    cut_bytes: list[int]
+    transfer_seconds_per_byte: list[float]
+
+    def stage(self, stage: int, start: int, end: int) -> float:
+        """Stage ``stage`` holding layers ``start``..``end - 1``: their seconds on its device (scaled
+        from the first stage's by the two devices' speeds), and, after the first stage, its input
+        arriving and its gradient going back across the cut."""
+        compute = sum(self.layer_seconds[start:end]) * self.stage_work_seconds[stage] / self.stage_work_seconds[0]
+        if not stage:
+            return compute
+        return compute + 2 * self.cut_bytes[start - 1] * self.transfer_seconds_per_byte[stage - 1]
 
 
-def split_by_time(layer_seconds: list[float], stage_work_seconds: list[float]) -> list[int]:
+def stage_seconds(bounds: list[int], costs: StageCosts) -> list[float]:
+    """Each stage's predicted seconds per micro-batch (``StageCosts.stage``) for the split at ``bounds``."""
+    starts, ends = [0, *bounds], [*bounds, len(costs.layer_seconds)]
+    return [costs.stage(stage, start, end) for stage, (start, end) in enumerate(zip(starts, ends))]
+
+
+def split_by_time(costs: StageCosts) -> list[int]:
     """The boundaries (as ``split_by_parameters`` returns them) of the contiguous split of the
     layers over the stages, in order, whose slowest stage is fastest (``stage_seconds``); every
     stage gets at least one layer. Among equal splits, the one with earlier boundaries."""
-    layers, stages = len(layer_seconds), len(stage_work_seconds)
-    total = sum(layer_seconds) or 1.0
-    prefix = [0.0]
-    for seconds in layer_seconds:
-        prefix.append(prefix[-1] + seconds)
-
-    def cost(stage: int, start: int, end: int) -> float:
-        return stage_work_seconds[stage] * (prefix[end] - prefix[start]) / total
-
+    layers, stages = len(costs.layer_seconds), len(costs.stage_work_seconds)
     # best[s][j]: the slowest stage's time when stages 0..s hold layers 0..j-1; cut[s][j]: where stage s starts.
     best = [[math.inf] * (layers + 1) for _ in range(stages)]
     cut = [[0] * (layers + 1) for _ in range(stages)]
     for end in range(1, layers + 1):
-        best[0][end] = cost(0, 0, end)
+        best[0][end] = costs.stage(0, 0, end)
     for stage in range(1, stages):
         for end in range(stage + 1, layers + 1):
             for start in range(stage, end):
-                slowest = max(best[stage - 1][start], cost(stage, start, end))
+                slowest = max(best[stage - 1][start], costs.stage(stage, start, end))
                 if slowest < best[stage][end]:
                     best[stage][end], cut[stage][end] = slowest, start
     bounds, end = [], layers
@@ -93,10 +107,15 @@ class StageSplitPlan(Strict):
     parameters: Annotated[list[Count], Field(max_length=MAX_LAYERS)]
     layer_seconds: Annotated[list[Seconds], Field(max_length=MAX_LAYERS)]
     stage_work_seconds: Annotated[list[Annotated[float, Field(gt=0, le=MAX_SECONDS)]], Field(max_length=MAX_WORKERS)]
+    cut_bytes: Annotated[list[Count], Field(max_length=MAX_LAYERS)]  # each layer's output, one micro-batch
+    transfer_seconds_per_byte: Annotated[list[Seconds], Field(max_length=MAX_WORKERS)]  # stage i to stage i + 1
     bounds: Annotated[list[Count], Field(max_length=MAX_WORKERS)]
     stage_seconds: Annotated[list[Seconds], Field(max_length=MAX_WORKERS)]
     parameter_bounds: Annotated[list[Count], Field(max_length=MAX_WORKERS)]
     parameter_stage_seconds: Annotated[list[Seconds], Field(max_length=MAX_WORKERS)]
+
+    def costs(self) -> StageCosts:
+        return StageCosts(self.layer_seconds, self.stage_work_seconds, self.cut_bytes, self.transfer_seconds_per_byte)
 
 
 class Stage(Strict):
@@ -105,7 +124,7 @@ class Stage(Strict):
     replica: str
     device: str
     layers: list[str]  # as the trained model names them
-    predicted_seconds: float  # a micro-batch's forward and backward, in the split's units
+    predicted_seconds: float  # a micro-batch's forward and backward, and its transfers
     node: str | None = None  # the swarm node that ran it, where the run records one (summarize)
 
 
@@ -135,12 +154,19 @@ def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> Sta
     across = [f"/job:worker/replica:0/task:{index}/device:CPU:0" for index in range(workers)]
     if (split.devices != across) if workers > 1 else stages != expected:
         raise NotRegularFile(f"{path}: stage_split.devices must be the run's {expected} stages: refused")
-    same_length = {"parameters": layers, "layer_seconds": layers, "stage_work_seconds": stages}
+    same_length = {
+        "parameters": layers,
+        "layer_seconds": layers,
+        "stage_work_seconds": stages,
+        "cut_bytes": layers,
+        "transfer_seconds_per_byte": stages - 1,
+    }
     for field, length in same_length.items():
         if len(getattr(split, field)) != length:
             raise NotRegularFile(f"{path}: stage_split.{field} must hold {length} values: refused")
+    costs = split.costs()
     by_parameters = split_by_parameters(split.parameters, stages)
-    by_time = split_by_time(split.layer_seconds, split.stage_work_seconds)
+    by_time = split_by_time(costs)
     bounds = by_time if spec.cluster.stage_split == "measured" else by_parameters
     trained = _trained_groups(training)
     if (
@@ -152,7 +178,7 @@ def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> Sta
             f"{path}: stage_split.bounds must be {bounds}, the {spec.cluster.stage_split} split of its numbers, "
             f"and the layer groups trained: refused"
         )
-    predicted = stage_seconds(bounds, split.layer_seconds, split.stage_work_seconds)
+    predicted = stage_seconds(bounds, costs)
     return StageSplit(
         method=spec.cluster.stage_split,
         stages=[
@@ -160,7 +186,7 @@ def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> Sta
             for device, names, seconds in zip(split.devices, trained, predicted)
         ],
         slowest_stage_seconds=max(predicted),
-        slowest_by_parameters_seconds=max(stage_seconds(by_parameters, split.layer_seconds, split.stage_work_seconds)),
+        slowest_by_parameters_seconds=max(stage_seconds(by_parameters, costs)),
     )
 
 

@@ -19,8 +19,9 @@ the sum of the micro-batches' gradients is exactly the unsplit batch's mean-loss
 orders one micro-batch's forward pass after another's, so TensorFlow's executor may run stage 1 on
 micro-batch k while stage 2 runs micro-batch k-1, and it does: a compute-bound step over two CPU
 stage replicas went 1.51x faster in 8 micro-batches (bench/PIPELINE_OVERLAP.md). Where each
-micro-batch's weight gradients dominate (a wide model at a small batch) the split step is slower
-(bench/MODEL_PARALLEL.md), so ``micro_batches`` defaults to 1. Layers with batch statistics (batch
+micro-batch's weight gradients dominate (a wide model at a small batch: three of wide_mlp's layers
+took 3.9x as long for 64 examples in 8 micro-batches as in one) the split step is slower, so
+``micro_batches`` defaults to 1. Layers with batch statistics (batch
 normalization) would see micro-batches, not the batch: hetflow's models have none
 (``hetflow.models.architectures``).
 
@@ -31,44 +32,27 @@ stage's device scope, which ``model.fit`` would not do.
 from __future__ import annotations
 
 import inspect
-import logging
-import math
 import socket
-import statistics
 import time
 from typing import Any
 
 import tensorflow as tf
 
 from hetflow.data.pipeline import eval_input, train_input
-from hetflow.models.architectures import build_model_parallel, layer_chain
+from hetflow.models.architectures import build_model_parallel
 from hetflow.models.schedule import make_optimizer, steps_per_epoch
-from hetflow.models.stage_split import StageSplitPlan, split_by_parameters, split_by_time, stage_seconds
 from hetflow.paths import RunPaths
 from hetflow.records import DatasetRecord, PlanFile
 from hetflow.replica.checkpoint import EpochCheckpoint
 from hetflow.replica.loop import EpochLoop, validation_sums
 from hetflow.replica.record import Trained, tensor_bytes, worker_rate
 from hetflow.replica.runtime import local_devices
+from hetflow.replica.stage_profile import plan_stages
 from hetflow.spec import RunSpec
 
 # How long the chief waits for every stage's server to listen: replicas start together, and a
 # container's name resolves only once the engine has started it.
 SERVERS_UP_SECONDS = 300
-# The fixed work each stage's device is timed on: chained matrix products, each one round trip.
-CALIBRATION_SIZE, CALIBRATION_PRODUCTS = 256, 16
-# Timings add calls up to at least this long; a device's spans several of the kernel's 100 ms CPU
-# quota periods, which is how a slower worker (worker_devices slowdown, replica_cpus) is held back.
-LAYER_TIMING_SECONDS, DEVICE_TIMING_SECONDS = 0.1, 0.5
-# A small layer's pass is repeated inside one call until the call takes about this long, so that the
-# call's own overhead (a millisecond) does not make every small layer look alike; a large one is
-# timed once (at a micro-batch of 1024, one wide_mlp layer's pass takes half a second: repeated 20
-# times for each, they held the first step back by 100 s).
-LAYER_CALL_SECONDS, MAX_LAYER_REPEATS = 0.02, 20
-# A small layer's figure is the median of this many timings: one timing taken while something else
-# held the core gave the convnet's conv2d_3 0.20 of the model's cost where two others gave 0.28, and
-# that moved the cut.
-LAYER_TIMINGS = 3
 
 
 def micro_batch_sizes(batch: int, parts: int) -> list[int]:
@@ -100,119 +84,6 @@ def connect_stage_workers() -> list[str]:
     wait_for_servers(workers)
     tf.config.experimental_connect_to_cluster(cluster, job_name="chief", task_index=0, protocol="grpc")
     return [f"/job:worker/replica:0/task:{index}/device:CPU:0" for index in range(len(workers))]
-
-
-def _seconds_per_call(function, at_least: float) -> float:
-    """Seconds per call of ``function`` (a tf.function, called once first to trace it), over calls
-    adding up to ``at_least``; each call's results are fetched, so its work is done."""
-    function()
-    calls, started = 0, time.perf_counter()
-    while True:
-        tf.nest.map_structure(lambda tensor: tensor.numpy(), function())
-        calls += 1
-        elapsed = time.perf_counter() - started
-        if elapsed >= at_least:
-            return elapsed / calls
-
-
-class _NotRetracing(logging.Filter):
-    """Drops TensorFlow's warning that many functions were traced."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "triggered tf.function retracing" not in record.getMessage()
-
-
-def profile_layers(kind: str, input_shape: list[int], num_classes: int, micro_batch: int, device: str) -> dict:
-    """Each layer of the model (``layer_chain``): its name, parameters, and the seconds its forward and
-    backward pass of one micro-batch take on ``device``: a stage's, with the threads its replica has
-    (timed on the chief's own threads, the convnet's last stage was given 0.34 of the cost where a
-    one-thread stage spent 0.46). Built and timed one layer at a time, so no device ever holds the
-    whole model that the stages share."""
-    with tf.device(device):
-        x = tf.zeros([micro_batch, *input_shape], tf.uint8)
-    names, parameters, seconds = [], [], []
-    quiet = _NotRetracing()  # each layer gets a function of its own, traced once on purpose
-    tf.get_logger().addFilter(quiet)
-    for layer in layer_chain(kind, num_classes):
-        with tf.device(device):
-            outputs = layer(x)
-
-        @tf.function
-        def forward_backward(repeats, layer=layer, inputs=x):
-            differentiable = inputs.dtype.is_floating
-            with tf.device(device):
-                touched = tf.constant(0.0)
-                for _ in tf.range(repeats):
-                    with tf.GradientTape() as tape:
-                        if differentiable:
-                            tape.watch(inputs)
-                        result = layer(inputs, training=True)
-                    sources = layer.trainable_weights + ([inputs] if differentiable else [])
-                    for tensor in tape.gradient(result, sources) if sources else [result]:
-                        touched += tf.cast(tf.reshape(tensor, [-1])[0], tf.float32)  # keeps the work from being pruned
-            return touched
-
-        seconds.append(_layer_seconds(forward_backward))
-        names.append(layer.name)
-        parameters.append(layer.count_params())
-        x = outputs
-    tf.get_logger().removeFilter(quiet)
-    return {"layers": names, "parameters": parameters, "layer_seconds": seconds}
-
-
-def _layer_seconds(forward_backward) -> float:
-    """Seconds of one pass of ``forward_backward(repeats)``: timed once, and where one pass is shorter
-    than ``LAYER_TIMING_SECONDS``, the median of ``LAYER_TIMINGS`` timings with it repeated inside
-    each call."""
-    once = _seconds_per_call(lambda: forward_backward(tf.constant(1)), 0.0)
-    if once >= LAYER_TIMING_SECONDS:
-        return once
-    repeats = tf.constant(max(1, min(MAX_LAYER_REPEATS, math.ceil(LAYER_CALL_SECONDS / once))))
-    timings = [
-        _seconds_per_call(lambda: forward_backward(repeats), LAYER_TIMING_SECONDS) / int(repeats)
-        for _ in range(LAYER_TIMINGS)
-    ]
-    return statistics.median(timings)
-
-
-def time_devices(devices: list[str]) -> list[float]:
-    """Seconds each device takes for the same fixed work (``CALIBRATION_PRODUCTS`` products of
-    ``CALIBRATION_SIZE``-square matrices): its speed, as the stage's replica gets it."""
-    timings = []
-    for device in devices:
-
-        @tf.function
-        def work(device=device):
-            with tf.device(device):
-                matrix = tf.random.stateless_uniform([CALIBRATION_SIZE, CALIBRATION_SIZE], seed=[0, 0])
-                product = matrix
-                for _ in range(CALIBRATION_PRODUCTS):
-                    product = tf.matmul(product, matrix) / CALIBRATION_SIZE
-                return tf.reduce_sum(product)
-
-        timings.append(_seconds_per_call(work, DEVICE_TIMING_SECONDS))
-    return timings
-
-
-def plan_stages(spec: RunSpec, dataset: DatasetRecord, devices: list[str]) -> StageSplitPlan:
-    """Where to cut the model (``hetflow.models.stage_split``), by the spec's ``stage_split``, and
-    the numbers behind it: plan.json's ``stage_split``, which the pipeline recomputes."""
-    micro_batch = -(-spec.training.batch_size // spec.cluster.micro_batches)
-    profile = profile_layers(spec.model.architecture, dataset.input_shape, dataset.num_classes, micro_batch, devices[0])
-    by_parameters = split_by_parameters(profile["parameters"], len(devices))
-    work = time_devices(devices)
-    by_time = split_by_time(profile["layer_seconds"], work)
-    bounds = by_time if spec.cluster.stage_split == "measured" else by_parameters
-    return StageSplitPlan(
-        method=spec.cluster.stage_split,
-        devices=devices,
-        **profile,
-        stage_work_seconds=work,
-        bounds=bounds,
-        stage_seconds=stage_seconds(bounds, profile["layer_seconds"], work),
-        parameter_bounds=by_parameters,
-        parameter_stage_seconds=stage_seconds(by_parameters, profile["layer_seconds"], work),
-    )
 
 
 def update_on_each_stage(optimizer) -> None:

@@ -13,11 +13,10 @@ from pydantic import ConfigDict, Field
 from hetflow.cluster.backends import NAMES, backends_that, supports
 from hetflow.spec.sections import Section, SpecModel, field_backends, short_name, spec_field
 
-# No pipelining unless asked: it pays only where a stage's work grows with its examples. On
-# bench/MODEL_PARALLEL.md's wide model at batch 64 every split step took longer (2, 4, 8
-# micro-batches: 1.13x, 1.47x, 2.5x the time), each micro-batch materialising its own 4096x4096
-# weight gradients; on a compute-bound MLP at batch 2048, 8 micro-batches made the step 1.51x faster
-# (bench/PIPELINE_OVERLAP.md).
+# No pipelining unless asked: it pays only where a stage's work grows with its examples. Three of
+# wide_mlp's 4096-wide layers on one thread took 3.9x as long for 64 examples in 8 micro-batches as
+# in one, each micro-batch materialising its own weight gradients; on a compute-bound MLP at batch
+# 2048, 8 micro-batches made the step 1.51x faster (bench/PIPELINE_OVERLAP.md).
 MICRO_BATCHES = 1
 STAGE_SPLIT = "measured"
 STRATEGIES = ("auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "model_parallel")
