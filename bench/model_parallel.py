@@ -321,8 +321,8 @@ def summary_text(record: dict) -> str:
         "",
         "## Unequal workers: the split by measured time against the split by parameters",
         "",
-        "`model=convnet`, global batch 128, 4 micro-batches, 2 epochs x 20 steps; worker 1 has half the CPU time "
-        "(`slowdown` 2).",
+        f"`model=convnet`, global batch 128 unpipelined (micro_batches {SPLIT.get('micro_batches', 1)}), 2 epochs x "
+        "20 steps; worker 1 has half the CPU time (`slowdown` 2).",
         "",
         "| case | layers per worker | step s | steady examples/s | command wall s |",
         "|---|---|---|---|---|",
