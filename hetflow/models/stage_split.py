@@ -10,9 +10,11 @@ as a contiguous partition by dynamic programming over layer boundaries.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -59,11 +61,18 @@ class StageCosts:
     cut_bytes: list[int]
     transfer_seconds_per_byte: list[float]
 
+    @cached_property
+    def _seconds_before(self) -> list[float]:
+        """The layers' seconds summed up to each layer: the split's dynamic program asks for a
+        group's seconds once per (stage, start, end), which a sum of the slice would make cubic."""
+        return [0.0, *itertools.accumulate(self.layer_seconds)]
+
     def stage(self, stage: int, start: int, end: int) -> float:
         """Stage ``stage`` holding layers ``start``..``end - 1``: their seconds on its device (scaled
         from the first stage's by the two devices' speeds), and, after the first stage, its input
         arriving and its gradient going back across the cut."""
-        compute = sum(self.layer_seconds[start:end]) * self.stage_work_seconds[stage] / self.stage_work_seconds[0]
+        seconds = self._seconds_before[end] - self._seconds_before[start]
+        compute = seconds * self.stage_work_seconds[stage] / self.stage_work_seconds[0]
         if not stage:
             return compute
         return compute + 2 * self.cut_bytes[start - 1] * self.transfer_seconds_per_byte[stage - 1]
