@@ -5,13 +5,29 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 PIP_VERSION := 26.3
+PIP_READY := $(VENV)/.pip-$(PIP_VERSION)
+WHEELHOUSE := build/wheelhouse
 
 .PHONY: setup sandbox test-deps engine image compose-cli stack-images run test test-all test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean docs
 
-$(INSTALLED): requirements.lock pyproject.toml
+$(PIP_READY):
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==$(PIP_VERSION)
-	$(BIN)/pip install --quiet -r requirements.lock
+	touch $@
+
+# Every pin as a wheel, fetched once: the venv installs from here and the replica image's build copies from
+# here (docker/build-image.sh), so TensorFlow's 570 MB wheel crosses the network once. pip resumes a cut
+# download; one that stops resuming (a CI run's did, at 409 of 572 MB) is started again, twice at most.
+$(WHEELHOUSE)/.complete: requirements.lock | $(PIP_READY)
+	@for attempt in 1 2 3; do \
+		$(BIN)/pip wheel --quiet --resume-retries 10 --wheel-dir $(WHEELHOUSE) -r requirements.lock && break; \
+		[ $$attempt = 3 ] && exit 1; \
+		echo "wheelhouse: a download failed (attempt $$attempt of 3); starting again in 30 s" >&2; sleep 30; \
+	done
+	touch $@
+
+$(INSTALLED): $(PIP_READY) $(WHEELHOUSE)/.complete pyproject.toml
+	$(BIN)/pip install --quiet --no-index --find-links $(WHEELHOUSE) -r requirements.lock
 	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 

@@ -122,15 +122,15 @@ def main() -> int:
         record = json.loads(args.summary_of.read_text())
         (Path(__file__).parent / "LIVE_LOGGING.md").write_text(summary(record))
         return 0
-    home = Path(tempfile.mkdtemp(prefix="hetflow-bench-live-"))
-    (home / "mlflow").mkdir()
-    os.environ.update(HETFLOW_HOME=str(home), MLFLOW_TRACKING_URI=f"sqlite:///{home / 'mlflow' / 'mlflow.db'}")
     runs = []
-    for index in range(args.repeats):
-        for live in (index % 2 == 1, index % 2 == 0):  # alternate which case goes first
-            runs.append(one_run(live, index))
-            print(runs[-1], file=sys.stderr, flush=True)
-            time.sleep(2)
+    with tempfile.TemporaryDirectory(prefix="hetflow-bench-live-") as home:
+        (Path(home) / "mlflow").mkdir()
+        os.environ.update(HETFLOW_HOME=home, MLFLOW_TRACKING_URI=f"sqlite:///{home}/mlflow/mlflow.db")
+        for index in range(args.repeats):
+            for live in (index % 2 == 1, index % 2 == 0):  # alternate which case goes first
+                runs.append(one_run(live, index))
+                print(runs[-1], file=sys.stderr, flush=True)
+                time.sleep(2)
     record = {
         "job": JOB,
         "repeats": args.repeats,

@@ -366,16 +366,17 @@ def main() -> None:
         record = json.loads(args.summary_of.read_text())
         save_summary(record, rewrite=True)
         return
-    home = Path(tempfile.mkdtemp(prefix="hetflow-bench-mp-"))
-    (home / "mlflow").mkdir()
-    env = {**os.environ, "HETFLOW_HOME": str(home), "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow/mlflow.db"}
-    runs, busy = [], []
-    for _ in range(args.repeats):
-        for group, cases in CASES.items():
-            for name in cases:
-                busy.append(busy_cores())
-                print(f"bench: {group} / {name}", flush=True)
-                runs.append(run_case(group, name, env, home))
+    # Removed afterwards: each case's checkpoints of the wide model take about 1 GB.
+    with tempfile.TemporaryDirectory(prefix="hetflow-bench-mp-") as scratch:
+        home = Path(scratch)
+        env = {**os.environ, "HETFLOW_HOME": scratch, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
+        runs, busy = [], []
+        for _ in range(args.repeats):
+            for group, cases in CASES.items():
+                for name in cases:
+                    busy.append(busy_cores())
+                    print(f"bench: {group} / {name}", flush=True)
+                    runs.append(run_case(group, name, env, home))
     record = {
         "when": datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": machine_facts(),

@@ -6,9 +6,9 @@
 #
 # Where BASE_IMAGE is neither present nor pullable (no registry reachable), the base is Debian
 # bookworm with python3 built offline (docker/base-image.sh: hetflow-base:bookworm). The Python
-# packages come from a wheelhouse built here with this machine's pip (its index and configuration)
-# from requirements.lock, so the build itself needs no network. A second build with nothing
-# changed is served from Docker's cache.
+# packages are the replica's pins, taken from the wheelhouse `make setup` fetched from
+# requirements.lock (build/wheelhouse), so the build itself needs no network. A second build with
+# nothing changed is served from Docker's cache.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 IMAGE=${1:-hetflow-replica:0.1.0}
@@ -17,13 +17,15 @@ PIP=${PIP:-.venv/bin/pip}
 CONTEXT=build/replica-image
 started=$(date +%s%N)
 mkdir -p build
+[ -f build/wheelhouse/.complete ] || { echo "build-image: no build/wheelhouse: make setup fetches it" >&2; exit 1; }
 
 BASE_IMAGE=$(docker/base-image.sh "$BASE_IMAGE")
 
 # The context holds only what the Dockerfile copies, with the sources' modification times, so
 # Docker's cache sees nothing changed when nothing did.
 mkdir -p "$CONTEXT/wheelhouse"
-"$PIP" wheel --quiet --wheel-dir "$CONTEXT/wheelhouse" -c requirements.lock -r docker/replica-requirements.txt \
+"$PIP" wheel --quiet --no-index --find-links build/wheelhouse --wheel-dir "$CONTEXT/wheelhouse" \
+    -c requirements.lock -r docker/replica-requirements.txt \
     2> >(grep -v "is ignored: it is neither" >&2)
 cp -p requirements.lock docker/replica-requirements.txt "$CONTEXT/"
 rm -rf "$CONTEXT/hetflow"
