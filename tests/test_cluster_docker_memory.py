@@ -14,8 +14,10 @@ pytestmark = pytest.mark.usefixtures("docker_client")
 
 # wide_mlp's training state (67 M parameters: weights, gradients and Adam's two slots, about 1.1 GB)
 # with TensorFlow's own ~0.4 GB does not fit one container at this limit; half of it on each of two
-# stages does (bench/MODEL_PARALLEL.md has each replica's peak).
-TOO_BIG = ("model=wide_mlp", "replica_memory_mb=1200", "epochs=1", "steps_per_epoch=3", "backend=docker")
+# stages does. The containers' largest resident memory, polled from their cgroups on this job: one
+# device 1673 MiB; split, each stage 1074 to 1141 MiB (and the chief up to 1090). At 1200 MB a CI
+# run's worker-0 was once killed: the limit sits between the two.
+TOO_BIG = ("model=wide_mlp", "replica_memory_mb=1400", "epochs=1", "steps_per_epoch=3", "backend=docker")
 
 
 @pytest.mark.slow

@@ -10,7 +10,14 @@ import random
 
 import pytest
 
-from hetflow.models.stage_split import StageCosts, read_stage_split, split_by_parameters, split_by_time, stage_seconds
+from hetflow.models.stage_split import (
+    StageCosts,
+    pipelined_step_seconds,
+    read_stage_split,
+    split_by_parameters,
+    split_by_time,
+    stage_seconds,
+)
 from hetflow.paths import NotRegularFile
 from hetflow.replica.training_json import Placement, TrainingRecord
 from hetflow.spec import parse_spec
@@ -68,6 +75,13 @@ def test_the_split_avoids_a_cut_that_a_large_activation_would_cross():
     assert split_by_time(costly) == [3]
 
 
+def test_a_pipelined_step_waits_for_the_slowest_stage_after_the_first_micro_batch():
+    # Stage 0 passes micro-batch 1 on at 1 s; stage 1, at 2 s each, then takes the four in turn: 1 + 4 x 2.
+    assert pipelined_step_seconds([1.0, 2.0], micro_batches=4) == pytest.approx(9.0)
+    # Unpipelined, a micro-batch passes through the stages one after the other.
+    assert pipelined_step_seconds([1.0, 2.0], micro_batches=1) == pytest.approx(3.0)
+
+
 PLAN = {
     "method": "measured",
     "devices": ["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"],
@@ -82,7 +96,8 @@ PLAN = {
     "parameter_bounds": [3],
     "parameter_stage_seconds": [0.005, 0.005],
 }
-SPEC = parse_spec({"strategy": "model_parallel", "workers": 2})
+SPEC_VALUES = {"strategy": "model_parallel", "workers": 2}
+SPEC = parse_spec(SPEC_VALUES)
 
 
 def trained(groups: list[int]) -> TrainingRecord:
@@ -105,6 +120,9 @@ def test_the_pipeline_recomputes_the_split_and_names_its_replica(tmp_path):
     ]
     # worker-1: the logits' 0.004 s, and the dense layer's 512 bytes forward and back at 1 ns a byte
     assert split.slowest_stage_seconds == pytest.approx(0.004 + 2 * 512 * 1e-9)
+    pipelined = read_stage_split(path, parse_spec({**SPEC_VALUES, "micro_batches": 4}), trained([3, 1]))
+    # worker-0's 4 ms passes micro-batch 1 on; worker-1 then takes all four in turn, at 4.001024 ms each
+    assert pipelined.predicted_step_seconds == pytest.approx(0.004 + 4 * 0.004001024)
 
 
 @pytest.mark.parametrize(

@@ -163,7 +163,7 @@ def test_params_are_generated_from_the_spec():
             f"{key} needs a title written for people (the form's label)"
         )
         assert param.schema["section"], key
-    assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet", "wide_mlp"]
+    assert params["model"].schema["enum"] == ["mlp", "cnn", "convnet", "wide_mlp", "deep_mlp"]
     assert params["strategy"].schema["enum"] == [
         "auto",
         "one_device",

@@ -23,8 +23,9 @@ from hetflow.records import DatasetRecord
 if TYPE_CHECKING:
     from hetflow.spec import RunSpec
 
-MODELS = ("mlp", "cnn", "convnet", "wide_mlp")
+MODELS = ("mlp", "cnn", "convnet", "wide_mlp", "deep_mlp")
 WIDE_UNITS = 4096
+DEEP_UNITS, DEEP_LAYERS = 1024, 12
 # tf_keras reads and writes a file so named as plain arrays keyed by layer class and order.
 WEIGHTS_SUFFIX = ".weights.h5"
 
@@ -60,6 +61,10 @@ def layer_chain(kind: str, num_classes: int) -> list[tf.keras.layers.Layer]:
         # Too big for a small replica (model parallelism's reason to exist): four 4096x4096 layers
         # hold 67 M parameters, 270 MB, and Adam's slots and the gradients make it 1.1 GB.
         chain += [layers.Flatten(), *(layers.Dense(WIDE_UNITS, activation="relu") for _ in range(5))]
+    elif kind == "deep_mlp":
+        # Many layers of one size (after the first, which also reads the image): a model_parallel split
+        # can give each stage nearly any share of the work, which one cut of a few unequal layers cannot.
+        chain += [layers.Flatten(), *(layers.Dense(DEEP_UNITS, activation="relu") for _ in range(DEEP_LAYERS))]
     else:
         raise ValueError(f"model={kind!r} is invalid: expected one of {', '.join(MODELS)}")
     return chain + [layers.Dense(num_classes, name="logits")]

@@ -1,11 +1,12 @@
 """Where model_parallel cuts the model: consecutive layer groups, one per stage, chosen by parameter
 count or by measured time. No TensorFlow: the pipeline recomputes a replica's split with it.
 
-A pipelined step runs at the pace of its slowest stage, so the measured split minimises the
-largest stage time: its layers' measured seconds (forward and backward of one micro-batch), scaled
-by its device's speed against the device they were measured on, plus what crosses the cut before it
-(the activations forward, their gradients back, at the measured seconds per byte), solved exactly
-as a contiguous partition by dynamic programming over layer boundaries.
+A pipelined step runs at the pace of its slowest stage (``pipelined_step_seconds``), so the
+measured split minimises the largest stage time: its layers' measured seconds (forward and backward
+of one micro-batch), scaled by its device's speed against the device they were measured on, plus
+what crosses the cut before it (the activations forward, their gradients back, at the measured
+seconds per byte), solved exactly as a contiguous partition by dynamic programming over layer
+boundaries.
 """
 
 from __future__ import annotations
@@ -84,6 +85,14 @@ def stage_seconds(bounds: list[int], costs: StageCosts) -> list[float]:
     return [costs.stage(stage, start, end) for stage, (start, end) in enumerate(zip(starts, ends))]
 
 
+def pipelined_step_seconds(stage_seconds: list[float], micro_batches: int) -> float:
+    """A step's predicted seconds on GPipe's schedule, from each stage's seconds per micro-batch: the
+    first micro-batch passes through every stage, and each one after it adds the slowest stage's
+    time, which the others wait for. Its second term is what the measured split minimises; with one
+    micro-batch, only the first counts and no split can overlap anything."""
+    return sum(stage_seconds) + (micro_batches - 1) * max(stage_seconds)
+
+
 def split_by_time(costs: StageCosts) -> list[int]:
     """The boundaries (as ``split_by_parameters`` returns them) of the contiguous split of the
     layers over the stages, in order, whose slowest stage is fastest (``stage_seconds``); every
@@ -144,6 +153,8 @@ class StageSplit(Strict):
     stages: list[Stage]
     slowest_stage_seconds: float
     slowest_by_parameters_seconds: float
+    predicted_step_seconds: float  # pipelined_step_seconds at the run's micro_batches
+    predicted_step_by_parameters_seconds: float
 
 
 def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> StageSplit:
@@ -187,7 +198,8 @@ def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> Sta
             f"{path}: stage_split.bounds must be {bounds}, the {spec.cluster.stage_split} split of its numbers, "
             f"and the layer groups trained: refused"
         )
-    predicted = stage_seconds(bounds, costs)
+    predicted, by_parameters_seconds = stage_seconds(bounds, costs), stage_seconds(by_parameters, costs)
+    micro_batches = spec.cluster.micro_batches
     return StageSplit(
         method=spec.cluster.stage_split,
         stages=[
@@ -195,7 +207,9 @@ def read_stage_split(path: Path, spec: RunSpec, training: TrainingRecord) -> Sta
             for device, names, seconds in zip(split.devices, trained, predicted)
         ],
         slowest_stage_seconds=max(predicted),
-        slowest_by_parameters_seconds=max(stage_seconds(by_parameters, costs)),
+        slowest_by_parameters_seconds=max(by_parameters_seconds),
+        predicted_step_seconds=pipelined_step_seconds(predicted, micro_batches),
+        predicted_step_by_parameters_seconds=pipelined_step_seconds(by_parameters_seconds, micro_batches),
     )
 
 

@@ -133,18 +133,20 @@ def data_location_problems(data: DataSpec) -> list[str]:
 
 
 # The layers of each model (``hetflow.models.architectures.layer_chain``): model_parallel's most stages.
-MODEL_LAYERS = {"mlp": 4, "cnn": 7, "convnet": 10, "wide_mlp": 8}
+MODEL_LAYERS = {"mlp": 4, "cnn": 7, "convnet": 10, "wide_mlp": 8, "deep_mlp": 15}
 
 
 class ModelSpec(Section):
     model_config = ConfigDict(title="Model")
 
-    architecture: Literal["mlp", "cnn", "convnet", "wide_mlp"] = spec_field(
+    architecture: Literal["mlp", "cnn", "convnet", "wide_mlp", "deep_mlp"] = spec_field(
         "mlp",
         "`mlp`: flatten, dense 128 relu, dense logits. `cnn`: two conv blocks and a dense head. "
         "`convnet`: the benchmark CNN (conv32-conv32-pool-conv64-conv64-pool-dense256), for 32x32 images. "
         "`wide_mlp`: flatten, five dense 4096 relu, dense logits (67 M parameters: 270 MB of weights, about "
-        "1.1 GB with gradients and Adam's slots), a model for model_parallel on replicas too small to hold it.",
+        "1.1 GB with gradients and Adam's slots), a model for model_parallel on replicas too small to hold it. "
+        "`deep_mlp`: flatten, twelve dense 1024 relu, dense logits (15 M parameters): layers of one size, which "
+        "model_parallel can split over unequal workers in nearly any proportion.",
         short="model",
         title="Model",
     )
