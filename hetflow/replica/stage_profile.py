@@ -17,8 +17,11 @@ from hetflow.models.stage_split import StageCosts, StageSplitPlan, split_by_para
 from hetflow.records import DatasetRecord
 from hetflow.spec import RunSpec
 
-# The fixed work each stage's device is timed on: chained matrix products, each one round trip.
-CALIBRATION_SIZE, CALIBRATION_PRODUCTS = 256, 16
+# The fixed work each stage's device is timed on: chained matrix products, one round trip for all of
+# them. A call is long (about 0.2 s on one thread) so that it measures how much work a device gets
+# through, not how soon it answers: at 16 products (12 ms), a worker with slowdown 2, stopped for
+# 10 ms in every 20, timed 2.2x to 3.6x slower over six bench runs where its stages ran 2x slower.
+CALIBRATION_SIZE, CALIBRATION_PRODUCTS = 256, 256
 # Timings add calls up to at least this long; a device's spans several of the kernel's 100 ms CPU
 # quota periods, which is how a slower worker (worker_devices slowdown, replica_cpus) is held back.
 LAYER_TIMING_SECONDS, DEVICE_TIMING_SECONDS = 0.1, 0.5
@@ -121,7 +124,7 @@ def time_devices(devices: list[str]) -> list[float]:
             with tf.device(device):
                 matrix = tf.random.stateless_uniform([CALIBRATION_SIZE, CALIBRATION_SIZE], seed=[0, 0])
                 product = matrix
-                for _ in range(CALIBRATION_PRODUCTS):
+                for _ in tf.range(CALIBRATION_PRODUCTS):
                     product = tf.matmul(product, matrix) / CALIBRATION_SIZE
                 return tf.reduce_sum(product)
 
