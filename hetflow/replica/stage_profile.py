@@ -18,9 +18,9 @@ from hetflow.records import DatasetRecord
 from hetflow.spec import RunSpec
 
 # The fixed work each stage's device is timed on: chained matrix products, one round trip for all of
-# them. A call is long (about 0.2 s on one thread) so that it measures how much work a device gets
-# through, not how soon it answers: at 16 products (12 ms), a worker with slowdown 2, stopped for
-# 10 ms in every 20, timed 2.2x to 3.6x slower over six bench runs where its stages ran 2x slower.
+# them. A call is long (about 50 ms on one thread) so that it measures how much work a device gets
+# through, not how soon it answers: at 16 products (3 ms), a worker with slowdown 2, stopped for
+# 10 ms in every 20, timed 2.2x to 3.6x slower over six bench runs; the steps it ran matched 2x.
 CALIBRATION_SIZE, CALIBRATION_PRODUCTS = 256, 256
 # Timings add calls up to at least this long; a device's spans several of the kernel's 100 ms CPU
 # quota periods, which is how a slower worker (worker_devices slowdown, replica_cpus) is held back.
