@@ -11,11 +11,13 @@ Two triggers start this DAG, whichever comes first:
 It reads the spec the registered model's `champion` was trained with from MLflow, applies
 **Overrides** (e.g. `{"epochs": 60}`), and triggers `hetflow_train` with it: the new version goes
 through the same champion gate. It is paused when first created: unpause it to turn retraining on.
+The first scheduled run is the cron's next time after that, never one already passed.
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
@@ -31,7 +33,10 @@ CRON = os.environ.get("HETFLOW_RETRAIN_CRON", DEFAULT_CRON)
 @dag(
     dag_id="hetflow_retrain",
     schedule=AssetOrTimeSchedule(
-        timetable=CronTriggerTimetable(CRON, timezone="UTC"),
+        # Airflow's default (run_immediately=False) still runs a cron time passed less than a tenth of
+        # the period before the DAG is first unpaused (CronTriggerTimetable._calc_first_run): unpaused
+        # on a Sunday before 19:48, it retrained at once. A zero window never runs a passed time.
+        timetable=CronTriggerTimetable(CRON, timezone="UTC", run_immediately=timedelta(0)),
         assets=[Asset(PREPARED_DATA_URI)],
     ),
     catchup=False,

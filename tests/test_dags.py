@@ -57,6 +57,25 @@ def test_dag_wiring(hetflow_env):
     assert set(dag.params) >= {"dataset", "model", "epochs", "batch_size", "registered_model"}
 
 
+def test_the_retrain_schedule_first_runs_at_the_crons_next_time_not_one_just_passed(hetflow_env, monkeypatch):
+    from datetime import datetime, timedelta, timezone
+
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.serialization.serialized_objects import DagSerialization
+    from airflow.timetables.base import TimeRestriction
+
+    passed = datetime.now(timezone.utc) - timedelta(minutes=2)
+    monkeypatch.setenv("HETFLOW_RETRAIN_CRON", f"{passed.minute} {passed.hour} * * *")  # daily, 2 minutes ago
+    dag = DagBag(dag_folder=str(REPO / "dags")).dags["hetflow_retrain"]
+    # The timetable as the scheduler reads it: from the serialized DAG.
+    timetable = DagSerialization.from_dict(DagSerialization.to_dict(dag)).timetable
+    first = timetable.next_dagrun_info(
+        last_automated_data_interval=None, restriction=TimeRestriction(earliest=None, latest=None, catchup=False)
+    )
+    assert first.run_after.date() == (passed + timedelta(days=1)).date()
+    assert (first.run_after.hour, first.run_after.minute) == (passed.hour, passed.minute)
+
+
 def test_tune_dag_wiring(hetflow_env):
     from airflow.dag_processing.dagbag import DagBag
 
