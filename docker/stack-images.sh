@@ -9,8 +9,8 @@
 #               build and use it anyway.
 #   Airflow and hetflow-stack:0.1.0 (docker/stack.Dockerfile), on the replica image's dependency
 #   MLflow      stage hetflow-replica-runtime:0.1.0 (docker/build-image.sh builds it: run that
-#               first), plus the pins it lacks from a wheelhouse built here from requirements.lock,
-#               so `docker build` needs no network.
+#               first), plus the pins it lacks, taken from the wheelhouse `make setup` fetched
+#               from requirements.lock (build/wheelhouse), so `docker build` needs no network.
 #
 # A second run with nothing changed is served from Docker's cache.
 set -euo pipefail
@@ -44,6 +44,7 @@ if [ "$POSTGRES_IMAGE" = "$OFFLINE_POSTGRES" ]; then
         -f docker/postgres.Dockerfile docker/postgres
 fi
 
+[ -f build/wheelhouse/.complete ] || { echo "stack-images: no build/wheelhouse: make setup fetches it" >&2; exit 1; }
 docker image inspect "$RUNTIME_IMAGE" >/dev/null 2>&1 \
     || { echo "stack-images: no $RUNTIME_IMAGE: docker/build-image.sh (make image) builds it" >&2; exit 1; }
 # The context holds only what stack.Dockerfile copies, with the sources' modification times, so
@@ -60,7 +61,8 @@ installed = {key(line) for line in open(sys.argv[1]) if "==" in line}
 print("".join(line for line in open("requirements.lock") if "==" in line and key(line) not in installed), end="")
 PY
 mkdir -p "$CONTEXT/wheelhouse"
-"$PIP" wheel --quiet --no-deps --wheel-dir "$CONTEXT/wheelhouse" -r "$CONTEXT/stack-only.txt" \
+"$PIP" wheel --quiet --no-deps --no-index --find-links build/wheelhouse --wheel-dir "$CONTEXT/wheelhouse" \
+    -r "$CONTEXT/stack-only.txt" \
     2> >(grep -v "is ignored: it is neither" >&2)
 cp -p requirements.lock docker/replica-requirements.txt "$CONTEXT/"
 rm -rf "$CONTEXT/hetflow" "$CONTEXT/dags" "$CONTEXT/plugins"
