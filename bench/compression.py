@@ -61,6 +61,7 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
         trained_steps,
     )
     from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.artifacts.scoring import score
     from hetflow.artifacts.tflite import representative_images, to_tflite, weight_encoding
     from hetflow.data.pipeline import split_arrays
     from hetflow.models.architectures import trained_model
@@ -68,7 +69,6 @@ def measure(run_dir: Path, sparsities: list[float], work: Path) -> dict:
     from hetflow.pipeline.attempts import load_spec
     from hetflow.records import DatasetRecord
     from hetflow.replica.training_json import read_training
-    from hetflow.tasks.export import score
 
     paths = RunPaths(run_dir)
     spec, dataset = load_spec(paths), DatasetRecord.read(paths)

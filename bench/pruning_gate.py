@@ -36,10 +36,10 @@ def measure_gate(model, spec, dataset, training, sparsities, float_logits, work:
         validation_arrays,
     )
     from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.artifacts.scoring import judge, score
     from hetflow.data.pipeline import split_arrays
     from hetflow.models.fine_tuning import Recovery
     from hetflow.spec import RunSpec
-    from hetflow.tasks.export import judge, score
 
     images, labels = split_arrays(dataset, "test")
     float_test_accuracy = float((float_logits.argmax(axis=1) == labels).mean())

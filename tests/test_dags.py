@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
+import re
 import subprocess
 import sys
 
@@ -136,6 +139,38 @@ def test_every_task_runs_the_function_of_its_name_in_the_module_of_its_name(hetf
     # The stages whose records summarize checks are the DAG's tasks in order, less the two that write none.
     order = [task.task_id for task in dag.topological_sort()]
     assert list(STAGES) == [t for t in order if t not in ("teardown_cluster", "summarize")]
+
+
+def signature_drift(architecture: str, stages: list[str]) -> list[str]:
+    """Where a stage's signature differs from what ARCHITECTURE.md states: the run id first (values,
+    then the run id, for the stages it names as taking the trigger's values first) and a dict returned
+    (a list for those it names)."""
+    text = " ".join(architecture.split())
+    values_first = set(re.findall(r"`(\w+)`", text.split("takes the run id (", 1)[1].split(")", 1)[0]))
+    returns_list = set(re.findall(r"`(\w+)`", text.split("returns its record as a dict (", 1)[1].split(")", 1)[0]))
+    drift = []
+    for stage in stages:
+        signature = inspect.signature(getattr(importlib.import_module(f"hetflow.tasks.{stage}"), stage))
+        leading = ["values", "run_id"] if stage in values_first else ["run_id"]
+        if list(signature.parameters)[: len(leading)] != leading:
+            drift.append(
+                f"{stage} takes {', '.join(signature.parameters)}; ARCHITECTURE.md: {', '.join(leading)} first"
+            )
+        returned = "list" if stage in returns_list else "dict"
+        if not str(signature.return_annotation).startswith(returned):
+            drift.append(f"{stage} returns {signature.return_annotation}; ARCHITECTURE.md: a {returned}")
+    return drift
+
+
+def test_every_stage_takes_and_returns_what_architecture_md_states():
+    architecture = (REPO / "ARCHITECTURE.md").read_text()
+    stages = sorted(path.stem for path in (REPO / "hetflow" / "tasks").glob("*.py") if path.stem != "__init__")
+    assert signature_drift(architecture, stages) == []
+    planted = architecture.replace("`teardown_cluster`: the list", "the list").replace(", `validate_study`", "")
+    assert signature_drift(planted, ["teardown_cluster", "validate_study"]) == [
+        "teardown_cluster returns list; ARCHITECTURE.md: a dict",
+        "validate_study takes values, run_id, dag_id, airflow_url; ARCHITECTURE.md: run_id first",
+    ]
 
 
 def test_every_task_keeps_library_stderr_off_error_and_return_values_out_of_its_log(hetflow_env):

@@ -1,9 +1,9 @@
 """The package's shape as ARCHITECTURE.md draws it: ``hetflow/tasks/`` holds the DAG's tasks and
-nothing else, a stage imports no other stage and shares no module state with one, nothing patches the
-interpreter's imports, the replica reaches neither Airflow nor MLflow, no import cycle, the pipeline
-never imports the developer tools, no grab-bag module, no module over 400 lines, no function of the
-package over 80 lines, a test file named
-for what it tests, and the fast tier's guard against replicas.
+nothing else, a stage imports no other stage, the package and the benches take only stages from it, a
+stage shares no module state with one, nothing patches the interpreter's imports, the replica reaches
+neither Airflow nor MLflow, no import cycle, the pipeline never imports the developer tools, no
+grab-bag module, no module over 400 lines, no function of the package over 80 lines, a test file
+named for what it tests, and the fast tier's guard against replicas.
 
 Each rule is a function that returns what breaks it, run on the tree and on a planted violation."""
 
@@ -116,6 +116,18 @@ def stage_imports_of_stages(stage_files: list[Path]) -> list[str]:
             if name.startswith("hetflow.tasks.") and other in stages and other != path.stem:
                 broken.append(f"{path.stem} imports {other}")
     return sorted(set(broken))
+
+
+def stage_internals_taken(files: list[Path]) -> list[str]:
+    """``file: name from hetflow.tasks.stage`` for each name other than the stage itself that the package
+    or a bench takes from a stage module: what others need is library code, which lives outside the stages."""
+    taken = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hetflow.tasks."):
+                stage = node.module.removeprefix("hetflow.tasks.")
+                taken += [f"{_shown(path)}: {a.name} from hetflow.tasks.{stage}" for a in node.names if a.name != stage]
+    return taken
 
 
 _MUTABLE_CALLS = {"set", "dict", "list", "defaultdict", "deque", "Counter", "OrderedDict"}
@@ -258,6 +270,13 @@ def test_no_stage_imports_another_stage(tmp_path):
         "evaluate imports train",
         "train imports evaluate",
     ]
+
+
+def test_the_package_and_the_benches_take_only_a_stage_from_a_stage_module(tmp_path):
+    outside_the_stages = [path for path in _python_files("hetflow", "bench") if STAGES_FOLDER not in path.parents]
+    assert stage_internals_taken(outside_the_stages) == []
+    (tmp_path / "gate.py").write_text("from hetflow.tasks.export import export, judge\n")
+    assert stage_internals_taken([tmp_path / "gate.py"]) == ["gate.py: judge from hetflow.tasks.export"]
 
 
 def test_no_module_state_passes_between_stages(tmp_path):

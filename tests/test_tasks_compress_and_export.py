@@ -71,7 +71,7 @@ def _artifact(fmt, accuracy, size, variant=None, difference=0.0):
 
 
 def test_judge_rejects_variants_beyond_the_accuracy_budget_and_picks_the_smallest_accepted():
-    from hetflow.tasks.export import judge
+    from hetflow.artifacts.scoring import judge
 
     artifacts = {
         "saved_model": _artifact("saved_model", 0.95, 50_000),
@@ -87,7 +87,7 @@ def test_judge_rejects_variants_beyond_the_accuracy_budget_and_picks_the_smalles
 
 
 def test_judge_fails_a_float_artifact_that_does_not_reproduce_the_model():
-    from hetflow.tasks.export import ParityError, judge
+    from hetflow.artifacts.scoring import ParityError, judge
 
     artifacts = {"tflite_float": _artifact("tflite", 0.95, 40_000, "float", difference=0.5)}
     with pytest.raises(ParityError, match="tflite_float does not reproduce the float model"):
@@ -161,12 +161,13 @@ SHORT_FINE_TUNING_STEPS = 20
 def test_pruning_the_cnn_to_80_percent_passes_the_gate_only_when_fine_tuned_long_enough(tmp_path):
     from hetflow.artifacts.compression import kernel_sparsity, prune, pruned_layers
     from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.artifacts.scoring import judge, score
     from hetflow.artifacts.tflite import representative_images, to_tflite
     from hetflow.data.pipeline import split_arrays
     from hetflow.models.architectures import trained_model
     from hetflow.models.fine_tuning import Recovery
     from hetflow.tasks.compress import compress_model
-    from hetflow.tasks.export import export_artifacts, judge, score
+    from hetflow.tasks.export import export_artifacts
 
     spec, paths, dataset, training = _trained_run(tmp_path, model="cnn")
     compression = compress_model(spec, paths, dataset, training)

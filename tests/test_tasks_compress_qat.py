@@ -22,13 +22,13 @@ def test_quantization_aware_fine_tuning_recovers_what_post_training_int8_loses(t
 
     from hetflow.artifacts.compression import int8_file, prune, pruned_layers
     from hetflow.artifacts.predictors import tflite_predictor
+    from hetflow.artifacts.scoring import judge, score
     from hetflow.artifacts.tflite import representative_images, to_tflite, weight_encoding
     from hetflow.data.pipeline import split_arrays, train_input
     from hetflow.data.prepare import prepare_dataset
     from hetflow.models.architectures import build_model, compile_model
     from hetflow.models.fine_tuning import Recovery
     from hetflow.spec import RunSpec
-    from hetflow.tasks.export import judge, score
 
     dataset = prepare_dataset("uci_digits", tmp_path / "data")
     spec = RunSpec.from_values({"model": "mlp", "seed": 1, "target_sparsity": 0.8, "max_accuracy_drop": BUDGET})

@@ -12,19 +12,16 @@ TFLite files, the smallest on disk ships (no consumer of the registered model ge
 
 from __future__ import annotations
 
-import gzip
-import io
 import logging
-import tarfile
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from hetflow import plots
 from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 from hetflow.artifacts.saved_model import save_serving_model
+from hetflow.artifacts.scoring import judge, score, sizes
 from hetflow.artifacts.tflite import to_tflite, weight_encoding
 from hetflow.data.pipeline import split_arrays
 from hetflow.models.architectures import trained_model
@@ -34,75 +31,6 @@ from hetflow.records import CompressionRecord, DatasetRecord, ExportRecord, Tfli
 from hetflow.spec import RunSpec
 
 log = logging.getLogger("hetflow.stages")
-
-LATENCY_EXAMPLES = 200
-# Float artifacts compute what the float model computes, up to float rounding.
-PARITY_TOLERANCE = 1e-3
-
-
-class ParityError(RuntimeError):
-    pass
-
-
-def _latency_ms(predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray) -> float:
-    """Median wall time of one example at batch 1, after one warm-up call."""
-    predict(images[:1])
-    times = []
-    for image in images[:LATENCY_EXAMPLES]:
-        started = time.perf_counter()
-        predict(image[np.newaxis])
-        times.append(time.perf_counter() - started)
-    return float(np.median(times) * 1000)
-
-
-def _sizes(path: Path) -> dict[str, int]:
-    """Bytes on disk, and gzipped (a directory as a gzipped tar)."""
-    if path.is_dir():
-        buffer = io.BytesIO()
-        with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
-            archive.add(path, arcname=path.name)
-        files = [p for p in path.rglob("*") if p.is_file()]
-        return {"bytes": sum(p.stat().st_size for p in files), "gzip_bytes": len(buffer.getvalue())}
-    data = path.read_bytes()
-    return {"bytes": len(data), "gzip_bytes": len(gzip.compress(data))}
-
-
-def score(
-    predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray, labels: np.ndarray, float_logits: np.ndarray
-) -> dict[str, float]:
-    logits = predict(images)
-    predicted = np.argmax(logits, axis=1)
-    return {
-        "test_accuracy": float(np.mean(predicted == labels)),
-        "agreement_with_float": float(np.mean(predicted == np.argmax(float_logits, axis=1))),
-        "max_logit_difference": float(np.max(np.abs(logits - float_logits))),
-        "latency_ms": _latency_ms(predict, images),
-    }
-
-
-def judge(artifacts: dict[str, dict[str, Any]], float_accuracy: float, max_accuracy_drop: float) -> str | None:
-    """Check parity of the float artifacts (the pruned one against the pruned model), accept or
-    reject each by its accuracy drop, and pick the TFLite variant to deploy: the smallest accepted
-    file, in bytes on disk (None if none is accepted)."""
-    for name, artifact in artifacts.items():
-        is_float = artifact["format"] == "saved_model" or artifact.get("variant") == "float"
-        if is_float and artifact["max_logit_difference"] > PARITY_TOLERANCE:
-            raise ParityError(
-                f"{name} does not reproduce the float model: logits differ by up to "
-                f"{artifact['max_logit_difference']:.2e} (> {PARITY_TOLERANCE}) on the test split"
-            )
-        if artifact.get("variant") == "pruned" and artifact["max_logit_difference_to_pruned"] > PARITY_TOLERANCE:
-            raise ParityError(
-                f"{name} does not reproduce the pruned model: logits differ by up to "
-                f"{artifact['max_logit_difference_to_pruned']:.2e} (> {PARITY_TOLERANCE}) on the test split"
-            )
-        drop = float_accuracy - artifact["test_accuracy"]
-        artifact["accuracy_drop"] = drop
-        artifact["accepted"] = drop <= max_accuracy_drop
-        if not artifact["accepted"]:
-            artifact["reason"] = f"accuracy drop {drop:.4f} > max_accuracy_drop {max_accuracy_drop}"
-    deployable = [n for n, a in artifacts.items() if a["format"] == "tflite" and a["accepted"]]
-    return min(deployable, key=lambda n: artifacts[n]["bytes"]) if deployable else None
 
 
 @reported
@@ -160,7 +88,7 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> 
             "format": "saved_model",
             "path": str(paths.saved_model),
             "weights_bytes": sum(p.stat().st_size for p in (paths.saved_model / "variables").iterdir()),
-            **_sizes(paths.saved_model),
+            **sizes(paths.saved_model),
             **score(saved_model_predictor(paths.saved_model), images, labels, float_logits),
         }
     for name, variant in tflite_variants.items():
@@ -177,7 +105,7 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> 
             # int8 only: post_training, or quantization_aware where post-training lost too much (compress)
             "int8_method": variant.int8_method,
             "path": str(path),
-            **_sizes(path),
+            **sizes(path),
             **score(predict, images, labels, float_logits),
         }
         if name == "pruned":
