@@ -141,8 +141,8 @@ def watch_replicas(run_home: Path, stop: threading.Event, peaks: dict[str, int],
 
 def busy_cores_over_last_epoch(epochs: list[dict]) -> float | None:
     """The replicas' CPU seconds over the last epoch's wall seconds (steps and validation, traced in
-    the epoch before): how many of the machine's cores training kept busy; None with one epoch or
-    none of the replicas on this machine's /proc (the swarm's)."""
+    the epoch before): how many of the machine's cores training kept busy; None with one epoch or no
+    replica found in this machine's /proc (a swarm's containers on this machine's nodes are found)."""
     if len(epochs) < 2 or not epochs[-1]["cpu_seconds"]:
         return None
     before, after = epochs[-2], epochs[-1]
