@@ -69,8 +69,9 @@ SPLIT = {
     "strategy": "model_parallel",
     "micro_batches": 8,
 }
-# Unequal workers, the slow one last and first. On this machine ``slowdown`` throttles a worker's CPU
-# time; on the swarm, node-2 has half a CPU (docker --cpus), the quota a slower machine would be.
+# Unequal workers: the slow one last and first, and a slower one last. On this machine ``slowdown``
+# throttles a worker's CPU time; on the swarm, node-2 has half a CPU (docker --cpus), the quota a
+# slower machine would be.
 UNEQUAL_WORKERS = {
     "slow_last": '[{"threads": 1}, {"threads": 1, "slowdown": 2}]',
     "slow_first": '[{"threads": 1, "slowdown": 2}, {"threads": 1}]',
