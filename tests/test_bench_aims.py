@@ -114,8 +114,8 @@ def test_the_cores_a_run_keeps_busy_are_its_replicas_cpu_seconds_over_the_last_e
     ]
     assert model_parallel.busy_cores_over_last_epoch(epochs) == 2.5  # (1 + 5 + 4) s over 4 s
     assert model_parallel.busy_cores_over_last_epoch(epochs[:1]) is None
-    on_swarm = [{**epoch, "cpu_seconds": {}} for epoch in epochs]  # no replica in this machine's /proc
-    assert model_parallel.busy_cores_over_last_epoch(on_swarm) is None
+    none_found = [{**epoch, "cpu_seconds": {}} for epoch in epochs]  # replicas on another machine's nodes
+    assert model_parallel.busy_cores_over_last_epoch(none_found) is None
     (line,) = model_parallel_report.core_bound_lines(1.6, 2)
     assert line.startswith("- unpipelined, the replicas already keep 1.60 of the machine's 2 cores busy")
     assert line.endswith("can be at most 1.25x faster, whatever the split and the number of micro-batches")
