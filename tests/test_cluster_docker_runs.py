@@ -145,7 +145,9 @@ def test_a_dag_run_in_containers_reaches_the_local_accuracy_bar_and_leaves_nothi
     # While it trained, the engine's counters of each container went to the live MLflow run (a sample
     # taken while the container still imports can be under 100 MB: 94 seen on a loaded CI).
     history = MlflowClient(hetflow_env["MLFLOW_TRACKING_URI"]).get_metric_history
-    memory, cpu = (history(summary["mlflow_run_id"], f"{name}/worker-1") for name in ("memory_mb", "cpu_percent"))
+    memory, cpu = (
+        history(summary["mlflow_run_id"], f"system/{name}_worker-1") for name in ("memory_mb", "cpu_percent")
+    )
     assert memory and cpu and all(0 < m.value < 8000 for m in memory) and max(m.value for m in memory) > 100, memory
 
 

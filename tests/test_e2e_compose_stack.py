@@ -216,7 +216,9 @@ def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_no
     # The links make up-docker printed: hetflow's experiment on its runs, listing this run by what it
     # was, and the chart view with the key metrics first.
     run_name = mlflow_run["info"]["run_name"]
-    assert re.fullmatch(r"uci_digits sync 2w mlp \d\d:\d\d:\d\d", run_name), run_name
+    assert re.fullmatch(
+        r"sync 2w backend=docker epochs=1 steps_per_epoch=4 prune=False quantize=none \d\d:\d\d:\d\d", run_name
+    ), run_name
     assert f"/#/experiments/{mlflow_run['info']['experiment_id']}/runs?" in runs_link[1], runs_link[1]
     open_runs_page(page, runs_link[1], run_name)
     assert_key_metrics_first(page, charts_link[1], set(metrics))

@@ -82,7 +82,7 @@ def test_mlflow_run_records_tags_params_curves_and_artifacts(first, client):
     assert sorted(m.step for m in curve) == list(range(1, 16))
     # Logged live by train (register adds no second point), with what only the pipeline's sampling gives.
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == 15
-    assert client.get_metric_history(run.info.run_id, "memory_mb/worker-0")
+    assert client.get_metric_history(run.info.run_id, "system/memory_mb_worker-0")
     artifacts = {a.path for folder in ("run", "logs", "plots") for a in client.list_artifacts(run.info.run_id, folder)}
     assert {"run/spec.json", "run/training.json", "logs/worker-0.log", "plots/confusion_matrix.png"} <= artifacts
 

@@ -78,7 +78,7 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     # The experiment declares itself a model-training one; runs are named for what they were.
     experiment = client.get_experiment(mlflow_run.info.experiment_id)
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development", experiment.tags
-    assert re.fullmatch(r"uci_digits async 2w\+1ps mlp \d\d:\d\d:\d\d", mlflow_run.info.run_name)
+    assert re.fullmatch(r"async 2w\+1ps epochs=2 \d\d:\d\d:\d\d", mlflow_run.info.run_name)
     # The figures a reviewer compares first head the run's page, as its description.
     accuracy = mlflow_run.data.metrics["test_accuracy"]
     assert mlflow_run.data.tags["mlflow.note.content"].startswith(f"**test accuracy {accuracy:.4f}** · validation")

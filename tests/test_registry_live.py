@@ -65,10 +65,10 @@ def test_curves_and_usage_grow_in_mlflow_while_two_workers_train(hetflow_env):
     for worker in ("worker-0", "worker-1"):
         speeds = history(client, mlflow_run_id, f"epoch_examples_per_second/{worker}")
         assert len(speeds) == EPOCHS and all(m.value > 0 for m in speeds)
-        memory = history(client, mlflow_run_id, f"memory_mb/{worker}")
+        memory = history(client, mlflow_run_id, f"system/memory_mb_{worker}")
         # A TensorFlow process, resident (the first sample, as training starts, may find it still importing).
         assert memory and all(0 < m.value < 8000 for m in memory) and max(m.value for m in memory) > 100
-        cpu = history(client, mlflow_run_id, f"cpu_percent/{worker}")
+        cpu = history(client, mlflow_run_id, f"system/cpu_percent_{worker}")
         assert cpu and max(m.value for m in cpu) > 5 and all(m.value <= 100 * os.cpu_count() * 1.5 for m in cpu)
 
 

@@ -10,8 +10,13 @@ import time
 
 import psutil
 
-# {replica name: {"cpu_percent": ..., "memory_mb": ...}}; 100 % is one core busy.
+# {replica name: {"cpu_percent": ..., "memory_mb": ...}}; 100 % is one core busy. Both to a tenth, as
+# MLflow's own system metrics are: a sample is a moment's reading, not a measurement to 16 digits.
 Usage = dict[str, dict[str, float]]
+
+
+def _megabytes(resident_bytes: float) -> float:
+    return round(resident_bytes / 2**20, 1)
 
 
 class LocalUsage:
@@ -33,13 +38,13 @@ class LocalUsage:
                     process = self._processes[name] = psutil.Process(pid)
                     with process.oneshot():
                         process.cpu_percent(None)  # starts its measuring interval
-                        usage[name] = {"memory_mb": process.memory_info().rss / 2**20}
+                        usage[name] = {"memory_mb": _megabytes(process.memory_info().rss)}
                     continue
                 with process.oneshot():
                     cpu_percent, resident = process.cpu_percent(None), process.memory_info().rss
             except psutil.Error:  # ended between the listing and the reading
                 continue
-            usage[name] = {"cpu_percent": cpu_percent, "memory_mb": resident / 2**20}
+            usage[name] = {"cpu_percent": round(cpu_percent, 1), "memory_mb": _megabytes(resident)}
         return usage
 
 
@@ -69,7 +74,7 @@ class ContainerUsage:
             now = time.monotonic()
             before = self._cpu.get(name)
             self._cpu[name] = (used_ns, now)
-            usage[name] = {"memory_mb": memory / 2**20}  # CPU, from the second sample on
+            usage[name] = {"memory_mb": _megabytes(memory)}  # CPU, from the second sample on
             if before is not None and now > before[1] and used_ns >= before[0]:
-                usage[name]["cpu_percent"] = 100 * (used_ns - before[0]) / 1e9 / (now - before[1])
+                usage[name]["cpu_percent"] = round(100 * (used_ns - before[0]) / 1e9 / (now - before[1]), 1)
         return usage

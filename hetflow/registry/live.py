@@ -25,7 +25,7 @@ from hetflow.paths import RunPaths, write_record
 from hetflow.pipeline import timing
 from hetflow.pipeline.progress import Epoch
 from hetflow.registry import store
-from hetflow.registry.run_record import MAX_METRICS_PER_BATCH, run_name
+from hetflow.registry.run_record import MAX_METRICS_PER_BATCH, as_computed, run_name
 from hetflow.spec import RunSpec
 from mlflow import MlflowClient
 
@@ -134,9 +134,18 @@ def _tracked(paths: RunPaths) -> dict | None:
     return json.loads(paths.tracking.read_text()) if paths.tracking.exists() else None
 
 
+def usage_metric(replica: str, figure: str) -> str:
+    """A replica's usage as an MLflow system metric: under ``system/``, at one level (MLflow's UI
+    makes a section of everything before a key's last ``/``, and only ``system/<name>`` lands in its
+    System metrics), the figure first so that one figure's charts of all replicas sit side by side:
+    ``system/cpu_percent_worker-0``."""
+    return f"system/{figure}_{replica}"
+
+
 class LiveRun:
     """A watcher (``hetflow.pipeline.progress.ProgressWatch``) logging each new epoch (step = epoch)
-    and each usage sample (step = seconds since training began) to the run, in batches."""
+    and each usage sample (step = seconds since training began; MLflow charts system metrics against
+    time) to the run, in batches."""
 
     __name__ = "the live MLflow run"
 
@@ -153,14 +162,17 @@ class LiveRun:
             if epoch.epoch in self.logged:
                 continue
             self.logged.add(epoch.epoch)
-            metrics += [Metric(EPOCH_METRICS[name], value, now, epoch.epoch) for name, value in epoch.figures.items()]
             metrics += [
-                Metric(f"epoch_examples_per_second/{worker}", rate, now, epoch.epoch)
+                Metric(EPOCH_METRICS[name], as_computed(value), now, epoch.epoch)
+                for name, value in epoch.figures.items()
+            ]
+            metrics += [
+                Metric(f"epoch_examples_per_second/{worker}", as_computed(rate), now, epoch.epoch)
                 for worker, rate in epoch.worker_examples_per_second.items()
             ]
         step = int(time.monotonic() - self.started)
         for replica, figures in usage.items():
-            metrics += [Metric(f"{name}/{replica}", value, now, step) for name, value in figures.items()]
+            metrics += [Metric(usage_metric(replica, name), value, now, step) for name, value in figures.items()]
         for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
 

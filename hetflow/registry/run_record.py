@@ -12,6 +12,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.utils.time import get_current_time_millis
 
@@ -49,22 +50,58 @@ _STRATEGY_WORDS = {
     "parameter_server": "async",
     "model_parallel": "model-parallel",
 }
+# The keys a run's name says in words (its dataset; its strategy and replicas), not as key=value.
+_CLUSTER_SHAPE = ("strategy", "workers", "devices_per_worker", "ps")
+# Longest a name's key=value part gets; MLflow keeps 250 characters, its lists show about 30.
+_CHANGED_CHARS = 120
 
 
 def run_name(spec: RunSpec, started: float | None) -> str:
-    """What the run was, what differs between runs first (MLflow's run list and chart legends cut
-    names after about 30 characters): dataset, strategy, replicas, model, start time (UTC), e.g.
-    ``uci_digits async 2w+1ps mlp 13:21:22``; a folder dataset by its folder's name."""
-    dataset = spec.data.dataset
-    if dataset.startswith("folder:"):
-        dataset = dataset.removeprefix("folder:").rstrip("/").rsplit("/", 1)[-1]
+    """What tells the run apart, then its start time (UTC): the keys set away from their defaults,
+    in the spec's order, the dataset and the cluster's shape in words, e.g. ``async 2w+1ps epochs=5
+    13:21:22``; ``defaults 13:21:22`` where none was. MLflow's chart legends cut a name after about 24
+    characters, so what differs goes first: runs named by their whole configuration (dataset,
+    strategy, replicas, model) differed in the time alone, which the legends cut off."""
+    defaults = RunSpec().flat()
+    changed = {key: value for key, value in spec.flat().items() if value != defaults[key]}
+    words = []
+    if "dataset" in changed:  # a folder dataset by its folder's name
+        words.append(spec.data.dataset.removeprefix("folder:").rstrip("/").rsplit("/", 1)[-1])
+    if changed.keys() & set(_CLUSTER_SHAPE):
+        words.append(f"{_STRATEGY_WORDS[spec.cluster.strategy]} {_replicas(spec)}")
+    settings = " ".join(
+        f"{key}={_setting(value)}" for key, value in changed.items() if key not in ("dataset", *_CLUSTER_SHAPE)
+    )
+    if len(settings) > _CHANGED_CHARS:
+        settings = settings[: _CHANGED_CHARS - 1].rstrip() + "…"
+    when = datetime.fromtimestamp(started if started is not None else time.time(), timezone.utc)
+    parts = [*words, settings] if settings else words
+    return " ".join([*(parts or ["defaults"]), f"{when:%H:%M:%S}"])
+
+
+def _replicas(spec: RunSpec) -> str:
+    """The cluster in a word: ``2w``, ``1wx2dev``, ``2w+1ps``."""
     replicas = f"{spec.cluster.worker.replicas}w"
     if spec.cluster.worker.devices > 1:
         replicas += f"x{spec.cluster.worker.devices}dev"
     if spec.cluster.ps.replicas:
         replicas += f"+{spec.cluster.ps.replicas}ps"
-    when = datetime.fromtimestamp(started if started is not None else time.time(), timezone.utc)
-    return f"{dataset} {_STRATEGY_WORDS[spec.cluster.strategy]} {replicas} {spec.model.architecture} {when:%H:%M:%S}"
+    return replicas
+
+
+def _setting(value) -> str:
+    """A key's value as a person types it after ``--set key=``."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(_setting, value))
+    return str(value)
+
+
+def as_computed(value: float) -> float:
+    """A curve's point at the precision it was computed in: Keras and TensorFlow compute in float32,
+    and a float32 widened to a double shows its binary tail in MLflow (0.001 as
+    0.0010000000474974513); this is the shortest decimal that is the same float32 (0.001). A figure
+    measured as a double (epoch seconds) keeps 7 significant digits, more than the clock resolves."""
+    return float(str(np.float32(value)))
 
 
 def _stepped_metrics(training: TrainingRecord, logged: dict[str, set[int]]) -> list[Metric]:
@@ -79,7 +116,7 @@ def _stepped_metrics(training: TrainingRecord, logged: dict[str, set[int]]) -> l
     series["epoch_seconds"] = training.epoch_seconds
     series["learning_rate"] = training.learning_rate_per_epoch
     metrics = [
-        Metric(name, value, now, epoch)
+        Metric(name, as_computed(value), now, epoch)
         for name, values in series.items()
         for epoch, value in enumerate(values, start=1)
         if epoch not in logged.get(name, set())
