@@ -109,7 +109,8 @@ def test_the_airflow_run_and_its_mlflow_run_link_to_each_other(stack, form_run, 
     the run's MLflow page; that page's description links back to the Airflow run."""
     page, run = form_run
     state, info = stack["state"], form_mlflow_run.info
-    mlflow_page = f"{state['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
+    run_page = f"{state['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
+    mlflow_page = f"{run_page}?workflowType=machine_learning"
     airflow_page = f"{state['airflow_url']}/dags/hetflow_train/runs/{quote(run['dag_run_id'], safe='')}"
     page.goto(f"{airflow_page}/tasks/summarize/details")  # its Details tab holds the extra links
     link = page.get_by_role("link", name="MLflow run")

@@ -85,3 +85,13 @@ def test_runs_page_makes_the_experiment_in_the_store_it_is_given(client, tmp_pat
     assert page == f"{runs}&viewStateShareKey=hetflow-key-metrics"
     assert experiment.artifact_location == (tmp_path / "server" / "artifacts").as_uri()
     assert client.get_experiment_by_name("hetflow") is None
+
+
+def test_a_runs_page_opens_in_the_experiments_training_view(client, monkeypatch):
+    """The address validate_spec logs, the Airflow button opens and summary.json keeps: the run's page,
+    asking for the training view as runs_page does (MLflow's own starts browsers in GenAI)."""
+    experiment_id = store.ensure_experiment(client)
+    run_id = client.create_run(experiment_id).info.run_id
+    monkeypatch.setenv("HETFLOW_MLFLOW_UI_URL", "http://127.0.0.1:5000")
+    page = store.run_page(client.tracking_uri, run_id)
+    assert page == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"

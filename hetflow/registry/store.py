@@ -67,6 +67,12 @@ def ensure_experiment(client: MlflowClient) -> str:
     )
 
 
+# The query every page hetflow links to carries: MLflow 3.17's UI shows an experiment in the view its
+# workflow switch holds (the browser's ``mlflow.workflowType``, GenAI until the person switches), and a
+# page's own ``workflowType`` wins over it for that page.
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
 def runs_page(server_url: str, key_metrics: bool = False, store: str | None = None) -> str:
     """The MLflow UI's page of hetflow's runs, the experiment created if need be. MLflow 3.17's UI
     opens an experiment in the view its workflow switch holds, GenAI unless the user switched,
@@ -79,8 +85,8 @@ def runs_page(server_url: str, key_metrics: bool = False, store: str | None = No
     try:
         experiment_id = ensure_experiment(MlflowClient(store or tracking_uri()))
     except MlflowException:  # a store that does not answer yet: the experiments' list, in the same view
-        return f"{server_url}/#/experiments?workflowType=machine_learning"
-    page = f"{server_url}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+        return f"{server_url}/#/experiments?{TRAINING_VIEW}"
+    page = f"{server_url}/#/experiments/{experiment_id}/runs?{TRAINING_VIEW}"
     view = f"viewStateShareKey={charts_view.VIEW_ID}"  # the runs table's columns and the charts' order
     return f"{page}&compareRunsMode=CHART&{view}" if key_metrics else f"{page}&{view}"
 
@@ -92,7 +98,7 @@ def run_page(uri: str, run_id: str) -> str:
     ui = os.environ.get(MLFLOW_UI_ENV) or uri
     if ui.startswith(web):
         run = MlflowClient(uri).get_run(run_id)
-        return f"{ui.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}"
+        return f"{ui.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
     return f"run {run_id} in {uri}"
 
 
