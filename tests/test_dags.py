@@ -191,6 +191,16 @@ def test_every_task_keeps_library_stderr_off_error_and_return_values_out_of_its_
 # module is imported) and progress bars write to file descriptor 2 directly.
 _TASK_UNDER_AIRFLOW = r"""
 import logging, os, socket, sys, types
+# What TensorFlow 2.21 wrote while a stage imported it on a machine without a GPU (its lines cut at 120
+# characters), and a warning of its own after.
+TENSORFLOW_LOADING = b'''WARNING: All log messages before absl::InitializeLog() is called are written to STDERR
+I0000 00:00:1796167222.225577    8821 port.cc:153] oneDNN custom operations are on. You may see slightly
+I0000 00:00:1796167222.225577    8821 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU will
+I0000 00:00:1796167222.336960    8821 cpu_feature_guard.cc:227] This TensorFlow binary is optimized to use available CPU
+To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild TensorFlow with the
+E0000 00:00:1796167226.061806    8821 cuda_platform.cc:52] failed call to cuInit: INTERNAL: CUDA error: Failed call
+W0000 00:00:1796167315.234424     210 op_level_cost_estimator.cc:699] Error in PredictCost() for the op: op: "Softmax"
+'''
 logging.basicConfig(stream=sys.stdout, level=logging.DEBUG, format="%(levelname)s %(name)s %(message)s")
 supervisor, child = socket.socketpair()
 os.dup2(child.fileno(), 2)
@@ -198,7 +208,7 @@ from hetflow.pipeline.task_log import CALLBACKS
 
 context = {"ti": types.SimpleNamespace(task_id="evaluate")}
 CALLBACKS["on_execute_callback"](context)
-os.write(2, b"E0000 cuda_platform.cc:52] failed call to cuInit\n")
+os.write(2, TENSORFLOW_LOADING)
 sys.stderr.write("\rGenerating splits: 1/3\rGenerating splits: 3/3\n")
 if sys.argv[1] == "fail":
     context["exception"] = ValueError("no weights at model.weights.h5\nsecond line")
@@ -226,7 +236,9 @@ def test_library_stderr_stays_off_the_task_logs_error_level(hetflow_env):
     passed = task("pass")
     # Nothing the task wrote reached the socket; stderr is the socket again after it.
     assert passed[-1] == "SOCKET b'after the task\\n'", passed
-    assert "DEBUG hetflow.library E0000 cuda_platform.cc:52] failed call to cuInit" in passed
+    # TensorFlow's start-up notes and its probing for CUDA are logged at no level; its warning is kept.
+    assert not [line for line in passed if re.search("cuInit|cuda drivers|absl|oneDNN|instructions", line)], passed
+    assert any(line.startswith("DEBUG hetflow.library W0000 ") and "PredictCost" in line for line in passed), passed
     assert "DEBUG hetflow.library Generating splits: 3/3" in passed
     assert not [line for line in passed if line.startswith(("ERROR", "WARNING"))], passed
 

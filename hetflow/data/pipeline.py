@@ -33,7 +33,14 @@ def _without_autotuning_thread(examples: tf.data.Dataset) -> tf.data.Dataset:
 
 
 def _load(dataset: DatasetRecord, split: str) -> tf.data.Dataset:
-    return _prepared(dataset.prepared_dir).as_dataset(split=split, as_supervised=True, shuffle_files=False)
+    # Without TFDS's own cache of small datasets: the inputs here cache what they read themselves,
+    # and a part of a split (a worker's validation examples) read through TFDS's cache left it
+    # unfinished, which TensorFlow warns about and throws away. as_dataset is left to run as it is
+    # where a strategy traces the input (parameter_server's per-worker datasets): AutoGraph cannot
+    # convert a wrapt-decorated method and warns that it will not.
+    as_dataset = tf.autograph.experimental.do_not_convert(_prepared(dataset.prepared_dir).as_dataset)
+    read_config = tfds.ReadConfig(try_autocache=False)
+    return as_dataset(split=split, as_supervised=True, shuffle_files=False, read_config=read_config)
 
 
 def train_input(

@@ -6,7 +6,8 @@ many of them while a stage module is imported, MLflow's own log handler ("Create
 download and progress bars. The DAGs hook three callbacks onto every task: from
 ``capture_library_output`` (before the task body runs, imports included) a task process under
 Airflow (its file descriptor 2 is the supervisor's socket) writes stderr to an anonymous file; when
-the task ends, its lines are logged at DEBUG on ``hetflow.library`` (``log_library_output``), or,
+the task ends, its lines are logged at DEBUG on ``hetflow.library`` (``log_library_output``; none of
+TensorFlow's start-up notes and CUDA probing, ``hetflow.cluster.output_lines.startup_noise``), or,
 when it failed, its last lines at WARNING and then one ERROR line naming the task and the cause
 (``log_failure_headline``). Airflow calls the failure callback after logging the traceback, so that
 line ends the failed task's log. Elsewhere (``hetflow run`` already sends stderr to its log file; a
@@ -15,19 +16,20 @@ terminal) stderr is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import re
 import stat
-import sys
-import tempfile
-from typing import IO, Any
+from typing import Any
+
+from hetflow.cluster.output_lines import startup_noise, stderr_captured
 
 log = logging.getLogger("hetflow.library")
 
 TAIL_ON_FAILURE = 20  # lines shown at WARNING when the task failed
 
-_capture: tuple[int, IO[bytes]] | None = None  # (the real stderr, kept open; the file it goes to now)
+_capture: contextlib.ExitStack | None = None  # while stderr goes to a file
+_captured: list[str] = []  # what was written there, once it is given back
 
 
 def _stderr_is_a_socket() -> bool:
@@ -39,31 +41,23 @@ def _stderr_is_a_socket() -> bool:
 
 def capture_library_output(context: Any = None) -> None:
     """``on_execute_callback``: from now on stderr goes to an anonymous file, under Airflow only."""
-    global _capture
+    global _capture, _captured
     if _capture is not None or not _stderr_is_a_socket():
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    capture = tempfile.TemporaryFile()
-    os.dup2(capture.fileno(), 2)
-    _capture = (saved, capture)
+    _capture = contextlib.ExitStack()
+    _captured = _capture.enter_context(stderr_captured())
 
 
 def _release() -> list[str]:
-    """Give stderr back; log what was captured at DEBUG and return its lines."""
+    """Give stderr back; log what was captured at DEBUG, less TensorFlow's start-up lines that say
+    nothing to act on (a stage computes on whatever devices there are: its probing for CUDA on a
+    machine without one is among them), and return those lines."""
     global _capture
     if _capture is None:
         return []
-    saved, capture = _capture
+    _capture.close()
     _capture = None
-    sys.stderr.flush()
-    os.dup2(saved, 2)
-    os.close(saved)
-    capture.seek(0)
-    # Progress bars redraw their line with carriage returns: every state is its own line here.
-    lines = [line.strip() for line in re.split(r"[\r\n]+", capture.read().decode(errors="replace"))]
-    capture.close()
-    lines = [line for line in lines if line]
+    lines = [line for line in _captured if not startup_noise(line)]
     for line in lines:
         log.debug("%s", line)
     return lines
