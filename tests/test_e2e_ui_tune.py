@@ -5,6 +5,7 @@ in Airflow's grid, the study's parent run in MLflow with its trials nested, both
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from urllib.parse import quote
 
@@ -28,6 +29,16 @@ def test_a_study_trains_its_trials_side_by_side_and_registers_the_best_one(
     # Both trials' replicas in run_study's one log, each line naming its trial.
     lines = [str(entry.get("event")) for entry in logs["run_study"]]
     assert all(any(line.startswith(f"[trial-{n} worker-0] ") for line in lines) for n in (0, 1)), lines[-20:]
+    # The study and its trials in words, figures rounded (not Python's dicts and 17-digit floats).
+    settings = [line for line in lines if re.match(r"trial \d+: ", line)]
+    assert len(settings) == 2 and all("{" not in line and "strategy=" in line for line in settings), settings
+    outcomes = [line for line in lines if re.match(r"trial \d+ complete: ", line)]
+    ended = (
+        r"trial \d complete: validation accuracy 0\.\d+ (reached \d+\.\d s after launch|not reached \(best 0\.\d{4}\))"
+    )
+    assert len(outcomes) == 2 and all(re.fullmatch(ended, line) for line in outcomes), outcomes
+    [study] = [str(e.get("event")) for e in logs["validate_study"] if str(e.get("event")).startswith("study: ")]
+    assert "{" not in study and " trials, 2 at a time, to validation accuracy " in study, study
 
     experiment = mlflow_client.get_experiment_by_name("hetflow").experiment_id
     (parent,) = mlflow_client.search_runs([experiment], f"tags.`airflow.run_id` = '{run_id}'")

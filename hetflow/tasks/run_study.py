@@ -14,7 +14,7 @@ from hetflow.pipeline.attempts import reported
 from hetflow.pipeline.interrupt import replicas_stopped_on_sigterm
 from hetflow.tuning import report
 from hetflow.tuning import study as tuning
-from hetflow.tuning.space import StudySpec
+from hetflow.tuning.space import StudySpec, settings_words
 from hetflow.tuning.trial import run_trial, trial_record
 
 log = logging.getLogger("hetflow.stages")
@@ -55,6 +55,9 @@ def run_study(run_id: str, airflow_url: str | None = None) -> dict[str, Any]:
         raise tuning.TrialFailed(f"no trial of the {len(trials)} run finished training: {paths.trials} says why")
     best = ranked[0]
     log.info(
-        "best: trial %d (%s), launch to target %s s", best["number"], best["params"], best["launch_to_target_seconds"]
+        "best: trial %d (%s), %s",
+        best["number"],
+        settings_words(best["params"]),
+        tuning.outcome_words(best, spec.target_accuracy),
     )
     return {"best_run_id": best["run_id"], "best_trial": best["number"], "trials": len(trials)}

@@ -9,7 +9,7 @@ from typing import Any
 
 from hetflow.paths import create_run_dir, write_record
 from hetflow.pipeline.attempts import reported
-from hetflow.tuning.space import parse_study
+from hetflow.tuning.space import parse_study, study_words
 
 log = logging.getLogger("hetflow.stages")
 
@@ -38,5 +38,5 @@ def validate_study(
         }
         name = f"study {run_id}"
         mlflow_run_url = live.open_named_run(paths, name, params, dag_id, run_id, airflow_url, time.time())
-    log.info("study: %s", study.model_dump())
+    log.info("study: %s", study_words(study))
     return {**study.model_dump(mode="json"), "mlflow_run_url": mlflow_run_url}

@@ -158,3 +158,26 @@ def parse_study(values: dict[str, Any]) -> StudySpec:
     if problems:
         raise SpecError(problems)
     return study
+
+
+def figure(value: Any) -> str:
+    """A value as a log line shows it: a float to 3 significant digits (``learning_rate=0.00314``)."""
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def settings_words(settings: dict[str, Any]) -> str:
+    """A trial's settings in a line: ``strategy=parameter_server, workers=2, learning_rate=0.00314``."""
+    return ", ".join(f"{key}={figure(value)}" for key, value in settings.items()) or "the base spec alone"
+
+
+def study_words(study: StudySpec) -> str:
+    """What a study searches, for what and within what, in a line."""
+    searched = [f"{key} {' or '.join(figure(option) for option in options)}" for key, options in study.choices.items()]
+    searched += [f"{key} from {figure(low)} to {figure(high)}" for key, (low, high) in study.ranges.items()]
+    at_once = f", {study.parallel_trials} at a time," if study.parallel_trials > 1 else ""
+    shared = f"; every trial with {settings_words(study.base)}" if study.base else ""
+    return (
+        f"{study.trials} trials{at_once} to validation accuracy {study.target_accuracy:g} within "
+        f"{study.budget_seconds} s, trying {'; '.join(searched) or 'the base spec alone'}{shared}; "
+        f"pruning {'on' if study.pruning else 'off'}, seed {study.seed}"
+    )

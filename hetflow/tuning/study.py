@@ -157,3 +157,15 @@ def check_trial_spec(values: dict[str, Any]) -> None:
         parse_spec(values)
     except SpecError as error:
         raise TrialFailed("; ".join(error.problems)) from None
+
+
+def outcome_words(record: dict[str, Any], target_accuracy: float) -> str:
+    """How a trial ended, in a line: its state, then the target reached and when, or why not."""
+    state, reason = record["state"], record["reason"]
+    if state != "complete":  # a pruned trial's reason starts "pruned at 15 s"
+        return reason if str(reason).startswith(state) else f"{state}: {reason}"
+    seconds = record["launch_to_target_seconds"]
+    if seconds is None:
+        best = record.get("best_accuracy", 0.0)
+        return f"complete: validation accuracy {target_accuracy:g} not reached (best {best:.4f})"
+    return f"complete: validation accuracy {target_accuracy:g} reached {seconds:.1f} s after launch"

@@ -15,7 +15,7 @@ import optuna
 from hetflow.paths import run_paths
 from hetflow.tuning import report
 from hetflow.tuning import study as tuning
-from hetflow.tuning.space import StudySpec
+from hetflow.tuning.space import StudySpec, settings_words
 
 log = logging.getLogger("hetflow.stages")
 # A trial's checks and data, one trial at a time (its cluster then trains beside the others'):
@@ -62,7 +62,7 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, study_id: str, airflow_url: 
     values = spec.trial_values(tuning.draw(trial, spec))
     trial_run = f"{study_id}.trial-{trial.number}"
     trial.set_user_attr("run_id", trial_run)
-    log.info("trial %d: %s", trial.number, trial.params)
+    log.info("trial %d: %s", trial.number, settings_words(trial.params))
     trial_paths = run_paths(trial_run)
     pruner = tuning.Pruner(trial, time.time())
     record: dict[str, Any] = {"state": "failed", "reason": None, "launch_to_target_seconds": None}
@@ -104,6 +104,4 @@ def run_trial(trial: optuna.Trial, spec: StudySpec, study_id: str, airflow_url: 
             trial.set_user_attr(key, value)
         if trial_paths.tracking.exists():
             report.end_trial(trial_paths, record)
-        log.info(
-            "trial %d %s: launch to target %s s", trial.number, record["state"], record["launch_to_target_seconds"]
-        )
+        log.info("trial %d %s", trial.number, tuning.outcome_words(record, spec.target_accuracy))
