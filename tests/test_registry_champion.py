@@ -21,6 +21,7 @@ from mlflow_hosts import _home
 from hetflow.records import CompressionRecord, DatasetRecord, EvaluationRecord, ExportRecord
 
 FINGERPRINT = "f" * 16  # every version was scored on the same prepared data: recorded accuracies count
+DIGITS = DatasetRecord.model_construct(fingerprint=FINGERPRINT, name="uci_digits", input_shape=[8, 8, 1], num_classes=10)
 
 
 def _new_registered_model(name: str, champion_accuracy: float, candidates: list[float], uri=None) -> list[str]:
@@ -76,7 +77,7 @@ def _gate(name: str, version: str, accuracy: float, log_dir: Path, ready=None) -
         RunSpec.from_values({"min_improvement": 0.001}),
         registered,
         accuracy,
-        DatasetRecord.model_construct(fingerprint=FINGERPRINT),
+        DIGITS,
         {"dataset.fingerprint": FINGERPRINT},
         checked,
         "report",
@@ -320,3 +321,39 @@ def test_a_champion_that_cannot_be_served_leaves_the_gate_undecided_not_won(hetf
     assert client.get_model_version(name, candidate).tags["gate"] == gate
     assert "- gate: undecided: champion v1 could not be served" in client.get_model_version(name, candidate).description
     assert champion._decided(client, version) is None  # a retry serves the champion again
+
+
+def test_a_champion_of_another_task_is_not_compared_and_the_gate_says_so_in_one_line(hetflow_env, tmp_path):
+    """Two image folders registered under one name: the champion was trained on 64x64 colour images
+    of another folder. Scoring it on this test split would serve it for minutes and compare two tasks."""
+    from hetflow.registry import champion
+    from hetflow.spec import RunSpec
+    from mlflow import MlflowClient
+
+    name = "two-folders"
+    [candidate] = _new_registered_model(name, 0.5, [0.99])
+    client = MlflowClient()
+    for key, value in {"dataset.name": "folder:/data/cats", "dataset.input_shape": "64x64x3", "dataset.classes": "10"}.items():
+        client.set_model_version_tag(name, "1", key, value)
+    checked = Future()
+    checked.set_result({"passed": True, "start_seconds": 1.0, "agreement": 1.0, "examples": 8,
+                        "max_logit_difference": 0.0, "latency_p50_ms": 1.0, "latency_p99_ms": 1.0,
+                        "latency_requests": 100})  # fmt: skip
+    other_data = DIGITS.model_copy(update={"fingerprint": "other"})  # not the champion's: it would be served
+    version = client.get_model_version(name, candidate)
+    model = champion.promote(
+        client, RunSpec.from_values({"min_improvement": 0.0}), version, 0.99, other_data, {}, checked, "report", "t",
+        tmp_path,
+    )  # fmt: skip
+
+    assert not model["promoted"] and model["aliases"] == ["candidate"]
+    assert model["gate"] == (
+        "not compared: champion v1 was trained for another task, dataset folder:/data/cats (this run: uci_digits), "
+        f"input shape 64x64x3 (this run: 8x8x1); version {candidate} stays candidate (give this data a "
+        "registered_model of its own)"
+    )
+    assert str(client.get_model_version_by_alias(name, champion.CHAMPION).version) == "1"
+    assert not list(tmp_path.glob("*champion.log"))  # the champion was not served
+    assert champion._decided(client, version) == model["gate"]  # a decision: a retry does not serve it either
+    description = client.get_model_version(name, candidate).description
+    assert description.splitlines()[0] == "Test accuracy 0.9900: stays candidate. Served check passed."

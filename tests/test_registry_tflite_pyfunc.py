@@ -15,12 +15,11 @@ np.save(sys.argv[3], np.asarray(model.predict(np.load(sys.argv[2]))))
 """
 
 
-def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_clean_process(tmp_path, monkeypatch):
-    import mlflow
+def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_clean_process(tmp_path):
     from hetflow.artifacts.predictors import tflite_predictor
     from hetflow.artifacts.tflite import to_tflite, weight_encoding
     from hetflow.models.architectures import build_model
-    from hetflow.registry.versions import log_tflite_model
+    from hetflow.registry import store, versions
 
     images = np.random.default_rng(0).integers(0, 256, size=(64, 8, 8, 1), dtype=np.uint8)
     model = build_model("mlp", [8, 8, 1], 10, seed=1)
@@ -34,14 +33,12 @@ def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_cl
     assert weight_encoding(path.read_bytes())["encoding"] == "sparse"
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    # This test's own store, for this test only (the environment is restored after it):
-    # mlflow.set_tracking_uri would leave it set for every later test of the session.
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    experiment = mlflow.MlflowClient(uri).create_experiment(
-        "sparse-tflite", artifact_location=(tmp_path / "artifacts").as_uri()
+    client = store.client(uri)
+    run = client.create_run(client.create_experiment("sparse-tflite", artifact_location=(tmp_path / "a").as_uri()))
+    versions.own_registered_model(client, "sparse-tflite", "sparse-tflite")
+    versions.register_version(
+        client, "sparse-tflite", run.info.run_id, "tflite_model", versions.tflite_saver(str(path), images, tflite_predictor(path))
     )
-    with mlflow.start_run(experiment_id=experiment):
-        log_tflite_model(str(path), "sparse-tflite", images, tflite_predictor(path))
     np.save(tmp_path / "images.npy", images)
     # A clean process: not the checkout, none of hetflow's environment (TF_USE_LEGACY_KERAS included).
     env = {key: value for key, value in os.environ.items() if key != "TF_USE_LEGACY_KERAS"}

@@ -123,7 +123,7 @@ def test_the_champions_load_and_predict_in_a_clean_process_that_never_imported_h
     np.testing.assert_allclose(np.asarray(logits[f"{MODEL}-tflite"]), tflite, atol=1e-6)
 
 
-def test_a_champion_scored_on_other_data_is_served_not_loaded(run, client, tmp_path):
+def test_a_champion_scored_on_other_data_is_served_not_loaded(run, client, hetflow_env, tmp_path):
     from hetflow.registry.champion import champion_accuracy
 
     champion = client.get_model_version_by_alias(MODEL, "champion")
@@ -131,38 +131,44 @@ def test_a_champion_scored_on_other_data_is_served_not_loaded(run, client, tmp_p
     # A recorded accuracy for other data does not count: the value comes from the served model.
     client.set_model_version_tag(MODEL, champion.version, "test_accuracy", "0.123")
     try:
-        score = champion_accuracy(client.get_model_version(MODEL, champion.version), dataset, tmp_path)
+        score = champion_accuracy(
+            client.get_model_version(MODEL, champion.version), dataset, tmp_path, hetflow_env["MLFLOW_TRACKING_URI"]
+        )
     finally:
         client.set_model_version_tag(MODEL, champion.version, "test_accuracy", champion.tags["test_accuracy"])
     assert score == pytest.approx(run["metrics"]["test_accuracy"], abs=1e-9)
     assert (tmp_path / f"{MODEL}-v{champion.version}-champion.log").exists()
 
 
-def _log_class_order_reversed(saved_model: Path, name: str, images: np.ndarray, predict):
+def _reversed_saver(saved_model: Path, images: np.ndarray, predict):
     """A deliberately broken model: serving_default's logits with the classes in reverse order
-    (versions.log_saved_model's stand-in; ``predict``, the exported model's logits, is unused)."""
-    import tensorflow as tf
+    (versions.saved_model_saver's stand-in; ``predict``, the exported model's logits, is unused)."""
 
-    import mlflow
+    def save(path: Path, mlflow_model) -> None:
+        import tensorflow as tf
 
-    exported = tf.saved_model.load(str(saved_model))
-    serve = exported.signatures["serving_default"]
+        import mlflow
 
-    class Reversed(tf.Module):
-        def __init__(self):
-            super().__init__()
-            self.exported = exported
-            self.__call__ = tf.function(
-                lambda image: tf.reverse(serve(image=image)["logits"], axis=[1]),
-                input_signature=[serve.structured_input_signature[1]["image"]],
-            )
+        exported = tf.saved_model.load(str(saved_model))
+        serve = exported.signatures["serving_default"]
 
-    from mlflow.models import infer_signature
+        class Reversed(tf.Module):
+            def __init__(self):
+                super().__init__()
+                self.exported = exported
+                self.__call__ = tf.function(
+                    lambda image: tf.reverse(serve(image=image)["logits"], axis=[1]),
+                    input_signature=[serve.structured_input_signature[1]["image"]],
+                )
 
-    signature = infer_signature(images[:5], np.zeros((5, 10), np.float32))
-    return mlflow.tensorflow.log_model(
-        Reversed(), name="model", signature=signature, registered_model_name=name, pip_requirements=["tensorflow"]
-    )
+        from mlflow.models import infer_signature
+
+        signature = infer_signature(images[:5], np.zeros((5, 10), np.float32))
+        mlflow.tensorflow.save_model(
+            Reversed(), str(path), mlflow_model=mlflow_model, signature=signature, pip_requirements=["tensorflow"]
+        )
+
+    return save
 
 
 def test_a_served_model_that_disagrees_is_not_promoted_and_its_server_is_gone(run, client, monkeypatch, tmp_path):
@@ -177,7 +183,7 @@ def test_a_served_model_that_disagrees_is_not_promoted_and_its_server_is_gone(ru
     # min_improvement 0: the same accuracy as the champion passes the accuracy gate, so only the
     # served check can stop the float model.
     spec = RunSpec.from_values({**load_spec(paths).flat(), "min_improvement": 0.0})
-    monkeypatch.setattr(versions, "log_saved_model", _log_class_order_reversed)
+    monkeypatch.setattr(versions, "saved_model_saver", _reversed_saver)
     record = register_model(spec, paths, DatasetRecord.read(paths), "hetflow_train", "broken")
 
     float_model, tflite_model = record["models"]

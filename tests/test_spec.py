@@ -157,7 +157,7 @@ def test_params_are_generated_from_the_spec():
     params = airflow_params()
     assert tuple(params) == SPEC_KEYS
     for key, param in params.items():
-        assert param.value == RunSpec().flat()[key]
+        assert param.value == next(k for k in KEYS if k.short == key).field.default
         assert param.schema["description_md"], key
         assert next(k for k in KEYS if k.short == key).field.title, (
             f"{key} needs a title written for people (the form's label)"
@@ -276,3 +276,22 @@ def test_every_form_param_is_a_draft_07_schema_that_refuses_what_its_spec_key_re
     with pytest.raises(ValidationError):
         Draft7Validator(epochs.schema).validate(1001)
     assert epochs.resolve(7) == 7
+
+
+@pytest.mark.parametrize(
+    ("values", "registered"),
+    [
+        ({}, "hetflow-digits"),
+        ({"dataset": "synthetic_cifar"}, "hetflow-synthetic-cifar"),
+        ({"dataset": "mnist:3.0.1"}, "hetflow-mnist"),
+        ({"dataset": "folder:/data/my_images"}, "hetflow-my-images"),
+        ({"dataset": "folder:/data/my_images", "registered_model": "mine"}, "mine"),
+        ({"dataset": "folder:/data/my_images", "registered_model": None}, "hetflow-my-images"),
+    ],
+)
+def test_a_model_is_named_after_its_data_unless_the_spec_names_it(values, registered):
+    """Two runs on two image folders with no registered_model both registered as hetflow-digits, and the
+    second's gate compared its model with the first folder's champion."""
+    spec = RunSpec.from_values(values)  # the folder's checks, which need it to exist, are parse_spec's
+    assert spec.registry.model_name == registered
+    assert RunSpec.from_json(spec.model_dump_json()).registry.model_name == registered  # spec.json reads back

@@ -78,16 +78,15 @@ def ensure_mlflow_store() -> None:
     """Where the MLflow store is a SQLite file, create its tables and hetflow's experiment before the
     DAG runs, under an exclusive lock beside it: two first runs on an empty store both created them
     in their register stages, and one failed ("table evaluation_datasets already exists")."""
-    from hetflow.registry.store import ensure_experiment, tracking_uri
+    from hetflow.registry import store
 
-    uri = tracking_uri()
+    uri = store.tracking_uri()
     if not uri.startswith("sqlite:///"):
         return  # a tracking server serves concurrent clients itself
-    from mlflow import MlflowClient
 
     database = Path(uri.removeprefix("sqlite:///"))
     with _exclusive(database.with_name(f"{database.name}.hetflow-lock")):
-        ensure_experiment(MlflowClient(uri))
+        store.ensure_experiment(store.client(uri))
 
 
 @contextlib.contextmanager

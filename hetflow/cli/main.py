@@ -75,9 +75,9 @@ def _cmd_run(args) -> int:
         )
     if metrics.get("test_accuracy") is not None:
         print(f"  test accuracy   {metrics['test_accuracy']:.4f}")
-    if registry.get("gate"):
-        print(f"  registered      {registry['model_uri']} aliases={registry['aliases']}")
-        print(f"  gate            {registry['gate']}")
+    for model in registry.get("models") or []:  # the float model, then the TFLite one
+        print(f"  registered      {model['model_uri']} aliases={model['aliases']}")
+        print(f"  gate            {model['gate']}")
     if summary.get("mlflow_tracking_uri"):
         print(f"  MLflow          {summary['mlflow_tracking_uri']} run {summary['mlflow_run_id']}")
     if summary.get("auto"):
@@ -186,6 +186,18 @@ def _output_reader_gone() -> bool:
     return any(events & select.POLLERR for _, events in poller.poll(0))
 
 
+def _tools_write_under_home() -> None:
+    """What the libraries of a run would write into the user's home on first use goes under
+    HETFLOW_HOME, with everything else the run writes: Keras' config file and matplotlib's font cache.
+    MLflow's client would also record an installation id there and send usage telemetry from the
+    run's processes: off, unless the user set MLFLOW_DISABLE_TELEMETRY. What the user set stays. Set
+    before any thread starts, and inherited by every process of the run."""
+    tools = hetflow_home() / "tools"
+    os.environ.setdefault("KERAS_HOME", str(tools / "keras"))
+    os.environ.setdefault("MPLCONFIGDIR", str(tools / "matplotlib"))
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hetflow", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -202,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("-v", "--verbose", action="store_true", help="run: print the whole log, not the live view")
         command.set_defaults(handler=handler)
     args = parser.parse_args(argv)
+    _tools_write_under_home()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         return args.handler(args)

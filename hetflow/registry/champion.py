@@ -24,7 +24,7 @@ from mlflow.exceptions import MlflowException
 from hetflow.paths import hetflow_home
 from hetflow.records import DatasetRecord
 from hetflow.registry.registry_lock import RegistryLock, local_lock_identity
-from hetflow.registry.store import tracking_uri
+from hetflow.registry import store
 from hetflow.serving import server as serving
 from hetflow.spec import RunSpec
 from mlflow import MlflowClient
@@ -47,7 +47,7 @@ def promotion_lock(name: str, client: MlflowClient | None = None, purpose: str =
     records it), not the tracking URI's spelling. Then the lock in the registry itself
     (``registry_lock``), which also excludes other hosts and other homes; one left by a holder that
     died holding this same file's flock is taken over at once, others once their heartbeat stops."""
-    client = client or MlflowClient(tracking_uri())
+    client = client or store.client()
     created = client.get_registered_model(name).creation_timestamp
     key = hashlib.sha256(f"{name}\n{created}".encode()).hexdigest()[:16]
     path = hetflow_home() / "locks" / f"promote-{key}.lock"
@@ -69,13 +69,15 @@ def version_by_alias(client: MlflowClient, name: str, alias: str):
         return None
 
 
-def champion_accuracy(champion, dataset: DatasetRecord, log_dir: Path) -> float:
+def champion_accuracy(champion, dataset: DatasetRecord, log_dir: Path, registry: str) -> float:
     """The champion's test accuracy on *this* run's test split.
 
     Its recorded accuracy counts when it was measured on the same prepared data (same dataset
     fingerprint); otherwise the champion is served and scored on this test split over HTTP: it
     is never loaded in this process, where a registered model's code would run. Raises
     ``serving.ServingError`` when it cannot be served.
+
+    :param registry: the tracking URI of the registry the champion is in.
     """
     if champion.tags.get("dataset.fingerprint") == dataset.fingerprint:
         return float(champion.tags["test_accuracy"])
@@ -84,7 +86,7 @@ def champion_accuracy(champion, dataset: DatasetRecord, log_dir: Path) -> float:
     images, labels = split_arrays(dataset, "test")
     uri = f"models:/{champion.name}/{champion.version}"
     with serving.ModelServer(
-        uri, tracking_uri(), log_dir / f"{champion.name}-v{champion.version}-champion.log"
+        uri, registry, log_dir / f"{champion.name}-v{champion.version}-champion.log"
     ) as server:
         logits = server.predict(images)
     return float(np.mean(np.argmax(logits, axis=1) == labels))
@@ -121,7 +123,7 @@ def start_served_check(
     batch = images[: serving.CHECK_EXAMPLES]
     log_path = log_dir / f"{version.name}-v{version.version}.log"
     uri = f"models:/{version.name}/{version.version}"
-    return pool.submit(serving.served_check, uri, tracking_uri(), batch, predict(batch), log_path)
+    return pool.submit(serving.served_check, uri, client.tracking_uri, batch, predict(batch), log_path)
 
 
 def _decided(client: MlflowClient, version) -> str | None:
@@ -133,6 +135,61 @@ def _decided(client: MlflowClient, version) -> str | None:
         return "already champion (task retried)"
     gate_recorded = recorded.get("gate")
     return None if gate_recorded is not None and gate_recorded.startswith(UNDECIDED) else gate_recorded
+
+
+def task_difference(champion, dataset: DatasetRecord) -> str | None:
+    """How the task the champion was trained for differs from this run's (another dataset, input
+    shape or number of classes), one phrase; None for the same task, whatever its data's version."""
+    ours = {"dataset": dataset.name, "input shape": input_shape_tag(dataset), "classes": str(dataset.num_classes)}
+    theirs = {"dataset": "dataset.name", "input shape": "dataset.input_shape", "classes": "dataset.classes"}
+    differ = [
+        f"{what} {champion.tags[tag]} (this run: {ours[what]})"
+        for what, tag in theirs.items()
+        if tag in champion.tags and champion.tags[tag] != ours[what]  # versions of older hetflows lack some
+    ]
+    return ", ".join(differ) or None
+
+
+def input_shape_tag(dataset: DatasetRecord) -> str:
+    return "x".join(map(str, dataset.input_shape))
+
+
+def _compare(client: MlflowClient, version, accuracy: float, dataset: DatasetRecord, log_dir: Path):
+    """The champion under the lock, its score on this run's test split (None: not scored) and what the
+    candidate was compared with, or why it could not be, in one line each."""
+    champion = version_by_alias(client, version.name, CHAMPION)
+    if champion is None:
+        return None, None, "no champion yet", None
+    other_task = task_difference(champion, dataset)
+    if other_task is not None:  # a decision, not a failure to decide: a retry would find the same
+        why = (
+            f"not compared: champion v{champion.version} was trained for another task, {other_task}; version "
+            f"{version.version} stays candidate (give this data a registered_model of its own)"
+        )
+        return champion, None, why, None
+    try:
+        score = champion_accuracy(champion, dataset, log_dir, client.tracking_uri)
+    except (serving.ServingError, OSError) as error:
+        unscored = " ".join(  # one line: the error may end with the server's log
+            f"champion v{champion.version} could not be served to score it on this test split, "
+            f"so version {version.version} stays candidate: {error}".split()
+        )
+        return champion, None, unscored, unscored
+    return champion, score, f"champion v{champion.version} {score:.4f} (margin {accuracy - score:+.4f})", None
+
+
+def _decide(spec: RunSpec, client: MlflowClient, version, accuracy: float, dataset: DatasetRecord, served, log_dir):
+    """Under the promotion lock: the gate's decision, and what the candidate was compared with."""
+    champion, score, versus, unscored = _compare(client, version, accuracy, dataset, log_dir)
+    if not served["passed"]:
+        decision = {"promote": False, "reason": f"served check failed: {served['reason']}"}
+    elif unscored is not None:  # nothing was compared: a failure to decide, not a win
+        decision = {"promote": False, "reason": f"{UNDECIDED}: {unscored}"}
+    elif champion is not None and score is None:  # another task's champion
+        decision = {"promote": False, "reason": versus}
+    else:
+        decision = gate(spec, accuracy, champion, score)
+    return decision, versus
 
 
 def promote(
@@ -154,51 +211,28 @@ def promote(
     for key, value in {**tags, "test_accuracy": repr(accuracy)}.items():
         client.set_model_version_tag(name, version.version, key, value)
     client.set_registered_model_alias(name, CANDIDATE, version.version)
-    champion = version_by_alias(client, name, CHAMPION)
-    is_champion = champion is not None and champion.version == version.version
     # A retried task finds the gate already applied to this version: its decision stands.
-    decided = _decided(client, version)
+    decided, served_record = _decided(client, version), log_dir / f"{name}-v{version.version}.served.json"
     if decided is not None:
-        decision = {"promote": is_champion, "reason": decided}
-        recorded = client.get_model_version(name, version.version).tags
-        served = json.loads(recorded["served"]) if "served" in recorded else None
+        champion = version_by_alias(client, name, CHAMPION)
+        decision = {"promote": champion is not None and champion.version == version.version, "reason": decided}
+        served = json.loads(served_record.read_text()) if served_record.exists() else None
     else:
         served = check.result()  # the candidate's own check, independent of the champion: outside the lock
         with promotion_lock(name, client, f"deciding whether version {version.version} becomes champion") as held:
             # Read again under the lock: another run may have moved `champion` since the read above,
             # and none can move it between this read and our set.
-            champion = version_by_alias(client, name, CHAMPION)
-            versus, score, unscored = "no champion yet", None, None
-            if champion is not None:
-                try:
-                    score = champion_accuracy(champion, dataset, log_dir)
-                    versus = f"champion v{champion.version} {score:.4f} (margin {accuracy - score:+.4f})"
-                except (serving.ServingError, OSError) as error:
-                    unscored = " ".join(  # one line: the error may end with the server's log
-                        f"champion v{champion.version} could not be served to score it on this test split, "
-                        f"so version {version.version} stays candidate: {error}".split()
-                    )
-                    versus = unscored
-            if not served["passed"]:
-                decision = {"promote": False, "reason": f"served check failed: {served['reason']}"}
-            elif unscored is not None:  # nothing was compared: a failure to decide, not a win
-                decision = {"promote": False, "reason": f"{UNDECIDED}: {unscored}"}
-            else:
-                decision = gate(spec, accuracy, champion, score)
+            decision, versus = _decide(spec, client, version, accuracy, dataset, served, log_dir)
             if decision["promote"]:
                 held.confirm()  # a holder cut off from the registry long enough was taken over
                 client.set_registered_model_alias(name, CHAMPION, version.version)
-            # The decision is recorded under the lock too: a retry of this task must find it.
-            client.set_model_version_tag(name, version.version, "served", json.dumps(served))
+            # The decision is recorded under the lock too: a retry of this task must find it, and the
+            # check's figures (in the run's folder: the registry shows a reviewer the sentence).
+            served_record.write_text(json.dumps(served))
+            client.set_model_version_tag(name, version.version, "served", serving.describe(served)[:5000])
             client.set_model_version_tag(name, version.version, "gate", decision["reason"][:5000])
         client.update_model_version(
-            name,
-            version.version,
-            description=(
-                f"{report}\n- test accuracy: {accuracy:.4f} vs {versus}\n"
-                f"- served check: {serving.describe(served)}\n- gate: {decision['reason']}\n\n"
-                f"Compression (export.json):\n\n{table}"
-            ),
+            name, version.version, description=_description(report, accuracy, versus, served, decision, table)
         )
     log.info("%s gate: %s -> %s", name, decision["reason"], "champion" if decision["promote"] else "stays candidate")
     return {
@@ -210,3 +244,16 @@ def promote(
         "gate": decision["reason"],
         "served": served,
     }
+
+
+def _description(report: str, accuracy: float, versus: str, served, decision, table: str) -> str:
+    """The version's description. Its first line is what the registry's version list shows, cut: the
+    verdict and the figure, in plain words (no Markdown, which the list shows raw)."""
+    verdict = "champion" if decision["promote"] else "stays candidate"
+    return (
+        f"Test accuracy {accuracy:.4f}: {verdict}. Served check {'passed' if served['passed'] else 'failed'}.\n\n"
+        f"{report}\n"
+        f"- test accuracy: {accuracy:.4f} vs {versus}\n"
+        f"- served check: {serving.describe(served)}\n- gate: {decision['reason']}\n\n"
+        f"Compression (export.json):\n\n{table}"
+    )

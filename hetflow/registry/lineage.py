@@ -4,11 +4,12 @@ TensorBoard event files."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
-from mlflow.data.dataset_source_registry import resolve_dataset_source
+from mlflow.data.dataset_source_registry import get_dataset_source_from_json
 from mlflow.data.meta_dataset import MetaDataset
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.types import Schema, TensorSpec
@@ -32,7 +33,9 @@ def dataset_input(dataset: DatasetRecord) -> DatasetInput:
     )
     meta = MetaDataset(
         # A folder of images is its own source; a TFDS dataset's is its prepared copy under data_dir.
-        resolve_dataset_source(dataset.source_path),
+        # Named as the local path it is: resolving the path would find MLflow's two local sources
+        # (its "" and "file" schemes) and warn that it "can be interpreted in multiple ways".
+        get_dataset_source_from_json(json.dumps({"uri": dataset.source_path}), "local"),
         name=f"{dataset.name}@{dataset.version}",
         digest=dataset.fingerprint[:_DIGEST_CHARS],
         schema=schema,

@@ -82,7 +82,7 @@ def open_named_run(
     uri = store.tracking_uri()
     try:
         _check_answers(uri)
-        client = timing.TimedClient(MlflowClient(uri))
+        client = timing.TimedClient(store.client(uri))
         run_id = store.find_or_create_run(client, dag_id, airflow_run_id, name, started)
         tags = [RunTag("mlflow.source.type", "JOB"), RunTag("mlflow.source.name", f"Airflow DAG {dag_id}")]
         if airflow_url:
@@ -121,7 +121,7 @@ def _line(error: BaseException) -> str:
 def tracked_run(paths: RunPaths) -> tuple[MlflowClient, str] | None:
     """A client of the store and the MLflow run ``open_run`` recorded for this run directory, or None."""
     tracked = _tracked(paths)
-    return None if tracked is None else (MlflowClient(tracked["tracking_uri"]), tracked["mlflow_run_id"])
+    return None if tracked is None else (store.client(tracked["tracking_uri"]), tracked["mlflow_run_id"])
 
 
 def tracked_page(paths: RunPaths) -> str | None:
@@ -185,7 +185,7 @@ def live_run(paths: RunPaths) -> LiveRun | None:
         return None
     try:
         _check_answers(tracked["tracking_uri"])
-        client = MlflowClient(tracked["tracking_uri"])
+        client = store.client(tracked["tracking_uri"])
         client.update_run(tracked["mlflow_run_id"], status="RUNNING")
         return LiveRun(client, tracked["mlflow_run_id"])
     except _UNREACHABLE as error:
@@ -201,7 +201,7 @@ def mark_failed(run_dir: Path, stage: str, reason: str) -> None:
         return
     try:
         _check_answers(tracked["tracking_uri"])
-        client = timing.TimedClient(MlflowClient(tracked["tracking_uri"]))
+        client = timing.TimedClient(store.client(tracked["tracking_uri"]))
         run_id = tracked["mlflow_run_id"]
         if client.get_run(run_id).info.status == "FAILED":
             return

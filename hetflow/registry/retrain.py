@@ -67,10 +67,9 @@ def retrain_spec(registered_model: str, overrides: dict[str, Any]) -> dict[str, 
     from mlflow.exceptions import MlflowException
 
     from hetflow.registry.champion import CHAMPION
-    from hetflow.registry.store import tracking_uri
-    from mlflow import MlflowClient
+    from hetflow.registry import store
 
-    client = MlflowClient(tracking_uri())
+    client = store.client()
     try:
         champion = client.get_model_version_by_alias(registered_model, CHAMPION)
     except MlflowException:  # no such model, or no champion yet

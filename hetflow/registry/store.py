@@ -3,7 +3,6 @@ DAG run (found again by the Airflow run id, so a retried task creates no second 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -31,21 +30,13 @@ def tracking_uri() -> str:
     return os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{REPO_ROOT / 'mlflow' / 'mlflow.db'}"
 
 
-@contextlib.contextmanager
-def fluent_tracking_uri(uri: str):
-    """MLflow's fluent API (a flavor's log_model) reads the process's tracking URI and takes none as
-    a parameter: ``uri`` for the block, through MLFLOW_TRACKING_URI, which is as it was after.
-    Not mlflow.set_tracking_uri: it rewrites that variable too, and set back to None deletes it, so
-    that every later client of the process falls back to MLflow's default store."""
-    before = os.environ.get(TRACKING_URI_ENV)
-    os.environ[TRACKING_URI_ENV] = uri
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(TRACKING_URI_ENV, None)
-        else:
-            os.environ[TRACKING_URI_ENV] = before
+def client(uri: str | None = None) -> MlflowClient:
+    """A client of the store at ``uri`` (None: ``tracking_uri()``) for runs and the registry alike.
+    Given no registry URI, MLflow reads it from process-wide state (MLFLOW_REGISTRY_URI, then
+    MLFLOW_TRACKING_URI, then its default store in the working directory), which another thread may
+    be changing and which a user's shell need not set: every hetflow client names both."""
+    uri = uri or tracking_uri()
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def ensure_experiment(client: MlflowClient) -> str:
@@ -83,7 +74,7 @@ def runs_page(server_url: str, key_metrics: bool = False, store: str | None = No
     :param store: the tracking URI the experiment is in; None: ``tracking_uri()``.
     """
     try:
-        experiment_id = ensure_experiment(MlflowClient(store or tracking_uri()))
+        experiment_id = ensure_experiment(client(store))
     except MlflowException:  # a store that does not answer yet: the experiments' list, in the same view
         return f"{server_url}/#/experiments?{TRAINING_VIEW}"
     page = f"{server_url}/#/experiments/{experiment_id}/runs?{TRAINING_VIEW}"
@@ -97,7 +88,7 @@ def run_page(uri: str, run_id: str) -> str:
     web = ("http://", "https://")
     ui = os.environ.get(MLFLOW_UI_ENV) or uri
     if ui.startswith(web):
-        run = MlflowClient(uri).get_run(run_id)
+        run = client(uri).get_run(run_id)
         return f"{ui.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
     return f"run {run_id} in {uri}"
 

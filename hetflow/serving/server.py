@@ -98,6 +98,14 @@ def scoring_command(model_path: Path, port: int) -> tuple[list[str], dict[str, s
     return [str(Path(sys.executable).parent / program), *arguments], added
 
 
+def _name_and_version(model_uri: str) -> tuple[str, str]:
+    """``models:/NAME/VERSION``'s name and version."""
+    name, _, version = model_uri.removeprefix("models:/").rpartition("/")
+    if not name or not version.isdigit():
+        raise ServingError(f"{model_uri!r} is not models:/NAME/VERSION")
+    return name, version
+
+
 class _UnixHTTPConnection(http.client.HTTPConnection):
     """HTTP over the Unix socket that reaches a sandboxed server (see the module's doc)."""
 
@@ -192,14 +200,22 @@ class ModelServer:
     def _download(self) -> Path:
         """The version's files, copied into a temporary folder that ``stop()`` removes; nothing is loaded.
         The folder is its owner's only (mkdtemp's 0700): a registered model is not every local user's
-        to read. The sandbox still reads it: root's view recreates the folders above what it shows."""
+        to read. The sandbox still reads it: root's view recreates the folders above what it shows.
+
+        The version's files are found through a client of ``tracking_uri`` as registry: MLflow's
+        ``download_artifacts`` resolves a ``models:/`` URI in the process-wide registry whatever
+        registry it is given (``ModelsArtifactRepository``), so it is given the files' own location."""
         import mlflow
+
+        from hetflow.registry import store
 
         self._copy = Path(tempfile.mkdtemp(prefix="hetflow-served-"))
         (self._copy / "model").mkdir()  # beside it, the server's socket (see start)
         try:
+            name, version = _name_and_version(self.model_uri)
+            location = store.client(self.tracking_uri).get_model_version_download_uri(name, version)
             copy = mlflow.artifacts.download_artifacts(
-                self.model_uri, dst_path=str(self._copy / "model"), tracking_uri=self.tracking_uri
+                location, dst_path=str(self._copy / "model"), tracking_uri=self.tracking_uri
             )
         except Exception as error:  # MLflow raises its own kinds, and OSError
             raise ServingError(f"could not copy {self.model_uri} from the registry: {error}") from error

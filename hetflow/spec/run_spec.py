@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hetflow.cluster.backends import supports
 from hetflow.spec.cluster import ClusterSpec
@@ -26,6 +26,7 @@ from hetflow.spec.sections import (
     ModelSpec,
     RegistrySpec,
     TrainingSpec,
+    model_named_after,
 )
 
 
@@ -39,6 +40,21 @@ class RunSpec(BaseModel):
     compression: CompressionSpec = Field(default_factory=CompressionSpec)
     export: ExportSpec = Field(default_factory=ExportSpec)
     registry: RegistrySpec = Field(default_factory=RegistrySpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _model_named_after_its_data(cls, values: Any) -> Any:
+        """registered_model left empty: the dataset's name (``model_named_after``), in the spec every
+        stage and record reads, so that it is decided once."""
+        if not isinstance(values, dict):
+            return values
+        registry, data = values.get("registry") or {}, values.get("data") or {}
+        if not (isinstance(registry, dict) and isinstance(data, dict)) or registry.get("model_name") is not None:
+            return values
+        dataset = data.get("dataset", DataSpec.model_fields["dataset"].default)
+        if not isinstance(dataset, str):
+            return values  # the data section's own check names what is wrong
+        return {**values, "registry": {**registry, "model_name": model_named_after(dataset)}}
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> RunSpec:

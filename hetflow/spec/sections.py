@@ -6,6 +6,8 @@ fields (``problems``); checks across sections are RunSpec's.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -256,12 +258,23 @@ class ExportSpec(Section):
     )
 
 
+def model_named_after(dataset: str) -> str:
+    """The registered model a run on ``dataset`` registers into when the spec names none."""
+    if dataset == "uci_digits":
+        return "hetflow-digits"  # the name of every run before the default followed the data
+    name = Path(dataset.removeprefix("folder:")).name if dataset.startswith("folder:") else dataset.split(":")[0]
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-.") or "folder"
+    return f"hetflow-{slug}"[:100]
+
+
 class RegistrySpec(Section):
     model_config = ConfigDict(title="Registry")
 
-    model_name: str = spec_field(
-        "hetflow-digits",
-        "MLflow registered model name.",
+    model_name: str | None = spec_field(
+        None,
+        "MLflow registered model name (its TFLite model adds `-tflite`). Empty: named after the dataset, "
+        "`hetflow-digits` for uci_digits, `hetflow-NAME` for a TFDS dataset NAME or an image folder .../NAME, so "
+        "that models of different data do not share a champion.",
         short="registered_model",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
         title="Registered model",

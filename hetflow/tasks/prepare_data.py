@@ -65,13 +65,12 @@ def _checked_dataset(spec: RunSpec) -> str:
 def _trained_before(spec: RunSpec, key: str, run_id: str) -> TrainedBefore | None:
     if not spec.data.skip_unchanged:
         return None
-    from hetflow.registry.store import tracking_uri
+    from hetflow.registry import store
     from hetflow.registry.training_key import trained_before
-    from mlflow import MlflowClient
 
     try:
         with timing.part("mlflow_io"):
-            return trained_before(MlflowClient(tracking_uri()), spec.registry.model_name, key, run_id)
+            return trained_before(store.client(), spec.registry.model_name, key, run_id)
     except Exception as error:  # noqa: BLE001  (an unreachable server, two runs creating one SQLite store, ...)
         # Training is never skipped on a guess; register will say if MLflow is still away.
         log.warning("could not ask MLflow whether this training was done before (%s): training", error)

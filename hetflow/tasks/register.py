@@ -12,7 +12,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 from hetflow.artifacts.saved_model import save_serving_model
@@ -75,7 +75,7 @@ def register_model(
     # Where replicas write (the run directory's top): read as data, like the training record itself.
     evaluation = EvaluationRecord.read(paths)
     exported, compression = ExportRecord.read(paths), CompressionRecord.read(paths)
-    client = timing.TimedClient(MlflowClient(store.tracking_uri()))
+    client = timing.TimedClient(store.client())
     name, chosen = spec.registry.model_name, exported.chosen_tflite
     # Refused before anything is written to MLflow.
     for model_name in [name, f"{name}-tflite"] if chosen is not None else [name]:
@@ -97,7 +97,8 @@ def register_model(
         candidates = [
             registrar.candidate(
                 name,
-                lambda: versions.log_saved_model(paths.saved_model, name, images, float_predict),
+                "model",
+                versions.saved_model_saver(paths.saved_model, images, float_predict),
                 float_predict,
                 evaluation.test_accuracy,
                 tags,
@@ -111,7 +112,8 @@ def register_model(
             candidates.append(
                 registrar.candidate(
                     tflite_name,
-                    lambda: versions.log_tflite_model(artifact.path, tflite_name, images, tflite_predict),
+                    "tflite_model",
+                    versions.tflite_saver(artifact.path, images, tflite_predict),
                     tflite_predict,
                     artifact.test_accuracy,
                     {**tags, **tflite_tags},
@@ -149,6 +151,9 @@ def _version_tags_and_headline(
         "dataset.name": dataset.name,
         "dataset.version": dataset.version,
         "dataset.fingerprint": dataset.fingerprint,
+        # What the gate compares before accuracy: a champion of another task is not compared.
+        "dataset.input_shape": champion.input_shape_tag(dataset),
+        "dataset.classes": str(dataset.num_classes),
         TRAINING_KEY_TAG: dataset.training_key,
         "strategy": spec.cluster.strategy,
         "model": spec.model.architecture,
@@ -173,9 +178,16 @@ class _Registrar:
     log_dir: Path
 
     def candidate(
-        self, name: str, log_model: Callable[[], Any], predict, test_accuracy: float, tags: dict, report: str
+        self,
+        name: str,
+        artifact_name: str,
+        save: versions.SaveModel,
+        predict,
+        test_accuracy: float,
+        tags: dict,
+        report: str,
     ) -> Candidate:
-        version = versions.register_version(self.client, name, self.run_id, log_model)
+        version = versions.register_version(self.client, name, self.run_id, artifact_name, save)
         check = champion.start_served_check(self.pool, self.client, version, predict, self.images, self.log_dir)
         return Candidate(version, check, test_accuracy, tags, report)
 

@@ -1,0 +1,127 @@
+"""The README's first command as a new user runs it: `make run` in a fresh clone, with nothing of
+hetflow's or MLflow's in the environment (the rest of the suite sets HETFLOW_HOME and
+MLFLOW_TRACKING_URI for every test, so it never takes this path), and what the terminal and MLflow
+then show.
+
+The clone gets this checkout's uncommitted changes (what is tested is the tree as it is) and its
+wheelhouse, hard-linked: `make run` sets up its own virtualenv from it, but does not download the
+wheels a second time."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+MODELS = ("hetflow-digits", "hetflow-digits-tflite")  # the float model, then the TFLite one
+MAKE_RUN_TIMEOUT = 2400  # the venv's install (about 2 min here) and the defaults' 40 epochs
+
+
+def _clone(destination: Path) -> Path:
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(destination)], check=True)
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--modified", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout.split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        source, target = REPO / name, destination / name
+        if source.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+        else:  # deleted here, not committed yet
+            target.unlink(missing_ok=True)
+    wheelhouse = REPO / "build" / "wheelhouse"
+    if (wheelhouse / ".complete").exists():
+        (destination / "build").mkdir()
+        subprocess.run(["cp", "-al", str(wheelhouse), str(destination / "build" / "wheelhouse")], check=True)
+    return destination
+
+
+def _user_environment(home: Path) -> dict[str, str]:
+    """What a new user's shell holds: no HETFLOW_*, MLFLOW_*, AIRFLOW_* or virtualenv."""
+    return {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(home), "LANG": "C.UTF-8"}
+
+
+def _run_dirs() -> set[str]:
+    runs = REPO / ".hetflow" / "runs"
+    return {path.name for path in runs.iterdir()} if runs.exists() else set()
+
+
+class MakeRun:
+    """`make run` in a clone, each run's terminal kept."""
+
+    def __init__(self, root: Path):
+        self.clone = _clone(root / "hetflow")
+        self.home = root / "home"
+        self.home.mkdir()
+        self.checkout_runs = _run_dirs()
+
+    def __call__(self) -> subprocess.CompletedProcess:
+        done = subprocess.run(
+            ["make", "run"], cwd=self.clone, env=_user_environment(self.home),
+            capture_output=True, text=True, timeout=MAKE_RUN_TIMEOUT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        return done
+
+    def client(self):
+        from hetflow.registry import store
+
+        return store.client(f"sqlite:///{self.clone / 'mlflow' / 'mlflow.db'}")
+
+
+@pytest.fixture(scope="module")
+def make_run(tmp_path_factory) -> MakeRun:
+    return MakeRun(tmp_path_factory.mktemp("readme"))
+
+
+@pytest.fixture(scope="module")
+def first(make_run) -> subprocess.CompletedProcess:
+    return make_run()
+
+
+def registered_lines(terminal: str) -> dict[str, tuple[list[str], str]]:
+    """Each registered model's aliases and gate, as the summary at the end of the terminal says."""
+    found = re.findall(r"^  registered +models:/([\w-]+)/\d+ aliases=(\[.*\])\n  gate +(.+)$", terminal, re.MULTILINE)
+    return {name: (json.loads(aliases.replace("'", '"')), gate) for name, aliases, gate in found}
+
+
+def test_the_first_make_run_promotes_both_models_and_says_so(make_run, first):
+    terminal = first.stdout
+    summary = Path(terminal.strip().splitlines()[-1])
+    assert summary.is_relative_to(make_run.clone / ".hetflow" / "runs") and summary.name == "summary.json"
+    assert json.loads(summary.read_text())["status"] == "success"
+    assert registered_lines(terminal) == {name: (["candidate", "champion"], "no champion yet") for name in MODELS}
+    client = make_run.client()
+    for name in MODELS:
+        assert int(client.get_model_version_by_alias(name, "champion").version) == 1
+
+
+def test_the_first_make_run_writes_nothing_outside_the_clone(make_run, first):
+    assert (make_run.clone / "mlflow" / "mlflow.db").exists()
+    for default_store in ("mlflow.db", "mlruns"):  # MLflow's own default, relative to the working directory
+        assert not (make_run.clone / default_store).exists()
+    assert _run_dirs() == make_run.checkout_runs
+    # The home holds only what `make run`'s setup put there: pip's cache, as any pip install does.
+    assert {path.relative_to(make_run.home).parts[:2] for path in make_run.home.rglob("*")} <= {
+        (".cache",), (".cache", "pip")
+    }
+
+
+@pytest.mark.heavy
+def test_a_second_make_run_compares_with_both_champions_and_says_why(make_run, first):
+    gates = registered_lines(make_run().stdout)
+    assert set(gates) == set(MODELS)
+    for name, (aliases, gate) in gates.items():
+        assert "candidate" in aliases
+        # The same data: the champion's recorded accuracy is compared, and the margin said.
+        assert re.search(r"test accuracy \d\.\d{4} (beats|does not beat) champion v1 \(\d\.\d{4}\) by .* margin", gate), gate
+        assert ("champion" in aliases) == (" beats champion" in gate)
+    assert not (make_run.clone / "mlflow.db").exists()
