@@ -56,9 +56,17 @@ from report import busy_cores, other_work_line, save  # bench/report.py: the scr
 from run import machine_facts, shown
 from throughput_cases import BIN, REPO_ROOT
 
+from hetflow.pipeline.timing import PARTS
+
 AIM_IMPORTS = 3  # the aim: the command less its training, at most this many TensorFlow imports
 STAGES_AFTER_TRAINING = ("evaluate", "compress", "export", "register", "summarize")
-PARTS = ("mlflow_io", "work")
+_PART_NAMES = {
+    "mlflow_io": "MLflow I/O",
+    "serving": "model servers",
+    "fine_tuning": "fine-tuning",
+    "tflite_conversion": "TFLite conversion",
+    "work": "work",
+}
 
 
 def measure(command: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -147,6 +155,7 @@ def markdown(report: dict[str, Any]) -> str:
     machine, runs = report["machine"], report["runs"]
     middle = median_run(runs)
     result = middle["figures"]
+    parts = list(result["parts"])  # as the results file holds them: older ones have MLflow I/O and work only
     ratios = [headline(run)["imports"] for run in runs]
     met = headline(middle)["imports"] <= AIM_IMPORTS
     airflow_own = result["before_dag_seconds"] + result["airflow_seconds"]
@@ -197,19 +206,18 @@ def markdown(report: dict[str, Any]) -> str:
         f"| training (the replicas' whole job, launch to final weights) | {result['training_seconds']:.1f} |",
         f"| DAG wall time − training | {result['fixed_overhead_seconds']:.1f} |",
         "",
-        "Where the DAG's wall time went, per stage (wall = MLflow I/O + work):",
+        f"Where the DAG's wall time went, per stage (wall = {' + '.join(_PART_NAMES[p] for p in parts)}):",
         "",
-        "| stage | wall | MLflow I/O | work |",
-        "|---|---:|---:|---:|",
+        f"| stage | wall | {' | '.join(_PART_NAMES[p] for p in parts)} |",
+        f"|---|---:|{'---:|' * len(parts)}",
     ]
     for stage, timing in result["stages"].items():
-        lines.append(f"| {stage} | {timing['wall']:.1f} | {timing['mlflow_io']:.1f} | {timing['work']:.1f} |")
-    parts = result["parts"]
+        lines.append(f"| {stage} | {timing['wall']:.1f} | {' | '.join(f'{timing[p]:.1f}' for p in parts)} |")
     in_stages = sum(timing["wall"] for timing in result["stages"].values())
     lines += [
-        f"| all stages | {in_stages:.1f} | {parts['mlflow_io']:.1f} | {parts['work']:.1f} |",
+        f"| all stages | {in_stages:.1f} | {' | '.join(f'{seconds:.1f}' for seconds in result['parts'].values())} |",
         f"| Airflow, outside every stage (of it before the first: "
-        f"{result['airflow_before_first_stage_seconds']:.1f}) | {result['airflow_seconds']:.1f} | | |",
+        f"{result['airflow_before_first_stage_seconds']:.1f}) | {result['airflow_seconds']:.1f} |{' |' * len(parts)}",
         "",
     ]
     lines += [

@@ -46,7 +46,11 @@ def _clone(destination: Path) -> Path:
 
 def _user_environment(home: Path) -> dict[str, str]:
     """What a new user's shell holds: no HETFLOW_*, MLFLOW_*, AIRFLOW_* or virtualenv."""
-    return {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(home), "LANG": "C.UTF-8"}
+    return {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+    }
 
 
 def _run_dirs() -> set[str]:
@@ -111,7 +115,8 @@ def test_the_first_make_run_writes_nothing_outside_the_clone(make_run, first):
     assert _run_dirs() == make_run.checkout_runs
     # The home holds only what `make run`'s setup put there: pip's cache, as any pip install does.
     assert {path.relative_to(make_run.home).parts[:2] for path in make_run.home.rglob("*")} <= {
-        (".cache",), (".cache", "pip")
+        (".cache",),
+        (".cache", "pip"),
     }
 
 
@@ -122,6 +127,8 @@ def test_a_second_make_run_compares_with_both_champions_and_says_why(make_run, f
     for name, (aliases, gate) in gates.items():
         assert "candidate" in aliases
         # The same data: the champion's recorded accuracy is compared, and the margin said.
-        assert re.search(r"test accuracy \d\.\d{4} (beats|does not beat) champion v1 \(\d\.\d{4}\) by .* margin", gate), gate
+        assert re.search(
+            r"test accuracy \d\.\d{4} (beats|does not beat) champion v1 \(\d\.\d{4}\) by .* margin", gate
+        ), gate
         assert ("champion" in aliases) == (" beats champion" in gate)
     assert not (make_run.clone / "mlflow.db").exists()

@@ -17,8 +17,8 @@ import pytest
 from conftest import REPO
 
 from hetflow.paths import RunPaths
+from hetflow.pipeline.timing import PARTS
 
-PARTS = ("mlflow_io", "work")
 # The interpreter's own, taken before any hetflow module is imported.
 _ORIGINAL_IMPORT, _ORIGINAL_IMPORT_MODULE = builtins.__import__, importlib.import_module
 

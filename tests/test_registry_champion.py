@@ -21,7 +21,9 @@ from mlflow_hosts import _home
 from hetflow.records import CompressionRecord, DatasetRecord, EvaluationRecord, ExportRecord
 
 FINGERPRINT = "f" * 16  # every version was scored on the same prepared data: recorded accuracies count
-DIGITS = DatasetRecord.model_construct(fingerprint=FINGERPRINT, name="uci_digits", input_shape=[8, 8, 1], num_classes=10)
+DIGITS = DatasetRecord.model_construct(
+    fingerprint=FINGERPRINT, name="uci_digits", input_shape=[8, 8, 1], num_classes=10
+)
 
 
 def _new_registered_model(name: str, champion_accuracy: float, candidates: list[float], uri=None) -> list[str]:
@@ -333,7 +335,11 @@ def test_a_champion_of_another_task_is_not_compared_and_the_gate_says_so_in_one_
     name = "two-folders"
     [candidate] = _new_registered_model(name, 0.5, [0.99])
     client = MlflowClient()
-    for key, value in {"dataset.name": "folder:/data/cats", "dataset.input_shape": "64x64x3", "dataset.classes": "10"}.items():
+    for key, value in {
+        "dataset.name": "folder:/data/cats",
+        "dataset.input_shape": "64x64x3",
+        "dataset.classes": "10",
+    }.items():
         client.set_model_version_tag(name, "1", key, value)
     checked = Future()
     checked.set_result({"passed": True, "start_seconds": 1.0, "agreement": 1.0, "examples": 8,

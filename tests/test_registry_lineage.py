@@ -19,5 +19,7 @@ def test_the_dataset_source_is_its_local_path_and_resolving_it_warns_of_nothing(
         warnings.simplefilter("error")
         logged = dataset_input(dataset).dataset
     assert (logged.name, logged.source_type, json.loads(logged.source)) == (
-        "uci_digits@1.0.0", "local", {"uri": str(tmp_path)}
+        "uci_digits@1.0.0",
+        "local",
+        {"uri": str(tmp_path)},
     )

@@ -37,7 +37,11 @@ def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_cl
     run = client.create_run(client.create_experiment("sparse-tflite", artifact_location=(tmp_path / "a").as_uri()))
     versions.own_registered_model(client, "sparse-tflite", "sparse-tflite")
     versions.register_version(
-        client, "sparse-tflite", run.info.run_id, "tflite_model", versions.tflite_saver(str(path), images, tflite_predictor(path))
+        client,
+        "sparse-tflite",
+        run.info.run_id,
+        "tflite_model",
+        versions.tflite_saver(str(path), images, tflite_predictor(path)),
     )
     np.save(tmp_path / "images.npy", images)
     # A clean process: not the checkout, none of hetflow's environment (TF_USE_LEGACY_KERAS included).

@@ -75,11 +75,19 @@ def test_a_good_run_serves_both_models_with_agreement_1_and_promotes_them(run, c
         assert "- test accuracy: " in description and " vs no champion yet" in description
         assert "- served check: passed: " in description and "agreement 1.0000" in description
         assert "- gate: no champion yet" in description
+        assert description.startswith("Test accuracy ") and ": champion. Served check passed.\n" in description
+        # What a reviewer reads in the version's tags: the check's sentence, not its record.
+        tags = client.get_model_version(model["model_name"], str(model["version"])).tags
+        assert tags["served"].startswith("passed: MLflow's model server up in") and "pgid" not in tags["served"]
         for name, artifact in exported["artifacts"].items():  # the compression table, one row per artifact
             row = rf"^{name} +{artifact['bytes']} +{artifact['gzip_bytes']} +{artifact['test_accuracy']:.4f} "
             assert re.search(row, description, re.MULTILINE), description
     artifacts = {a.path for a in client.list_artifacts(run["mlflow_run_id"], "serving")}
-    assert artifacts == {f"serving/{MODEL}-v1.log", f"serving/{MODEL}-tflite-v1.log"}
+    # Each server's log, and each check's figures (a retried register task reads them back).
+    logged = {
+        f"serving/{name}-v1{suffix}" for name in (MODEL, f"{MODEL}-tflite") for suffix in (".log", ".served.json")
+    }
+    assert artifacts == logged
 
 
 _LOAD_CHAMPIONS = """

@@ -27,6 +27,7 @@ from hetflow.data.pipeline import split_arrays, train_input
 from hetflow.models.architectures import compile_model
 from hetflow.models.fine_tuning import Recovery, fine_tune
 from hetflow.models.schedule import make_optimizer
+from hetflow.pipeline import timing
 from hetflow.records import DatasetRecord
 from hetflow.replica.training_json import TrainingRecord
 from hetflow.spec import RunSpec
@@ -239,7 +240,8 @@ def int8_file(
         max_steps=max_steps,
         check_every=max(1, max_steps // (2 * CHECKS_PER_RAMP)),
     )
-    aware, fine_tuning = quantization_aware(model, spec, dataset, recovery)
+    with timing.part("fine_tuning"):
+        aware, fine_tuning = quantization_aware(model, spec, dataset, recovery)
     data = to_tflite(aware, "int8", representative, sparse=sparse)
     choice |= {
         "quantization_aware_steps": fine_tuning["steps"],

@@ -16,8 +16,10 @@ import functools
 import time
 from typing import Any, Iterator
 
-# The parts of a stage's wall time, as its receipt records them (``work``: the rest).
-PARTS = ("mlflow_io", "work")
+# The parts of a stage's wall time, as its receipt records them: MLflow I/O; waiting on model
+# servers (register's served checks, a champion scored on other data); fine-tuning (compress's
+# pruning and quantization-aware training); TFLite conversion; ``work``, the rest.
+PARTS = ("mlflow_io", "serving", "fine_tuning", "tflite_conversion", "work")
 
 _current: contextvars.ContextVar[StageClock | None] = contextvars.ContextVar("stage_clock", default=None)
 
@@ -28,7 +30,7 @@ class StageClock:
     def __init__(self) -> None:
         self.started_at = time.time()
         self._started = time.perf_counter()
-        self.seconds = {"mlflow_io": 0.0}
+        self.seconds = {part: 0.0 for part in PARTS if part != "work"}
         self._open: list[list[Any]] = []  # [part, since]: the innermost part is the one counting
 
     def enter(self, part: str) -> None:

@@ -22,9 +22,10 @@ import numpy as np
 from mlflow.exceptions import MlflowException
 
 from hetflow.paths import hetflow_home
+from hetflow.pipeline import timing
 from hetflow.records import DatasetRecord
-from hetflow.registry.registry_lock import RegistryLock, local_lock_identity
 from hetflow.registry import store
+from hetflow.registry.registry_lock import RegistryLock, local_lock_identity
 from hetflow.serving import server as serving
 from hetflow.spec import RunSpec
 from mlflow import MlflowClient
@@ -85,9 +86,10 @@ def champion_accuracy(champion, dataset: DatasetRecord, log_dir: Path, registry:
 
     images, labels = split_arrays(dataset, "test")
     uri = f"models:/{champion.name}/{champion.version}"
-    with serving.ModelServer(
-        uri, registry, log_dir / f"{champion.name}-v{champion.version}-champion.log"
-    ) as server:
+    with (
+        timing.part("serving"),
+        serving.ModelServer(uri, registry, log_dir / f"{champion.name}-v{champion.version}-champion.log") as server,
+    ):
         logits = server.predict(images)
     return float(np.mean(np.argmax(logits, axis=1) == labels))
 
@@ -218,7 +220,8 @@ def promote(
         decision = {"promote": champion is not None and champion.version == version.version, "reason": decided}
         served = json.loads(served_record.read_text()) if served_record.exists() else None
     else:
-        served = check.result()  # the candidate's own check, independent of the champion: outside the lock
+        with timing.part("serving"):
+            served = check.result()  # the candidate's own check, independent of the champion: outside the lock
         with promotion_lock(name, client, f"deciding whether version {version.version} becomes champion") as held:
             # Read again under the lock: another run may have moved `champion` since the read above,
             # and none can move it between this read and our set.

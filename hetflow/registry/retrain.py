@@ -66,8 +66,8 @@ def retrain_spec(registered_model: str, overrides: dict[str, Any]) -> dict[str, 
     validated; the defaults when there is no champion yet."""
     from mlflow.exceptions import MlflowException
 
-    from hetflow.registry.champion import CHAMPION
     from hetflow.registry import store
+    from hetflow.registry.champion import CHAMPION
 
     client = store.client()
     try:

@@ -10,7 +10,7 @@ import logging
 import tempfile
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 from mlflow.entities import LoggedModelOutput, LoggedModelStatus
@@ -96,8 +96,15 @@ def register_version(client: MlflowClient, name: str, run_id: str, artifact_name
         try:
             with tempfile.TemporaryDirectory(prefix="hetflow-model-") as folder:
                 local = Path(folder) / "model"
-                save(local, Model(artifact_path=logged.artifact_location, model_uuid=logged.model_id,
-                                  run_id=run_id, model_id=logged.model_id))
+                save(
+                    local,
+                    Model(
+                        artifact_path=logged.artifact_location,
+                        model_uuid=logged.model_id,
+                        run_id=run_id,
+                        model_id=logged.model_id,
+                    ),
+                )
                 client.log_model_artifacts(logged.model_id, str(local))
         except BaseException:
             client.finalize_logged_model(logged.model_id, LoggedModelStatus.FAILED)
@@ -106,7 +113,9 @@ def register_version(client: MlflowClient, name: str, run_id: str, artifact_name
         client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
         # The files' location, not ``models:/<model id>``: MLflow's SQL registry resolves that through
         # the process-wide tracking URI, in whichever store that names.
-        return client.create_model_version(name, source=logged.artifact_location, run_id=run_id, model_id=logged.model_id)
+        return client.create_model_version(
+            name, source=logged.artifact_location, run_id=run_id, model_id=logged.model_id
+        )
 
 
 def saved_model_saver(saved_model: Path, images: np.ndarray, predict: Callable[[np.ndarray], np.ndarray]) -> SaveModel:

@@ -206,7 +206,6 @@ class ModelServer:
         ``download_artifacts`` resolves a ``models:/`` URI in the process-wide registry whatever
         registry it is given (``ModelsArtifactRepository``), so it is given the files' own location."""
         import mlflow
-
         from hetflow.registry import store
 
         self._copy = Path(tempfile.mkdtemp(prefix="hetflow-served-"))

@@ -19,7 +19,7 @@ from hetflow.spec.cluster import ClusterSpec
 from hetflow.spec.keys import Key, walk
 from hetflow.spec.messages import SpecError, invalid_line, unknown_key_line
 from hetflow.spec.sections import (
-    MODEL_LAYERS,
+    MODEL_WEIGHTED_LAYERS,
     CompressionSpec,
     DataSpec,
     ExportSpec,
@@ -118,13 +118,13 @@ class RunSpec(BaseModel):
                 f"batch_size={training.batch_size} is invalid with {cluster.replicas_in_sync} replicas in sync: "
                 f"expected a multiple of {cluster.replicas_in_sync} (every replica gets an equal share)"
             )
-        layers, workers = MODEL_LAYERS[self.model.architecture], cluster.worker.replicas
+        weighted, workers = MODEL_WEIGHTED_LAYERS[self.model.architecture], cluster.worker.replicas
         stages = ("workers", workers) if workers > 1 else ("devices_per_worker", cluster.worker_device(0).count)
-        if cluster.strategy == "model_parallel" and stages[1] > layers:
+        if cluster.strategy == "model_parallel" and stages[1] > weighted:
             problems.append(
                 f"{stages[0]}={stages[1]} is invalid with strategy=model_parallel and "
-                f"model={self.model.architecture}: expected at most {layers} (one layer group of its {layers} layers "
-                f"per {'worker' if workers > 1 else 'device'})"
+                f"model={self.model.architecture}: expected at most {weighted} (the model has {weighted} layers with "
+                f"weights; {stages[1]} stages cannot each hold some)"
             )
         if cluster.strategy == "model_parallel" and cluster.micro_batches > training.batch_size:
             problems.append(

@@ -134,8 +134,9 @@ def data_location_problems(data: DataSpec) -> list[str]:
     return problems
 
 
-# The layers of each model (``hetflow.models.architectures.layer_chain``): model_parallel's most stages.
-MODEL_LAYERS = {"mlp": 4, "cnn": 7, "convnet": 10, "wide_mlp": 8, "deep_mlp": 15}
+# The layers with weights of each model (``hetflow.models.architectures.layer_chain``): model_parallel's
+# most stages, each holding some of the model's variables.
+MODEL_WEIGHTED_LAYERS = {"mlp": 2, "cnn": 4, "convnet": 6, "wide_mlp": 6, "deep_mlp": 13}
 
 
 class ModelSpec(Section):

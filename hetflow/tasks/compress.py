@@ -43,6 +43,7 @@ from hetflow.artifacts.compression import (
 from hetflow.artifacts.tflite import SPARSE_ENCODABLE, representative_images, to_tflite, weight_encoding
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, run_paths
+from hetflow.pipeline import timing
 from hetflow.pipeline.attempts import attempt, load_spec, reported
 from hetflow.records import CompressionRecord, DatasetRecord, TfliteVariant
 from hetflow.replica.training_json import TrainingRecord, read_training
@@ -74,7 +75,8 @@ def compress_model(
     bases = {"float": model}
     pruning: dict[str, Any] = {}  # the record's pruning fields: none without pruning
     if spec.compression.prune:
-        bases["pruned"], pruning = _prune(model, spec, paths, dataset, training)
+        with timing.part("fine_tuning"):
+            bases["pruned"], pruning = _prune(model, spec, paths, dataset, training)
     variants = {}
     if "tflite" in spec.export.formats:
         representative = representative_images(dataset, spec.training.seed)
@@ -84,14 +86,8 @@ def compress_model(
         for name, base, quantize in conversions:
             sparse = base == "pruned" and quantize in SPARSE_ENCODABLE
             path = paths.compressed / f"{name}.tflite"
-            choice = {}
-            if quantize == "int8":
-                # At most half the pruning fine-tuning's maximum: enough to recover in the case
-                # tests/test_tasks_compress_qat.py makes.
-                aware_steps = longest_fine_tuning(spec, training) // 2
-                data, choice = int8_file(bases[base], spec, dataset, aware_steps, sparse, path.with_suffix(".probe"))
-            else:
-                data = to_tflite(bases[base], quantize, representative, sparse=sparse)
+            with timing.part("tflite_conversion"):  # quantization-aware fine-tuning inside it counts as fine_tuning
+                data, choice = _convert(bases[base], spec, dataset, training, quantize, representative, sparse, path)
             path.write_bytes(data)
             variants[name] = TfliteVariant(
                 path=str(path),
@@ -106,6 +102,16 @@ def compress_model(
     )
     record.write(paths)
     return record
+
+
+def _convert(model, spec: RunSpec, dataset, training, quantize: str, representative, sparse: bool, path):
+    """The TFLite file of ``model`` at ``quantize``, and (int8) which quantization was shipped."""
+    if quantize != "int8":
+        return to_tflite(model, quantize, representative, sparse=sparse), {}
+    # At most half the pruning fine-tuning's maximum: enough to recover in the case
+    # tests/test_tasks_compress_qat.py makes.
+    aware_steps = longest_fine_tuning(spec, training) // 2
+    return int8_file(model, spec, dataset, aware_steps, sparse, path.with_suffix(".probe"))
 
 
 def _prune(
