@@ -7,7 +7,9 @@ those would fail only later, in the ``validate_spec`` task. This api-server midd
 the UI's trigger form sends too — and asks TFDS whether it knows the dataset's name, and answers
 HTTP 400 with one line per problem, the same lines ``hetflow validate`` prints, before any run is
 created. What needs the run's files or the network (a folder's images, whether a dataset can be
-downloaded, a backend's preflight) is validate_spec's, the run's first task.
+downloaded, a backend's preflight) is validate_spec's, the run's first task. A valid conf goes on
+with the numbers the form sends as text (it types every number field as text) as the numbers they
+spell, so the run's conf records ``"workers": 2``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from starlette.responses import JSONResponse
 
 from hetflow.data.prepare import name_problems
 from hetflow.spec import SpecError, parse_spec
+from hetflow.spec.form import numbers_as_numbers
 
 TRIGGER_PATHS = {"/api/v2/dags/hetflow_train/dagRuns"}
 DAG_ID = "hetflow_train"
@@ -44,6 +47,24 @@ def conf_problems(body: bytes) -> list[str]:
     except SpecError as error:
         return [f"invalid spec: {problem}" for problem in error.problems]
     return [f"invalid spec: {problem}" for problem in name_problems(spec.data.dataset)]
+
+
+def with_numbers_as_numbers(body: bytes) -> bytes:
+    """A valid trigger request's body with the conf's numbers typed as text (the form's) recorded as
+    the numbers they spell (``hetflow.spec.form.numbers_as_numbers``)."""
+    try:
+        request = json.loads(body or b"{}")
+    except ValueError:  # Airflow answers it itself
+        return body
+    conf = request.get("conf") if isinstance(request, dict) else None
+    if not isinstance(conf, dict):
+        return body
+    converted = numbers_as_numbers(conf)
+    return body if converted == conf else json.dumps({**request, "conf": converted}).encode()
+
+
+def _without_length(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(name, value) for name, value in headers if name.lower() != b"content-length"]
 
 
 class SpecCheckMiddleware:
@@ -92,6 +113,8 @@ class SpecCheckMiddleware:
         if problems:
             await JSONResponse({"detail": "\n".join(problems)}, status_code=400)(scope, receive, send)
             return
+        body = with_numbers_as_numbers(body)
+        scope = {**scope, "headers": [*_without_length(scope["headers"]), (b"content-length", str(len(body)).encode())]}
 
         replayed = False
 

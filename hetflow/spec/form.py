@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from typing import Any
 
 from hetflow.spec.messages import allowed_values, field_schema
@@ -22,13 +24,48 @@ def form_param(default: Any, **schema: Any):
     return Param(default, **schema, **{"$schema": SCHEMA_DRAFT})
 
 
-def typed_number(json_type: str, default: Any) -> dict[str, Any]:
-    """The schema of a number field typed as text. A number input shows NaN for a typed "-" and drops
-    typed letters: the field takes text ("string" first: Airflow's form draws a field for the first
-    type), which the server checks as typed ('epochs="-1" is invalid: ...'); a number sent as a
-    number still validates as one. The examples (the default) keep the form from drawing a field of
-    several types as a six-line JSON box."""
-    return {"type": ["string", json_type], "examples": [] if default is None else [default]}
+def typed_number(json_type: str) -> dict[str, Any]:
+    """The schema of a number field typed as text, as Airflow 3.3's form draws fields from a Param's
+    schema (its FieldSelector): a single number type is a number input, which shows NaN for a typed
+    "-" and drops typed letters; a field of several types without ``examples`` is a six-line JSON
+    box that re-parses what is typed at every key ("0.0" becomes "0"); one whose first type is
+    "string" and that has ``examples`` is a plain text input, with a datalist (a ▼ in Chromium) and
+    "Start typing to see options" even where the list is empty. So the field takes text ("string"
+    first) and an empty ``examples``; plugins/ui_theme.json hides the ▼ and that placeholder. The
+    server checks the text as typed ('epochs="-1" is invalid: ...') and records it as the number it
+    spells (``numbers_as_numbers``); a number sent as a number validates as one."""
+    return {"type": ["string", json_type], "examples": []}
+
+
+@functools.cache
+def _number_types() -> dict[str, str]:
+    """The JSON type of every number key, by the names a conf may use for it (short and dotted)."""
+    types = {}
+    for key in KEYS:
+        json_type = field_schema(key).get("type")
+        if json_type in ("integer", "number"):
+            types |= {key.short: json_type, key.dotted: json_type}
+    return types
+
+
+def numbers_as_numbers(conf: dict[str, Any]) -> dict[str, Any]:
+    """``conf`` with each number typed as text (the form sends "2" for Workers) as the number it
+    spells, as the spec reads it, so that the run's conf records 2 as a REST caller's does. Text
+    that spells no number of the key's type ("2.5" for an integer, "-", "ten") stays as typed: the
+    spec refuses it by name."""
+    converted = dict(conf)
+    for name, value in conf.items():
+        json_type = _number_types().get(name)
+        if json_type is None or not isinstance(value, str):
+            continue
+        try:
+            number = json.loads(value)
+        except ValueError:
+            continue
+        wanted = int if json_type == "integer" else (int, float)
+        if isinstance(number, wanted) and not isinstance(number, bool) and math.isfinite(number):
+            converted[name] = number
+    return converted
 
 
 def form_section(key) -> str:
@@ -52,7 +89,7 @@ def airflow_params() -> dict[str, Any]:
         if key.backends:
             description += f" Empty: {json.dumps(key.field.default)}."
         if json_type in ("integer", "number"):
-            typed = typed_number(json_type, key.field.default)
+            typed = typed_number(json_type)
             json_type = typed.pop("type")
             schema |= typed
         if schema.pop("nullable", False) or key.backends:

@@ -7,12 +7,37 @@ from typing import Any
 
 from hetflow.spec import KEYS
 from hetflow.spec.form import form_param, typed_number
-from hetflow.tuning.space import CHOICE_KEYS, RANGE_KEYS
+from hetflow.tuning.space import ALLOWED, CHOICE_KEYS, RANGE_KEYS
 
 _SPEC_KEY = {key.short: key for key in KEYS}
 DEFAULT_CHOICES = {"strategy": ["multi_worker_mirrored", "parameter_server"], "workers": [2]}
 DEFAULT_RANGES = {"learning_rate": [0.0005, 0.01]}
 DEFAULT_BASE = {"model": "mlp", "epochs": 15}
+# The study's own fields: (title, help, JSON type, default), titled and explained as the train form's are.
+_STUDY_FIELDS = {
+    "target_accuracy": ("Target accuracy", "The validation accuracy each trial races to.", "number", 0.9),
+    "trials": ("Trials", "How many trials the study runs.", "integer", 6),
+    "budget_seconds": (
+        "Time budget (seconds)",
+        "Wall time of the whole study, checked between trials: no trial starts after it.",
+        "integer",
+        3600,
+    ),
+    "parallel_trials": (
+        "Trials at once",
+        "Trials run side by side, each on a cluster of its own: more only where the backend has room for "
+        "them, since trials that share CPUs slow each other down and the study compares their times.",
+        "integer",
+        1,
+    ),
+    "base": (
+        "Every trial's spec",
+        "Spec keys every trial shares, as a JSON object of short names (as `--set` takes them), "
+        'e.g. `{"model": "mlp", "epochs": 15}`.',
+        "object",
+        DEFAULT_BASE,
+    ),
+}
 
 
 def tune_params() -> dict[str, Any]:
@@ -38,33 +63,11 @@ def tune_params() -> dict[str, Any]:
             description_md=f"{title}: `[low, high]` the study draws from (empty: the base spec's).",
             section="Search space",
         )
-    params["target_accuracy"] = form_param(
-        0.9, **typed_number("number", 0.9), description_md="Validation accuracy a trial races to.", section="Study"
-    )
-    params["trials"] = form_param(
-        6, **typed_number("integer", 6), description_md="Trials to run (1 to 200).", section="Study"
-    )
-    params["budget_seconds"] = form_param(
-        3600,
-        **typed_number("integer", 3600),
-        description_md="Wall time of the whole study (60 s to 7 days), checked between trials.",
-        section="Study",
-    )
-    params["parallel_trials"] = form_param(
-        1,
-        **typed_number("integer", 1),
-        description_md=(
-            "Trials run at once (1 to 8), each on a cluster of its own: more only where the backend has room "
-            "for them, since trials that share CPUs slow each other down and the study compares their times."
-        ),
-        section="Study",
-    )
-    params["base"] = form_param(
-        DEFAULT_BASE,
-        type="object",
-        description_md="Spec keys every trial shares (short names, as `--set` takes them).",
-        section="Study",
-    )
+    for name, (title, help_text, json_type, default) in _STUDY_FIELDS.items():
+        typed = {"type": json_type} if json_type == "object" else typed_number(json_type)
+        params[name] = form_param(
+            default, **typed, title=title, description_md=f"{help_text} Allowed: {ALLOWED[name]}.", section="Study"
+        )
     return params
 
 

@@ -51,7 +51,7 @@ class StudySpec(BaseModel):
 
 
 # What each of the study's own fields allows, in the spec's words.
-_ALLOWED = {
+ALLOWED = {
     "target_accuracy": "a number > 0 and <= 1",
     "trials": "an integer >= 1 and <= 200",
     "budget_seconds": "an integer >= 60 and <= 604800",
@@ -72,7 +72,7 @@ def _one_line(error: ValidationError) -> list[str]:
         if item["type"] == "extra_forbidden":
             problems.append(f"{where} is invalid: expected one of {', '.join(StudySpec.model_fields)}")
             continue
-        allowed = _ALLOWED.get(str(item["loc"][0]), item["msg"])
+        allowed = ALLOWED.get(str(item["loc"][0]), item["msg"])
         problems.append(f"{where}={json.dumps(item.get('input'))} is invalid: expected {allowed}")
     return problems
 
