@@ -32,7 +32,7 @@ def test_defaults_are_valid():
         {"strategy": "multi_worker_mirrored", "workers": 2, "devices_per_worker": 2, "batch_size": 64},
         {"strategy": "parameter_server", "workers": 2, "ps": 2},
         {"strategy": "model_parallel", "devices_per_worker": 2},
-        {"strategy": "model_parallel", "workers": 3, "micro_batches": 8, "batch_size": 8},
+        {"strategy": "model_parallel", "model": "cnn", "workers": 3, "micro_batches": 8, "batch_size": 8},
     ],
 )
 def test_valid_cluster_shapes(values):
@@ -93,11 +93,11 @@ def test_valid_cluster_shapes(values):
         ),
         (
             {"strategy": "model_parallel", "workers": 5},
-            "workers=5 is invalid with strategy=model_parallel and model=mlp: expected at most 4",
+            "workers=5 is invalid with strategy=model_parallel and model=mlp: expected at most 2",
         ),
         (
             {"strategy": "model_parallel", "devices_per_worker": 5},
-            "devices_per_worker=5 is invalid with strategy=model_parallel and model=mlp: expected at most 4",
+            "devices_per_worker=5 is invalid with strategy=model_parallel and model=mlp: expected at most 2",
         ),
         ({"devices_per_worker": 2}, "devices_per_worker=2 is invalid with strategy=one_device: expected 1"),
         ({"backend": "slurm"}, 'backend="slurm" is invalid: expected one of local'),

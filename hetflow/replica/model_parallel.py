@@ -196,7 +196,7 @@ def stage_record(groups, optimizer) -> list[dict[str, Any]]:
 def train(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str, Any]) -> Trained:
     across_workers = spec.cluster.chief_coordinates
     devices = connect_stage_workers() if across_workers else local_devices(spec.cluster.worker_device(0).count)
-    plan = plan_stages(spec, dataset, devices)
+    plan, bound = plan_stages(spec, dataset, devices)
     PlanFile(stage_split=plan.model_dump()).write(paths.plan)
     model, groups = build_model_parallel(
         spec.model.architecture,
@@ -213,7 +213,7 @@ def train(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str
     slowest = max(plan.stage_seconds)
     print(
         f"layer groups split by {plan.method}: slowest stage {1000 * slowest:.1f} ms a micro-batch, predicted; "
-        f"by parameters it would be {1000 * max(plan.parameter_stage_seconds):.1f} ms",
+        f"by parameters it would be {1000 * max(plan.parameter_stage_seconds):.1f} ms; bound by {bound}",
         flush=True,
     )
     loop = EpochLoop(spec, steps_per_epoch(spec, dataset), paths.progress)

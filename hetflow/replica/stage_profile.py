@@ -13,9 +13,16 @@ import time
 import tensorflow as tf
 
 from hetflow.models.architectures import layer_chain
-from hetflow.models.stage_split import StageCosts, StageSplitPlan, split_by_parameters, split_by_time, stage_seconds
+from hetflow.models.stage_split import (
+    StageCosts,
+    StageSplitPlan,
+    StateLimits,
+    chosen_split,
+    split_by_parameters,
+    stage_seconds,
+)
 from hetflow.records import DatasetRecord
-from hetflow.spec import RunSpec
+from hetflow.spec import RunSpec, SpecError
 
 # The fixed work each stage's device is timed on: chained matrix products, one round trip for all of
 # them. A call is long (about 50 ms on one thread) so that it measures how much work a device gets
@@ -151,15 +158,42 @@ def time_transfers(devices: list[str]) -> list[float]:
     return per_byte
 
 
-def plan_stages(spec: RunSpec, dataset: DatasetRecord, devices: list[str]) -> StageSplitPlan:
+def layer_parameters(kind: str, input_shape: list[int], num_classes: int) -> list[int]:
+    """Each layer's parameter count (``layer_chain``), built in a graph of its own: its variables are
+    never initialised, so counting wide_mlp's 80 M parameters allocates none of them."""
+    counts = []
+    with tf.Graph().as_default():
+        x = tf.keras.Input(shape=input_shape, dtype=tf.uint8)
+        for layer in layer_chain(kind, num_classes):
+            x = layer(x)
+            counts.append(layer.count_params())
+    return counts
+
+
+def refuse_unsplittable(spec: RunSpec, dataset: DatasetRecord) -> None:
+    """Before any replica starts: SpecError, in one line, where no cut by measured time could keep
+    each stage within its replica's memory (``StateLimits``; that every stage can hold some of the
+    weights, the spec checks without the data)."""
+    cluster = spec.cluster
+    if not (cluster.stage_split == "measured" and cluster.chief_coordinates and cluster.resources.memory_mb):
+        return
+    parameters = layer_parameters(spec.model.architecture, dataset.input_shape, dataset.num_classes)
+    reason = StateLimits.of(spec, parameters).unsplittable(cluster.worker.replicas)
+    if reason:
+        kind, workers = spec.model.architecture, cluster.worker.replicas
+        raise SpecError([f"model_parallel cannot split model={kind} over workers={workers}: {reason}"])
+
+
+def plan_stages(spec: RunSpec, dataset: DatasetRecord, devices: list[str]) -> tuple[StageSplitPlan, str]:
     """Where to cut the model (``hetflow.models.stage_split``), by the spec's ``stage_split``, and
-    the numbers behind it: plan.json's ``stage_split``, which the pipeline recomputes."""
+    the numbers behind it: plan.json's ``stage_split``, which the pipeline recomputes; and, in a
+    line, what bound the cut."""
     micro_batch = -(-spec.training.batch_size // spec.cluster.micro_batches)
     profile = profile_layers(spec.model.architecture, dataset.input_shape, dataset.num_classes, micro_batch, devices[0])
     by_parameters = split_by_parameters(profile["parameters"], len(devices))
     costs = StageCosts(profile["layer_seconds"], time_devices(devices), profile["cut_bytes"], time_transfers(devices))
-    bounds = split_by_time(costs) if spec.cluster.stage_split == "measured" else by_parameters
-    return StageSplitPlan(
+    bounds, bound = chosen_split(spec, profile["parameters"], costs, by_parameters)
+    plan = StageSplitPlan(
         method=spec.cluster.stage_split,
         devices=devices,
         **profile,
@@ -170,3 +204,4 @@ def plan_stages(spec: RunSpec, dataset: DatasetRecord, devices: list[str]) -> St
         parameter_bounds=by_parameters,
         parameter_stage_seconds=stage_seconds(by_parameters, costs),
     )
+    return plan, bound

@@ -33,6 +33,11 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
             spec = decide_auto(spec, run_id, paths)
             # The one spec the run trains with; the request stays in requested_spec.json.
             write_record(paths.spec, spec.model_dump(mode="json"))
+        if spec.cluster.strategy == "model_parallel":
+            from hetflow.records import DatasetRecord
+            from hetflow.replica.stage_profile import refuse_unsplittable
+
+            refuse_unsplittable(spec, DatasetRecord.read(paths))
         cluster = supervisor.start(spec, run_id, paths)
     log.info(
         "started %s on %s: %s",

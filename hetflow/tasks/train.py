@@ -75,10 +75,11 @@ def _log_stage_split(split: StageSplit) -> None:
         )
     log.info(
         "layer groups split by %s: slowest stage %.1f ms a micro-batch, a step %.3f s predicted; "
-        "split by parameters: %.1f ms, %.3f s",
+        "split by parameters: %.1f ms, %.3f s; bound by %s",
         split.method,
         1000 * split.slowest_stage_seconds,
         split.predicted_step_seconds,
         1000 * split.slowest_by_parameters_seconds,
         split.predicted_step_by_parameters_seconds,
+        split.bound,
     )
