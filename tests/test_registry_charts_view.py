@@ -51,6 +51,7 @@ def test_the_experiment_holds_the_key_metrics_view_in_the_uis_saved_view_form(cl
         "metrics.`test_accuracy`",
         "metrics.`train_seconds`",
         "metrics.`examples_per_second`",
+        "tags.`registered`",
     ]
 
 
@@ -95,3 +96,18 @@ def test_a_runs_page_opens_in_the_experiments_training_view(client, monkeypatch)
     monkeypatch.setenv("HETFLOW_MLFLOW_UI_URL", "http://127.0.0.1:5000")
     page = store.run_page(client.tracking_uri, run_id)
     assert page == f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def test_a_training_runs_live_page_is_the_experiments_chart_view_of_that_run_alone(client, monkeypatch):
+    """MLflow 3.17.2's run page keeps the charts of the metrics the run had when it was opened (none,
+    before the first epoch); the experiment's chart view adds them as they come (tests/test_e2e_ui_mlflow.py)."""
+    experiment_id = store.ensure_experiment(client)
+    run_id = client.create_run(experiment_id).info.run_id
+    monkeypatch.setenv("HETFLOW_MLFLOW_UI_URL", "http://127.0.0.1:5000/")
+    assert store.run_page(client.tracking_uri, run_id, live=True) == (
+        f"http://127.0.0.1:5000/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+        f"&searchFilter=attributes.run_id%20%3D%20%27{run_id}%27"
+        "&compareRunsMode=CHART&viewStateShareKey=hetflow-key-metrics"
+    )
+    monkeypatch.delenv("HETFLOW_MLFLOW_UI_URL")
+    assert store.run_page(client.tracking_uri, run_id, live=True) == f"run {run_id} in {client.tracking_uri}"

@@ -62,3 +62,33 @@ def test_the_live_run_logs_float32_figures_as_typed_and_usage_as_system_metrics(
         "system/memory_mb_worker-0": 812.3,
         "system/memory_mb_ps-0": 640.0,
     }
+
+
+def test_the_runs_table_column_names_each_runs_versions_and_the_aliases_they_hold_now(tmp_path):
+    """The gate moves champion to a newer run's version: the older run's column stops saying champion."""
+    from hetflow.registry.run_record import tag_registered
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri, registry_uri=uri)
+    experiment = client.create_experiment("hetflow")
+    for name in ("hetflow-digits", "hetflow-digits-tflite"):
+        client.create_registered_model(name)
+
+    def registered(aliases: dict[str, list[str]]) -> str:
+        run_id = client.create_run(experiment).info.run_id
+        for name, held in aliases.items():
+            version = client.create_model_version(name, source=str(tmp_path / "model"), run_id=run_id).version
+            for alias in held:
+                client.set_registered_model_alias(name, alias, version)
+        tag_registered(client, run_id)
+        return run_id
+
+    first = registered({"hetflow-digits": ["candidate", "champion"], "hetflow-digits-tflite": ["candidate", "champion"]})
+    assert client.get_run(first).data.tags["registered"] == (
+        "hetflow-digits v1 @champion @candidate · -tflite v1 @champion @candidate"
+    )
+    second = registered({"hetflow-digits": ["candidate", "champion"], "hetflow-digits-tflite": ["candidate"]})
+    assert client.get_run(second).data.tags["registered"] == (
+        "hetflow-digits v2 @champion @candidate · -tflite v2 @candidate"
+    )
+    assert client.get_run(first).data.tags["registered"] == "hetflow-digits v1 · -tflite v1 @champion"

@@ -36,18 +36,20 @@ KEY_METRICS = (
 _PER_EPOCH = {"val_accuracy", "train_accuracy", "val_loss", "train_loss"}
 # The runs table's columns beside each run's name and start (keys ``<type>.`<name>```), at their
 # widths (px): where it came from, then what tells two runs apart first: test accuracy, and how long
-# and how fast they trained. No Dataset or Models column: the run's name starts with its dataset,
-# and at 1400 px those two pushed the metrics out of view.
+# and how fast they trained, then the versions it registered and the aliases they hold (the tag
+# ``run_record.tag_registered`` writes; MLflow's own Models column names the versions only). No
+# Dataset column: at 1400 px it pushed the metrics out of view.
 COLUMNS = {
     "attributes.`Source`": 210,
     "metrics.`test_accuracy`": 105,
     "metrics.`train_seconds`": 105,
     "metrics.`examples_per_second`": 150,
+    "tags.`registered`": 230,
 }
 # The columns MLflow always shows, first, at widths that show a run's whole name (MLflow's default
-# cut every name of one configuration to the same "uci_digits one-device 1w…", hiding the start time
-# that tells them apart); with COLUMNS, within 1400 px.
-_LEADING_COLUMNS = {"attributes.`Run Name`": 300, "runDateAndNestInfo": 130, "duration": 80}
+# cut names to the same "uci_digits one-device 1w…", hiding what told them apart); with COLUMNS,
+# within 1400 px.
+_LEADING_COLUMNS = {"attributes.`Run Name`": 250, "runDateAndNestInfo": 130, "duration": 80}
 
 
 def _chart(metric: str, section: str) -> dict:

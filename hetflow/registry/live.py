@@ -92,9 +92,12 @@ def open_named_run(
     except _UNREACHABLE as error:
         log.warning("MLflow at %s did not answer (%s): the run appears there when register logs it", uri, _line(error))
         return None
-    page = store.run_page(uri, run_id)
-    write_record(paths.tracking, {"tracking_uri": uri, "mlflow_run_id": run_id, "dag_id": dag_id, "page": page})
+    page, live = store.run_page(uri, run_id), store.run_page(uri, run_id, live=True)
+    record = {"tracking_uri": uri, "mlflow_run_id": run_id, "dag_id": dag_id, "page": page, "live_page": live}
+    write_record(paths.tracking, record)
     log.info("MLflow: %s (RUNNING)", page)
+    if live != page:  # a tracking server's UI: where the curves show as they come
+        log.info("MLflow, its charts while it trains: %s", live)
     return page
 
 
@@ -170,7 +173,8 @@ class LiveRun:
                 Metric(f"epoch_examples_per_second/{worker}", as_computed(rate), now, epoch.epoch)
                 for worker, rate in epoch.worker_examples_per_second.items()
             ]
-        step = int(time.monotonic() - self.started)
+        # From 1: MLflow's UI draws a metric seen only at step 0 as a bar, and reads no more of it.
+        step = max(1, round(time.monotonic() - self.started))
         for replica, figures in usage.items():
             metrics += [Metric(usage_metric(replica, name), value, now, step) for name, value in figures.items()]
         for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):

@@ -62,10 +62,11 @@ def run_name(spec: RunSpec, started: float | None) -> str:
     13:21:22``; ``defaults 13:21:22`` where none was. MLflow's chart legends cut a name after about 24
     characters, so what differs goes first: runs named by their whole configuration (dataset,
     strategy, replicas, model) differed in the time alone, which the legends cut off."""
-    defaults = RunSpec().flat()
+    # The defaults of a run on this dataset: some follow it (the registered model's name).
+    defaults = RunSpec.from_values({"dataset": spec.data.dataset}).flat()
     changed = {key: value for key, value in spec.flat().items() if value != defaults[key]}
     words = []
-    if "dataset" in changed:  # a folder dataset by its folder's name
+    if spec.data.dataset != RunSpec().data.dataset:  # a folder dataset by its folder's name
         words.append(spec.data.dataset.removeprefix("folder:").rstrip("/").rsplit("/", 1)[-1])
     if changed.keys() & set(_CLUSTER_SHAPE):
         words.append(f"{_STRATEGY_WORDS[spec.cluster.strategy]} {_replicas(spec)}")
@@ -303,3 +304,33 @@ def log_served_checks(client: MlflowClient, run_id: str, models: list[dict], log
     client.log_batch(run_id, metrics=metrics, tags=tags)
     if log_dir.exists():
         upload_regular_files(client, run_id, [log_dir], "serving")
+    tag_registered(client, run_id)
+
+
+# The runs table's column of what a run registered (hetflow's saved view shows it).
+REGISTERED_TAG = "registered"
+
+
+def tag_registered(client: MlflowClient, run_id: str) -> None:
+    """Tag the run with the versions it registered and the aliases they hold now, e.g.
+    ``hetflow-digits v3 @champion @candidate · -tflite v3 @candidate``, and tag again every run whose
+    tag named an alias: the gate moves aliases from an earlier run's versions, whose tag would lie."""
+    experiment_id = client.get_run(run_id).info.experiment_id
+    holders = client.search_runs([experiment_id], f"tags.`{REGISTERED_TAG}` LIKE '%@%'")
+    for run in dict.fromkeys([run_id, *(found.info.run_id for found in holders)]):
+        client.set_tag(run, REGISTERED_TAG, _registered_versions(client, run))
+
+
+def _registered_versions(client: MlflowClient, run_id: str) -> str:
+    """A run's versions, each with its aliases (champion first); a name that extends the first by a
+    suffix (the TFLite model's) by that suffix."""
+    versions = sorted(client.search_model_versions(f"run_id = '{run_id}'"), key=lambda v: (len(v.name), v.name))
+    parts = []
+    for version in versions:
+        aliases = sorted(client.get_registered_model(version.name).aliases.items(), key=lambda a: (a[0] != "champion", a[0]))
+        name = version.name
+        if parts and name.startswith(versions[0].name):
+            name = name.removeprefix(versions[0].name)
+        held = "".join(f" @{alias}" for alias, number in aliases if str(number) == str(version.version))
+        parts.append(f"{name} v{version.version}{held}")
+    return " · ".join(parts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 from pathlib import Path
+from urllib.parse import quote
 
 from mlflow.exceptions import MlflowException
 
@@ -64,7 +65,7 @@ def ensure_experiment(client: MlflowClient) -> str:
 TRAINING_VIEW = "workflowType=machine_learning"
 
 
-def runs_page(server_url: str, key_metrics: bool = False, store: str | None = None) -> str:
+def runs_page(server_url: str, key_metrics: bool = False, store: str | None = None, run_id: str | None = None) -> str:
     """The MLflow UI's page of hetflow's runs, the experiment created if need be. MLflow 3.17's UI
     opens an experiment in the view its workflow switch holds, GenAI unless the user switched,
     whatever the experiment's kind: the page's own ``workflowType`` asks for the training runs.
@@ -72,25 +73,38 @@ def runs_page(server_url: str, key_metrics: bool = False, store: str | None = No
     :param key_metrics: the page's chart view, the key metrics' charts first; else its runs table,
         with test accuracy and training time columns (both in hetflow's saved view, ``charts_view``).
     :param store: the tracking URI the experiment is in; None: ``tracking_uri()``.
+    :param run_id: that run alone (its search filter).
     """
     try:
         experiment_id = ensure_experiment(client(store))
     except MlflowException:  # a store that does not answer yet: the experiments' list, in the same view
         return f"{server_url}/#/experiments?{TRAINING_VIEW}"
     page = f"{server_url}/#/experiments/{experiment_id}/runs?{TRAINING_VIEW}"
+    if run_id:
+        search = f"attributes.run_id = '{run_id}'"
+        page += f"&searchFilter={quote(search, safe='')}"
     view = f"viewStateShareKey={charts_view.VIEW_ID}"  # the runs table's columns and the charts' order
     return f"{page}&compareRunsMode=CHART&{view}" if key_metrics else f"{page}&{view}"
 
 
-def run_page(uri: str, run_id: str) -> str:
+def run_page(uri: str, run_id: str, live: bool = False) -> str:
     """Where a person opens the run: its page in the MLflow UI (``HETFLOW_MLFLOW_UI_URL``'s, else
-    the tracking server's), else the run's id in the store."""
+    the tracking server's), else the run's id in the store.
+
+    :param live: the page that shows its curves while it trains: the experiment's chart view of that
+        run alone. MLflow 3.17.2's run page makes its charts of the metrics the run held when it was
+        loaded and never reads the run again (Auto-refresh re-reads those charts' points only): opened
+        before the first epoch, it says "No charts in this section" until reloaded. The experiment's
+        chart view searches the runs again every 30 s and adds a chart for each new metric.
+    """
     web = ("http://", "https://")
-    ui = os.environ.get(MLFLOW_UI_ENV) or uri
-    if ui.startswith(web):
-        run = client(uri).get_run(run_id)
-        return f"{ui.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
-    return f"run {run_id} in {uri}"
+    ui = (os.environ.get(MLFLOW_UI_ENV) or uri).rstrip("/")
+    if not ui.startswith(web):
+        return f"run {run_id} in {uri}"
+    if live:
+        return runs_page(ui, key_metrics=True, store=uri, run_id=run_id)
+    run = client(uri).get_run(run_id)
+    return f"{ui}/#/experiments/{run.info.experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
 
 
 def git_commit() -> str:
