@@ -15,12 +15,15 @@ log = logging.getLogger("hetflow.stages")
 @reported
 def finish_study(run_id: str, best: dict[str, Any]) -> dict[str, Any]:
     """Write the study's ``summary.json``; tag each version the winner registered."""
+    from hetflow.records import EvaluationRecord
     from hetflow.registry.live import tracked_run
+    from hetflow.tuning.report import report_winner
 
     paths = run_paths(run_id)
     trials = read_record(paths.trials)
     winner = run_paths(best["best_run_id"])
     registry = read_record(winner.registry)
+    report_winner(paths, best["best_trial"], registry, EvaluationRecord.read(winner).test_accuracy)
     study = tracked_run(paths)
     if study is not None:
         client, study_run = study

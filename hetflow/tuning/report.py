@@ -125,6 +125,33 @@ def report_study(study_paths: RunPaths, trials: list[dict[str, Any]], target: fl
     client.log_batch(run_id, metrics=metrics, tags=[note])
 
 
+# Ends the paragraph report_winner puts above the trials table (a retry replaces it).
+_WINNER_END = "\n\n---\n\n"
+
+
+def report_winner(study_paths: RunPaths, best_trial: int, registry: dict[str, Any], test_accuracy: float) -> None:
+    """On the study's parent run, above its trials table: the trial that went on to evaluate, compress,
+    export and register, its test accuracy (also as the run's ``test_accuracy``, the runs table's
+    column, which showed "-"), and each registered version with its aliases and the gate's decision."""
+    tracked = tracked_run(study_paths)
+    if tracked is None:
+        return
+    client, run_id = tracked
+    lines = [f"**Trial {best_trial} went on to register**, test accuracy {test_accuracy:.4f}:"]
+    for model in registry["models"]:
+        aliases = ", ".join(model["aliases"]) or "no alias"
+        lines.append(f"- {model['model_name']} v{model['version']} ({aliases}): {model['gate']}")
+    note = client.get_run(run_id).data.tags.get("mlflow.note.content", "")
+    table = note.split(_WINNER_END, 1)[-1]
+    tags = {
+        "mlflow.note.content": "\n".join(lines) + _WINNER_END + table,
+        "tuning.registered_trial": str(best_trial),
+        "registry.gate": registry["models"][0]["gate"][:5000],
+    }
+    metric = Metric("test_accuracy", readable(test_accuracy), get_current_time_millis(), 0)
+    client.log_batch(run_id, metrics=[metric], tags=[RunTag(key, value) for key, value in tags.items()])
+
+
 def _trials_table(trials: list[dict[str, Any]], target: float) -> str:
     """The trials as a fixed-width table in a code block, for the top of the study's MLflow page
     (MLflow renders a Markdown table's cells without padding; a code block keeps its columns)."""
