@@ -23,7 +23,6 @@ import argparse
 import gzip
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -35,15 +34,23 @@ from pathlib import Path
 
 from pruning_gate import diagnose, gate_markdown, measure_gate
 from report import save  # bench/report.py: the scripts run as bench/<name>.py
+from run import machine_facts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 QUANTIZATIONS = ("none", "int8")
 
 
+def train_command(model: str, seed: int) -> list[str]:
+    """The job a seed's float model is trained by: ``hetflow train``, the DAG's training stages
+    (validate_spec, prepare_data, provision_cluster, train) with the spec a DAG run of this model and
+    seed gets, every other key at its default (tests/test_bench_compression.py compares the two)."""
+    return [str(BIN / "hetflow"), "train", f"--set=model={model}", f"--set=seed={seed}"]
+
+
 def train(model: str, seed: int, env: dict[str, str]) -> Path:
     """One ``hetflow train`` run; returns its run directory."""
-    command = [str(BIN / "hetflow"), "train", f"--set=model={model}", f"--set=seed={seed}"]
+    command = train_command(model, seed)
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{shlex.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
@@ -157,6 +164,18 @@ def summary(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def _code_lines(record: dict) -> list[str]:
+    """The code the runs trained with: the checkout at the start and at the end (results files from
+    before these were recorded have neither); every `hetflow train` runs the tree as it is then."""
+    if "git_at_start" not in record:
+        return []
+    start, end = record["git_at_start"], record["git_at_end"]
+    line = f"- code: git {start}" + (f" at the start, {end} at the end" if end != start else "")
+    if start.endswith("-dirty") or end.endswith("-dirty"):
+        line += " (-dirty: uncommitted changes, which the runs trained with and no commit holds)"
+    return [line]
+
+
 def _pm(stat: dict, digits: int, scale: float = 1.0) -> str:
     return f"{scale * stat['mean']:,.{digits}f} ± {scale * stat['sd']:,.{digits}f}"
 
@@ -176,7 +195,8 @@ def markdown(record: dict) -> str:
     lines = [
         "# Compression benchmark",
         "",
-        f"`hetflow train` on `{record['dataset']}` (default spec: 40 epochs) for each model and seed "
+        f"`hetflow train` (the DAG's training stages, with the spec a DAG run of the model and seed validates) on "
+        f"`{record['dataset']}` (default spec: 40 epochs) for each model and seed "
         f"({', '.join(map(str, record['seeds']))}). Each float model is pruned by "
         f"`hetflow.artifacts.compression.prune` to each sparsity (hidden kernels of at least "
         f"{record['min_pruned_weights']:,} weights; Dense kernels in "
@@ -201,6 +221,7 @@ def markdown(record: dict) -> str:
         f"- machine: {record['machine']}",
         f"- wall time: {record['wall_seconds']:.0f} s",
     ]
+    lines += _code_lines(record)
     lines += [
         "",
         "The file tables measure post-training int8 only (the gate section makes the int8 file as compress "
@@ -296,6 +317,13 @@ def diagnose_failures(record: dict) -> None:
     save("compression", record, "COMPRESSION.md", markdown)
 
 
+def cpu_vector_extensions() -> str:
+    """Whether the CPU has AVX-512, which decides the oneDNN kernels TensorFlow's CPU ops run: the
+    rounding, and so the trained weights, may differ between machines that differ in it."""
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return "AVX-512" if " avx512f" in flags else "no AVX-512"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp,cnn")
@@ -314,7 +342,7 @@ def main() -> None:
         return
     models, seeds = args.models.split(","), [int(s) for s in args.seeds.split(",")]
     sparsities = [float(s) for s in args.sparsities.split(",")]
-    started = time.monotonic()
+    started, machine = time.monotonic(), machine_facts()
     with tempfile.TemporaryDirectory(prefix="hetflow-bench-") as home:
         env = {**os.environ, "HETFLOW_HOME": home, "MLFLOW_TRACKING_URI": f"sqlite:///{home}/mlflow.db"}
         os.environ.update(env)  # this process reads the runs' data too
@@ -327,8 +355,10 @@ def main() -> None:
     record = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([".venv/bin/python", "bench/compression.py", *sys.argv[1:]]),
-        "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, Python "
-        f"{platform.python_version()}",
+        "machine": f"{machine['nproc']} CPUs, {machine['cpu_model']} ({cpu_vector_extensions()}), TensorFlow "
+        f"{machine['tensorflow']}, Python {machine['python']}",
+        "git_at_start": machine["git"],
+        "git_at_end": machine_facts()["git"],
         "dataset": runs[0]["dataset"],
         "models": models,
         "seeds": seeds,
