@@ -124,13 +124,15 @@ def test_the_airflow_run_and_its_mlflow_run_link_to_each_other(stack, form_run, 
     mlflow.close()
 
 
-def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_failed(
+def test_a_runs_charts_gain_points_in_mlflow_while_it_trains_and_the_run_ends_failed(
     stack, api, browser, mlflow_client
 ):
-    """A run triggered through the REST API trains long enough to watch, then times out in train:
-    its MLflow run page (Model metrics) shows val_accuracy's chart with more points once reloaded,
-    while Airflow still reports train running; the run then ends FAILED, its curve kept, naming
-    the task."""
+    """A run triggered through the REST API trains long enough to watch, then times out in train. The
+    page validate_spec gives for watching it (tracking.json's live_page: the experiment's chart view of
+    that run alone), opened before the first epoch, shows val_accuracy's chart, and more points on it
+    without a reload while Airflow still reports train running (MLflow 3.17.2's run page, opened that
+    early, says "No charts in this section" until reloaded). The run then ends FAILED, its curve kept,
+    naming the task."""
     conf = {
         "epochs": 1000,
         "strategy": "multi_worker_mirrored",
@@ -141,52 +143,61 @@ def test_a_runs_chart_gains_points_in_mlflow_while_it_trains_and_the_run_ends_fa
     response = api.post("/dags/hetflow_train/dagRuns", {"logical_date": None, "conf": conf})
     assert response.status_code == 200, response.text
     dag_run_id = response.json()["dag_run_id"]
-    experiment = mlflow_client.get_experiment_by_name("hetflow").experiment_id
 
-    def live_run():
-        found = mlflow_client.search_runs([experiment], f"tags.`airflow.run_id` = '{dag_run_id}'")
-        return found and mlflow_client.get_metric_history(found[0].info.run_id, "val_accuracy") and found[0]
+    def tracking() -> dict | None:
+        for found in (stack["home"] / "runs").glob("*/run_id"):
+            if found.read_text() == dag_run_id and (found.parent / "tracking.json").exists():
+                return json.loads((found.parent / "tracking.json").read_text())
+        return None
 
-    run = wait_for(live_run, 180, interval=2)
-    assert run and run.info.status == "RUNNING", run
+    tracked = wait_for(tracking, 180, interval=1)
+    assert tracked, "validate_spec recorded no MLflow run"
+    run_id = tracked["mlflow_run_id"]
+    assert "searchFilter=attributes.run_id" in tracked["live_page"] and run_id in tracked["live_page"]
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "RUNNING", run.info
     assert run.data.tags["airflow.url"].endswith(f"/dags/hetflow_train/runs/{quote(dag_run_id, safe='')}")
+    opened_with = len(mlflow_client.get_metric_history(run_id, "val_accuracy"))
 
     def train_state() -> str:
         return api.get(f"/dags/hetflow_train/dagRuns/{dag_run_id}/taskInstances/train")["state"]
 
-    def val_accuracy_points(page) -> int:
-        """The points of the run page's val_accuracy chart (plotly keeps its data on the chart's element)."""
-        # A chart per metric, drawn once in view: the search box keeps val_accuracy's alone.
-        search = page.get_by_placeholder("Search metric charts")
-        try:
-            search.wait_for(timeout=90_000)  # the page loads slowly beside a training cluster
-        finally:
-            page.screenshot(path=str(ARTIFACTS / "mlflow_live_run_opened.png"))
-        search.fill("val_accuracy")
-        # The filter applies a moment later: until then the first chart is another metric's
-        # (cpu_percent/worker-0 sorts first, with fewer points).
-        charts = page.locator(".js-plotly-plot")
-        expect(charts).to_have_count(1, timeout=30_000)
-        charts.locator("path.js-line").first.wait_for()
-        return charts.evaluate("chart => chart.data[0].x.length")
-
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(f"{stack['state']['mlflow_url']}/#/experiments/{experiment}/runs/{run.info.run_id}/model-metrics")
+    page = browser.new_page(viewport={"width": 1400, "height": 1600})
+    page.goto(tracked["live_page"])
     close_assistant_panel(page)
-    before = val_accuracy_points(page)
-    # As a person does (MLflow itself refreshes the page every 30 s): reloaded while Airflow still runs
-    # train, the chart has more points (the page may take long enough to draw that train has ended
-    # by then: what it drew came from train all the same, as register never runs on this run).
-    state_at_reload = train_state()
-    page.reload()
-    after = val_accuracy_points(page)
-    assert after > before and state_at_reload == "running", (before, after, state_at_reload)
+    page.get_by_text("1 matching run").wait_for(timeout=90_000)  # the page loads slowly beside a training cluster
+    page.screenshot(path=str(ARTIFACTS / "mlflow_live_run_opened.png"))
+
+    # MLflow searches the runs again every 30 s and adds the charts of new metrics; a chart draws once
+    # in view, its points on its element (plotly's data).
+    def points() -> int:
+        return max(page.evaluate(_POINTS_OF_CHART, "val_accuracy") or [0])
+
+    first = wait_for(lambda: points() > 0 and points(), 150, interval=2)
+    assert first, "no val_accuracy point drawn"
+    later = wait_for(lambda: points() > first and train_state() == "running" and points(), 100, interval=2)
+    assert later, (first, points(), train_state())
     page.screenshot(path=str(SCREENSHOTS / "mlflow_live_run.png"))
     page.close()
+    assert opened_with < later, (opened_with, later)
 
     finished = api.wait_for_run("hetflow_train", dag_run_id)
     assert finished["state"] == "failed"
-    ended = mlflow_client.get_run(run.info.run_id)
+    ended = mlflow_client.get_run(run_id)
     assert ended.info.status == "FAILED" and ended.data.tags["failed_task"] == "train"
     assert f"training timed out after {conf['train_timeout_seconds']} s" in ended.data.tags["failure_reason"]
-    assert len(mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")) > before
+    assert len(mlflow_client.get_metric_history(run_id, "val_accuracy")) >= later
+
+
+# The points of each chart titled ``name``: from its title up to the card holding a chart, each card
+# scrolled into view (a chart is drawn once in view).
+_POINTS_OF_CHART = """(name) => [...document.querySelectorAll('*')]
+    .filter(e => e.children.length === 0 && e.textContent.trim() === name && e.getClientRects().length)
+    .map(title => {
+        let card = title;
+        while (card && !card.querySelector('.js-plotly-plot')) card = card.parentElement;
+        card?.scrollIntoView({block: 'center'});
+        return card && card.querySelector('.js-plotly-plot');
+    })
+    .filter(Boolean)
+    .map(chart => (chart.data || []).reduce((most, line) => Math.max(most, (line.x || []).length), 0))"""
