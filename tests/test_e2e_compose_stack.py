@@ -217,7 +217,7 @@ def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_no
     # was, and the chart view with the key metrics first.
     run_name = mlflow_run["info"]["run_name"]
     assert re.fullmatch(
-        r"sync 2w backend=docker epochs=1 steps_per_epoch=4 prune=False quantize=none \d\d:\d\d:\d\d", run_name
+        r"sync 2w epochs=1 steps_per_epoch=4 prune=False quantize=none backend=docker \d\d:\d\d:\d\d", run_name
     ), run_name
     assert f"/#/experiments/{mlflow_run['info']['experiment_id']}/runs?" in runs_link[1], runs_link[1]
     open_runs_page(page, runs_link[1], run_name)

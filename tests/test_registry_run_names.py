@@ -29,6 +29,10 @@ AT_13_21_22 = datetime(2026, 12, 1, 13, 21, 22, tzinfo=timezone.utc).timestamp()
             "cats async 2w+1ps batch_size=64 13:21:22",
         ),
         ({"learning_rate": 0.01, "export_formats": ["tflite"]}, "learning_rate=0.01 export_formats=tflite 13:21:22"),
+        (  # what changes the model first, how it ran and where it is registered last
+            {"registered_model": "ui-live", "train_timeout_seconds": 120, "epochs": 1000, "model": "convnet"},
+            "epochs=1000 model=convnet train_timeout_seconds=120 registered_model=ui-live 13:21:22",
+        ),
     ],
 )
 def test_a_runs_name_leads_with_what_differs_and_ends_with_its_time(values, name):

@@ -25,6 +25,7 @@ from hetflow.replica.balance import measured
 from hetflow.replica.training_json import TrainingRecord
 from hetflow.serving import server as serving
 from hetflow.spec import RunSpec
+from hetflow.spec.run_spec import BY_SHORT
 from mlflow import MlflowClient
 
 MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for one log_batch call
@@ -54,14 +55,18 @@ _STRATEGY_WORDS = {
 _CLUSTER_SHAPE = ("strategy", "workers", "devices_per_worker", "ps")
 # Longest a name's key=value part gets; MLflow keeps 250 characters, its lists show about 30.
 _CHANGED_CHARS = 120
+# The order of a name's key=value settings, by the spec's sections: what changes what is learnt
+# first (a run of 5 epochs), how it ran and where it is registered last.
+_SECTIONS_FIRST = ("Training", "Model", "Data", "Compression", "Export", "Cluster", "Registry")
 
 
 def run_name(spec: RunSpec, started: float | None) -> str:
     """What tells the run apart, then its start time (UTC): the keys set away from their defaults,
-    in the spec's order, the dataset and the cluster's shape in words, e.g. ``async 2w+1ps epochs=5
+    the dataset and the cluster's shape in words, e.g. ``async 2w+1ps epochs=5
     13:21:22``; ``defaults 13:21:22`` where none was. MLflow's chart legends cut a name after about 24
     characters, so what differs goes first: runs named by their whole configuration (dataset,
-    strategy, replicas, model) differed in the time alone, which the legends cut off."""
+    strategy, replicas, model) differed in the time alone, which the legends cut off. The settings go
+    by section, training's first: ``sync 2w epochs=1000 train_timeout_seconds=120 …``."""
     # The defaults of a run on this dataset: some follow it (the registered model's name).
     defaults = RunSpec.from_values({"dataset": spec.data.dataset}).flat()
     changed = {key: value for key, value in spec.flat().items() if value != defaults[key]}
@@ -70,9 +75,11 @@ def run_name(spec: RunSpec, started: float | None) -> str:
         words.append(spec.data.dataset.removeprefix("folder:").rstrip("/").rsplit("/", 1)[-1])
     if changed.keys() & set(_CLUSTER_SHAPE):
         words.append(f"{_STRATEGY_WORDS[spec.cluster.strategy]} {_replicas(spec)}")
-    settings = " ".join(
-        f"{key}={_setting(value)}" for key, value in changed.items() if key not in ("dataset", *_CLUSTER_SHAPE)
+    named = sorted(
+        (key for key in changed if key not in ("dataset", *_CLUSTER_SHAPE)),
+        key=lambda key: _SECTIONS_FIRST.index(BY_SHORT[key].section),
     )
+    settings = " ".join(f"{key}={_setting(changed[key])}" for key in named)
     if len(settings) > _CHANGED_CHARS:
         settings = settings[: _CHANGED_CHARS - 1].rstrip() + "…"
     when = datetime.fromtimestamp(started if started is not None else time.time(), timezone.utc)
@@ -327,7 +334,8 @@ def _registered_versions(client: MlflowClient, run_id: str) -> str:
     versions = sorted(client.search_model_versions(f"run_id = '{run_id}'"), key=lambda v: (len(v.name), v.name))
     parts = []
     for version in versions:
-        aliases = sorted(client.get_registered_model(version.name).aliases.items(), key=lambda a: (a[0] != "champion", a[0]))
+        held_by = client.get_registered_model(version.name).aliases.items()
+        aliases = sorted(held_by, key=lambda alias: (alias[0] != "champion", alias[0]))
         name = version.name
         if parts and name.startswith(versions[0].name):
             name = name.removeprefix(versions[0].name)
