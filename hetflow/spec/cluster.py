@@ -239,9 +239,10 @@ class ClusterSpec(Section):
     stage_split: Literal["measured", "parameters"] = spec_field(
         STAGE_SPLIT,
         "model_parallel only: where the model is cut into layer groups. `measured`: the chief times each "
-        "layer and each stage's device before the first step and cuts so that the slowest stage is fastest "
-        "(unequal workers get unequal groups; the numbers are in plan.json). `parameters`: about equal "
-        "parameter counts, whatever each layer costs and each worker's speed.",
+        "layer and each stage's device before the first step and, among the cuts that give every stage some "
+        "of the weights and (across workers) no stage more state than replica_memory_mb holds, cuts so that "
+        "the slowest stage is fastest (unequal workers get unequal groups; the numbers are in plan.json). "
+        "`parameters`: about equal parameter counts, whatever each layer costs and each worker's speed.",
         title="Layer groups split by (model_parallel)",
     )
     ps: PsReplicas = Field(default_factory=PsReplicas)
