@@ -127,7 +127,7 @@ class StateLimits:
         """The spec's limits: across workers each stage is a replica of its own, held to
         ``replica_memory_mb`` less ``RUNTIME_MB``; on one replica's devices the stages share its
         memory, which no cut changes, so only the weights bind."""
-        memory_mb = spec.cluster.resources.memory_mb if spec.cluster.worker.replicas > 1 else 0
+        memory_mb = spec.cluster.stage_memory_mb
         limit = max(0, memory_mb - RUNTIME_MB) * 2**20 if memory_mb else None
         per_parameter = FLOAT_BYTES * (2 + SLOTS_PER_VARIABLE[spec.training.optimizer])
         return cls(list(parameters), per_parameter, limit, memory_mb)

@@ -175,7 +175,7 @@ def refuse_unsplittable(spec: RunSpec, dataset: DatasetRecord) -> None:
     each stage within its replica's memory (``StateLimits``; that every stage can hold some of the
     weights, the spec checks without the data)."""
     cluster = spec.cluster
-    if not (cluster.stage_split == "measured" and cluster.chief_coordinates and cluster.resources.memory_mb):
+    if cluster.stage_split != "measured" or not cluster.stage_memory_mb:
         return
     parameters = layer_parameters(spec.model.architecture, dataset.input_shape, dataset.num_classes)
     reason = StateLimits.of(spec, parameters).unsplittable(cluster.worker.replicas)

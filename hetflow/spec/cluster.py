@@ -277,6 +277,12 @@ class ClusterSpec(Section):
         return self.strategy == "parameter_server" or (self.strategy == "model_parallel" and self.worker.replicas > 1)
 
     @property
+    def stage_memory_mb(self) -> int:
+        """The memory each model_parallel stage has to itself: replica_memory_mb where every stage is
+        a worker replica of its own; 0 otherwise (no limit, or one replica's devices sharing it)."""
+        return self.resources.memory_mb if self.strategy == "model_parallel" and self.worker.replicas > 1 else 0
+
+    @property
     def replicas_in_sync(self) -> int:
         """Model replicas whose gradients are averaged into one update (1 for async and model parallel)."""
         if self.strategy in ("mirrored", "multi_worker_mirrored"):

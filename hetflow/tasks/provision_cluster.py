@@ -33,7 +33,7 @@ def provision_cluster(run_id: str, try_number: int | None = None) -> dict[str, A
             spec = decide_auto(spec, run_id, paths)
             # The one spec the run trains with; the request stays in requested_spec.json.
             write_record(paths.spec, spec.model_dump(mode="json"))
-        if spec.cluster.strategy == "model_parallel":
+        if spec.cluster.stage_memory_mb:  # only then can the model's size refuse it (TensorFlow counts it)
             from hetflow.records import DatasetRecord
             from hetflow.replica.stage_profile import refuse_unsplittable
 
