@@ -45,13 +45,13 @@ def test_the_experiment_holds_the_key_metrics_view_in_the_uis_saved_view_form(cl
     assert all(c["metricSectionId"] == first["uuid"] for c in charts)
     per_epoch = {c["metricKey"] for c in charts if c["type"] == "LINE"}
     assert per_epoch == {"val_accuracy", "train_accuracy", "val_loss", "train_loss"}
-    # The runs table: the run's source, then test accuracy, training seconds and speed.
+    # The runs table: test accuracy, training seconds and speed, the registered versions, the source.
     assert state["selectedColumns"] == [
-        "attributes.`Source`",
         "metrics.`test_accuracy`",
         "metrics.`train_seconds`",
         "metrics.`examples_per_second`",
         "tags.`registered`",
+        "attributes.`Source`",
     ]
 
 

@@ -52,12 +52,16 @@ def test_the_live_run_logs_float32_figures_as_typed_and_usage_as_system_metrics(
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run_id = client.create_run(client.create_experiment("live")).info.run_id
     live = LiveRun(client, run_id)
-    float32 = {"learning_rate": 0.001, "val_accuracy": 0.9610, "loss": 0.4123}  # as Keras hands them: float32
+    live([], {"worker-0": {"memory_mb": 402.0}})  # sampled while the replicas start, before any epoch
+    float32 = {"learning_rate": 0.001, "loss": 0.4123, "val_accuracy": 0.9610}  # as Keras hands them: float32
     live(
         [Epoch(1, {name: float(np.float32(value)) for name, value in float32.items()}, {"worker-0": 2481.0001})],
         {"worker-0": {"cpu_percent": 98.5, "memory_mb": 812.3}, "ps-0": {"memory_mb": 640.0}},
     )
     metrics = client.get_run(run_id).data.metrics
+    # MLflow's run page lists metrics in the order they first came: the curves, accuracy first.
+    assert list(metrics)[:2] == ["val_accuracy", "train_loss"], list(metrics)
+    assert [m.value for m in client.get_metric_history(run_id, "system/memory_mb_worker-0")] == [402.0, 812.3]
     assert metrics["learning_rate"] == 0.001 and metrics["val_accuracy"] == 0.961 and metrics["train_loss"] == 0.4123
     assert metrics["epoch_examples_per_second/worker-0"] == 2481.0
     usage = {key: value for key, value in metrics.items() if "cpu" in key or "memory" in key}

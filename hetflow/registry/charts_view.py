@@ -35,21 +35,22 @@ KEY_METRICS = (
 )
 _PER_EPOCH = {"val_accuracy", "train_accuracy", "val_loss", "train_loss"}
 # The runs table's columns beside each run's name and start (keys ``<type>.`<name>```), at their
-# widths (px): where it came from, then what tells two runs apart first: test accuracy, and how long
-# and how fast they trained, then the versions it registered and the aliases they hold (the tag
-# ``run_record.tag_registered`` writes; MLflow's own Models column names the versions only). No
-# Dataset column: at 1400 px it pushed the metrics out of view.
+# widths (px): what tells two runs apart first, test accuracy, and how long and how fast they
+# trained; then the versions it registered and the aliases they hold (the tag
+# ``run_record.tag_registered`` writes: MLflow's own Models column names the versions only); then
+# where it came from (the same DAG for most runs, so last, where a 1400 px window may scroll to it).
+# No Dataset column: it pushed the metrics out of view.
 COLUMNS = {
-    "attributes.`Source`": 210,
     "metrics.`test_accuracy`": 105,
     "metrics.`train_seconds`": 105,
     "metrics.`examples_per_second`": 150,
-    "tags.`registered`": 230,
+    "tags.`registered`": 330,
+    "attributes.`Source`": 210,
 }
 # The columns MLflow always shows, first, at widths that show a run's whole name (MLflow's default
-# cut names to the same "uci_digits one-device 1w…", hiding what told them apart); with COLUMNS,
-# within 1400 px.
-_LEADING_COLUMNS = {"attributes.`Run Name`": 250, "runDateAndNestInfo": 130, "duration": 80}
+# cut names to the same "uci_digits one-device 1w…", hiding what told them apart); with COLUMNS
+# up to the registered versions, within 1400 px.
+_LEADING_COLUMNS = {"attributes.`Run Name`": 220, "runDateAndNestInfo": 130, "duration": 80}
 
 
 def _chart(metric: str, section: str) -> dict:

@@ -33,12 +33,13 @@ log = logging.getLogger("hetflow.registry")
 
 _UNREACHABLE = (MlflowException, requests.exceptions.RequestException, OSError)
 # The chief's figures as the run names them: register's per-epoch curves have the same names, so a
-# run shows one curve whether it was logged live or after training.
+# run shows one curve whether it was logged live or after training. In the order they are logged:
+# MLflow's run page lists a run's metrics (Overview) in the order each first came, accuracy first.
 EPOCH_METRICS = {
-    "loss": "train_loss",
+    "val_accuracy": "val_accuracy",
     "accuracy": "train_accuracy",
     "val_loss": "val_loss",
-    "val_accuracy": "val_accuracy",
+    "loss": "train_loss",
     "learning_rate": "learning_rate",
     "epoch_seconds": "epoch_seconds",
     "examples_per_second": "epoch_examples_per_second",
@@ -145,6 +146,9 @@ def usage_metric(replica: str, figure: str) -> str:
     return f"system/{figure}_{replica}"
 
 
+WAITING_SAMPLES = 200  # a minute of samples of a few replicas (one every 2 s)
+
+
 class LiveRun:
     """A watcher (``hetflow.pipeline.progress.ProgressWatch``) logging each new epoch (step = epoch)
     and each usage sample (step = seconds since training began; MLflow charts system metrics against
@@ -157,6 +161,9 @@ class LiveRun:
         # A retried train logs no second point for an epoch the first try logged.
         self.logged = {metric.step for metric in client.get_metric_history(run_id, "val_accuracy")}
         self.started = time.monotonic()
+        # Usage sampled before the first epoch, logged after it so that the curves come first; past
+        # WAITING_SAMPLES (a minute without an epoch: a slow start, a hang) it is logged as it comes.
+        self.waiting: list[Metric] = []
 
     def __call__(self, epochs: list[Epoch], usage: dict[str, dict[str, float]]) -> None:
         now = int(time.time() * 1000)  # the pipeline's clock: a replica's stays out of the run
@@ -166,8 +173,9 @@ class LiveRun:
                 continue
             self.logged.add(epoch.epoch)
             metrics += [
-                Metric(EPOCH_METRICS[name], as_computed(value), now, epoch.epoch)
-                for name, value in epoch.figures.items()
+                Metric(EPOCH_METRICS[name], as_computed(epoch.figures[name]), now, epoch.epoch)
+                for name in EPOCH_METRICS
+                if name in epoch.figures
             ]
             metrics += [
                 Metric(f"epoch_examples_per_second/{worker}", as_computed(rate), now, epoch.epoch)
@@ -176,7 +184,9 @@ class LiveRun:
         # From 1: MLflow's UI draws a metric seen only at step 0 as a bar, and reads no more of it.
         step = max(1, round(time.monotonic() - self.started))
         for replica, figures in usage.items():
-            metrics += [Metric(usage_metric(replica, name), value, now, step) for name, value in figures.items()]
+            self.waiting += [Metric(usage_metric(replica, name), value, now, step) for name, value in figures.items()]
+        if self.logged or len(self.waiting) > WAITING_SAMPLES:
+            metrics, self.waiting = metrics + self.waiting, []
         for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
 
