@@ -29,11 +29,12 @@ def typed_number(json_type: str) -> dict[str, Any]:
     schema (its FieldSelector): a single number type is a number input, which shows NaN for a typed
     "-" and drops typed letters; a field of several types without ``examples`` is a six-line JSON
     box that re-parses what is typed at every key ("0.0" becomes "0"); one whose first type is
-    "string" and that has ``examples`` is a plain text input, with a datalist (a ▼ in Chromium) and
-    "Start typing to see options" even where the list is empty. So the field takes text ("string"
-    first) and an empty ``examples``; plugins/ui_theme.json hides the ▼ and that placeholder. The
-    server checks the text as typed ('epochs="-1" is invalid: ...') and records it as the number it
-    spells (``numbers_as_numbers``); a number sent as a number validates as one."""
+    "string" and that has ``examples`` is a text input with a list of suggestions (Chromium draws a
+    ▼ where the list holds any) and "Start typing to see options" even where it is empty. So the
+    field takes text ("string" first) and no suggestion (``examples`` empty); plugins/ui_theme.json
+    hides that placeholder where the list is empty. The server checks the text as typed
+    ('epochs="-1" is invalid: ...') and records it as the number it spells
+    (``numbers_as_numbers``); a number sent as a number validates as one."""
     return {"type": ["string", json_type], "examples": []}
 
 
