@@ -91,11 +91,12 @@ def test_the_runs_table_column_names_each_runs_versions_and_the_aliases_they_hol
         tag_registered(client, run_id)
         return run_id
 
-    first = registered({"hetflow-digits": ["candidate", "champion"], "hetflow-digits-tflite": ["candidate", "champion"]})
+    both = ["candidate", "champion"]
+    first = registered({"hetflow-digits": both, "hetflow-digits-tflite": both})
     assert client.get_run(first).data.tags["registered"] == (
         "hetflow-digits v1 @champion @candidate · -tflite v1 @champion @candidate"
     )
-    second = registered({"hetflow-digits": ["candidate", "champion"], "hetflow-digits-tflite": ["candidate"]})
+    second = registered({"hetflow-digits": both, "hetflow-digits-tflite": ["candidate"]})
     assert client.get_run(second).data.tags["registered"] == (
         "hetflow-digits v2 @champion @candidate · -tflite v2 @candidate"
     )
