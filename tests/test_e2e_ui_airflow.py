@@ -14,7 +14,16 @@ import pytest
 import requests
 from conftest import wait_for
 from playwright.sync_api import expect
-from ui_pages import close_assistant_panel, cut_cells, dag_docs, open_runs_page, open_trigger_form, signed_in
+from ui_pages import (
+    close_assistant_panel,
+    cut_cells,
+    dag_docs,
+    open_runs_page,
+    open_trigger_form,
+    signed_in,
+    text_field,
+    type_into,
+)
 from ui_stack import ARTIFACTS, SCREENSHOTS, error_lines
 
 pytestmark = pytest.mark.slow
@@ -58,12 +67,14 @@ def test_rest_trigger_with_a_bad_conf_gets_400_naming_the_field_and_starts_nothi
 def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form_run, mlflow_client, form_mlflow_run):
     page, run = form_run
     assert run["state"] == "success", run
-    # The conf holds what was typed, numbers as text; the spec reads the numbers they spell.
-    assert {k: run["conf"][k] for k in ("strategy", "workers", "ps", "epochs")} == {
+    # The conf holds what was typed, the numbers typed as text as the numbers they spell, beside the
+    # default the form sent as a number.
+    assert {k: run["conf"][k] for k in ("strategy", "workers", "ps", "epochs", "devices_per_worker")} == {
         "strategy": "parameter_server",
-        "workers": "2",
-        "ps": "1",
-        "epochs": "2",
+        "workers": 2,
+        "ps": 1,
+        "epochs": 2,
+        "devices_per_worker": 1,
     }
     client, mlflow_run = mlflow_client, form_mlflow_run
     params = mlflow_run.data.params
@@ -120,6 +131,75 @@ def test_trigger_form_runs_what_was_typed_and_mlflow_records_it(stack, api, form
     page.get_by_text(plot, exact=True).wait_for()
     close_assistant_panel(page)
     page.screenshot(path=str(SCREENSHOTS / "mlflow_run.png"))
+
+
+def test_the_dag_runs_page_links_its_mlflow_run(stack, form_run, form_mlflow_run):
+    page, run = form_run
+    page.goto(f"{stack['state']['airflow_url']}/dags/hetflow_train/runs/{run['dag_run_id']}")
+    # The run's note, at the top of its page (written once validate_spec opened the MLflow run).
+    link = page.get_by_role("link", name="Open this run in MLflow ↗")
+    expect(link).to_be_visible(timeout=60_000)  # the page loads slowly on a busy machine
+    info = form_mlflow_run.info
+    mlflow_page = f"{stack['state']['mlflow_url']}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
+    assert link.get_attribute("href").startswith(mlflow_page), link.get_attribute("href")
+    page.screenshot(path=str(ARTIFACTS / "run_note.png"))
+
+
+# The point at the right end of an element's text, and whether what the browser shows there is that
+# element (nothing drawn over it).
+_TEXT_END_SHOWN = """(element) => {
+    const text = document.createRange();
+    text.selectNodeContents(element);
+    const box = text.getBoundingClientRect();
+    const shown = document.elementFromPoint(box.right - 2, box.top + box.height / 2);
+    return element.contains(shown);
+}"""
+
+
+# The texts an alert shows besides its detail lines (Airflow's "{status} {message}" heading), where
+# they take up any room on the page.
+_HEADINGS_SHOWN = """(alert) => [...alert.querySelectorAll('.chakra-alert__description > .chakra-stack')].flatMap(
+    stack => [...stack.childNodes].filter(node => node.nodeType === Node.TEXT_NODE && node.textContent.trim()))
+    .filter(node => {
+        const text = document.createRange();
+        text.selectNodeContents(node);
+        const box = text.getBoundingClientRect();
+        return box.width * box.height > 0;
+    }).map(node => node.textContent)"""
+
+
+def test_a_refusal_reads_whole_with_nothing_over_it_and_numbers_are_plain_text_boxes(stack, browser):
+    from devstack.stack import password
+
+    page = signed_in(browser, stack["state"]["airflow_url"], password(stack["state"]), "/dags/hetflow_train")
+    dialog, trigger = open_trigger_form(page)
+    dialog.get_by_text("Training", exact=True).click()
+    epochs, steps = text_field(dialog, "epochs"), text_field(dialog, "steps_per_epoch")
+    # Epochs is drawn as a plain text box: hovered, it looks as it does without its (empty) list of
+    # suggestions, not as with one (Chromium's ▼); empty Steps per epoch shows no "Start typing".
+    epochs.hover()
+    drawn = epochs.screenshot()
+    epochs.evaluate("e => { e.dataset.list = e.getAttribute('list'); e.removeAttribute('list'); }")
+    assert epochs.screenshot() == drawn
+    epochs.evaluate("e => { e.setAttribute('list', e.dataset.list); e.nextElementSibling.append(new Option('40')); }")
+    assert epochs.screenshot() != drawn  # what a suggestion list would draw
+    epochs.evaluate("e => e.nextElementSibling.replaceChildren()")
+    assert steps.evaluate("e => getComputedStyle(e, '::placeholder').color") == "rgba(0, 0, 0, 0)"
+    dialog.get_by_text("Data", exact=True).click()
+    type_into(text_field(dialog, "dataset"), "mnistt")
+    trigger.click()
+    line = "invalid spec: dataset='mnistt' is not a TFDS dataset (did you mean mnist?); offline datasets: uci_digits"
+    refusal = dialog.get_by_text(line)
+    refusal.wait_for()
+    alert = dialog.get_by_test_id("error-alert")
+    # The alert shows the line and no heading (Airflow heads it "400 Bad Request": drawn at no size),
+    # and the line's end is on screen, seen: no toast over it, even with the pointer left on Trigger.
+    assert alert.evaluate(_HEADINGS_SHOWN) == [], alert.inner_text()
+    expect(page.locator("[data-scope=toast][data-type=error]")).to_be_hidden()
+    assert refusal.evaluate(_TEXT_END_SHOWN)
+    assert refusal.evaluate("e => getComputedStyle(e).wordBreak") == "normal"  # lines break between words
+    page.screenshot(path=str(ARTIFACTS / "trigger_form_refused_dataset.png"))
+    page.close()
 
 
 def test_train_task_log_shows_per_worker_progress(api, form_run):
@@ -225,6 +305,14 @@ def test_the_tune_form_shows_the_search_space_and_the_study_and_starts_nothing_o
     dialog.get_by_text("Search space", exact=True).first.click()  # sections open collapsed
     dialog.get_by_text("Distribution strategy: the values the study tries").first.wait_for()
     page.screenshot(path=str(SCREENSHOTS / "tune_form.png"))
+    # The study's own fields are titled and explained as the train form's are, not by their keys.
+    dialog.get_by_text("Study", exact=True).first.click()
+    dialog.get_by_text("The validation accuracy each trial races to.").wait_for()
+    labels = [label.strip(" *\n") for label in dialog.locator("label").all_inner_texts()]
+    titles = ["Target accuracy", "Trials", "Time budget (seconds)", "Trials at once", "Every trial's spec"]
+    assert all(title in labels for title in titles), labels
+    assert not {"target_accuracy", "budget_seconds", "parallel_trials", "base"} & set(labels), labels
+    page.screenshot(path=str(ARTIFACTS / "tune_form_study.png"))
     page.close()
     # validate_study refuses in one line each before any trial; the study's run fails there.
     response = api.post("/dags/hetflow_tune/dagRuns", {"logical_date": None, "conf": {"trials": 0}})
@@ -251,8 +339,7 @@ def test_updating_the_data_asset_starts_retraining_on_the_champions_spec(api, fo
     assert event.status_code == 200, event.text
     retrain = wait_for(lambda: api.runs("hetflow_retrain"), 60, interval=2)
     assert retrain and retrain[0]["run_type"] == "asset_triggered", retrain
-    # It triggers hetflow_train with the champion's spec: the form run's, the only version so far (the
-    # form's conf holds the numbers as typed, the champion's spec the numbers they spell).
+    # It triggers hetflow_train with the champion's spec: the form run's, the only version so far.
     from hetflow.spec import parse_spec
 
     triggered = wait_for(lambda: [r for r in api.runs("hetflow_train") if r["dag_run_id"] not in known], 90, interval=3)

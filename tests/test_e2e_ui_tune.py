@@ -71,6 +71,12 @@ def test_a_study_trains_its_trials_side_by_side_and_registers_the_best_one(
     grid = f"/dags/hetflow_tune/runs/{quote(run_id, safe='')}"
     page = signed_in(browser, state["airflow_url"], password(state), grid)
     page.get_by_text("run_study").first.wait_for()
+    # The study's parent run, linked at the top of its Airflow run's page (the run's note).
+    link = page.get_by_role("link", name="Open this study in MLflow ↗")
+    expect(link).to_be_visible(timeout=60_000)
+    assert link.get_attribute("href").startswith(
+        f"{state['mlflow_url']}/#/experiments/{experiment}/runs/{parent.info.run_id}"
+    ), link.get_attribute("href")
     page.screenshot(path=str(SCREENSHOTS / "tune_run.png"))
     page.close()
     # The study's MLflow page opens on its trials table (its description).
