@@ -50,7 +50,7 @@ COLUMNS = {
 # The columns MLflow always shows, first, at widths that show a run's whole name (MLflow's default
 # cut names to the same "uci_digits one-device 1w…", hiding what told them apart); with COLUMNS
 # up to the registered versions, within 1400 px.
-_LEADING_COLUMNS = {"attributes.`Run Name`": 220, "runDateAndNestInfo": 130, "duration": 80}
+_LEADING_COLUMNS = {"attributes.`Run Name`": 270, "runDateAndNestInfo": 130, "duration": 80}
 
 
 def _chart(metric: str, section: str) -> dict:
