@@ -177,10 +177,10 @@ def test_params_are_generated_from_the_spec():
     assert params["epochs"].schema["allOf"] == [{"minimum": 1, "maximum": 1000}]
     assert params["epochs"].schema["description_md"].endswith("Allowed: an integer >= 1 and <= 1000.")
     # Numbers are typed as text, so that what was typed reaches the server unchanged ("-" in a number
-    # input shows NaN): the form draws a field for the first type, with its default as the example.
+    # input shows NaN): the form draws a text field for the first type, with no suggestions (hetflow.spec.form).
     assert params["steps_per_epoch"].schema["type"] == ["string", "integer", "null"]
     assert params["epochs"].schema["type"] == ["string", "integer"]
-    assert params["epochs"].schema["examples"] == [40] and params["steps_per_epoch"].schema["examples"] == []
+    assert params["epochs"].schema["examples"] == [] and params["steps_per_epoch"].schema["examples"] == []
     assert params["learning_rate"].schema["exclusiveMinimum"] == 0
     # A number sent as a number is checked with the same bounds as the spec.
     params["epochs"].resolve(5)
