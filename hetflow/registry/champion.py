@@ -231,6 +231,7 @@ def promote(
                 client.set_registered_model_alias(name, CHAMPION, version.version)
             # The decision is recorded under the lock too: a retry of this task must find it, and the
             # check's figures (in the run's folder: the registry shows a reviewer the sentence).
+            served_record.parent.mkdir(parents=True, exist_ok=True)
             served_record.write_text(json.dumps(served))
             client.set_model_version_tag(name, version.version, "served", serving.describe(served)[:5000])
             client.set_model_version_tag(name, version.version, "gate", decision["reason"][:5000])
