@@ -157,8 +157,8 @@ def input_shape_tag(dataset: DatasetRecord) -> str:
 
 
 def _compare(client: MlflowClient, version, accuracy: float, dataset: DatasetRecord, log_dir: Path):
-    """The champion under the lock, its score on this run's test split (None: not scored) and what the
-    candidate was compared with, or why it could not be, in one line each."""
+    """Under the lock: the champion, its score on this run's test split, what the candidate was
+    compared with (one line), and the decision where no score could be had (None: the gate decides)."""
     champion = version_by_alias(client, version.name, CHAMPION)
     if champion is None:
         return None, None, "no champion yet", None
@@ -168,7 +168,7 @@ def _compare(client: MlflowClient, version, accuracy: float, dataset: DatasetRec
             f"not compared: champion v{champion.version} was trained for another task, {other_task}; version "
             f"{version.version} stays candidate (give this data a registered_model of its own)"
         )
-        return champion, None, why, None
+        return champion, None, why, {"promote": False, "reason": why}
     try:
         score = champion_accuracy(champion, dataset, log_dir, client.tracking_uri)
     except (serving.ServingError, OSError) as error:
@@ -176,22 +176,17 @@ def _compare(client: MlflowClient, version, accuracy: float, dataset: DatasetRec
             f"champion v{champion.version} could not be served to score it on this test split, "
             f"so version {version.version} stays candidate: {error}".split()
         )
-        return champion, None, unscored, unscored
+        # Nothing was compared: a failure to decide, not a win, and a retry decides again.
+        return champion, None, unscored, {"promote": False, "reason": f"{UNDECIDED}: {unscored}"}
     return champion, score, f"champion v{champion.version} {score:.4f} (margin {accuracy - score:+.4f})", None
 
 
 def _decide(spec: RunSpec, client: MlflowClient, version, accuracy: float, dataset: DatasetRecord, served, log_dir):
     """Under the promotion lock: the gate's decision, and what the candidate was compared with."""
-    champion, score, versus, unscored = _compare(client, version, accuracy, dataset, log_dir)
+    champion, score, versus, unscored_decision = _compare(client, version, accuracy, dataset, log_dir)
     if not served["passed"]:
-        decision = {"promote": False, "reason": f"served check failed: {served['reason']}"}
-    elif unscored is not None:  # nothing was compared: a failure to decide, not a win
-        decision = {"promote": False, "reason": f"{UNDECIDED}: {unscored}"}
-    elif champion is not None and score is None:  # another task's champion
-        decision = {"promote": False, "reason": versus}
-    else:
-        decision = gate(spec, accuracy, champion, score)
-    return decision, versus
+        return {"promote": False, "reason": f"served check failed: {served['reason']}"}, versus
+    return unscored_decision or gate(spec, accuracy, champion, score), versus
 
 
 def promote(
