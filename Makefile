@@ -34,11 +34,13 @@ $(INSTALLED): $(PIP_READY) $(WHEELHOUSE)/.complete pyproject.toml
 setup: $(INSTALLED)
 
 ## the sandbox of local replicas and model servers (hetflow/sandbox.py): Debian's bubblewrap; setpriv drops root;
-## the container tools' default seccomp profile (hetflow/seccomp.py), as Debian's golang-github-containers-common ships it
+## the container tools' default seccomp profile (hetflow/seccomp.py), as Debian's golang-github-containers-common ships it;
+## the serving endpoint's load balancer (hetflow/serving/balancer.py): Debian's haproxy, its Prometheus exporter built in
 sandbox:
-	@command -v bwrap >/dev/null && command -v setpriv >/dev/null && [ -f /usr/share/containers/seccomp.json ] || \
+	@command -v bwrap >/dev/null && command -v setpriv >/dev/null && [ -f /usr/share/containers/seccomp.json ] && \
+		[ -x /usr/sbin/haproxy ] || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		bubblewrap util-linux golang-github-containers-common; }
+		bubblewrap util-linux golang-github-containers-common haproxy; }
 
 # make run's job: a real cluster of two sync workers (local processes) on the embedded data.
 RUN_SPEC ?= --set strategy=multi_worker_mirrored --set workers=2

@@ -1,0 +1,632 @@
+"""The endpoint's load balancer: Debian's HAProxy, configured by hetflow and driven through its runtime API.
+
+hetflow never relays a request. It writes one configuration at start and from then on changes only
+runtime state over the admin socket, so no reload ever happens while traffic flows:
+
+- backends are preallocated slots: ``m<i>`` holds every replica of model i's live versions (the traffic
+  split, by server weight), ``m<i>s<j>`` holds only the replicas of the version in version slot j (what
+  ``/versions/N`` and ``/labels/L`` reach). HAProxy 2.6 cannot create a backend at runtime, and a reload
+  would reset counters and health states and close idle client connections (a request racing that close
+  fails), so slots it is;
+- replicas are dynamic servers (``add server`` / ``del server``, supported on ``balance roundrobin``);
+- which model, version and label goes to which backend, and the TF Serving status JSON that
+  ``GET /v1/models/NAME`` answers, are maps, replaced whole and atomically (``prepare``/``commit map``).
+  HAProxy answers the status itself (``http-request return``): only the driver knows every version the
+  endpoint holds, across processes, and that answer needs no model server up.
+"""
+
+import atexit
+import csv
+import ctypes
+import io
+import ipaddress
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HAPROXY = "/usr/sbin/haproxy"
+LABELS = ("stable", "canary")
+STATES = ("START", "LOADING", "AVAILABLE", "UNLOADING", "END")
+MAX_WEIGHT = 256  # roundrobin's largest server weight: the finest split HAProxy can make
+_PR_SET_PDEATHSIG = 1
+_SERVER_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_TOKEN_ALLOWED = re.compile(r"^[A-Za-z0-9._~+/=-]{16,}$")
+MAPS = ("models", "selectors", "status", "invocations")
+
+
+class BalancerError(RuntimeError):
+    """HAProxy refused a command or did not start; the message is HAProxy's own line."""
+
+
+@dataclass
+class _Version:
+    slot: int
+    percent: int = 0
+    state: str = "AVAILABLE"
+    message: str = ""
+    replicas: dict = field(default_factory=dict)  # socket path -> replica number
+    next_replica: int = 0
+
+
+@dataclass
+class _Model:
+    slot: int
+    versions: dict = field(default_factory=dict)  # version number -> _Version
+    labels: dict = field(default_factory=dict)  # label -> version number
+
+
+def _one_line(text):
+    return json.dumps({"error": text})
+
+
+def _is_loopback(host):
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _die_with_parent(parent_pid):
+    """preexec: HAProxy's master gets SIGTERM when the thread that started it dies, even by SIGKILL;
+    its workers leave when the master does (master-worker mode watches the master)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class Balancer:
+    """HAProxy in front of the model servers: start(), then the runtime API, then stop()."""
+
+    def __init__(
+        self,
+        run_dir,
+        host="127.0.0.1",
+        port=8501,
+        max_body_bytes=8 * 1024 * 1024,
+        token=None,
+        max_models=8,
+        max_versions=4,
+        check_interval_ms=500,
+    ):
+        if not _is_loopback(host) and not token:
+            raise ValueError(f"host={host!r} is not loopback: a token is required (token=...)")
+        if token is not None and not _TOKEN_ALLOWED.match(token):
+            raise ValueError("token: at least 16 characters among A-Z a-z 0-9 . _ ~ + / = -")
+        if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
+            raise ValueError(f"max_body_bytes={max_body_bytes!r}: a positive integer of bytes")
+        self.run_dir = Path(run_dir).resolve()
+        self.host, self.port, self.max_body_bytes, self.token = host, port, max_body_bytes, token
+        self.max_models, self.max_versions = max_models, max_versions
+        self.check_interval_ms = check_interval_ms
+        self.admin_socket = self.run_dir / "admin.sock"
+        self.master_socket = self.run_dir / "master.sock"
+        self.config_path = self.run_dir / "haproxy.cfg"
+        self.log_path = self.run_dir / "haproxy.log"
+        self._models = {}
+        self._default_model = None
+        self._published = {}
+        self._lock = threading.RLock()
+        self._proc = None
+
+    @property
+    def url(self):
+        return f"http://{self.host}:{self.port}"
+
+    # ---- process ----
+
+    def start(self, timeout_s=10.0):
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for name in MAPS:
+            self._write_private(self._map_path(name), "")
+        self._write_private(self.config_path, self._config())
+        log = open(self.log_path, "ab")
+        try:
+            self._proc = subprocess.Popen(
+                [HAPROXY, "-W", "-f", str(self.config_path), "-S", f"{self.master_socket},mode,600"],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=lambda parent=os.getpid(): _die_with_parent(parent),
+            )
+        finally:
+            log.close()
+        atexit.register(self.stop)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise BalancerError(f"haproxy exited ({self._proc.returncode}): {self._last_log_line()}")
+            try:
+                if "Pid:" in self.command("show info"):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise BalancerError(f"haproxy's admin socket did not answer within {timeout_s} s: {self._last_log_line()}")
+
+    def _last_log_line(self):
+        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
+        return lines[-1] if lines else "no output"
+
+    def stop(self, grace_s=5.0):
+        """Soft stop (requests in flight finish, up to grace_s), then the whole process group is killed.
+        Never raises: it runs on the way out of failures too."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGUSR1)
+                try:
+                    proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+            os.killpg(proc.pid, signal.SIGKILL)  # a worker still finishing, or the master itself
+        except (OSError, ProcessLookupError):
+            pass
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        atexit.unregister(self.stop)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    @property
+    def pid(self):
+        return self._proc.pid if self._proc else None
+
+    # ---- configuration ----
+
+    @staticmethod
+    def _write_private(path, text):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+
+    def _map_path(self, name):
+        return self.run_dir / f"{name}.map"
+
+    def _config(self):
+        run = self.run_dir
+        if any(c in str(run) for c in " \"'#\\"):
+            raise ValueError(f"run_dir={str(run)!r}: no spaces, quotes, '#' or backslashes (HAProxy's config)")
+        lines = [
+            "global",
+            f"    stats socket {self.admin_socket} mode 600 level admin expose-fd listeners",
+            "    stats timeout 30s",
+            "    hard-stop-after 10s",
+            "    maxconn 4096",
+            # L7 retries copy the request into one buffer; 64 KiB covers typical predict bodies
+            "    tune.bufsize 65536",
+            "defaults",
+            "    mode http",
+            "    timeout connect 2s",
+            "    timeout client 60s",
+            "    timeout server 60s",
+            "    timeout http-request 10s",
+            "    timeout queue 10s",
+            "    timeout http-keep-alive 10s",
+            "    retries 3",
+            "    option redispatch 1",
+            "    retry-on conn-failure empty-response junk-response 503",
+            "    http-reuse safe",
+        ]
+        for code, reason in ((503, "no replica of this model or version is available"),
+                             (502, "a model server gave no valid answer"),
+                             (504, "a model server did not answer in time"),
+                             (400, "malformed HTTP request"), (408, "the request took too long to arrive")):
+            lines.append(f"    http-error status {code} content-type application/json string '{_one_line(reason)}'")
+        lines += self._frontend(run)
+        for model_slot in range(self.max_models):
+            lines += self._backend(f"m{model_slot}")
+            for version_slot in range(self.max_versions):
+                lines += self._backend(f"m{model_slot}s{version_slot}")
+        return "\n".join(lines) + "\n"
+
+    def _frontend(self, run):
+        maps = {name: self._map_path(name) for name in MAPS}
+        json_reply = "content-type application/json"
+        lines = ["frontend endpoint", f"    bind {self.host}:{self.port}"]
+        if self.token:
+            lines.append(
+                f"    http-request return status 401 {json_reply} string "
+                f"'{_one_line('missing or wrong Authorization: Bearer <token>')}' "
+                f'unless {{ req.hdr(authorization) -m str "Bearer {self.token}" }}'
+            )
+        lines += [
+            f"    http-request return status 413 {json_reply} string "
+            f"'{_one_line(f'the body is over the limit of {self.max_body_bytes} bytes')}' "
+            f"if {{ req.hdr_val(content-length) gt {self.max_body_bytes} }}",
+            # a chunked body's size is unknown until read whole: the limit could not be kept
+            f"    http-request return status 411 {json_reply} string "
+            f"'{_one_line('send the body with a Content-Length')}' "
+            "if { req.hdr(transfer-encoding) -m found } !{ req.hdr(content-length) -m found }",
+            "    http-request use-service prometheus-exporter if { path /metrics }",
+            "    acl models_path path_beg /v1/models/",
+            "    acl invocations path /invocations",
+            "    acl status_path path_reg ^/v1/models/[^/:]+(/(versions|labels)/[^/:]+)?$",
+            "    http-request set-var(txn.model) path,field(4,/),field(1,:) if models_path",
+            "    http-request set-var(txn.backend) var(txn.model),map(" + str(maps["models"]) + ") if models_path",
+            f"    http-request return status 404 {json_reply} lf-string "
+            '\'{"error": "no model named %[var(txn.model),json(utf8s)] is served"}\' '
+            "if models_path !{ var(txn.backend) -m found }",
+            "    http-request set-var(txn.selector) path,field(4,/,3),field(1,:) if models_path",
+            f"    http-request return status 200 {json_reply} lf-string '%[var(txn.selector),map({maps['status']})]' "
+            f"if METH_GET status_path {{ var(txn.selector),map({maps['status']}) -m found }}",
+            "    acl selects path,field(5,/) -m str versions labels",
+            f"    http-request set-var(txn.version_backend) var(txn.selector),map({maps['selectors']}) "
+            "if models_path selects",
+            f"    http-request return status 404 {json_reply} lf-string "
+            '\'{"error": "model %[var(txn.model),json(utf8s)] has no %[path,field(5,/)] '
+            "%[path,field(6,/),field(1,:),json(utf8s)]\"}' "
+            "if models_path selects !{ var(txn.version_backend) -m found }",
+            f"    http-request set-var(txn.backend) str(default),map({maps['invocations']}) if invocations",
+            f"    http-request return status 400 {json_reply} string "
+            f"'{_one_line('several models are served and none is the default: use POST /v1/models/<name>:predict')}' "
+            f"if invocations !{{ var(txn.backend) -m found }} {{ str(several),map({maps['invocations']}) -m found }}",
+            f"    http-request return status 404 {json_reply} string '{_one_line('no model is served')}' "
+            "if invocations !{ var(txn.backend) -m found }",
+            "    use_backend %[var(txn.version_backend)] if models_path selects",
+            "    use_backend %[var(txn.backend)] if models_path || invocations",
+            "    default_backend no_route",
+            "backend no_route",
+            f"    http-request return status 404 {json_reply} string "
+            f"'{_one_line('no such path: use /v1/models/<name>[:predict], /invocations or /metrics')}'",
+        ]
+        return lines
+
+    @staticmethod
+    def _backend(name):
+        return [
+            f"backend {name}",
+            "    balance roundrobin",
+            "    option httpchk",
+            "    http-check send meth GET uri /ping",
+        ]
+
+    # ---- runtime API ----
+
+    def command(self, line, payload=None):
+        """One runtime API command (several joined by ';'), its answer as text."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(10)
+            conn.connect(str(self.admin_socket))
+            data = line + ("  <<\n" + payload + "\n\n" if payload is not None else "\n")
+            conn.sendall(data.encode())
+            chunks = []
+            while chunk := conn.recv(65536):
+                chunks.append(chunk)
+        return b"".join(chunks).decode(errors="replace")
+
+    def _expect_silent(self, line, payload=None):
+        answer = self.command(line, payload).strip()
+        if answer:
+            raise BalancerError(f"haproxy refused {line.split(';')[0][:80]!r}: {answer.splitlines()[0]}")
+
+    def _server_name(self, model, version, replica):
+        return f"{_SERVER_NAME_UNSAFE.sub('_', model)[:40]}-v{version}-r{replica}"
+
+    def _servers(self, model_name, version_number):
+        """(backend, server) pairs of a version's replicas: each in the model's and the version's backend."""
+        model = self._models[model_name]
+        version = model.versions[version_number]
+        for replica in version.replicas.values():
+            name = self._server_name(model_name, version_number, replica)
+            yield f"m{model.slot}", name
+            yield f"m{model.slot}s{version.slot}", name
+
+    def _model(self, model_name):
+        if model_name not in self._models:
+            raise ValueError(f"model={model_name!r}: not served; served: {sorted(self._models)}")
+        return self._models[model_name]
+
+    def _version(self, model_name, version):
+        model = self._model(model_name)
+        if version not in model.versions:
+            raise ValueError(f"version={version!r}: model {model_name!r} holds {sorted(model.versions)}")
+        return model.versions[version]
+
+    def set_version_servers(self, model_name, version, sockets):
+        """The replicas of (model, version) are now these Unix sockets: new ones are added (checked, then
+        enabled), missing ones drained and removed. A model's first version takes all its traffic; a
+        later one takes none until set_weights gives it a share (it is reachable at /versions/N at once,
+        for warming)."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version={version!r}: a non-negative integer")
+        sockets = [str(Path(path).resolve()) for path in sockets]
+        with self._lock:
+            model = self._models.get(model_name) or self._new_model(model_name)
+            entry = model.versions.get(version) or self._new_version(model, version)
+            entry.percent = entry.percent or (100 if len(model.versions) == 1 else 0)
+            for path in sockets:
+                if path not in entry.replicas:
+                    self._add_replica(model_name, model, version, entry, path)
+            gone = [path for path in entry.replicas if path not in sockets]
+            self._retire(model_name, version, gone)
+            self._apply_weights(model_name)
+            self._publish()
+
+    def _new_model(self, model_name):
+        free = sorted(set(range(self.max_models)) - {m.slot for m in self._models.values()})
+        if not free:
+            raise ValueError(f"model={model_name!r}: all {self.max_models} model slots are taken (max_models)")
+        self._models[model_name] = _Model(slot=free[0])
+        return self._models[model_name]
+
+    def _new_version(self, model, version):
+        free = sorted(set(range(self.max_versions)) - {v.slot for v in model.versions.values()})
+        if not free:
+            raise ValueError(f"version={version}: all {self.max_versions} version slots are taken (max_versions)")
+        model.versions[version] = _Version(slot=free[0])
+        return model.versions[version]
+
+    def _add_replica(self, model_name, model, version, entry, path):
+        if any(c.isspace() or c in ";#\\'\"" for c in path):
+            raise ValueError(f"socket={path!r}: no spaces, quotes, ';', '#' or backslashes")
+        replica = entry.next_replica
+        entry.next_replica += 1
+        name = self._server_name(model_name, version, replica)
+        check = (
+            f"check inter {self.check_interval_ms} fastinter {max(100, self.check_interval_ms // 2)} "
+            "fall 2 rise 1"
+        )
+        for backend, weight in ((f"m{model.slot}", 0), (f"m{model.slot}s{entry.slot}", 1)):
+            answer = self.command(f"add server {backend}/{name} unix@{path} weight {weight} {check}")
+            if "New server registered" not in answer:
+                raise BalancerError(f"haproxy refused server {path}: {answer.strip().splitlines()[0]}")
+            self._expect_silent(f"enable health {backend}/{name};enable server {backend}/{name}")
+        entry.replicas[path] = replica
+
+    def _retire(self, model_name, version, paths, timeout_s=30.0):
+        """Drain these replicas (requests in flight finish, new ones go elsewhere), then delete them."""
+        entry = self._models[model_name].versions[version]
+        model = self._models[model_name]
+        pairs = [
+            (backend, self._server_name(model_name, version, entry.replicas[path]))
+            for path in paths
+            for backend in (f"m{model.slot}", f"m{model.slot}s{entry.slot}")
+        ]
+        if not pairs:
+            return
+        self._expect_silent(";".join(f"set server {b}/{s} state drain" for b, s in pairs))
+        deadline = time.monotonic() + timeout_s
+        while any(row["scur"] != "0" or row["qcur"] not in ("", "0") for row in self._stat_rows(pairs)):
+            if time.monotonic() > deadline:
+                break  # requests stuck past the timeout end with the server's removal below
+            time.sleep(0.05)
+        self._expect_silent(";".join(f"set server {b}/{s} state maint" for b, s in pairs))
+        for backend, server in pairs:
+            self._delete_server(backend, server, deadline + 5)
+        for path in paths:
+            del entry.replicas[path]
+
+    def _delete_server(self, backend, server, deadline):
+        # idle connections kept for reuse block the deletion until HAProxy closes them
+        while True:
+            answer = self.command(f"del server {backend}/{server}").strip()
+            if answer.startswith("Server deleted") or time.monotonic() > deadline:
+                if not answer.startswith("Server deleted"):
+                    raise BalancerError(f"haproxy kept {backend}/{server}: {answer.splitlines()[0]}")
+                return
+            time.sleep(0.05)
+
+    def remove_version(self, model_name, version, timeout_s=30.0):
+        """Stop routing to (model, version): its /versions/N and labels go at once, its replicas drain
+        (up to timeout_s) and are deleted. The model goes with its last version."""
+        with self._lock:
+            model = self._model(model_name)
+            entry = self._version(model_name, version)
+            entry.state = "UNLOADING"
+            model.labels = {label: v for label, v in model.labels.items() if v != version}
+            self._publish(hidden=(model_name, version))
+            self._retire(model_name, version, list(entry.replicas), timeout_s)
+            del model.versions[version]
+            if not model.versions:
+                del self._models[model_name]
+                if self._default_model == model_name:
+                    self._default_model = None
+            self._publish()
+
+    def set_weights(self, model_name, percents):
+        """Split the model's traffic between its versions: {version: percent}, summing to 100."""
+        with self._lock:
+            model = self._model(model_name)
+            if (
+                set(percents) != set(model.versions)
+                or sum(percents.values()) != 100
+                or any(not isinstance(p, int) or p < 0 for p in percents.values())
+            ):
+                raise ValueError(
+                    f"percents={percents!r}: one non-negative integer per version of "
+                    f"{sorted(model.versions)}, summing to 100"
+                )
+            for version, percent in percents.items():
+                model.versions[version].percent = percent
+            self._apply_weights(model_name)
+
+    def _apply_weights(self, model_name):
+        model = self._models[model_name]
+        commands = []
+        for version, entry in model.versions.items():
+            count = len(entry.replicas)
+            for replica in entry.replicas.values():
+                weight = round(entry.percent * MAX_WEIGHT / 100 / count)
+                weight = max(weight, 1) if entry.percent else 0
+                commands.append(
+                    f"set server m{model.slot}/{self._server_name(model_name, version, replica)} weight {weight}"
+                )
+        if commands:
+            self._expect_silent(";".join(commands))
+
+    def drain(self, model_name, version):
+        """New requests for (model, version) go to its other versions; requests in flight finish."""
+        with self._lock:
+            entry = self._version(model_name, version)
+            entry.state = "UNLOADING"
+            self._expect_silent(
+                ";".join(f"set server {b}/{s} state drain" for b, s in self._servers(model_name, version))
+            )
+            self._publish()
+
+    def set_label(self, model_name, label, version):
+        if label not in LABELS:
+            raise ValueError(f"label={label!r}: one of {LABELS}")
+        with self._lock:
+            self._version(model_name, version)
+            self._models[model_name].labels[label] = version
+            self._publish()
+
+    def set_version_state(self, model_name, version, state, message=""):
+        """The state GET /v1/models/NAME reports for this version (TF Serving's names)."""
+        if state not in STATES:
+            raise ValueError(f"state={state!r}: one of {STATES}")
+        with self._lock:
+            entry = self._version(model_name, version)
+            entry.state, entry.message = state, message
+            self._publish()
+
+    def set_default_model(self, model_name):
+        """The model POST /invocations reaches; None: the only model, or a 400 where there are several."""
+        with self._lock:
+            if model_name is not None:
+                self._model(model_name)
+            self._default_model = model_name
+            self._publish()
+
+    # ---- maps ----
+
+    def _status_json(self, model, versions):
+        return json.dumps(
+            {
+                "model_version_status": [
+                    {
+                        "version": str(number),
+                        "state": entry.state,
+                        "status": {
+                            "error_code": "OK" if entry.state != "END" or not entry.message else "UNKNOWN",
+                            "error_message": entry.message,
+                        },
+                    }
+                    for number, entry in sorted(versions.items(), reverse=True)
+                ]
+            },
+            separators=(",", ":"),
+        )
+
+    def _maps(self, hidden=None):
+        maps = {name: {} for name in MAPS}
+        for name, model in self._models.items():
+            maps["models"][name] = f"m{model.slot}"
+            shown = {n: v for n, v in model.versions.items() if (name, n) != hidden}
+            maps["status"][name] = self._status_json(model, shown)
+            routes = {f"versions/{n}": n for n in shown}
+            routes.update({f"labels/{label}": n for label, n in model.labels.items() if n in shown})
+            for route, number in routes.items():
+                maps["selectors"][f"{name}/{route}"] = f"m{model.slot}s{shown[number].slot}"
+                maps["status"][f"{name}/{route}"] = self._status_json(model, {number: shown[number]})
+        default = self._default_model or (next(iter(self._models)) if len(self._models) == 1 else None)
+        if default:
+            maps["invocations"]["default"] = f"m{self._models[default].slot}"
+        elif len(self._models) > 1:
+            maps["invocations"]["several"] = "1"
+        return maps
+
+    def _publish(self, hidden=None):
+        """Replace each changed map whole: a new version filled, then committed in one step, so that no
+        request sees a half-written map."""
+        for name, entries in self._maps(hidden).items():
+            if self._published.get(name) == entries:
+                continue
+            path = self._map_path(name)
+            answer = self.command(f"prepare map {path}")
+            found = re.search(r"New version created: (\d+)", answer)
+            if not found:
+                raise BalancerError(f"haproxy refused to prepare {path.name}: {answer.strip()}")
+            ver = found.group(1)
+            if entries:
+                payload = "\n".join(f"{key} {value}" for key, value in entries.items())
+                self._expect_silent(f"add map @{ver} {path}", payload)
+            self._expect_silent(f"commit map @{ver} {path}")
+            self._published[name] = entries
+
+    # ---- statistics ----
+
+    def _stat_rows(self, pairs=None):
+        text = self.command("show stat").lstrip("# ")
+        rows = csv.DictReader(io.StringIO(text))
+        wanted = set(pairs) if pairs is not None else None
+        return [
+            row
+            for row in rows
+            if row["svname"] not in ("FRONTEND", "BACKEND")
+            and (wanted is None or (row["pxname"], row["svname"]) in wanted)
+        ]
+
+    def stats(self):
+        """{(model, version, replica): requests, 2xx/4xx/5xx, mean response time (ms, HAProxy's last
+        1024 requests), status UP/DOWN/DRAIN/MAINT, current sessions, socket}: the model's and the
+        version's backends added together."""
+        with self._lock:
+            owners = {}
+            for model_name, model in self._models.items():
+                for number, entry in model.versions.items():
+                    for path, replica in entry.replicas.items():
+                        server = self._server_name(model_name, number, replica)
+                        key = (model_name, number, replica)
+                        owners[(f"m{model.slot}", server)] = key, path, True
+                        owners[(f"m{model.slot}s{entry.slot}", server)] = key, path, False
+            rows = self._stat_rows(list(owners))
+        result = {}
+        for row in rows:
+            key, path, in_model_backend = owners[(row["pxname"], row["svname"])]
+            figures = result.setdefault(
+                key,
+                {
+                    "requests": 0,
+                    "2xx": 0,
+                    "4xx": 0,
+                    "5xx": 0,
+                    "sessions": 0,
+                    "response_ms": 0.0,
+                    "status": "UP",
+                    "socket": path,
+                },
+            )
+            count = int(row["stot"] or 0)
+            total = figures["requests"] + count
+            if total:
+                figures["response_ms"] = (
+                    figures["response_ms"] * figures["requests"] + float(row["rtime"] or 0) * count
+                ) / total
+            figures["requests"] = total
+            for code in ("2xx", "4xx", "5xx"):
+                figures[code] += int(row[f"hrsp_{code}"] or 0)
+            figures["sessions"] += int(row["scur"] or 0)
+            status = row["status"].split()[0]  # "UP 1/2" is UP, going down
+            if in_model_backend:
+                figures["status"] = status
+        return result
