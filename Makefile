@@ -54,6 +54,9 @@ run: setup sandbox
 test-deps: setup sandbox
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+	@# flatc decodes the TFLite metadata hetflow writes against TFLite Support's schema (tests/schemas/)
+	@command -v flatc >/dev/null || { $(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq flatbuffers-compiler; }
 	@# the compose CLI checks docker/compose.yaml's required secrets offline (`config` needs no engine)
 	@# and starts the stack (`up --wait`, Compose v2); where v2 cannot be installed, v1 still checks
 	@docker/compose-cli.sh || command -v docker-compose >/dev/null || { $(SUDO) apt-get update -qq && \

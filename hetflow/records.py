@@ -124,6 +124,19 @@ class TfliteVariant(_Part):
     int8_method: Literal["post_training", "quantization_aware"] | None = None
 
 
+class LatencyFigures(_Part):
+    p50_ms: float
+    p95_ms: float
+
+
+class LiteRTLatency(_Part):
+    """A TFLite file's single-example invoke time in LiteRT by thread count (``hetflow.artifacts.litert_latency``)."""
+
+    invokes: int  # timed, per thread count
+    threads: dict[int, LatencyFigures]
+    seconds: float  # what measuring took, interpreters' start included
+
+
 class CompressionRecord(StageRecord):
     """compress's record (compression.json): its TFLite variants by name and, where it pruned
     (``prune``), the pruning's fields (None otherwise, and absent from the file)."""
@@ -144,6 +157,7 @@ class CompressionRecord(StageRecord):
     kernel_sparsity: dict[str, float] | None = None  # per Dense and Conv2D layer
     sparsity: float | None = None  # over all Dense and Conv2D kernels
     pruned_weights: str | None = None
+    litert_latency: dict[str, LiteRTLatency] | None = None  # per TFLite variant, the float model's too
 
 
 class ExportedArtifact(_Part):

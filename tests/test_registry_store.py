@@ -21,10 +21,11 @@ def _saver(payload: bytes):
     """Writes a model folder whose one data file is ``payload`` (nothing here serves it: the copy is
     what is checked)."""
 
-    def save(path: Path, mlflow_model) -> None:
+    def save(path: Path, mlflow_model, registered_version: str) -> dict[str, str]:
         path.mkdir(parents=True)
         (path / "weights.bin").write_bytes(payload)
         mlflow_model.save(str(path / "MLmodel"))
+        return {}
 
     return save
 

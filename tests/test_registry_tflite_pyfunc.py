@@ -16,6 +16,7 @@ np.save(sys.argv[3], np.asarray(model.predict(np.load(sys.argv[2]))))
 
 
 def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_clean_process(tmp_path):
+    from hetflow.artifacts.edge_metadata import UNREGISTERED, EdgeMetadata, with_metadata
     from hetflow.artifacts.predictors import tflite_predictor
     from hetflow.artifacts.tflite import to_tflite, weight_encoding
     from hetflow.models.architectures import build_model
@@ -29,7 +30,9 @@ def test_a_sparse_int8_file_registered_loads_and_predicts_through_pyfunc_in_a_cl
     kernel[np.repeat(blocks, 16, axis=0)] = 0
     hidden.kernel.assign(kernel)
     path = tmp_path / "pruned_int8.tflite"
-    path.write_bytes(to_tflite(model, "int8", images, sparse=True))
+    # Every TFLite file hetflow writes carries its metadata, which register's copy updates.
+    metadata = EdgeMetadata("sparse-tflite", UNREGISTERED, "test", "image", "logits", (8, 8, 1), (0.0,), (255.0,), ())
+    path.write_bytes(with_metadata(to_tflite(model, "int8", images, sparse=True), metadata))
     assert weight_encoding(path.read_bytes())["encoding"] == "sparse"
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

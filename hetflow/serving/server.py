@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -98,7 +98,7 @@ def scoring_command(model_path: Path, port: int) -> tuple[list[str], dict[str, s
     return [str(Path(sys.executable).parent / program), *arguments], added
 
 
-def _name_and_version(model_uri: str) -> tuple[str, str]:
+def name_and_version(model_uri: str) -> tuple[str, str]:
     """``models:/NAME/VERSION``'s name and version."""
     name, _, version = model_uri.removeprefix("models:/").rpartition("/")
     if not name or not version.isdigit():
@@ -106,7 +106,7 @@ def _name_and_version(model_uri: str) -> tuple[str, str]:
     return name, version
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
+class UnixHTTPConnection(http.client.HTTPConnection):
     """HTTP over the Unix socket that reaches a sandboxed server (see the module's doc)."""
 
     def __init__(self, path: Path, timeout: float):
@@ -142,50 +142,28 @@ class ModelServer:
         self.process: subprocess.Popen | None = None
         self._copy: Path | None = None  # the downloaded version the server serves
         self._socket: Path | None = None  # where the pipeline reaches a sandboxed server
-        if sandbox.required(f"the model server of {model_uri}"):
-            hidden = sandbox.private_directories(tracking_uri)
-            self.isolation: dict[str, Any] = {"confined": True, "sandbox": "bubblewrap", "hidden": hidden}
-        else:
-            self.isolation = {"confined": False, "reason": sandbox.unavailable()}
+        self.isolation = isolation(f"the model server of {model_uri}", tracking_uri)
 
     def start(self) -> None:
         self.port = free_port()
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        confined = self.isolation["confined"]
         model = self._download()
         command, scoring_env = scoring_command(model, self.port)
-        box = None
-        if confined:
+        read_write = []
+        if self.isolation["confined"]:
             sockets = self._copy / "socket"
             sockets.mkdir()
             sandbox.hand_over(sockets)
             self._socket = sockets / "http.sock"
+            read_write = [str(sockets)]
             # Run as a script, not a module: the server's environment must not carry hetflow on its path.
-            relay = [sys.executable, serving_relay.__file__, str(self._socket), str(self.port), "--"]
-            box = sandbox.Sandbox(read_write=[str(sockets)], read_only=[str(model)], hidden=self.isolation["hidden"])
-            command = box.command([*relay, *command])
-        try:
-            with open(self.log_path, "wb") as output:
-                self.process = subprocess.Popen(
-                    command,
-                    # A sandboxed server's HOME is its own /tmp: the user's is not there.
-                    env={**server_environment(), **scoring_env, **({"HOME": "/tmp"} if confined else {})},
-                    # uvicorn puts its working directory on sys.path: the log's folder holds no modules.
-                    cwd=self.log_path.parent,
-                    stdin=subprocess.DEVNULL,
-                    stdout=output,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group: stop() ends bwrap, the relay and uvicorn
-                    pass_fds=box.fds if box else (),
-                    preexec_fn=None if confined else _die_with_starter,  # bwrap's --die-with-parent does it
-                )
-        finally:
-            if box is not None:
-                box.close()
+            command = [sys.executable, serving_relay.__file__, str(self._socket), str(self.port), "--", *command]
+        self.process = launch(
+            command, self.isolation, self.log_path, scoring_env, read_write=read_write, read_only=[str(model)]
+        )
 
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         if self._socket is not None:
-            return _UnixHTTPConnection(self._socket, timeout)
+            return UnixHTTPConnection(self._socket, timeout)
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
 
     def _request(self, method: str, path: str, body: bytes | None, timeout: float) -> tuple[int, bytes]:
@@ -198,27 +176,11 @@ class ModelServer:
             connection.close()
 
     def _download(self) -> Path:
-        """The version's files, copied into a temporary folder that ``stop()`` removes; nothing is loaded.
-        The folder is its owner's only (mkdtemp's 0700): a registered model is not every local user's
-        to read. The sandbox still reads it: root's view recreates the folders above what it shows.
-
-        The version's files are found through a client of ``tracking_uri`` as registry: MLflow's
-        ``download_artifacts`` resolves a ``models:/`` URI in the process-wide registry whatever
-        registry it is given (``ModelsArtifactRepository``), so it is given the files' own location."""
-        import mlflow
-        from hetflow.registry import store
-
+        """The version's files, copied into a temporary folder that ``stop()`` removes (mkdtemp's
+        0700: the sandbox still reads it, root's view recreates the folders above what it shows)."""
         self._copy = Path(tempfile.mkdtemp(prefix="hetflow-served-"))
         (self._copy / "model").mkdir()  # beside it, the server's socket (see start)
-        try:
-            name, version = _name_and_version(self.model_uri)
-            location = store.client(self.tracking_uri).get_model_version_download_uri(name, version)
-            copy = mlflow.artifacts.download_artifacts(
-                location, dst_path=str(self._copy / "model"), tracking_uri=self.tracking_uri
-            )
-        except Exception as error:  # MLflow raises its own kinds, and OSError
-            raise ServingError(f"could not copy {self.model_uri} from the registry: {error}") from error
-        return Path(copy)
+        return copy_version(self.model_uri, self.tracking_uri, self._copy / "model")
 
     def log_tail(self) -> str:
         try:
@@ -228,20 +190,7 @@ class ModelServer:
 
     def wait_until_running(self, deadline: float) -> None:
         """Return once ``/ping`` answers 200; ``deadline`` is a ``time.monotonic()`` value."""
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                raise ServingError(
-                    f"server exited with code {code} before it was healthy; its log ends: {self.log_tail()}"
-                )
-            try:
-                if self._request("GET", "/ping", None, timeout=1)[0] == 200:
-                    return
-            except (OSError, http.client.HTTPException):
-                pass  # not listening yet, or the model still loading
-            if time.monotonic() >= deadline:
-                raise ServingError(f"server not healthy by its deadline; its log ends: {self.log_tail()}")
-            time.sleep(0.25)
+        wait_until_healthy(self.process, self._connection, deadline, self.log_tail)
 
     def _invoke(self, images: np.ndarray) -> np.ndarray:
         body = json.dumps({"inputs": images.tolist()}).encode()
@@ -265,25 +214,8 @@ class ModelServer:
             self._copy = None
 
     def _stop_server(self) -> None:
-        if self.process is None:
-            return
-        try:
-            pgid = self.process.pid  # start_new_session: the group id is the leader's pid
-            for sig, wait in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(pgid, sig)
-                except ProcessLookupError:
-                    break
-                deadline = time.monotonic() + wait
-                while group_members(pgid) and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                if not group_members(pgid):
-                    break
-            self.process.wait(timeout=5)  # reap the leader
-            if group_members(pgid):
-                log.warning("server group %s still has processes %s after SIGKILL", pgid, group_members(pgid))
-        except Exception:  # stop() must never raise: it runs in finally blocks, also after other errors
-            log.exception("stopping the model server of %s", self.model_uri)
+        if self.process is not None:
+            stop_group(self.process, f"the model server of {self.model_uri}")
 
     def __enter__(self) -> ModelServer:
         try:
@@ -296,6 +228,121 @@ class ModelServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def isolation(what: str, tracking_uri: str) -> dict[str, Any]:
+    """How ``what`` (a model server) runs: sandboxed, hiding hetflow's private folders; or, where no
+    sandbox can be had and the operator accepted it, unisolated (else ``sandbox.SandboxUnavailable``)."""
+    if sandbox.required(what):
+        return {"confined": True, "sandbox": "bubblewrap", "hidden": sandbox.private_directories(tracking_uri)}
+    return {"confined": False, "reason": sandbox.unavailable()}
+
+
+def copy_version(model_uri: str, tracking_uri: str, destination: Path) -> Path:
+    """The files of ``models:/NAME/VERSION`` copied into the folder ``destination`` (made by the
+    caller, its owner's only: a registered model is not every local user's to read); the model's
+    folder in it is returned. Nothing is loaded.
+
+    The version's files are found through a client of ``tracking_uri`` as registry: MLflow's
+    ``download_artifacts`` resolves a ``models:/`` URI in the process-wide registry whatever
+    registry it is given (``ModelsArtifactRepository``), so it is given the files' own location."""
+    import mlflow
+    from hetflow.registry import store
+
+    try:
+        name, version = name_and_version(model_uri)
+        location = store.client(tracking_uri).get_model_version_download_uri(name, version)
+        copy = mlflow.artifacts.download_artifacts(location, dst_path=str(destination), tracking_uri=tracking_uri)
+    except Exception as error:  # MLflow raises its own kinds, and OSError
+        raise ServingError(f"could not copy {model_uri} from the registry: {error}") from error
+    return Path(copy)
+
+
+def launch(
+    command: list[str],
+    isolation: dict[str, Any],
+    log_path: Path,
+    env: dict[str, str],
+    read_write: list[str],
+    read_only: list[str],
+) -> subprocess.Popen:
+    """Start ``command`` (a model server) in its own process group, its output to ``log_path``:
+    sandboxed, if ``isolation`` is confined, seeing ``read_write`` and ``read_only`` (and the
+    system, the code and the interpreter); either way dying with this process, with
+    ``server_environment()`` and ``env``. The log's folder is its working directory outside a
+    sandbox (uvicorn puts that on ``sys.path``, so it must hold no Python modules).
+
+    The parent-death signal is sent when the *thread* that started it ends: start servers from a
+    thread that lives as long as they should."""
+    confined = isolation["confined"]
+    box = sandbox.Sandbox(read_write=read_write, read_only=read_only, hidden=isolation["hidden"]) if confined else None
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(log_path, "wb") as output:
+            return subprocess.Popen(
+                box.command(command) if box else command,
+                # A sandboxed server's HOME is its own /tmp: the user's is not there.
+                env={**server_environment(), **env, **({"HOME": "/tmp"} if confined else {})},
+                cwd=log_path.parent,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop_group ends bwrap and all inside
+                pass_fds=box.fds if box else (),
+                preexec_fn=None if confined else _die_with_starter,  # bwrap's --die-with-parent does it
+            )
+    finally:
+        if box is not None:
+            box.close()
+
+
+def wait_until_healthy(
+    process: subprocess.Popen,
+    connect: Callable[[float], http.client.HTTPConnection],
+    deadline: float,
+    log_tail: Callable[[], str],
+) -> None:
+    """Return once ``GET /ping`` on ``connect(timeout)`` answers 200; ServingError if ``process``
+    exits first or ``deadline`` (a ``time.monotonic()`` value) passes, with its log's end."""
+    while True:
+        code = process.poll()
+        if code is not None:
+            raise ServingError(f"server exited with code {code} before it was healthy; its log ends: {log_tail()}")
+        connection = connect(1.0)
+        try:
+            connection.request("GET", "/ping")
+            if connection.getresponse().status == 200:
+                return
+        except (OSError, http.client.HTTPException):
+            pass  # not listening yet, or the model still loading
+        finally:
+            connection.close()
+        if time.monotonic() >= deadline:
+            raise ServingError(f"server not healthy by its deadline; its log ends: {log_tail()}")
+        time.sleep(0.1)
+
+
+def stop_group(process: subprocess.Popen, what: str) -> None:
+    """End ``process``'s process group (``launch`` made it the leader of one): SIGTERM, then
+    SIGKILL after ``STOP_GRACE_SECONDS``; reap the leader. Never raises: it runs in finally blocks,
+    also after other errors."""
+    try:
+        pgid = process.pid  # start_new_session: the group id is the leader's pid
+        for sig, wait in ((signal.SIGTERM, STOP_GRACE_SECONDS), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while group_members(pgid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not group_members(pgid):
+                break
+        process.wait(timeout=5)  # reap the leader
+        if group_members(pgid):
+            log.warning("%s: group %s still has processes %s after SIGKILL", what, pgid, group_members(pgid))
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.exception("stopping %s", what)
 
 
 def _latencies_ms(server: ModelServer, images: np.ndarray) -> np.ndarray:

@@ -40,6 +40,8 @@ from hetflow.artifacts.compression import (
     trained_steps,
     validation_arrays,
 )
+from hetflow.artifacts.edge_metadata import variant_metadata, with_metadata
+from hetflow.artifacts.litert_latency import litert_latency
 from hetflow.artifacts.tflite import SPARSE_ENCODABLE, representative_images, to_tflite, weight_encoding
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, run_paths
@@ -77,9 +79,13 @@ def compress_model(
     if spec.compression.prune:
         with timing.part("fine_tuning"):
             bases["pruned"], pruning = _prune(model, spec, paths, dataset, training)
-    variants = {}
+    variants, latency = {}, {}
     if "tflite" in spec.export.formats:
         representative = representative_images(dataset, spec.training.seed)
+        # Export writes the float file: converted here too, to be timed beside the variants.
+        with timing.part("tflite_conversion"):
+            float_file = to_tflite(model, "none")
+        latency["float"] = litert_latency(float_file, representative[0])
         conversions = [("pruned", "pruned", "none")] if spec.compression.prune else []
         if spec.compression.quantize != "none":
             conversions += [(f"{base}_{spec.compression.quantize}", base, spec.compression.quantize) for base in bases]
@@ -88,7 +94,9 @@ def compress_model(
             path = paths.compressed / f"{name}.tflite"
             with timing.part("tflite_conversion"):  # quantization-aware fine-tuning inside it counts as fine_tuning
                 data, choice = _convert(bases[base], spec, dataset, training, quantize, representative, sparse, path)
+            data = with_metadata(data, variant_metadata(bases[base], spec, dataset, name))
             path.write_bytes(data)
+            latency[name] = litert_latency(data, representative[0])
             variants[name] = TfliteVariant(
                 path=str(path),
                 base=base,
@@ -98,7 +106,11 @@ def compress_model(
                 **choice,
             )
     record = CompressionRecord(
-        prune=spec.compression.prune, quantize=spec.compression.quantize, variants=variants, **pruning
+        prune=spec.compression.prune,
+        quantize=spec.compression.quantize,
+        variants=variants,
+        **({"litert_latency": latency} if latency else {}),
+        **pruning,
     )
     record.write(paths)
     return record

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from hetflow import plots
+from hetflow.artifacts.edge_metadata import variant_metadata, with_metadata
 from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 from hetflow.artifacts.saved_model import save_serving_model
 from hetflow.artifacts.scoring import judge, score, sizes
@@ -69,7 +70,7 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> 
     tflite_variants = {}
     if "tflite" in spec.export.formats:
         paths.float_tflite.parent.mkdir(parents=True, exist_ok=True)
-        data = to_tflite(model, "none")
+        data = with_metadata(to_tflite(model, "none"), variant_metadata(model, spec, dataset, "float"))
         paths.float_tflite.write_bytes(data)
         tflite_variants["float"] = TfliteVariant(  # not pruned: reported as sparsity 0
             path=str(paths.float_tflite), base="float", quantize="none", sparsity=0.0, **weight_encoding(data)
@@ -83,7 +84,7 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> 
     # Dicts until judged: judge adds each one's verdict.
     artifacts: dict[str, dict[str, Any]] = {}
     if "saved_model" in spec.export.formats:
-        save_serving_model(model, paths.saved_model)
+        save_serving_model(model, paths.saved_model, dataset)
         artifacts["saved_model"] = {
             "format": "saved_model",
             "path": str(paths.saved_model),

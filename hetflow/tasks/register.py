@@ -88,7 +88,7 @@ def register_model(
     tags, headline = _version_tags_and_headline(spec, dataset, airflow_run_id)
 
     if not paths.saved_model.exists():  # export_formats without saved_model: the registry still serves one
-        save_serving_model(trained_model(spec, dataset, paths.model), paths.saved_model)
+        save_serving_model(trained_model(spec, dataset, paths.model), paths.saved_model, dataset)
     # Each served check starts as soon as its version exists, beside the logging that follows.
     with ThreadPoolExecutor(max_workers=2) as pool:
         registrar = _Registrar(client, pool, run_id, images, log_dir)
@@ -207,6 +207,7 @@ def _tflite_description(
         "sparsity": f"{artifact.sparsity:.4f}",
         "weight_encoding": artifact.encoding,
         **({"int8_method": artifact.int8_method} if artifact.int8_method else {}),
+        **versions.latency_tags(compression.litert_latency, artifact.variant),
     }
     report = headline + (
         f"- TFLite variant `{artifact.variant}`: {artifact.bytes} bytes, {artifact.gzip_bytes} "
