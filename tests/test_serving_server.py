@@ -152,7 +152,7 @@ def _reversed_saver(saved_model: Path, images: np.ndarray, predict):
     """A deliberately broken model: serving_default's logits with the classes in reverse order
     (versions.saved_model_saver's stand-in; ``predict``, the exported model's logits, is unused)."""
 
-    def save(path: Path, mlflow_model) -> None:
+    def save(path: Path, mlflow_model, registered_version: str) -> dict[str, str]:
         import tensorflow as tf
 
         import mlflow
@@ -175,6 +175,7 @@ def _reversed_saver(saved_model: Path, images: np.ndarray, predict):
         mlflow.tensorflow.save_model(
             Reversed(), str(path), mlflow_model=mlflow_model, signature=signature, pip_requirements=["tensorflow"]
         )
+        return {}
 
     return save
 
