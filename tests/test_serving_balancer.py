@@ -209,7 +209,14 @@ def test_adding_and_removing_versions_under_load_loses_no_request(balancer, serv
         balancer.set_weights("mnist", {version - 1: 50, version: 50})
         time.sleep(0.4)
         balancer.set_weights("mnist", {version - 1: 0, version: 100})
-        balancer.remove_version("mnist", version - 1)
+        slow = {}
+        in_flight = threading.Thread(target=lambda old=version - 1: slow.update(
+            answer=call(balancer, f"/v1/models/mnist/versions/{old}:predict", {"sleep": 0.6})))
+        in_flight.start()
+        time.sleep(0.2)
+        balancer.remove_version("mnist", version - 1)  # waits for the slow request on it
+        assert slow["answer"][0] == 200 and slow["answer"][1].startswith(f"v{version - 1}")
+        in_flight.join()
         time.sleep(0.4)
     total = load.stop()
     assert load.failures == []
