@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hetflow.cluster.processes import group_members
-from hetflow.serving.balancer import Balancer
+from hetflow.serving.balancer import Balancer, BalancerError
 
 pytestmark = pytest.mark.skipif(not Path("/usr/sbin/haproxy").exists(), reason="Debian's haproxy: make sandbox")
 
@@ -311,18 +311,29 @@ def test_files_are_private_and_stop_leaves_no_process(tmp_path):
     lb.stop()  # twice is harmless
 
 
-def test_haproxy_dies_with_its_owner_even_by_sigkill(tmp_path):
+@pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_haproxy_dies_with_its_owner(tmp_path, signal_number):
+    """SIGKILL and SIGTERM (no handler) end the owner at once: PDEATHSIG ends HAProxy; Ctrl-C unwinds
+    it, and stop() runs at exit."""
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
         from hetflow.serving.balancer import Balancer
         lb = Balancer({str(tmp_path / 'lb')!r}, port={_free_port()}).start()
         print(lb.pid, flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE)
+    """)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         pgid = int(owner.stdout.readline())
         assert len(group_members(pgid)) >= 2
     finally:
-        owner.send_signal(signal.SIGKILL)
+        owner.send_signal(signal_number)
         owner.wait()
-    assert _gone_within(pgid, 3)
+    assert _gone_within(pgid, 3), group_members(pgid)
+
+
+def test_a_failed_start_says_why_in_one_line_and_leaves_no_process(tmp_path, balancer):
+    second = Balancer(tmp_path / "second", port=balancer.port)
+    with pytest.raises(BalancerError, match="haproxy exited") as failure:
+        second.start()
+    assert "\n" not in str(failure.value) and "cannot bind socket" in str(failure.value)
+    assert second.pid is None

@@ -129,7 +129,7 @@ class Balancer:
         for name in MAPS:
             self._write_private(self._map_path(name), "")
         self._write_private(self.config_path, self._config())
-        log = open(self.log_path, "ab")
+        log = open(self.log_path, "wb")
         try:
             self._proc = subprocess.Popen(
                 [HAPROXY, "-W", "-f", str(self.config_path), "-S", f"{self.master_socket},mode,600"],
@@ -153,18 +153,20 @@ class Balancer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise BalancerError(f"haproxy exited ({self._proc.returncode}): {self._last_log_line()}")
+                raise BalancerError(f"haproxy exited ({self._proc.returncode}): {self._haproxy_error()}")
             try:
                 if "Pid:" in self.command("show info"):
                     return
             except OSError:
                 pass
             time.sleep(0.05)
-        raise BalancerError(f"haproxy's admin socket did not answer within {timeout_s} s: {self._last_log_line()}")
+        raise BalancerError(f"haproxy's admin socket did not answer within {timeout_s} s: {self._haproxy_error()}")
 
-    def _last_log_line(self):
+    def _haproxy_error(self):
+        """HAProxy's first alert (the cause; later ones say it is exiting), else its last line."""
         lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
-        return lines[-1] if lines else "no output"
+        alerts = [line for line in lines if "[ALERT]" in line]
+        return (alerts or lines or ["no output"])[0 if alerts else -1]
 
     def stop(self, grace_s=5.0):
         """Soft stop (requests in flight finish, up to grace_s), then the whole process group is killed.
@@ -219,6 +221,8 @@ class Balancer:
             f"    stats socket {self.admin_socket} mode 600 level admin expose-fd listeners",
             "    stats timeout 30s",
             "    hard-stop-after 10s",
+            # by default a second HAProxy (another endpoint) could bind the same port and take half the traffic
+            "    noreuseport",
             "    maxconn 4096",
             # L7 retries copy the request into one buffer; 64 KiB covers typical predict bodies
             "    tune.bufsize 65536",
@@ -417,8 +421,9 @@ class Balancer:
         self._expect_silent(";".join(f"set server {b}/{s} state drain" for b, s in pairs))
         deadline = time.monotonic() + timeout_s
         while any(row["scur"] != "0" or row["qcur"] not in ("", "0") for row in self._stat_rows(pairs)):
-            if time.monotonic() > deadline:
-                break  # requests stuck past the timeout end with the server's removal below
+            if time.monotonic() > deadline:  # requests stuck past the timeout are cut: the caller chose it
+                self._expect_silent(";".join(f"shutdown sessions server {b}/{s}" for b, s in pairs))
+                break
             time.sleep(0.05)
         self._expect_silent(";".join(f"set server {b}/{s} state maint" for b, s in pairs))
         for backend, server in pairs:
