@@ -180,7 +180,10 @@ def test_status_json_lists_every_version_and_its_state(balancer, servers):
     states = {v["version"]: v["state"] for v in listed}
     assert states == {"3": "UNLOADING", "4": "LOADING"}
     balancer.remove_version("mnist", 3)
-    assert [v["version"] for v in json.loads(call(balancer, "/v1/models/mnist")[1])["model_version_status"]] == ["4"]
+    balancer.set_version_state("mnist", 4, "END", "failed its check:\n3 of 20 answers differ")
+    assert json.loads(call(balancer, "/v1/models/mnist")[1]) == {"model_version_status": [
+        {"version": "4", "state": "END",
+         "status": {"error_code": "UNKNOWN", "error_message": "failed its check: 3 of 20 answers differ"}}]}
 
 
 def test_drain_lets_the_request_in_flight_finish_and_sends_new_ones_elsewhere(balancer, servers):
@@ -258,6 +261,16 @@ def test_refusals_are_one_line_json(tmp_path, balancer, servers):
         assert (status, "\n" not in text.strip()) == (code, True), (path, text)
         assert words in json.loads(text)["error"]
 
+    with socket.create_connection((balancer.host, balancer.port)) as raw:  # a chunked body, sent at once
+        raw.sendall(b"POST /v1/models/mnist:predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"2\r\n{}\r\n0\r\n\r\n")
+        head, _, body = raw.recv(4096).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 411") and json.loads(body) == {"error": "send the body with a Content-Length"}
+
+    with pytest.raises(ValueError, match="model='a b': 1 to 100 characters"):
+        balancer.set_version_servers("a b", 1, [v1])
+    with pytest.raises(ValueError, match="no Unix socket there"):
+        balancer.set_version_servers("mnist", 2, [str(tmp_path / "absent.sock")])
     with pytest.raises(ValueError, match="host='0.0.0.0' is not loopback: a token is required"):
         Balancer(tmp_path / "open", host="0.0.0.0")
     token = "s3cret-token-0123456789"

@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -36,6 +37,8 @@ LABELS = ("stable", "canary")
 STATES = ("START", "LOADING", "AVAILABLE", "UNLOADING", "END")
 MAX_WEIGHT = 256  # roundrobin's largest server weight: the finest split HAProxy can make
 _PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls it
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 _SERVER_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _TOKEN_ALLOWED = re.compile(r"^[A-Za-z0-9._~+/=-]{16,}$")
 MAPS = ("models", "selectors", "status", "invocations")
@@ -78,14 +81,16 @@ def _is_loopback(host):
 def _die_with_parent(parent_pid):
     """preexec: HAProxy's master gets SIGTERM when the thread that started it dies, even by SIGKILL;
     its workers leave when the master does (master-worker mode watches the master)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
 
 class Balancer:
-    """HAProxy in front of the model servers: start(), then the runtime API, then stop()."""
+    """HAProxy in front of the model servers: start(), then the runtime API, then stop().
+
+    Call start() from a thread that lives as long as the balancer (the main thread): the kernel's
+    parent-death signal follows the thread that started HAProxy, not the process."""
 
     def __init__(
         self,
@@ -361,9 +366,14 @@ class Balancer:
         enabled), missing ones drained and removed. A model's first version takes all its traffic; a
         later one takes none until set_weights gives it a share (it is reachable at /versions/N at once,
         for warming)."""
+        if not _MODEL_NAME.match(str(model_name)):
+            raise ValueError(f"model={model_name!r}: 1 to 100 characters among A-Z a-z 0-9 . _ - (a URL path part)")
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version={version!r}: a non-negative integer")
         sockets = [str(Path(path).resolve()) for path in sockets]
+        for path in sockets:
+            if not (os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode)):
+                raise ValueError(f"socket={path!r}: no Unix socket there (start the model server first)")
         with self._lock:
             model = self._models.get(model_name) or self._new_model(model_name)
             entry = model.versions.get(version) or self._new_version(model, version)
@@ -400,11 +410,18 @@ class Balancer:
             f"check inter {self.check_interval_ms} fastinter {max(100, self.check_interval_ms // 2)} "
             "fall 2 rise 1"
         )
-        for backend, weight in ((f"m{model.slot}", 0), (f"m{model.slot}s{entry.slot}", 1)):
-            answer = self.command(f"add server {backend}/{name} unix@{path} weight {weight} {check}")
-            if "New server registered" not in answer:
-                raise BalancerError(f"haproxy refused server {path}: {answer.strip().splitlines()[0]}")
-            self._expect_silent(f"enable health {backend}/{name};enable server {backend}/{name}")
+        added = []
+        try:
+            for backend, weight in ((f"m{model.slot}", 0), (f"m{model.slot}s{entry.slot}", 1)):
+                answer = self.command(f"add server {backend}/{name} unix@{path} weight {weight} {check}")
+                if "New server registered" not in answer:
+                    raise BalancerError(f"haproxy refused server {path}: {answer.strip().splitlines()[0]}")
+                added.append(backend)
+                self._expect_silent(f"enable health {backend}/{name};enable server {backend}/{name}")
+        except BaseException:
+            for backend in added:  # no half-added replica: a retry must find its name free
+                self.command(f"set server {backend}/{name} state maint;del server {backend}/{name}")
+            raise
         entry.replicas[path] = replica
 
     def _retire(self, model_name, version, paths, timeout_s=30.0):
@@ -513,7 +530,7 @@ class Balancer:
             raise ValueError(f"state={state!r}: one of {STATES}")
         with self._lock:
             entry = self._version(model_name, version)
-            entry.state, entry.message = state, message
+            entry.state, entry.message = state, " ".join(str(message).split())  # a map value is one line
             self._publish()
 
     def set_default_model(self, model_name):
