@@ -13,9 +13,9 @@ import pytest
 NAME = "hetflow-digits-tflite"
 
 
-@pytest.fixture()
-def registry(tmp_path):
-    """A store holding two TFLite versions of NAME registered from one file, version 1 the champion."""
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    """A store holding two TFLite versions of NAME registered from one file (each test sets the alias)."""
     from hetflow.artifacts.edge_metadata import EdgeMetadata, with_metadata
     from hetflow.artifacts.predictors import tflite_predictor
     from hetflow.artifacts.tflite import to_tflite
@@ -23,6 +23,7 @@ def registry(tmp_path):
     from hetflow.records import LatencyFigures, LiteRTLatency
     from hetflow.registry import store, versions
 
+    tmp_path = tmp_path_factory.mktemp("edge")
     images = np.random.default_rng(0).integers(0, 256, size=(16, 8, 8, 1), dtype=np.uint8)
     model = build_model("mlp", [8, 8, 1], 10, seed=1)
     metadata = EdgeMetadata(
@@ -52,7 +53,6 @@ def registry(tmp_path):
         version = versions.register_version(client, NAME, run.info.run_id, "tflite_model", save)
         for key, value in versions.latency_tags(latency, "pruned_int8").items():
             client.set_model_version_tag(NAME, version.version, key, value)
-    client.set_registered_model_alias(NAME, "champion", "1")
     return client, path, images
 
 
@@ -60,6 +60,7 @@ def test_the_champion_s_manifest_names_the_registered_file_and_its_figures(regis
     from hetflow.serving.edge import edge_manifest, fetch_edge_file
 
     client, _, _ = registry
+    client.set_registered_model_alias(NAME, "champion", "1")
     manifest = edge_manifest(client, NAME)
     fetched = fetch_edge_file(client, NAME, manifest["version"], tmp_path / "device")
     data = fetched.read_bytes()
@@ -104,13 +105,19 @@ def test_a_file_that_is_not_the_registered_one_is_not_handed_out(registry, tmp_p
     from hetflow.serving.edge import EdgeBundleError, edge_manifest, fetch_edge_file
 
     client, _, _ = registry
-    client.set_model_version_tag(NAME, "1", "edge.sha256", "0" * 64)
-    with pytest.raises(EdgeBundleError, match="its manifest says 0000"):
-        fetch_edge_file(client, NAME, 1, tmp_path / "device")
-    assert not (tmp_path / "device" / f"{NAME}-v1.tflite").exists()
-    client.delete_model_version_tag(NAME, "2", "edge.metadata")
-    client.set_registered_model_alias(NAME, "champion", "2")
-    with pytest.raises(EdgeBundleError, match="version 2 has no edge bundle \\(tags edge.metadata missing\\)"):
-        edge_manifest(client, NAME)
-    with pytest.raises(EdgeBundleError, match="no version at alias 'stable'"):
-        edge_manifest(client, NAME, "stable")
+    tags = {v: client.get_model_version(NAME, v).tags for v in ("1", "2")}
+    try:
+        client.set_model_version_tag(NAME, "1", "edge.sha256", "0" * 64)
+        with pytest.raises(EdgeBundleError, match="its manifest says 0000"):
+            fetch_edge_file(client, NAME, 1, tmp_path / "device")
+        assert list((tmp_path / "device").iterdir()) == []  # no file, and no partial copy
+        client.delete_model_version_tag(NAME, "2", "edge.metadata")
+        client.set_registered_model_alias(NAME, "champion", "2")
+        with pytest.raises(EdgeBundleError, match="version 2 has no edge bundle \\(tags edge.metadata missing\\)"):
+            edge_manifest(client, NAME)
+        with pytest.raises(EdgeBundleError, match="no version at alias 'stable'"):
+            edge_manifest(client, NAME, "stable")
+    finally:
+        for version, kept in tags.items():
+            for key in ("edge.sha256", "edge.metadata"):
+                client.set_model_version_tag(NAME, version, key, kept[key])
