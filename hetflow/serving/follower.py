@@ -58,7 +58,11 @@ class Follower:
         """The models whose champion differs from the version served. The caller says when a move is
         carried out (``served_now``): a rollout in progress is not reported again."""
         current = champions(self.client, self.names)
-        return [Move(model, self.served.get(model), version) for model, version in sorted(current.items()) if self.served.get(model) != version]
+        return [
+            Move(model, self.served.get(model), version)
+            for model, version in sorted(current.items())
+            if self.served.get(model) != version
+        ]
 
     def served_now(self, model: str, version: str) -> None:
         self.served[model] = version
