@@ -130,6 +130,8 @@ class Balancer:
     # ---- process ----
 
     def start(self, timeout_s=10.0):
+        if self.running:
+            raise ValueError(f"run_dir={str(self.run_dir)!r}: this balancer is already running")
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for name in MAPS:
             self._write_private(self._map_path(name), "")
@@ -205,6 +207,11 @@ class Balancer:
     def pid(self):
         return self._proc.pid if self._proc else None
 
+    @property
+    def running(self):
+        """HAProxy's master is alive (it exits if its worker dies: the owner should then stop and start)."""
+        return self._proc is not None and self._proc.poll() is None
+
     # ---- configuration ----
 
     @staticmethod
@@ -228,11 +235,16 @@ class Balancer:
             "    hard-stop-after 10s",
             # by default a second HAProxy (another endpoint) could bind the same port and take half the traffic
             "    noreuseport",
+            "    log stderr format raw local0 info",
             "    maxconn 4096",
             # L7 retries copy the request into one buffer; 64 KiB covers typical predict bodies
             "    tune.bufsize 65536",
             "defaults",
             "    mode http",
+            # haproxy.log gets only the requests that went wrong, each with its termination flags
+            "    log global",
+            "    option httplog",
+            "    option dontlog-normal",
             "    timeout connect 2s",
             "    timeout client 60s",
             "    timeout server 60s",
