@@ -102,6 +102,8 @@ class Balancer:
         max_models=8,
         max_versions=4,
         check_interval_ms=500,
+        log_socket=None,
+        log_format=None,
     ):
         if not _is_loopback(host) and not token:
             raise ValueError(f"host={host!r} is not loopback: a token is required (token=...)")
@@ -113,6 +115,9 @@ class Balancer:
         self.host, self.port, self.max_body_bytes, self.token = host, port, max_body_bytes, token
         self.max_models, self.max_versions = max_models, max_versions
         self.check_interval_ms = check_interval_ms
+        # Each request's line, as log_format spells it, to a Unix datagram socket: HAProxy's statistics
+        # hold counters and averages, its log each answer (hetflow.serving.traffic_log reads it).
+        self.log_socket, self.log_format = log_socket, log_format
         self.admin_socket = self.run_dir / "admin.sock"
         self.master_socket = self.run_dir / "master.sock"
         self.config_path = self.run_dir / "haproxy.cfg"
@@ -239,8 +244,10 @@ class Balancer:
             "    maxconn 4096",
             # L7 retries copy the request into one buffer; 64 KiB covers typical predict bodies
             "    tune.bufsize 65536",
+            *([f"    log unix@{self.log_socket} len 1024 format raw local0 info"] if self.log_socket else []),
             "defaults",
             "    mode http",
+            *(["    log global", f'    log-format "{self.log_format}"'] if self.log_socket else []),
             # haproxy.log gets only the requests that went wrong, each with its termination flags
             "    log global",
             "    option httplog",
@@ -258,10 +265,13 @@ class Balancer:
             # stdlib servers), and no request then races a model server closing an idle connection
             "    http-reuse never",
         ]
-        for code, reason in ((503, "no replica of this model or version is available"),
-                             (502, "a model server gave no valid answer"),
-                             (504, "a model server did not answer in time"),
-                             (400, "malformed HTTP request"), (408, "the request took too long to arrive")):
+        for code, reason in (
+            (503, "no replica of this model or version is available"),
+            (502, "a model server gave no valid answer"),
+            (504, "a model server did not answer in time"),
+            (400, "malformed HTTP request"),
+            (408, "the request took too long to arrive"),
+        ):
             lines.append(f"    http-error status {code} content-type application/json string '{_one_line(reason)}'")
         lines += self._frontend(run)
         for model_slot in range(self.max_models):
@@ -418,10 +428,7 @@ class Balancer:
         replica = entry.next_replica
         entry.next_replica += 1
         name = self._server_name(model_name, version, replica)
-        check = (
-            f"check inter {self.check_interval_ms} fastinter {max(100, self.check_interval_ms // 2)} "
-            "fall 2 rise 1"
-        )
+        check = f"check inter {self.check_interval_ms} fastinter {max(100, self.check_interval_ms // 2)} fall 2 rise 1"
         added = []
         try:
             for backend, weight in ((f"m{model.slot}", 0), (f"m{model.slot}s{entry.slot}", 1)):
