@@ -61,17 +61,35 @@ def _flatc_metadata(data: bytes, tmp_path) -> dict:
     return json.loads((tmp_path / "metadata.json").read_text())
 
 
-@pytest.mark.parametrize("quantize", ["none", "int8"])
+def _pruned(model):
+    """``model`` with its hidden kernel zero in 3 of every 4 blocks of 16 inputs: what the sparse encoding stores."""
+    import tensorflow as tf
+
+    pruned = tf.keras.models.clone_model(model)
+    pruned.set_weights(model.get_weights())
+    [hidden] = [layer for layer in pruned.layers if layer.name != "logits" and hasattr(layer, "kernel")]
+    kernel = hidden.kernel.numpy()
+    blocks = np.arange(kernel.shape[0] // 16)[:, None] != (np.arange(kernel.shape[1]) % 4)[None, :]
+    kernel[np.repeat(blocks, 16, axis=0)] = 0
+    hidden.kernel.assign(kernel)
+    return pruned
+
+
+@pytest.mark.parametrize("variant", ["float", "float_int8", "pruned", "pruned_int8"])
 def test_a_file_with_metadata_runs_its_named_signature_as_before_and_says_what_it_is(
-    model_and_images, quantize, tmp_path
+    model_and_images, variant, tmp_path
 ):
     from hetflow.artifacts.edge_metadata import with_metadata
-    from hetflow.artifacts.tflite import to_tflite
+    from hetflow.artifacts.tflite import to_tflite, weight_encoding
 
     model, images = model_and_images
-    plain = to_tflite(model, quantize, images)
+    pruned = variant.startswith("pruned")
+    quantize = "int8" if variant.endswith("int8") else "none"
+    plain = to_tflite(_pruned(model) if pruned else model, quantize, images, sparse=pruned)
+    assert weight_encoding(plain)["encoding"] == ("sparse" if pruned else "dense")
     data = with_metadata(plain, _metadata(model))
-    print(f"{quantize}: {len(plain)} bytes, {len(data)} with metadata (+{len(data) - len(plain)})")
+    assert weight_encoding(data) == weight_encoding(plain)  # the sparsity metadata kept through the repacking
+    print(f"{variant}: {len(plain)} bytes, {len(data)} with metadata (+{len(data) - len(plain)})")
 
     signatures, logits = _run_signature(data, images)
     assert signatures == {"serving_default": {"inputs": ["image"], "outputs": ["logits"]}}

@@ -96,13 +96,13 @@ def register_version(client: MlflowClient, name: str, run_id: str, artifact_name
     """
     existing = client.search_model_versions(f"name='{name}' and run_id='{run_id}'")
     with timing.part("mlflow_io"):
+        run = client.get_run(run_id)
         if existing:
-            version, logged = existing[0], client.get_logged_model(existing[0].model_id)
+            version, logged = existing[0], _logged_model_of(client, existing[0], run)
             if logged.status == LoggedModelStatus.READY:
                 log.info("run %s already registered %s version %s: re-using it", run_id, name, version.version)
                 return version
         else:
-            run = client.get_run(run_id)
             logged = client.create_logged_model(
                 run.info.experiment_id, name=artifact_name, source_run_id=run_id, params=run.data.params
             )
@@ -130,6 +130,17 @@ def register_version(client: MlflowClient, name: str, run_id: str, artifact_name
         client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
         client.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step=0)])
         return client.get_model_version(name, version.version)
+
+
+def _logged_model_of(client: MlflowClient, version, run):
+    """The logged model whose files ``version`` points at (the SQL registry keeps no model id on a version)."""
+    logged = client.search_logged_models([run.info.experiment_id], filter_string=f"source_run_id = '{run.info.run_id}'")
+    found = [model for model in logged if model.artifact_location == version.source]
+    if not found:
+        raise LookupError(
+            f"version {version.version} of {version.name}: no logged model of run {run.info.run_id} at {version.source}"
+        )
+    return found[0]
 
 
 def saved_model_saver(saved_model: Path, images: np.ndarray, predict: Callable[[np.ndarray], np.ndarray]) -> SaveModel:
