@@ -38,8 +38,7 @@ STATES = ("START", "LOADING", "AVAILABLE", "UNLOADING", "END")
 MAX_WEIGHT = 256  # roundrobin's largest server weight: the finest split HAProxy can make
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls it
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
-_SERVER_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")  # a URL path part, and valid in HAProxy's server names
 _TOKEN_ALLOWED = re.compile(r"^[A-Za-z0-9._~+/=-]{16,}$")
 MAPS = ("models", "selectors", "status", "invocations")
 
@@ -181,26 +180,27 @@ class Balancer:
         return (alerts or lines or ["no output"])[0 if alerts else -1]
 
     def stop(self, grace_s=5.0):
-        """Soft stop (requests in flight finish, up to grace_s), then the whole process group is killed.
-        Never raises: it runs on the way out of failures too."""
+        """Soft stop (requests in flight finish, up to grace_s), then the whole process group is killed,
+        even when a Ctrl-C interrupts the wait. Raises no error: it runs on the way out of failures too."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
         try:
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGUSR1)
-                try:
-                    proc.wait(grace_s)
-                except subprocess.TimeoutExpired:
-                    pass
-            os.killpg(proc.pid, signal.SIGKILL)  # a worker still finishing, or the master itself
-        except (OSError, ProcessLookupError):
+                proc.wait(grace_s)
+        except (OSError, subprocess.TimeoutExpired):
             pass
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        atexit.unregister(self.stop)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # a worker still finishing, or the master itself
+            except OSError:
+                pass
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            atexit.unregister(self.stop)
 
     def __enter__(self):
         return self.start()
@@ -361,7 +361,7 @@ class Balancer:
             raise BalancerError(f"haproxy refused {line.split(';')[0][:80]!r}: {answer.splitlines()[0]}")
 
     def _server_name(self, model, version, replica):
-        return f"{_SERVER_NAME_UNSAFE.sub('_', model)[:40]}-v{version}-r{replica}"
+        return f"{model}-v{version}-r{replica}"
 
     def _servers(self, model_name, version_number):
         """(backend, server) pairs of a version's replicas: each in the model's and the version's backend."""
@@ -396,6 +396,8 @@ class Balancer:
         for path in sockets:
             if not (os.path.exists(path) and stat.S_ISSOCK(os.stat(path).st_mode)):
                 raise ValueError(f"socket={path!r}: no Unix socket there (start the model server first)")
+            if any(c.isspace() or c in ";#\\'\"" for c in path):
+                raise ValueError(f"socket={path!r}: no spaces, quotes, ';', '#' or backslashes (HAProxy's CLI)")
         with self._lock:
             model = self._models.get(model_name) or self._new_model(model_name)
             entry = model.versions.get(version) or self._new_version(model, version)
@@ -423,8 +425,6 @@ class Balancer:
         return model.versions[version]
 
     def _add_replica(self, model_name, model, version, entry, path):
-        if any(c.isspace() or c in ";#\\'\"" for c in path):
-            raise ValueError(f"socket={path!r}: no spaces, quotes, ';', '#' or backslashes")
         replica = entry.next_replica
         entry.next_replica += 1
         name = self._server_name(model_name, version, replica)
@@ -468,13 +468,10 @@ class Balancer:
             del entry.replicas[path]
 
     def _delete_server(self, backend, server, deadline):
-        # idle connections kept for reuse block the deletion until HAProxy closes them
-        while True:
-            answer = self.command(f"del server {backend}/{server}").strip()
-            if answer.startswith("Server deleted") or time.monotonic() > deadline:
-                if not answer.startswith("Server deleted"):
-                    raise BalancerError(f"haproxy kept {backend}/{server}: {answer.splitlines()[0]}")
-                return
+        # a connection still closing holds the server for a moment
+        while not (answer := self.command(f"del server {backend}/{server}").strip()).startswith("Server deleted"):
+            if time.monotonic() > deadline:
+                raise BalancerError(f"haproxy kept {backend}/{server}: {answer.splitlines()[0]}")
             time.sleep(0.05)
 
     def remove_version(self, model_name, version, timeout_s=30.0):
