@@ -163,6 +163,9 @@ def test_weights_split_traffic_and_versions_and_labels_route_to_one_version(bala
         balancer.set_label("mnist", "beta", 1)
     with pytest.raises(ValueError, match="summing to 100"):
         balancer.set_weights("mnist", {1: 90, 2: 20})
+    balancer.set_weights("mnist", {1: 100, 2: 0})
+    with pytest.raises(ValueError, match="it takes all the traffic of model 'mnist'"):
+        balancer.remove_version("mnist", 1)
 
 
 def test_status_json_lists_every_version_and_its_state(balancer, servers):
@@ -176,6 +179,7 @@ def test_status_json_lists_every_version_and_its_state(balancer, servers):
         {"version": "3", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}}]}
     assert [v["version"] for v in json.loads(call(balancer, "/v1/models/mnist/versions/3")[1])
             ["model_version_status"]] == ["3"]
+    balancer.set_weights("mnist", {3: 0, 4: 100})
     balancer.drain("mnist", 3)
     listed = json.loads(call(balancer, "/v1/models/mnist")[1])["model_version_status"]
     states = {v["version"]: v["state"] for v in listed}
@@ -200,8 +204,15 @@ def test_drain_lets_the_request_in_flight_finish_and_sends_new_ones_elsewhere(ba
     assert {call(balancer, "/v1/models/mnist:predict", {})[1] for _ in range(20)} == {"new"}
     assert balancer.stats()[("mnist", 1, 0)]["status"] == "DRAIN"
     assert balancer.stats()[("mnist", 1, 0)]["sessions"] == 1  # the slow one, still on the drained server
+    remover = threading.Thread(target=balancer.remove_version, args=("mnist", 1))
+    remover.start()  # it waits for the slow request; stats() must not wait with it
+    time.sleep(0.1)
+    started = time.monotonic()
+    assert balancer.stats()[("mnist", 1, 0)]["sessions"] == 1 and time.monotonic() - started < 0.3
     in_flight.join()
+    remover.join()
     assert slow["answer"] == (200, "old")
+    assert set(balancer.stats()) == {("mnist", 2, 0)}
 
 
 def test_adding_and_removing_versions_under_load_loses_no_request(balancer, servers):

@@ -124,6 +124,9 @@ class Balancer:
         self._models = {}
         self._default_model = None
         self._published = {}
+        # (backend, server) -> ((model, version, replica), socket, in the model's backend): read by
+        # stats() without the lock, which a removal holds while its replicas drain
+        self._owners = {}
         self._lock = threading.RLock()
         self._proc = None
 
@@ -442,6 +445,8 @@ class Balancer:
                 self.command(f"set server {backend}/{name} state maint;del server {backend}/{name}")
             raise
         entry.replicas[path] = replica
+        self._owners[(f"m{model.slot}", name)] = (model_name, version, replica), path, True
+        self._owners[(f"m{model.slot}s{entry.slot}", name)] = (model_name, version, replica), path, False
 
     def _retire(self, model_name, version, paths, timeout_s=30.0):
         """Drain these replicas (requests in flight finish, new ones go elsewhere), then delete them."""
@@ -464,6 +469,7 @@ class Balancer:
         self._expect_silent(";".join(f"set server {b}/{s} state maint" for b, s in pairs))
         for backend, server in pairs:
             self._delete_server(backend, server, deadline + 5)
+            self._owners.pop((backend, server), None)
         for path in paths:
             del entry.replicas[path]
 
@@ -480,6 +486,10 @@ class Balancer:
         with self._lock:
             model = self._model(model_name)
             entry = self._version(model_name, version)
+            others = [v.percent for n, v in model.versions.items() if n != version]
+            if entry.percent and others and not any(others):
+                raise ValueError(f"version={version}: it takes all the traffic of model {model_name!r}; "
+                                 "set_weights to the others first")
             entry.state = "UNLOADING"
             model.labels = {label: v for label, v in model.labels.items() if v != version}
             self._publish(hidden=(model_name, version))
@@ -630,16 +640,8 @@ class Balancer:
         """{(model, version, replica): requests, 2xx/4xx/5xx, mean response time (ms, HAProxy's last
         1024 requests), status UP/DOWN/DRAIN/MAINT, current sessions, socket}: the model's and the
         version's backends added together."""
-        with self._lock:
-            owners = {}
-            for model_name, model in self._models.items():
-                for number, entry in model.versions.items():
-                    for path, replica in entry.replicas.items():
-                        server = self._server_name(model_name, number, replica)
-                        key = (model_name, number, replica)
-                        owners[(f"m{model.slot}", server)] = key, path, True
-                        owners[(f"m{model.slot}s{entry.slot}", server)] = key, path, False
-            rows = self._stat_rows(list(owners))
+        owners = dict(self._owners)
+        rows = self._stat_rows(list(owners))
         result = {}
         for row in rows:
             key, path, in_model_backend = owners[(row["pxname"], row["svname"])]
