@@ -24,7 +24,6 @@ from mlflow.protos.databricks_pb2 import ALREADY_EXISTS, RESOURCE_ALREADY_EXISTS
 import mlflow
 from hetflow.artifacts import edge_metadata
 from hetflow.artifacts.litert_latency import latency_line
-from hetflow.artifacts.saved_model import WARMUP_FILE
 from hetflow.pipeline import timing
 from hetflow.records import LiteRTLatency
 from mlflow import MlflowClient
@@ -153,6 +152,8 @@ def saved_model_saver(saved_model: Path, images: np.ndarray, predict: Callable[[
 
     def save(path: Path, mlflow_model: Model, registered_version: str) -> dict[str, str]:
         import tensorflow as tf
+
+        from hetflow.artifacts.saved_model import WARMUP_FILE
 
         exported = tf.saved_model.load(str(saved_model))
         serve = exported.signatures["serving_default"]
