@@ -143,7 +143,7 @@ class Balancer:
         for name in MAPS:
             self._write_private(self._map_path(name), "")
         self._write_private(self.config_path, self._config())
-        log = open(self.log_path, "wb")
+        log = self._open_private(self.log_path, "wb")
         try:
             self._proc = subprocess.Popen(
                 [HAPROXY, "-W", "-f", str(self.config_path), "-S", f"{self.master_socket},mode,600"],
@@ -169,7 +169,9 @@ class Balancer:
             if self._proc.poll() is not None:
                 raise BalancerError(f"haproxy exited ({self._proc.returncode}): {self._haproxy_error()}")
             try:
-                if "Pid:" in self.command("show info"):
+                # the master serves its CLI from its event loop, its signal handlers set: from then on
+                # stop()'s SIGUSR1 is heard (sent earlier, it was lost)
+                if "Pid:" in self.command("show info") and "worker" in self.command("show proc", master=True):
                     return
             except OSError:
                 pass
@@ -223,10 +225,13 @@ class Balancer:
     # ---- configuration ----
 
     @staticmethod
-    def _write_private(path, text):
+    def _open_private(path, mode="w"):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as out:
+        os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode otherwise
+        return os.fdopen(fd, mode)
+
+    def _write_private(self, path, text):
+        with self._open_private(path) as out:
             out.write(text)
 
     def _map_path(self, name):
@@ -346,11 +351,13 @@ class Balancer:
 
     # ---- runtime API ----
 
-    def command(self, line, payload=None):
-        """One runtime API command (several joined by ';'), its answer as text."""
+    def command(self, line, payload=None, master=False):
+        """One runtime API command (several joined by ';'), its answer as text; master: to the master's CLI."""
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(10)
-            conn.connect(str(self.admin_socket))
+            conn.connect(str(self.master_socket if master else self.admin_socket))
+            if master:
+                line += ";quit"  # the master's CLI keeps a connection open until told
             data = line + ("  <<\n" + payload + "\n\n" if payload is not None else "\n")
             conn.sendall(data.encode())
             chunks = []
