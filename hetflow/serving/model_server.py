@@ -62,7 +62,11 @@ DEFAULT_SIGNATURE = "serving_default"
 DEFAULT_MAX_INSTANCES = 256
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 READ_TIMEOUT_SECONDS = 60  # a client that stops sending holds its thread no longer
-DRAIN_SECONDS = 10.0  # on SIGTERM, how long requests in flight may take to finish
+DRAIN_SECONDS = 10.0
+DISCARD_BYTES, DISCARD_SECONDS = (
+    64 << 20,
+    2.0,
+)  # what is read of a refused body, at most  # on SIGTERM, how long requests in flight may take to finish
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # TF Serving's own patterns (model_servers/http_rest_api_util.cc), anchored.
@@ -447,6 +451,7 @@ def _parse(body: bytes) -> dict[str, Any]:
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: a balancer reuses its connections
     server_version, sys_version = "hetflow-model-server", ""
+    unread = 0  # bytes of a refused body left unread
     timeout = READ_TIMEOUT_SECONDS
     server: UnixHTTPServer
 
@@ -487,9 +492,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
             raise bad_request(f"Content-Length: {length!r} is not a number of bytes")
         limit = self.server.service.max_body_bytes
         if int(length) > limit:
-            self.close_connection = True  # its body is left unread
+            self.close_connection = True
+            self.unread = int(length)
             raise RequestError(413, f"the body is {int(length)} bytes, over this server's limit of {limit}")
         return self.rfile.read(int(length))
+
+    def _discard_unread(self) -> None:
+        """Read (a bounded share of) a refused body before closing, so that a client still sending it
+        reads the refusal instead of a reset connection (nginx's lingering close)."""
+        left = min(self.unread, DISCARD_BYTES)
+        self.connection.settimeout(DISCARD_SECONDS)
+        try:
+            while left > 0 and (chunk := self.rfile.read(min(left, 1 << 16))):
+                left -= len(chunk)
+        except OSError:
+            pass  # the client gave up: nothing more to tell it
 
     def _serve(self, method: str) -> None:
         service = self.server.service
@@ -507,6 +524,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 log.error("%s %s failed:\n%s", method, path, traceback.format_exc())
                 status, payload = 500, {"error": f"internal error ({type(error).__name__}); see the model server's log"}
             self._answer(status, payload)
+            if self.unread:
+                self._discard_unread()
             api = "invocations" if path == "/invocations" else "predict" if path.startswith("/v1/") else None
             if method == "POST" and api:
                 service.metrics.observe(api, status, time.perf_counter() - started)

@@ -9,7 +9,7 @@ A version's life here::
        ▼
     start(deadline)  re-check the copy against its manifest, start every replica, wait for each /ping
        │
-       ├─► alive(), restart(index, deadline), request(...), predict(images)
+       ├─► alive(), dead_replicas(), restart(index), input_example(), request(...), predict(images)
        ▼
     stop()  end every replica's process group; never raises (the files stay: the caller's folder)
 
@@ -36,16 +36,19 @@ import shutil
 import stat
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from hetflow import sandbox
 from hetflow.serving import model_server
 from hetflow.serving.server import (
     REQUEST_TIMEOUT_SECONDS,
+    START_DEADLINE_SECONDS,
     ServingError,
     UnixHTTPConnection,
     copy_version,
@@ -283,9 +286,15 @@ class VersionServers:
         """Whether each replica's process is running (a dead one's sandbox ends with it)."""
         return [replica.process is not None and replica.process.poll() is None for replica in self.replicas]
 
-    def restart(self, index: int, deadline: float) -> None:
+    def dead_replicas(self) -> list[int]:
+        """The replicas started whose process has exited."""
+        return [r.index for r, alive in zip(self.replicas, self.alive()) if r.process is not None and not alive]
+
+    def restart(self, index: int, deadline: float | None = None) -> None:
         """Start replica ``index`` anew (what is left of it ended first) from the re-checked copy,
-        and wait for its ``/ping``; ServingError if it does not come up (it is left stopped)."""
+        and wait for its ``/ping`` until ``deadline`` (a ``time.monotonic()`` value; default
+        ``START_DEADLINE_SECONDS`` from now); ServingError if it does not come up (it is left stopped)."""
+        deadline = time.monotonic() + START_DEADLINE_SECONDS if deadline is None else deadline
         replica = self.replicas[index]
         if replica.process is not None:
             stop_group(replica.process, f"{self.model_uri} replica {index}")
@@ -297,6 +306,18 @@ class VersionServers:
             if replica.process is not None:
                 stop_group(replica.process, f"{self.model_uri} replica {index}")
             raise
+
+    def input_example(self) -> np.ndarray:
+        """The input example MLflow recorded with the version (``saved_input_example_info``), from
+        the staged copy, in its signature's type; ServingError if it recorded no array."""
+        mlmodel = yaml.safe_load((self.model_dir / "MLmodel").read_text())
+        info = mlmodel.get("saved_input_example_info") or {}
+        if info.get("type") != "ndarray":
+            raise ServingError(f"{self.model_uri} has no input example of arrays (MLmodel: {info or 'none'})")
+        example = json.loads((self.model_dir / info["artifact_path"]).read_text())
+        inputs = json.loads((mlmodel.get("signature") or {}).get("inputs") or "[]")
+        dtype = inputs[0].get("tensor-spec", {}).get("dtype") if len(inputs) == 1 else None
+        return np.asarray(example, dtype=dtype)
 
     def request(
         self, method: str, path: str, body: Any = None, replica: int = 0, timeout: float = REQUEST_TIMEOUT_SECONDS
