@@ -107,14 +107,27 @@ def call(lb, path, body=None, headers=None, conn=None):
 
 
 class Load:
-    """Closed-loop clients on keep-alive connections: counts answers by replica name, and failures."""
+    """Closed-loop clients on keep-alive connections, for the length of a with block: counts answers by
+    replica name, and failures (when, what)."""
 
     def __init__(self, lb, path, clients=4):
         self.lb, self.path, self.answers, self.failures = lb, path, Counter(), []
         self.running = True
         self.threads = [threading.Thread(target=self._client) for _ in range(clients)]
+
+    def __enter__(self):
         for thread in self.threads:
             thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.running = False
+        for thread in self.threads:
+            thread.join()
+
+    @property
+    def total(self):
+        return sum(self.answers.values())
 
     def _client(self):
         conn = http.client.HTTPConnection(self.lb.host, self.lb.port, timeout=10)
@@ -129,12 +142,7 @@ class Load:
                 self.answers[text] += 1
             else:
                 self.failures.append((time.monotonic(), f"{status} {text}"))
-
-    def stop(self):
-        self.running = False
-        for thread in self.threads:
-            thread.join()
-        return sum(self.answers.values())
+        conn.close()
 
 
 def test_weights_split_traffic_and_versions_and_labels_route_to_one_version(balancer, servers):
@@ -215,27 +223,32 @@ def test_drain_lets_the_request_in_flight_finish_and_sends_new_ones_elsewhere(ba
     assert set(balancer.stats()) == {("mnist", 2, 0)}
 
 
+def _swap(balancer, servers, old, new):
+    """A rollout's steps on the balancer: add the new version, canary, promote, remove the old one while
+    a slow request is in flight on it."""
+    balancer.set_version_servers("mnist", new, [servers.start(f"v{new}a"), servers.start(f"v{new}b")])
+    balancer.set_weights("mnist", {old: 50, new: 50})
+    time.sleep(0.4)
+    balancer.set_weights("mnist", {old: 0, new: 100})
+    slow = {}
+    in_flight = threading.Thread(target=lambda: slow.update(
+        answer=call(balancer, f"/v1/models/mnist/versions/{old}:predict", {"sleep": 0.6})))
+    in_flight.start()
+    time.sleep(0.2)
+    balancer.remove_version("mnist", old)  # waits for the slow request on it
+    assert slow["answer"][0] == 200 and slow["answer"][1].startswith(f"v{old}")
+    in_flight.join()
+
+
 def test_adding_and_removing_versions_under_load_loses_no_request(balancer, servers):
     balancer.set_version_servers("mnist", 1, [servers.start("v1")])
-    load = Load(balancer, "/v1/models/mnist:predict")
-    time.sleep(0.5)
-    for version in (2, 3):  # two swaps: add the next version, canary, promote, drain and remove the old
-        balancer.set_version_servers("mnist", version, [servers.start(f"v{version}a"), servers.start(f"v{version}b")])
-        balancer.set_weights("mnist", {version - 1: 50, version: 50})
+    with Load(balancer, "/v1/models/mnist:predict") as load:
+        time.sleep(0.5)
+        _swap(balancer, servers, 1, 2)
+        _swap(balancer, servers, 2, 3)
         time.sleep(0.4)
-        balancer.set_weights("mnist", {version - 1: 0, version: 100})
-        slow = {}
-        in_flight = threading.Thread(target=lambda old=version - 1: slow.update(
-            answer=call(balancer, f"/v1/models/mnist/versions/{old}:predict", {"sleep": 0.6})))
-        in_flight.start()
-        time.sleep(0.2)
-        balancer.remove_version("mnist", version - 1)  # waits for the slow request on it
-        assert slow["answer"][0] == 200 and slow["answer"][1].startswith(f"v{version - 1}")
-        in_flight.join()
-        time.sleep(0.4)
-    total = load.stop()
     assert load.failures == []
-    assert total > 200 and set(load.answers) == {"v1", "v2a", "v2b", "v3a", "v3b"}, load.answers
+    assert load.total > 200 and set(load.answers) == {"v1", "v2a", "v2b", "v3a", "v3b"}, load.answers
     assert set(balancer.stats()) == {("mnist", 3, 0), ("mnist", 3, 1)}
 
 
@@ -246,12 +259,12 @@ def test_a_killed_servers_requests_are_retried_on_the_others(balancer, servers):
     kept-alive connection then sees it closed, a new connection a 502."""
     clients = 6
     balancer.set_version_servers("mnist", 1, [servers.start(name) for name in ("r0", "r1", "r2")])
-    load = Load(balancer, "/v1/models/mnist:predict", clients=clients)
-    time.sleep(0.5)
-    servers.kill("r1")
-    killed_at = time.monotonic()
-    time.sleep(1.5)
-    total = load.stop()
+    with Load(balancer, "/v1/models/mnist:predict", clients=clients) as load:
+        time.sleep(0.5)
+        servers.kill("r1")
+        killed_at = time.monotonic()
+        time.sleep(1.5)
+    total = load.total
     late = [when for when, _ in load.failures if when > killed_at + 0.2]
     assert len(load.failures) <= clients and late == [], f"{len(load.failures)} of {total}: {load.failures[:3]}"
     assert total > 500 and load.answers["r0"] > 100 and load.answers["r2"] > 100
