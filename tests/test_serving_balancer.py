@@ -322,6 +322,22 @@ def test_invocations_reach_the_default_model(balancer, servers):
     assert call(balancer, "/invocations", {}) == (200, "fashion5")
 
 
+def test_every_request_reaches_the_owners_log_socket_in_its_format(tmp_path, servers):
+    sink_path = tmp_path / "traffic.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sink:
+        sink.bind(str(sink_path))
+        sink.settimeout(5)
+        with Balancer(tmp_path / "lb", port=_free_port(), log_socket=sink_path, log_format="%b %s %ST %rc") as lb:
+            lb.set_version_servers("mnist", 7, [servers.start("v7")])
+            for path in ("/v1/models/mnist:predict", "/v1/models/mnist/versions/7:predict", "/v1/models/nope:predict"):
+                call(lb, path, {})
+            lines = [sink.recv(2048).decode().strip() for _ in range(3)]
+            assert lines == ["m0 mnist-v7-r0 200 0", "m0s0 mnist-v7-r0 200 0", "endpoint <NOSRV> 404 0"]
+            assert "POST" not in lb.log_path.read_text()  # haproxy.log keeps HAProxy's own notices only
+    with pytest.raises(ValueError, match="both or neither"):
+        Balancer(tmp_path / "half", log_socket=sink_path)
+
+
 def test_metrics_count_each_server(balancer, servers):
     balancer.set_version_servers("mnist", 1, [servers.start("v1")])
     for _ in range(7):

@@ -110,6 +110,9 @@ class Balancer:
             raise ValueError("token: at least 16 characters among A-Z a-z 0-9 . _ ~ + / = -")
         if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
             raise ValueError(f"max_body_bytes={max_body_bytes!r}: a positive integer of bytes")
+        if bool(log_socket) != bool(log_format) or '"' in str(log_format or ""):
+            raise ValueError(f"log_socket={log_socket!r}, log_format={log_format!r}: both or neither, "
+                             "the format without double quotes")
         self.run_dir = Path(run_dir).resolve()
         self.host, self.port, self.max_body_bytes, self.token = host, port, max_body_bytes, token
         self.max_models, self.max_versions = max_models, max_versions
@@ -252,11 +255,10 @@ class Balancer:
             "    maxconn 4096",
             # L7 retries copy the request into one buffer; 64 KiB covers typical predict bodies
             "    tune.bufsize 65536",
-            *([f"    log unix@{self.log_socket} len 1024 format raw local0 info"] if self.log_socket else []),
             "defaults",
             "    mode http",
-            *(["    log global", f'    log-format "{self.log_format}"'] if self.log_socket else []),
-            # haproxy.log gets only the requests that went wrong, each with its termination flags
+            # haproxy.log: HAProxy's notices (servers up and down), and the requests that went wrong
+            # (retried or failed, with their termination flags)
             "    log global",
             "    option httplog",
             "    option dontlog-normal",
@@ -288,10 +290,18 @@ class Balancer:
                 lines += self._backend(f"m{model_slot}s{version_slot}")
         return "\n".join(lines) + "\n"
 
+    def _request_log(self):
+        """Every request to the owner's socket in its format, where it asked: the frontend logs requests,
+        the backends their servers' notices, so these go on the frontend only."""
+        if not self.log_socket:
+            return []
+        return ["    no log", f"    log unix@{self.log_socket} len 1024 format raw local0 info",
+                f'    log-format "{self.log_format}"', "    no option dontlog-normal"]
+
     def _frontend(self, run):
         maps = {name: self._map_path(name) for name in MAPS}
         json_reply = "content-type application/json"
-        lines = ["frontend endpoint", f"    bind {self.host}:{self.port}"]
+        lines = ["frontend endpoint", f"    bind {self.host}:{self.port}", *self._request_log()]
         if self.token:
             lines.append(
                 f"    http-request return status 401 {json_reply} string "
