@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -255,19 +254,9 @@ def test_metrics_count_the_prediction_requests_by_outcome(float_servers):
     }
 
 
-def _server_process(pgid: int) -> int:
-    """The model server's own process in a replica's group (setpriv and bwrap around it name it too)."""
-    [pid] = [
-        pid
-        for pid in group_members(pgid)
-        if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2] == [os.fsencode(sys.executable), b"-I"]
-    ]
-    return pid
-
-
 def test_a_killed_replica_is_seen_dead_and_restarted_while_the_other_answers(tflite_servers, registered):
     images, logits = registered["images"], registered["logits"]
-    os.kill(_server_process(tflite_servers.pgids[1]), signal.SIGKILL)
+    os.kill(tflite_servers.server_pid(1), signal.SIGKILL)
     wait_for(lambda: tflite_servers.alive() == [True, False], timeout=15)
     assert tflite_servers.dead_replicas() == [1]
     np.testing.assert_allclose(tflite_servers.predict(images, replica=0), logits, atol=1e-5)
@@ -287,6 +276,8 @@ def test_stop_leaves_no_process_and_a_start_past_its_deadline_leaves_none_either
     servers.stop()  # again: nothing left to end, and no error
     assert [group_members(pgid) for pgid in pgids] == [[], []]
     assert not any(path.exists() for path in servers.sockets)
+    # Each server was asked to stop, and did, before its sandbox was ended.
+    assert [servers.log_tail(i).splitlines()[-1].endswith("model_server: stopped") for i in range(2)] == [True, True]
     late = _servers(registered, TFLITE, tmp_path / "v")  # the staged copy re-used
     with pytest.raises(ServingError, match="replica 0: server not healthy by its deadline"):
         late.start(time.monotonic())

@@ -11,7 +11,8 @@ A version's life here::
        │
        ├─► alive(), dead_replicas(), restart(index), input_example(), request(...), predict(images)
        ▼
-    stop()  end every replica's process group; never raises (the files stay: the caller's folder)
+    stop()  ask each server to stop (its requests in flight finish), then end every replica's process
+            group; never raises (the files stay: the caller's folder)
 
 What the copy's check refuses, and why (a registered version's files are someone else's: its run
 wrote them, and the registry's folder may be shared):
@@ -33,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -45,6 +47,7 @@ import numpy as np
 import yaml
 
 from hetflow import sandbox
+from hetflow.cluster.processes import group_members, is_running
 from hetflow.serving import model_server
 from hetflow.serving.server import (
     REQUEST_TIMEOUT_SECONDS,
@@ -350,10 +353,34 @@ class VersionServers:
                 raise ServingError(f"{path} on replica {replica} failed: {error!r}") from error
         return np.concatenate(answers)
 
+    def server_pid(self, index: int) -> int | None:
+        """The model server's own process in replica ``index``'s group (setpriv and bwrap, which
+        lead it, name it in their command lines too), None if it is not running."""
+        replica = self.replicas[index]
+        if replica.process is None:
+            return None
+        command = [os.fsencode(sys.executable), b"-I", os.fsencode(model_server.__file__)]
+        for pid in group_members(replica.process.pid):
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:3] == command:
+                    return pid
+            except OSError:
+                continue  # it ended meanwhile
+        return None
+
     def stop(self) -> None:
-        """End every replica's process group and remove its socket; never raises. Requests in flight
-        are not waited for: drain a replica at the balancer first. (SIGTERM reaches the sandbox's
-        bwrap with the server, and the kernel ends all in the sandbox as bwrap ends.)"""
+        """End every replica, and remove its socket; never raises. Each server is asked first
+        (SIGTERM to it alone: its requests in flight finish, up to model_server's DRAIN_SECONDS),
+        then its process group is ended (a signal to the sandbox's bwrap ends all in it at once)."""
+        try:
+            asked = [pid for pid in map(self.server_pid, range(len(self.replicas))) if pid is not None]
+            for pid in asked:
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + model_server.DRAIN_SECONDS + 1
+            while any(is_running(pid) for pid in asked) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - stop() must never raise; the groups are ended below whatever happened
+            log.exception("asking the model servers of %s to stop", self.model_uri)
         for replica in self.replicas:
             if replica.process is not None:
                 stop_group(replica.process, f"{self.model_uri} replica {replica.index}")
