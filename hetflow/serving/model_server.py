@@ -104,6 +104,7 @@ class Signature:
     outputs: dict[str, Spec]
 
 
+@dataclass(frozen=True)
 class Model:
     """A loaded model: its signatures, and ``run(signature_name, inputs) -> outputs`` by name."""
 
@@ -126,19 +127,19 @@ def _tensorflow_model(path: Path, threads: int) -> Model:
         shape = tuple(-1 if size is None else size for size in tensor.shape.as_list())
         return Spec(name, np.dtype(tensor.dtype.as_numpy_dtype), shape)
 
-    model = Model()
-    model.flavor = "tensorflow"
-    model.signatures = {
+    signatures = {
         key: Signature(
             {name: spec(name, t) for name, t in sorted(function.structured_input_signature[1].items())},
             {name: spec(name, t) for name, t in sorted(function.structured_outputs.items())},
         )
         for key, function in functions.items()
     }
-    model.run = lambda key, inputs: {
-        name: value.numpy() for name, value in functions[key](**{n: tf.constant(a) for n, a in inputs.items()}).items()
-    }
-    return model
+
+    def run(key: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        outputs = functions[key](**{name: tf.constant(array) for name, array in inputs.items()})
+        return {name: value.numpy() for name, value in outputs.items()}
+
+    return Model("tensorflow", signatures, run)
 
 
 def _tflite_model(path: Path, threads: int) -> Model:
@@ -174,13 +175,8 @@ def _tflite_model(path: Path, threads: int) -> Model:
         finally:
             interpreters.put(entry)
 
-    model = Model()
-    model.flavor = "tflite"
-    model.signatures = {
-        key: Signature({input_name: spec(input_name, input_detail)}, {output_name: spec(output_name, output_detail)})
-    }
-    model.run = run
-    return model
+    signature = Signature({input_name: spec(input_name, input_detail)}, {output_name: spec(output_name, output_detail)})
+    return Model("tflite", {key: signature}, run)
 
 
 def _inside(root: Path, relative: str) -> Path:
