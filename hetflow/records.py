@@ -115,6 +115,7 @@ class TfliteVariant(_Part):
     sparsity: float
     encoding: Literal["dense", "sparse"]
     sparse_tensors: list[SparseTensor]
+    calibration_examples: int | None = None  # int8: the representative sample's size
     reference_validation_accuracy: float | None = None
     post_training_validation_accuracy: float | None = None
     quantization_aware_steps: int | None = None

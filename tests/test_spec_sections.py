@@ -57,6 +57,7 @@ PATHS = {
     "target_sparsity": ("compression.target_sparsity", 0.8),
     "fine_tuning_share": ("compression.fine_tuning_share", 2.0),
     "quantize": ("compression.quantize", "float16"),
+    "calibration_examples": ("compression.calibration_examples", 400),
     "max_accuracy_drop": ("export.max_accuracy_drop", 0.05),
     "export_formats": ("export.formats", ["tflite"]),
     "registered_model": ("registry.model_name", "other-model"),
@@ -136,7 +137,8 @@ def test_a_flat_and_a_nested_spec_json_load_alike(tmp_path):
     assert RunSpec.from_json(nested_text) == flat
     assert flat.cluster.worker.each[1].slowdown == 2.0 and flat.cluster.resources.cpus == 1.5
     # MLflow params: the same names and values as before, and a key added since at its default
-    assert flat.flat(mode="json") == {**FLAT_RECORD, "micro_batches": 1, "stage_split": "measured"}
+    added = {"micro_batches": 1, "stage_split": "measured", "calibration_examples": 200}
+    assert flat.flat(mode="json") == {**FLAT_RECORD, **added}
 
 
 def test_the_training_key_is_the_one_recorded_before_the_sections():

@@ -21,9 +21,10 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_model_optimization as tfmot
 
-from hetflow.artifacts.predictors import tflite_predictor
+from hetflow.artifacts.predictors import keras_predictor, tflite_predictor
+from hetflow.artifacts.scoring import streamed_accuracy
 from hetflow.artifacts.tflite import representative_images, to_tflite
-from hetflow.data.pipeline import split_arrays, train_input
+from hetflow.data.pipeline import split_arrays, split_batches, streamed_input, train_input
 from hetflow.models.architectures import compile_model
 from hetflow.models.fine_tuning import Recovery, fine_tune
 from hetflow.models.schedule import make_optimizer
@@ -97,9 +98,28 @@ def pruning_recovery(spec: RunSpec, training: TrainingRecord, float_validation_a
     )
 
 
-def validation_arrays(dataset: DatasetRecord) -> tuple[np.ndarray, np.ndarray]:
+# Keras's batch for validation arrays, kept for the streamed validation: fine-tuning's figures stay
+# those computed on the whole split in batches of 32.
+FIT_VALIDATION_BATCH = 32
+
+
+def validation_split(dataset: DatasetRecord) -> str:
     """The split fine-tuning and the int8 choice are scored on (train where a dataset has none)."""
-    return split_arrays(dataset, "validation" if "validation" in dataset.splits else "train")
+    return "validation" if "validation" in dataset.splits else "train"
+
+
+def validation_arrays(dataset: DatasetRecord) -> tuple[np.ndarray, np.ndarray]:
+    """``validation_split`` whole, as arrays: for the benches, which score it many times over."""
+    return split_arrays(dataset, validation_split(dataset))
+
+
+def validation_accuracy(predict, dataset: DatasetRecord) -> float:
+    """``predict``'s accuracy on ``validation_split``, streamed in batches."""
+    return streamed_accuracy(predict, split_batches(dataset, validation_split(dataset)))
+
+
+def _fit_validation(dataset: DatasetRecord) -> tf.data.Dataset:
+    return streamed_input(dataset, validation_split(dataset), FIT_VALIDATION_BATCH)
 
 
 def prune(
@@ -143,7 +163,7 @@ def prune(
     record = fine_tune(
         pruning,
         _batches(spec, dataset),
-        validation_arrays(dataset),
+        _fit_validation(dataset),
         recovery,
         "pruning fine-tuning",
         callbacks=[tfmot.sparsity.keras.UpdatePruningStep(), *callbacks],
@@ -196,17 +216,14 @@ def quantization_aware(
     quantized = tfmot.quantization.keras.quantize_apply(annotated, _PrunePreservingScheme())
     compile_model(quantized, make_optimizer(spec, spec.training.learning_rate))
     record = fine_tune(
-        quantized, _batches(spec, dataset), validation_arrays(dataset), recovery, "quantization-aware fine-tuning"
+        quantized, _batches(spec, dataset), _fit_validation(dataset), recovery, "quantization-aware fine-tuning"
     )
     return quantized, record
 
 
-def _accuracy(predict, images: np.ndarray, labels: np.ndarray) -> float:
-    return float(np.mean(np.argmax(predict(images), axis=1) == labels))
-
-
 def keras_accuracy(model: tf.keras.Model, images: np.ndarray, labels: np.ndarray) -> float:
-    return _accuracy(lambda x: model.predict(x, batch_size=256, verbose=0), images, labels)
+    """``model``'s accuracy on arrays already in memory (the benches')."""
+    return streamed_accuracy(keras_predictor(model), [(images, labels)])
 
 
 def int8_file(
@@ -216,19 +233,19 @@ def int8_file(
     ``max_accuracy_drop`` against ``model`` on the validation split, quantization-aware fine-tuned
     (at most ``max_steps``, until within RECOVERED_WITHIN of the budget; kept only if it does better
     there); with how it was chosen."""
-    representative = representative_images(dataset, spec.training.seed)
-    images, labels = validation_arrays(dataset)
-    reference = keras_accuracy(model, images, labels)
+    representative = representative_images(dataset, spec.training.seed, spec.compression.calibration_examples)
+    reference = validation_accuracy(keras_predictor(model), dataset)
 
     def file_accuracy(data: bytes) -> float:
         scratch.write_bytes(data)
         try:
-            return _accuracy(tflite_predictor(scratch), images, labels)
+            return validation_accuracy(tflite_predictor(scratch), dataset)
         finally:
             scratch.unlink()
 
     post_training = to_tflite(model, "int8", representative, sparse=sparse)
     choice = {
+        "calibration_examples": len(representative),
         "reference_validation_accuracy": reference,
         "post_training_validation_accuracy": file_accuracy(post_training),
     }

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from hetflow.data.pipeline import split_arrays
+from hetflow.data.pipeline import split_head
 from hetflow.records import DatasetRecord
 
 SIGNATURE, INPUT, OUTPUT = "serving_default", "image", "logits"
@@ -38,7 +38,7 @@ def save_serving_model(model: tf.keras.Model, path: Path, dataset: DatasetRecord
         shutil.rmtree(path)  # a retried task writes it anew
     tf.saved_model.save(model, str(path), signatures={SIGNATURE: serve})
     if dataset is not None:
-        images, _ = split_arrays(dataset, "test")
+        images, _ = split_head(dataset, "test", WARMUP_EXAMPLES)
         write_warmup_requests(path, images[:WARMUP_EXAMPLES])
 
 

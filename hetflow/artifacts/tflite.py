@@ -21,17 +21,21 @@ import numpy as np
 import tensorflow as tf
 from ai_edge_litert import schema_py_generated as schema
 
-from hetflow.data.pipeline import split_arrays
+from hetflow.data.pipeline import split_images_at
 from hetflow.records import DatasetRecord
+from hetflow.spec.sections import CALIBRATION_EXAMPLES
 
-REPRESENTATIVE_EXAMPLES = 200
 SPARSE_ENCODABLE = ("none", "int8")
 
 
-def representative_images(dataset: DatasetRecord, seed: int) -> np.ndarray:
-    """The int8 calibration sample: ``REPRESENTATIVE_EXAMPLES`` train images drawn with ``seed``."""
-    images, _ = split_arrays(dataset, "train")
-    return np.random.default_rng(seed).permutation(images)[:REPRESENTATIVE_EXAMPLES]
+def representative_images(dataset: DatasetRecord, seed: int, count: int = CALIBRATION_EXAMPLES) -> np.ndarray:
+    """The int8 calibration sample: ``count`` train images (all of them where the split has fewer)
+    at positions drawn with ``seed``, gathered in one pass over the split. Its memory is the sample's
+    images and the drawn permutation's 8 bytes per training example: the sample stays the one the
+    whole-split code drew (the first ``count`` of ``default_rng(seed).permutation``), whose int8
+    figures are recorded."""
+    positions = np.random.default_rng(seed).permutation(dataset.splits["train"])[:count]
+    return split_images_at(dataset, "train", positions)
 
 
 def to_tflite(

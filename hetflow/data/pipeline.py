@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Iterator
 
+import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
@@ -116,6 +117,50 @@ def training_tensors(dataset: DatasetRecord) -> tuple[tf.Tensor, tf.Tensor]:
 
 
 def split_arrays(dataset: DatasetRecord, split: str) -> tuple[Any, Any]:
-    """The whole split as numpy arrays (images uint8, labels int64), for scoring and plots."""
+    """The whole split as numpy arrays (images uint8, labels int64): its memory grows with the split,
+    so only for ``training_tensors`` and the benches; the stages stream (``split_batches``)."""
     images, labels = tfds.as_numpy(_load(dataset, split).batch(dataset.splits[split]).get_single_element())
     return images, labels
+
+
+# What a stage that scores a split holds of it at once, in examples (export's parity checks compare
+# every artifact on the same batch): its memory is one batch's, whatever the split's size.
+SCORING_BATCH = 256
+
+
+def streamed_input(dataset: DatasetRecord, split: str, batch_size: int = SCORING_BATCH) -> tf.data.Dataset:
+    """One ordered pass over ``split`` in batches of ``batch_size``, read from the prepared files as it
+    goes (no cache): for Keras where it takes a dataset (fine-tuning's validation)."""
+    return _without_autotuning_thread(_load(dataset, split).batch(batch_size).prefetch(1))
+
+
+def split_batches(
+    dataset: DatasetRecord, split: str, batch_size: int = SCORING_BATCH
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``streamed_input`` as numpy batches (images uint8, labels int64)."""
+    return iter(tfds.as_numpy(streamed_input(dataset, split, batch_size)))
+
+
+def split_head(dataset: DatasetRecord, split: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``count`` examples of ``split`` in order (all of them where it has fewer)."""
+    return tfds.as_numpy(_load(dataset, split).take(count).batch(count).get_single_element())
+
+
+def split_images_at(dataset: DatasetRecord, split: str, positions: np.ndarray) -> np.ndarray:
+    """The images at ``positions`` (distinct) of ``split``, in the order given, gathered in one
+    streaming pass that stops after the last of them."""
+    order = np.argsort(positions, kind="stable")
+    wanted = positions[order]
+    images, found, start = None, 0, 0
+    for batch, _ in split_batches(dataset, split):
+        end = start + len(batch)
+        upto = int(np.searchsorted(wanted, end))  # wanted[found:upto] lie in this batch
+        if images is None:
+            images = np.empty((len(positions), *batch.shape[1:]), batch.dtype)
+        images[order[found:upto]] = batch[wanted[found:upto] - start]
+        found, start = upto, end
+        if found == len(wanted):
+            break
+    if found < len(wanted):
+        raise ValueError(f"positions up to {int(wanted[-1])} asked of split {split!r}, which has {start} examples")
+    return images

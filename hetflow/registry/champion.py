@@ -74,24 +74,24 @@ def champion_accuracy(champion, dataset: DatasetRecord, log_dir: Path, registry:
     """The champion's test accuracy on *this* run's test split.
 
     Its recorded accuracy counts when it was measured on the same prepared data (same dataset
-    fingerprint); otherwise the champion is served and scored on this test split over HTTP: it
-    is never loaded in this process, where a registered model's code would run. Raises
+    fingerprint); otherwise the champion is served and scored on this test split over HTTP, streamed
+    in batches: it is never loaded in this process, where a registered model's code would run. Raises
     ``serving.ServingError`` when it cannot be served.
 
     :param registry: the tracking URI of the registry the champion is in.
     """
     if champion.tags.get("dataset.fingerprint") == dataset.fingerprint:
         return float(champion.tags["test_accuracy"])
-    from hetflow.data.pipeline import split_arrays
+    from hetflow.artifacts.scoring import streamed_accuracy
+    from hetflow.data.pipeline import split_batches
 
-    images, labels = split_arrays(dataset, "test")
     uri = f"models:/{champion.name}/{champion.version}"
     with (
         timing.part("serving"),
         serving.ModelServer(uri, registry, log_dir / f"{champion.name}-v{champion.version}-champion.log") as server,
     ):
-        logits = server.predict(images)
-    return float(np.mean(np.argmax(logits, axis=1) == labels))
+        # Batch by batch, each one request (serving.REQUEST_BATCH): the split is never held whole here.
+        return streamed_accuracy(server.predict, split_batches(dataset, "test", serving.REQUEST_BATCH))
 
 
 def gate(spec: RunSpec, candidate_accuracy: float, champion, champion_score: float | None) -> dict[str, Any]:

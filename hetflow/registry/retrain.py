@@ -55,6 +55,7 @@ FROM_CHAMPION = frozenset(
         "target_sparsity",
         "fine_tuning_share",
         "quantize",
+        "calibration_examples",
         "export_formats",
     }
 )

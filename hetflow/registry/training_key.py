@@ -9,11 +9,12 @@ import json
 from hetflow.records import DatasetRecord, TrainedBefore
 from hetflow.spec import RunSpec
 from hetflow.spec.cluster import MICRO_BATCHES, STAGE_SPLIT
+from hetflow.spec.sections import CALIBRATION_EXAMPLES
 from mlflow import MlflowClient
 
 # Keys added after versions were registered, at their defaults: left out, so that a spec which
 # does not set them names the same training as it did before they existed.
-ADDED_LATER = {"micro_batches": MICRO_BATCHES, "stage_split": STAGE_SPLIT}
+ADDED_LATER = {"micro_batches": MICRO_BATCHES, "stage_split": STAGE_SPLIT, "calibration_examples": CALIBRATION_EXAMPLES}
 
 
 def training_key(spec: RunSpec, fingerprint: str) -> str:

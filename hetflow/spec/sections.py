@@ -213,6 +213,11 @@ class TrainingSpec(Section):
     )
 
 
+# TFLite's advice for the int8 representative dataset: "a small subset (around ~100-500 samples) of the
+# training or validation data" (post_training_quantization.md); 200 is the sample compress always drew.
+CALIBRATION_EXAMPLES = 200
+
+
 class CompressionSpec(Section):
     model_config = ConfigDict(title="Compression")
 
@@ -237,6 +242,15 @@ class CompressionSpec(Section):
         "calibrated on the train split; where that loses more than max_accuracy_drop on the validation split, "
         "quantization-aware fine-tuning that keeps the pruned zeros), or `none`.",
         title="Quantization",
+    )
+    calibration_examples: int = spec_field(
+        CALIBRATION_EXAMPLES,
+        "Training examples the int8 quantization is calibrated on (its activation ranges), drawn at random "
+        "with the seed and read in one pass: only they are held, whatever the split's size. TFLite advises "
+        "about 100-500.",
+        ge=10,
+        le=10_000,
+        title="int8 calibration examples",
     )
 
 

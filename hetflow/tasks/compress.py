@@ -29,7 +29,6 @@ import tensorflow as tf
 
 from hetflow.artifacts.compression import (
     int8_file,
-    keras_accuracy,
     kernel_sparsity,
     longest_fine_tuning,
     overall_sparsity,
@@ -38,10 +37,11 @@ from hetflow.artifacts.compression import (
     pruning_block,
     pruning_recovery,
     trained_steps,
-    validation_arrays,
+    validation_accuracy,
 )
 from hetflow.artifacts.edge_metadata import variant_metadata, with_metadata
 from hetflow.artifacts.litert_latency import litert_latency
+from hetflow.artifacts.predictors import keras_predictor
 from hetflow.artifacts.tflite import SPARSE_ENCODABLE, representative_images, to_tflite, weight_encoding
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, run_paths
@@ -81,7 +81,7 @@ def compress_model(
             bases["pruned"], pruning = _prune(model, spec, paths, dataset, training)
     variants, latency = {}, {}
     if "tflite" in spec.export.formats:
-        representative = representative_images(dataset, spec.training.seed)
+        representative = representative_images(dataset, spec.training.seed, spec.compression.calibration_examples)
         # Export writes the float file: converted here too, to be timed beside the variants.
         with timing.part("tflite_conversion"):
             float_file = to_tflite(model, "none")
@@ -131,7 +131,7 @@ def _prune(
 ) -> tuple[tf.keras.Model, dict[str, Any]]:
     """The pruned model, its weights kept for export's parity check, and the record's pruning fields."""
     started = time.perf_counter()
-    recovery = pruning_recovery(spec, training, keras_accuracy(model, *validation_arrays(dataset)))
+    recovery = pruning_recovery(spec, training, validation_accuracy(keras_predictor(model), dataset))
     pruned, fine_tuning = prune(model, spec, dataset, recovery)
     seconds = time.perf_counter() - started
     pruned.save_weights(pruned_weights_path(paths))

@@ -9,7 +9,8 @@ import numpy as np
 import tensorflow as tf
 
 from hetflow import plots
-from hetflow.data.pipeline import split_arrays
+from hetflow.artifacts.predictors import keras_predictor
+from hetflow.data.pipeline import split_batches
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, run_paths
 from hetflow.pipeline.attempts import attempt, load_spec, reported
@@ -28,30 +29,36 @@ def evaluate(run_id: str, try_number: int | None = None) -> dict[str, Any]:
     return {**result.model_dump(mode="json", exclude={"confusion_matrix"}), "attempt": receipt}
 
 
-def score_logits(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits)
-    return {"test_loss": float(loss), "test_accuracy": float(np.mean(np.argmax(logits, axis=1) == labels))}
-
-
-def confusion_counts(predicted: np.ndarray, labels: np.ndarray, num_classes: int) -> np.ndarray:
-    matrix = np.zeros((num_classes, num_classes), dtype=np.int64)
-    np.add.at(matrix, (labels, predicted), 1)
-    return matrix
+def scores_on_test_split(model: tf.keras.Model, dataset: DatasetRecord) -> EvaluationRecord:
+    """``model``'s loss, accuracy and confusion matrix on the test split, streamed in batches. The
+    loss is the mean of the examples' cross-entropies, summed in float64 as they come and given in
+    float32, as Keras gave the whole split's (its float32 sum may differ from this in the last bit)."""
+    predict = keras_predictor(model)
+    per_example = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    matrix = np.zeros((dataset.num_classes, dataset.num_classes), dtype=np.int64)
+    loss_sum, examples = 0.0, 0
+    for images, labels in split_batches(dataset, "test"):
+        logits = predict(images)
+        loss_sum += float(np.sum(per_example(labels, logits).numpy(), dtype=np.float64))
+        examples += len(labels)
+        np.add.at(matrix, (labels, np.argmax(logits, axis=1)), 1)
+    return EvaluationRecord(
+        test_loss=float(np.float32(loss_sum / examples)),
+        test_accuracy=int(np.trace(matrix)) / examples,
+        test_examples=examples,
+        confusion_matrix=matrix.tolist(),
+    )
 
 
 def evaluate_model(paths: RunPaths, dataset: DatasetRecord) -> EvaluationRecord:
     """Score the trained model on the test split, draw the plots; writes evaluation.json."""
     spec = load_spec(paths)
     training = read_training(paths.training, spec, dataset)  # refused before the model is loaded
-    model = trained_model(spec, dataset, paths.model)
-    images, labels = split_arrays(dataset, "test")
-    logits = model.predict(images, batch_size=256, verbose=0)
-    matrix = confusion_counts(np.argmax(logits, axis=1), labels, dataset.num_classes)
-    result = EvaluationRecord(
-        **score_logits(logits, labels), test_examples=int(len(labels)), confusion_matrix=matrix.tolist()
-    )
+    result = scores_on_test_split(trained_model(spec, dataset, paths.model), dataset)
     paths.plots.mkdir(parents=True, exist_ok=True)
-    plots.confusion_matrix(matrix, result.test_accuracy, paths.plots / "confusion_matrix.png")
+    plots.confusion_matrix(
+        np.array(result.confusion_matrix), result.test_accuracy, paths.plots / "confusion_matrix.png"
+    )
     plots.training(training, paths.plots)
     result.write(paths)
     return result

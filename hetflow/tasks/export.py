@@ -2,7 +2,8 @@
 (those and compress's variants) re-loaded and scored on the test split.
 
 Each artifact is loaded back from disk the way a consumer would (``hetflow.artifacts.predictors``) and scored
-on the whole test split: accuracy, agreement with the float model, size raw and gzipped, latency
+on the whole test split, streamed in batches that every artifact and the float model see together
+(one batch held at a time): accuracy, agreement with the float model, size raw and gzipped, latency
 per example at batch 1, sparsity and how the file encodes its weights. Float artifacts must
 reproduce the Keras model they were converted from (parity): the float model's, and the pruned
 model's (its weights kept by compress) for the sparse ``pruned`` file. A compressed variant more
@@ -16,15 +17,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hetflow import plots
 from hetflow.artifacts.edge_metadata import variant_metadata, with_metadata
-from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
+from hetflow.artifacts.predictors import keras_predictor, saved_model_predictor, tflite_predictor
 from hetflow.artifacts.saved_model import save_serving_model
-from hetflow.artifacts.scoring import judge, score, sizes
+from hetflow.artifacts.scoring import LATENCY_EXAMPLES, judge, latency_ms, score_split, sizes
 from hetflow.artifacts.tflite import to_tflite, weight_encoding
-from hetflow.data.pipeline import split_arrays
+from hetflow.data.pipeline import split_batches, split_head
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, run_paths
 from hetflow.pipeline.attempts import attempt, load_spec, reported
@@ -63,9 +62,6 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> 
     """Write the float model's artifacts, score them and compress's variants, choose the TFLite
     variant to deploy; writes export.json and the size-vs-accuracy plot."""
     model = trained_model(spec, dataset, paths.model)
-    images, labels = split_arrays(dataset, "test")
-    float_logits = model.predict(images, batch_size=256, verbose=0)
-    float_accuracy = float(np.mean(np.argmax(float_logits, axis=1) == labels))
     compression = CompressionRecord.read(paths)  # at the run directory's top, where replicas write
     tflite_variants = {}
     if "tflite" in spec.export.formats:
@@ -76,25 +72,22 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> 
             path=str(paths.float_tflite), base="float", quantize="none", sparsity=0.0, **weight_encoding(data)
         )
     tflite_variants |= compression.variants
-    pruned_logits = None
-    if "pruned" in tflite_variants:
-        pruned = trained_model(spec, dataset, Path(compression.pruned_weights))
-        pruned_logits = pruned.predict(images, batch_size=256, verbose=0)
 
     # Dicts until judged: judge adds each one's verdict.
     artifacts: dict[str, dict[str, Any]] = {}
+    predictors = {}
     if "saved_model" in spec.export.formats:
         save_serving_model(model, paths.saved_model, dataset)
+        predictors["saved_model"] = saved_model_predictor(paths.saved_model)
         artifacts["saved_model"] = {
             "format": "saved_model",
             "path": str(paths.saved_model),
             "weights_bytes": sum(p.stat().st_size for p in (paths.saved_model / "variables").iterdir()),
             **sizes(paths.saved_model),
-            **score(saved_model_predictor(paths.saved_model), images, labels, float_logits),
         }
     for name, variant in tflite_variants.items():
         path = Path(variant.path)
-        predict = tflite_predictor(path)
+        predictors[f"tflite_{name}"] = tflite_predictor(path)
         artifacts[f"tflite_{name}"] = {
             "format": "tflite",
             "variant": name,
@@ -107,11 +100,19 @@ def export_artifacts(spec: RunSpec, paths: RunPaths, dataset: DatasetRecord) -> 
             "int8_method": variant.int8_method,
             "path": str(path),
             **sizes(path),
-            **score(predict, images, labels, float_logits),
         }
-        if name == "pruned":
-            difference = np.max(np.abs(predict(images) - pruned_logits))
-            artifacts[f"tflite_{name}"]["max_logit_difference_to_pruned"] = float(difference)
+    # The sparse pruned file must compute what the pruned Keras model (its weights kept by compress) does.
+    parity = {}
+    if "pruned" in tflite_variants:
+        parity["tflite_pruned"] = keras_predictor(trained_model(spec, dataset, Path(compression.pruned_weights)))
+    float_accuracy, scores, to_pruned = score_split(
+        predictors, keras_predictor(model), split_batches(dataset, "test"), parity
+    )
+    latency_images, _ = split_head(dataset, "test", LATENCY_EXAMPLES)
+    for name, predict in predictors.items():
+        artifacts[name] |= {**scores[name], "latency_ms": latency_ms(predict, latency_images)}
+    for name, difference in to_pruned.items():
+        artifacts[name]["max_logit_difference_to_pruned"] = difference
 
     chosen = judge(artifacts, float_accuracy, spec.export.max_accuracy_drop)
     exported = ExportRecord(float_test_accuracy=float_accuracy, artifacts=artifacts, chosen_tflite=chosen)

@@ -16,7 +16,7 @@ from typing import Any
 
 from hetflow.artifacts.predictors import saved_model_predictor, tflite_predictor
 from hetflow.artifacts.saved_model import save_serving_model
-from hetflow.data.pipeline import split_arrays
+from hetflow.data.pipeline import split_head
 from hetflow.models.architectures import trained_model
 from hetflow.paths import RunPaths, run_paths, write_record
 from hetflow.pipeline import timing
@@ -25,6 +25,7 @@ from hetflow.records import CompressionRecord, DatasetRecord, EvaluationRecord, 
 from hetflow.registry import champion, run_record, store, versions
 from hetflow.registry.training_key import TRAINING_KEY_TAG
 from hetflow.replica.training_json import read_training
+from hetflow.serving.server import CHECK_EXAMPLES
 from hetflow.spec import RunSpec
 from mlflow import MlflowClient
 
@@ -83,7 +84,8 @@ def register_model(
     training = read_training(paths.training, spec, dataset)  # refused before the run, its params or a version
     started = run_record.pipeline_started(paths)
     run_id = store.find_or_create_run(client, dag_id, airflow_run_id, run_record.run_name(spec, started), started)
-    images, _ = split_arrays(dataset, "test")
+    # What the served checks compare, and the versions' input examples: the test split's first examples, not all.
+    images, _ = split_head(dataset, "test", CHECK_EXAMPLES)
     log_dir = paths.serving
     tags, headline = _version_tags_and_headline(spec, dataset, airflow_run_id)
 
@@ -174,7 +176,7 @@ class _Registrar:
     client: MlflowClient
     pool: ThreadPoolExecutor
     run_id: str
-    images: Any  # the test split's raw images, the served checks' input
+    images: Any  # the test split's first CHECK_EXAMPLES raw images, the served checks' input
     log_dir: Path
 
     def candidate(
