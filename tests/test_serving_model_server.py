@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from conftest import wait_for
 
 from hetflow.cluster.processes import group_members
 from hetflow.serving.replicas import MANIFEST, CopyRefused, VersionServers
-from hetflow.serving.server import ServingError
+from hetflow.serving.server import ServingError, UnixHTTPConnection
 
 FLOAT, TFLITE = "served-digits", "served-digits-tflite"
 MAX_INSTANCES = 8
@@ -272,7 +273,21 @@ def test_stop_leaves_no_process_and_a_start_past_its_deadline_leaves_none_either
     servers.start(time.monotonic() + START_SECONDS)
     pgids = servers.pgids
     assert all(group_members(pgid) for pgid in pgids) and all(path.is_socket() for path in servers.sockets)
-    servers.stop()
+    # A request in flight as stop() begins (its headers sent, its body not yet) is still answered.
+    body = json.dumps({"instances": registered["images"][:2].tolist()}).encode()
+    in_flight = UnixHTTPConnection(servers.sockets[0], timeout=30)
+    in_flight.putrequest("POST", f"/v1/models/{TFLITE}:predict")
+    in_flight.putheader("Content-Length", str(len(body)))
+    in_flight.endheaders()
+    time.sleep(0.5)  # the server is reading the body
+    stopping = threading.Thread(target=servers.stop)
+    stopping.start()
+    wait_for(lambda: not servers.server_pid(1), timeout=15)  # the other server, idle, has stopped
+    in_flight.send(body)
+    answer = in_flight.getresponse()
+    assert answer.status == 200
+    np.testing.assert_allclose(json.loads(answer.read())["predictions"], registered["logits"][:2], atol=1e-5)
+    stopping.join(30)
     servers.stop()  # again: nothing left to end, and no error
     assert [group_members(pgid) for pgid in pgids] == [[], []]
     assert not any(path.exists() for path in servers.sockets)
