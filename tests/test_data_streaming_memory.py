@@ -101,24 +101,28 @@ def memory_limit(limit: int):
 
 # What the whole-split code did: the test split as one array.
 LOADS_WHOLE_SPLIT = """
+from pathlib import Path
+
 from hetflow.data.pipeline import split_arrays
 from hetflow.paths import RunPaths
 from hetflow.records import DatasetRecord
 
-split_arrays(DatasetRecord.read(RunPaths("{run_dir}")), "test")
+split_arrays(DatasetRecord.read(RunPaths(Path("{run_dir}"))), "test")
 """
-LIMIT = 1400 * MiB
+# Above the stages' own peak (compress's, 1.35 GB at this image size with a few examples: TensorFlow
+# and the TFLite converter), below the split.
+LIMIT = 1600 * MiB
 SIDE = 128  # 48 KiB per decoded image
 
 
 @pytest.mark.heavy
 def test_each_stage_finishes_under_a_memory_limit_smaller_than_the_split_it_reads(tmp_path):
-    # Every split 1.5 GiB decoded: compress reads validation and the calibration sample of train,
+    # Every split 1.69 GiB decoded: compress reads validation and the calibration sample of train,
     # the others the test split.
-    count = 32_768
+    count = 36_864
     dataset = generated_dataset(tmp_path / "data", {"train": count, "validation": count, "test": count}, SIDE)
     make_run(tmp_path / "run", dataset)
-    assert decoded_bytes(dataset, "test") > 1.1 * LIMIT
+    assert decoded_bytes(dataset, "test") > LIMIT
     loads_whole = LOADS_WHOLE_SPLIT.format(run_dir=tmp_path / "run")
     with memory_limit(LIMIT) as (enter, peak_file):
         whole = subprocess.run([sys.executable, "-c", loads_whole], preexec_fn=enter, capture_output=True, timeout=600)
