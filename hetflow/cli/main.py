@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from hetflow.cli import serve as serve_command
 from hetflow.cli.dag_run import run_dag
 from hetflow.cluster.supervisor import ReplicaFailed
 from hetflow.paths import NotRegularFile, hetflow_home, read_replica_record, run_paths
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one key")
         command.add_argument("-v", "--verbose", action="store_true", help="run: print the whole log, not the live view")
         command.set_defaults(handler=handler)
+    serve_command.add_parser(commands)
     args = parser.parse_args(argv)
     _tools_write_under_home()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

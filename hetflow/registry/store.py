@@ -49,14 +49,17 @@ def ensure_experiment(client: MlflowClient) -> str:
         if not charts_view.is_current(experiment.tags.get(charts_view.TAG)):
             client.set_experiment_tag(experiment.experiment_id, charts_view.TAG, charts_view.tag_value())
         return experiment.experiment_id
-    uri = client.tracking_uri
-    # A SQLite store keeps artifacts beside its database; a tracking server decides for itself.
-    location = Path(uri.removeprefix("sqlite:///")).parent / "artifacts" if uri.startswith("sqlite:///") else None
-    return client.create_experiment(
-        EXPERIMENT,
-        artifact_location=location.as_uri() if location else None,
-        tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING, charts_view.TAG: charts_view.tag_value()},
+    return create_experiment(
+        client, EXPERIMENT, {EXPERIMENT_KIND_TAG: MODEL_TRAINING, charts_view.TAG: charts_view.tag_value()}
     )
+
+
+def create_experiment(client: MlflowClient, name: str, tags: dict[str, str]) -> str:
+    """A new experiment whose artifacts a SQLite store keeps beside its database (MLflow's default
+    would be ./mlruns, wherever the process runs); a tracking server decides for itself."""
+    uri = client.tracking_uri
+    location = Path(uri.removeprefix("sqlite:///")).parent / "artifacts" if uri.startswith("sqlite:///") else None
+    return client.create_experiment(name, artifact_location=location.as_uri() if location else None, tags=tags)
 
 
 # The query every page hetflow links to carries: MLflow 3.17's UI shows an experiment in the view its

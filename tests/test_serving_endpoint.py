@@ -1,0 +1,158 @@
+"""The endpoint as ``hetflow serve`` runs it: real HAProxy in front of sandboxed model servers of
+versions in a real MLflow store, following ``champion`` under a steady load.
+
+One endpoint serves the whole module, in the order a model's life takes: its first champion; a
+reviewer moving the alias to a new version (a canary, then promotion, with no failed request); a
+candidate that fails on a share of its requests and one that is slow, each rolled back by itself
+with ``champion`` moved back; and the end, which leaves no process."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import wait_for
+from serving_load import SteadyLoad
+from serving_models import load_images, register, sample_images, save_version
+
+from hetflow.cluster.processes import group_members
+from hetflow.registry import store
+from hetflow.serving import policy
+from hetflow.serving.endpoint import DEPLOYMENTS_EXPERIMENT, Endpoint
+from hetflow.serving.server import free_port
+
+MODEL = "digits"
+# Short steps: the test judges each on fewer requests than the defaults (100 requests, 5 s).
+LIMITS = policy.Limits(steps=(10, 50, 100), step_seconds=2.0, min_requests=20)
+ROLLOUT_SECONDS = 90
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    root = tmp_path_factory.mktemp("endpoint")
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = store.client(uri)
+    logits = {}
+    for name, seed, fault in (("v1", 3, None), ("v2", 4, None), ("errors", 5, "errors"), ("slow", 6, "slow")):
+        logits[name] = save_version(root / name, seed, fault=fault, failing_share=0.25)
+        assert register(client, MODEL, root / name) == str(len(logits))
+    client.set_registered_model_alias(MODEL, "champion", "1")
+    return {"uri": uri, "client": client, "root": root, "logits": logits}
+
+
+@pytest.fixture(scope="module")
+def endpoint(registry):
+    port = free_port()
+    served = Endpoint(registry["uri"], registry["root"] / "e", port=port, limits=LIMITS)
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(target=served.serve, args=(stop, ready))  # the servers die with this thread
+    thread.start()
+    try:
+        assert ready.wait(ROLLOUT_SECONDS), "the first champion was not served in time"
+        yield served, port
+    finally:
+        stop.set()
+        thread.join(60)
+
+
+def _predict(port: int, path: str, body: dict) -> tuple[int, str, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.getheader("X-Model-Version", ""), json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def _champion(registry) -> str:
+    return str(registry["client"].get_registered_model(MODEL).aliases["champion"])
+
+
+def test_the_champion_is_served_in_tf_servings_request_forms(endpoint, registry):
+    _, port = endpoint
+    images = sample_images()
+    status, version, answer = _predict(port, f"/v1/models/{MODEL}:predict", {"instances": images.tolist()})
+    assert (status, version) == (200, "1")
+    np.testing.assert_allclose(answer["predictions"], registry["logits"]["v1"], atol=1e-5)
+    status, version, answer = _predict(
+        port, f"/v1/models/{MODEL}/labels/stable:predict", {"inputs": images[:2].tolist()}
+    )
+    assert (status, version) == (200, "1")
+    np.testing.assert_allclose(answer["outputs"], registry["logits"]["v1"][:2], atol=1e-5)
+
+
+def _move_and_wait_for_its_rollout(registry, version: str) -> float:
+    """Move ``champion`` as a reviewer does in MLflow's UI; return when the endpoint has recorded the
+    rollout on the version (its last act)."""
+    moved = time.monotonic()
+    registry["client"].set_registered_model_alias(MODEL, "champion", version)
+    recorded = lambda: "deployment.run_id" in registry["client"].get_model_version(MODEL, version).tags  # noqa: E731
+    wait_for(recorded, ROLLOUT_SECONDS)
+    return moved
+
+
+def test_a_new_champion_takes_all_traffic_through_a_canary_with_no_failed_request(endpoint, registry):
+    _, port = endpoint
+    with SteadyLoad(port, MODEL, load_images(), rate_per_second=40) as load:
+        moved = _move_and_wait_for_its_rollout(registry, "2")
+        settled = time.monotonic()
+        time.sleep(1.5)
+    assert load.failed() == []
+    during = [answer.version for answer in load.answers if moved <= answer.sent < settled]
+    assert {"1", "2"} <= set(during), "both versions answered during the canary"
+    assert load.versions_since(settled) == {"2"}
+    version = registry["client"].get_model_version(MODEL, "2")
+    assert version.tags["deployment"].startswith("promoted at ")
+    assert "canary 10% (" in version.tags["deployment"] and "50% (" in version.tags["deployment"]
+    runs = registry["client"].search_runs(
+        [registry["client"].get_experiment_by_name(DEPLOYMENTS_EXPERIMENT).experiment_id]
+    )
+    assert [(run.info.run_name, run.info.status) for run in runs][:1] == [(f"{MODEL} v1 → v2", "FINISHED")]
+
+
+@pytest.mark.parametrize(
+    "candidate, reason",
+    [
+        ("3", r"canary at 10% rolled back: error rate \d+\.\d% \(\d+ of \d+ requests\), over the limit 1\.0%"),
+        (
+            "4",
+            r"canary at 10% rolled back: p99 latency [\d.]+ ms over the limit [\d.]+ ms "
+            r"\(2x the stable version's [\d.]+ ms\)",
+        ),
+    ],
+    ids=["errors", "slow"],
+)
+def test_a_bad_candidate_is_rolled_back_by_itself_and_champion_restored(endpoint, registry, candidate, reason):
+    _, port = endpoint
+    with SteadyLoad(port, MODEL, load_images(), rate_per_second=40) as load:
+        _move_and_wait_for_its_rollout(registry, candidate)
+        assert _champion(registry) == "2"
+        settled = time.monotonic()
+        time.sleep(1.0)
+    assert load.versions_since(settled) == {"2"}
+    version = registry["client"].get_model_version(MODEL, candidate)
+    assert version.tags["deployment.outcome"] == "rolled back"
+    assert re.fullmatch(reason, version.tags["deployment.reason"]), version.tags["deployment.reason"]
+    assert version.description.startswith("Rolled back by the endpoint at ")
+    failed = load.failed()
+    assert all(answer.version in ("", candidate) for answer in failed), "only the candidate's answers failed"
+
+
+def test_stopping_leaves_no_process(registry, tmp_path):
+    served = Endpoint(registry["uri"], tmp_path / "e", port=free_port(), limits=LIMITS)
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(target=served.serve, args=(stop, ready))
+    thread.start()
+    assert ready.wait(ROLLOUT_SECONDS)
+    [(version, servers)] = served.serving.values()
+    groups = [*servers.pgids, served.balancer.pid]
+    assert all(group_members(group) for group in groups)
+    stop.set()
+    thread.join(60)
+    assert [group_members(group) for group in groups] == [[] for _ in groups]
