@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import sys
+import tempfile
 import threading
+from pathlib import Path
 
-from hetflow.paths import hetflow_home
 from hetflow.serving import policy
 
 TF_SERVING_REST_PORT = 8501
@@ -102,11 +105,14 @@ def run(args) -> int:
         tracking_uri = store.tracking_uri()
         check_models(store.client(tracking_uri), args.model)
     except ServeOptionError as error:
-        print(f"hetflow serve: {error}")
+        print(f"hetflow serve: {error}", file=sys.stderr)
         return 2
+    # The endpoint's working folder (version copies, sockets, HAProxy's files) is short-lived and
+    # short-named: a Unix socket's path holds at most 107 bytes, which a checkout's path can exhaust.
+    folder = Path(tempfile.mkdtemp(prefix=f"hetflow-serve-{args.port}-"))
     endpoint = Endpoint(
         tracking_uri,
-        hetflow_home() / "serving" / f"endpoint-{args.port}",
+        folder,
         host=args.host,
         port=args.port,
         models=tuple(args.model),
@@ -132,4 +138,5 @@ def run(args) -> int:
         )
     while worker.is_alive():
         worker.join(0.5)  # the main thread stays free to take the signals
+    shutil.rmtree(folder, ignore_errors=True)
     return 0
