@@ -227,13 +227,21 @@ def keras_accuracy(model: tf.keras.Model, images: np.ndarray, labels: np.ndarray
 
 
 def int8_file(
-    model: tf.keras.Model, spec: RunSpec, dataset: DatasetRecord, max_steps: int, sparse: bool, scratch: Path
+    model: tf.keras.Model,
+    spec: RunSpec,
+    dataset: DatasetRecord,
+    max_steps: int,
+    sparse: bool,
+    scratch: Path,
+    representative: np.ndarray | None = None,
 ) -> tuple[bytes, dict[str, Any]]:
     """The full-integer file of ``model``: post-training quantized, or, when that loses more than
     ``max_accuracy_drop`` against ``model`` on the validation split, quantization-aware fine-tuned
     (at most ``max_steps``, until within RECOVERED_WITHIN of the budget; kept only if it does better
-    there); with how it was chosen."""
-    representative = representative_images(dataset, spec.training.seed, spec.compression.calibration_examples)
+    there); with how it was chosen. Calibrated on ``representative`` (drawn here where None: a
+    pass over the train split, which compress makes once for all its variants)."""
+    if representative is None:
+        representative = representative_images(dataset, spec.training.seed, spec.compression.calibration_examples)
     reference = validation_accuracy(keras_predictor(model), dataset)
 
     def file_accuracy(data: bytes) -> float:

@@ -123,7 +123,7 @@ def _convert(model, spec: RunSpec, dataset, training, quantize: str, representat
     # At most half the pruning fine-tuning's maximum: enough to recover in the case
     # tests/test_tasks_compress_qat.py makes.
     aware_steps = longest_fine_tuning(spec, training) // 2
-    return int8_file(model, spec, dataset, aware_steps, sparse, path.with_suffix(".probe"))
+    return int8_file(model, spec, dataset, aware_steps, sparse, path.with_suffix(".probe"), representative)
 
 
 def _prune(
