@@ -17,7 +17,7 @@ from conftest import wait_for
 
 from hetflow.cluster.processes import group_members
 from hetflow.serving.replicas import MANIFEST, CopyRefused, VersionServers
-from hetflow.serving.server import ServingError, UnixHTTPConnection
+from hetflow.serving.server_process import ServingError, UnixHTTPConnection
 
 FLOAT, TFLITE = "served-digits", "served-digits-tflite"
 MAX_INSTANCES = 8

@@ -281,7 +281,8 @@ def test_a_server_whose_starter_is_killed_is_ended_with_everything_it_started(ru
 
 
 def test_the_server_environment_is_a_users_not_the_pipelines(monkeypatch):
-    from hetflow.serving.server import scoring_command, server_environment
+    from hetflow.serving.server import scoring_command
+    from hetflow.serving.server_process import server_environment
 
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
     monkeypatch.setenv("PYTHONPATH", "/somewhere")

@@ -1,5 +1,5 @@
 """One registered model version served by ``replicas`` sandboxed model-server processes
-(``hetflow/serving/model_server.py``), each on a Unix socket of its own, for the endpoint's load
+(``hetflow/serving/model_server/``), each on a Unix socket of its own, for the endpoint's load
 balancer to reach (``unix@PATH``).
 
 A version's life here::
@@ -48,8 +48,8 @@ import yaml
 
 from hetflow import sandbox
 from hetflow.cluster.processes import group_members, is_running
-from hetflow.serving import model_server
-from hetflow.serving.server import (
+from hetflow.serving.model_server import limits as server_limits
+from hetflow.serving.server_process import (
     REQUEST_TIMEOUT_SECONDS,
     START_DEADLINE_SECONDS,
     ServingError,
@@ -68,6 +68,8 @@ MANIFEST = "manifest.json"
 _SOCKET_PATH_MAX = 107  # sun_path's 108 bytes, less its terminating NUL
 _LOG_TAIL_CHARS = 1500
 _HASH_CHUNK = 1 << 20
+# the model server: a folder run as `python -I FOLDER` (its __main__.py), FOLDER then on its sys.path
+MODEL_SERVER = Path(__file__).with_name("model_server")
 
 
 class CopyRefused(ServingError):
@@ -175,9 +177,9 @@ class VersionServers:
         tracking_uri: str,
         run_dir: Path,
         replicas: int = 1,
-        max_instances: int = model_server.DEFAULT_MAX_INSTANCES,
+        max_instances: int = server_limits.DEFAULT_MAX_INSTANCES,
         threads: int = 1,
-        max_body_bytes: int = model_server.DEFAULT_MAX_BODY_BYTES,
+        max_body_bytes: int = server_limits.DEFAULT_MAX_BODY_BYTES,
     ):
         if replicas < 1 or max_instances < 1 or threads < 1 or max_body_bytes < 1:
             raise ValueError(
@@ -257,7 +259,7 @@ class VersionServers:
     def _launch(self, replica: Replica) -> None:
         replica.socket.unlink(missing_ok=True)
         options = [f"--{option}={value}" for option, value in self.options.items()]
-        command = [sys.executable, "-I", model_server.__file__, "--model-dir", str(self.model_dir)]
+        command = [sys.executable, "-I", str(MODEL_SERVER), "--model-dir", str(self.model_dir)]
         command += ["--name", self.name, "--version", self.version, "--socket", str(replica.socket), *options]
         replica.process = launch(
             command,
@@ -359,7 +361,7 @@ class VersionServers:
         replica = self.replicas[index]
         if replica.process is None:
             return None
-        command = [os.fsencode(sys.executable), b"-I", os.fsencode(model_server.__file__)]
+        command = [os.fsencode(sys.executable), b"-I", os.fsencode(MODEL_SERVER)]
         for pid in group_members(replica.process.pid):
             try:
                 if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:3] == command:
@@ -370,13 +372,13 @@ class VersionServers:
 
     def stop(self) -> None:
         """End every replica, and remove its socket; never raises. Each server is asked first
-        (SIGTERM to it alone: its requests in flight finish, up to model_server's DRAIN_SECONDS),
+        (SIGTERM to it alone: its requests in flight finish, up to the model server's DRAIN_SECONDS),
         then its process group is ended (a signal to the sandbox's bwrap ends all in it at once)."""
         try:
             asked = [pid for pid in map(self.server_pid, range(len(self.replicas))) if pid is not None]
             for pid in asked:
                 os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + model_server.DRAIN_SECONDS + 1
+            deadline = time.monotonic() + server_limits.DRAIN_SECONDS + 1
             while any(is_running(pid) for pid in asked) and time.monotonic() < deadline:
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - stop() must never raise; the groups are ended below whatever happened
