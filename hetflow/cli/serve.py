@@ -134,7 +134,8 @@ def run(args) -> int:
             or "nothing yet"
         )
         print(
-            f"hetflow serve: http://{args.host}:{args.port}/v1/models/<name>:predict serves {served}; Ctrl-C stops it"
+            f"hetflow serve: http://{args.host}:{args.port}/v1/models/<name>:predict serves {served}; Ctrl-C stops it",
+            flush=True,  # a pipe's reader (a script waiting for the endpoint, `| tee`) sees it now
         )
     while worker.is_alive():
         worker.join(0.5)  # the main thread stays free to take the signals
