@@ -8,7 +8,7 @@ PIP_VERSION := 26.3
 PIP_READY := $(VENV)/.pip-$(PIP_VERSION)
 WHEELHOUSE := build/wheelhouse
 
-.PHONY: setup sandbox test-deps engine image compose-cli stack-images run test test-all test-fast bench bench-overhead bench-peer chaos lint lint-docker up down up-docker down-docker clean docs
+.PHONY: setup sandbox test-deps engine image compose-cli stack-images run serve test test-all test-fast bench bench-overhead bench-peer bench-deploy chaos lint lint-docker up down up-docker down-docker clean docs
 
 $(PIP_READY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ RUN_SPEC ?= --set strategy=multi_worker_mirrored --set workers=2
 ## run hetflow_train once through Airflow (extra spec keys: ARGS="--set epochs=5"; the whole log: ARGS=-v)
 run: setup sandbox
 	$(BIN)/hetflow run $(RUN_SPEC) $(ARGS)
+
+## serve each registered model's champion on 127.0.0.1:8501, TF Serving's REST API, following the alias to each new
+## champion through a canary; Ctrl-C stops it and everything it started (options: ARGS="--model hetflow-digits --replicas 2")
+serve: setup sandbox
+	$(BIN)/hetflow serve $(ARGS)
 
 ## what the tests need beyond .venv: the browser the UI tests drive, a compose CLI, a Docker engine and the
 ## replica image (where no engine can start, the container tests skip and say why)
@@ -94,7 +99,7 @@ test-all: test-deps
 test-fast: setup
 	$(BIN)/pytest -v -m "not slow and not replicas"
 
-## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md; on a swarm of unequal nodes: bench/STRAGGLER-SWARM.md), model parallelism (bench/MODEL_PARALLEL.md; where pipelining's time goes: bench/PIPELINE_OVERLAP.md), containers vs processes on local, docker and swarm (bench/CONTAINERS.md) and a default run's fixed overhead (bench/OVERHEAD.md); the swarm benches bring their own swarm up and down (docker/swarm.sh)
+## training throughput per strategy (bench/RESULTS.md, subset: ARGS="--cases baseline,one_worker") compression (bench/COMPRESSION.md), stragglers (bench/STRAGGLER.md; on a swarm of unequal nodes: bench/STRAGGLER-SWARM.md), model parallelism (bench/MODEL_PARALLEL.md; where pipelining's time goes: bench/PIPELINE_OVERLAP.md), containers vs processes on local, docker and swarm (bench/CONTAINERS.md), a default run's fixed overhead (bench/OVERHEAD.md) and the endpoint of hetflow serve (bench/DEPLOY.md); the swarm benches bring their own swarm up and down (docker/swarm.sh)
 bench: setup image
 	$(BIN)/python bench/run.py $(ARGS)
 	$(BIN)/python bench/compression.py
@@ -106,6 +111,7 @@ bench: setup image
 	$(BIN)/python bench/tune.py
 	$(BIN)/python bench/containers.py
 	$(BIN)/python bench/overhead.py $(RUN_SPEC)
+	$(BIN)/python bench/deploy.py
 
 ## make run's job once, timed: DAG wall time less training, per stage imports / MLflow I/O / work (bench/OVERHEAD.md)
 bench-overhead: setup
@@ -114,6 +120,11 @@ bench-overhead: setup
 ## the throughput cases beside a peer, Ray Train on the same job (bench/RESULTS.md: mwms_2 / ray_2w); installs bench/ray-requirements.lock into .bench-ray on first use
 bench-peer: setup
 	$(BIN)/python bench/run.py --cases baseline,one_worker,mwms_2,two_apart,ray_2w $(ARGS)
+
+## the endpoint of hetflow serve on loopback (bench/DEPLOY.md): capacity, 20 champion swaps under a steady load, bad
+## candidates rolled back, memory during a swap, vs a model server called directly, 2 replicas and mlflow models serve
+bench-deploy: setup sandbox
+	$(BIN)/python bench/deploy.py $(ARGS)
 
 ## runs that lose a random replica at a random time (bench/CHAOS.md)
 chaos: setup image
