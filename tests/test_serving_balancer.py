@@ -2,11 +2,8 @@
 that answer with their own name (a stand-in for the model servers, which are tested on their own)."""
 import http.client
 import json
-import os
 import re
-import signal
 import socket
-import stat
 import subprocess
 import sys
 import textwrap
@@ -17,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hetflow.cluster.processes import group_members
-from hetflow.serving.balancer import Balancer, BalancerError
+from hetflow.serving.balancer import Balancer
+from hetflow.serving.server import free_port
 
 pytestmark = pytest.mark.skipif(not Path("/usr/sbin/haproxy").exists(), reason="Debian's haproxy: make sandbox")
 
@@ -49,12 +46,6 @@ NAMED_SERVER = textwrap.dedent("""
     print("ready", flush=True)
     server.serve_forever()
 """)
-
-
-def _free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class NamedServers:
@@ -89,7 +80,7 @@ def servers(tmp_path):
 
 @pytest.fixture
 def balancer(tmp_path):
-    with Balancer(tmp_path / "lb", port=_free_port(), max_body_bytes=1000, check_interval_ms=200) as lb:
+    with Balancer(tmp_path / "lb", port=free_port(), max_body_bytes=1000, check_interval_ms=200) as lb:
         yield lb
 
 
@@ -305,7 +296,7 @@ def test_refusals_are_one_line_json(tmp_path, balancer, servers):
     with pytest.raises(ValueError, match="host='0.0.0.0' is not loopback: a token is required"):
         Balancer(tmp_path / "open", host="0.0.0.0")
     token = "s3cret-token-0123456789"
-    with Balancer(tmp_path / "guarded", port=_free_port(), token=token) as guarded:
+    with Balancer(tmp_path / "guarded", port=free_port(), token=token) as guarded:
         guarded.set_version_servers("mnist", 1, [v1])
         status, text = call(guarded, "/v1/models/mnist:predict", {})
         assert status == 401 and "Bearer" in json.loads(text)["error"]
@@ -328,7 +319,7 @@ def test_every_request_reaches_the_owners_log_socket_in_its_format(tmp_path, ser
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sink:
         sink.bind(str(sink_path))
         sink.settimeout(5)
-        with Balancer(tmp_path / "lb", port=_free_port(), log_socket=sink_path, log_format="%b %s %ST %rc") as lb:
+        with Balancer(tmp_path / "lb", port=free_port(), log_socket=sink_path, log_format="%b %s %ST %rc") as lb:
             lb.set_version_servers("mnist", 7, [servers.start("v7")])
             for path in ("/v1/models/mnist:predict", "/v1/models/mnist/versions/7:predict", "/v1/models/nope:predict"):
                 call(lb, path, {})
@@ -351,65 +342,3 @@ def test_metrics_count_each_server(balancer, servers):
     assert 'haproxy_server_http_responses_total{proxy="m0s0",server="mnist-v1-r0",code="2xx"} 3' in text
     figures = balancer.stats()[("mnist", 1, 0)]
     assert (figures["requests"], figures["2xx"], figures["status"]) == (10, 10, "UP")
-
-
-def _gone_within(pgid, seconds):
-    deadline = time.monotonic() + seconds
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return group_members(pgid) == []
-
-
-def test_files_are_private_and_stop_leaves_no_process(tmp_path):
-    lb = Balancer(tmp_path / "lb", port=_free_port()).start()
-    pgid = lb.pid
-    assert len(group_members(pgid)) >= 2  # the master and its worker
-    for path in (lb.config_path, lb.log_path, lb.admin_socket, lb.master_socket, lb.run_dir / "status.map"):
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
-    with pytest.raises(ValueError, match="already running"):
-        lb.start()
-    lb.stop()
-    assert _gone_within(pgid, 3), group_members(pgid)
-    assert not lb.running
-
-
-def test_a_stop_right_after_start_is_heard_at_once(tmp_path):
-    """A SIGUSR1 sent before HAProxy's master set its handlers was lost (one start in three here), and
-    stop() then waited out its whole grace."""
-    for attempt in range(5):
-        lb = Balancer(tmp_path / f"lb{attempt}", port=_free_port()).start()
-        started = time.monotonic()
-        lb.stop(grace_s=3)
-        assert time.monotonic() - started < 1
-    lb.stop()  # twice is harmless
-
-
-@pytest.mark.parametrize("signal_number", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
-def test_haproxy_dies_with_its_owner(tmp_path, signal_number):
-    """SIGKILL and SIGTERM (no handler) end the owner at once: PDEATHSIG ends HAProxy; Ctrl-C unwinds
-    it, and stop() runs at exit."""
-    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import time
-        from hetflow.serving.balancer import Balancer
-        lb = Balancer({str(tmp_path / 'lb')!r}, port={_free_port()}).start()
-        print(lb.pid, flush=True)
-        time.sleep(60)
-    """)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        pgid = int(owner.stdout.readline())
-        assert len(group_members(pgid)) >= 2
-    finally:
-        owner.send_signal(signal_number)
-        owner.wait()
-    left = [] if _gone_within(pgid, 3) else group_members(pgid)
-    if left:
-        os.killpg(pgid, signal.SIGKILL)  # the test fails, and leaves nothing behind either
-    assert left == []
-
-
-def test_a_failed_start_says_why_in_one_line_and_leaves_no_process(tmp_path, balancer):
-    second = Balancer(tmp_path / "second", port=balancer.port)
-    with pytest.raises(BalancerError, match="haproxy exited") as failure:
-        second.start()
-    assert "\n" not in str(failure.value) and "cannot bind socket" in str(failure.value)
-    assert second.pid is None

@@ -15,57 +15,24 @@ runtime state over the admin socket, so no reload ever happens while traffic flo
   endpoint holds, across processes, and that answer needs no model server up.
 """
 
-import atexit
-import csv
-import ctypes
-import io
 import ipaddress
-import json
 import os
 import re
-import signal
-import socket
 import stat
-import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-HAPROXY = "/usr/sbin/haproxy"
+from hetflow.serving.haproxy import BalancerError, HAProxy, write_private
+from hetflow.serving.haproxy_config import HAProxyConfig
+from hetflow.serving.replica_figures import replica_figures
+from hetflow.serving.routing import MAPS, Model, Version, route_maps
+
 LABELS = ("stable", "canary")
 STATES = ("START", "LOADING", "AVAILABLE", "UNLOADING", "END")
 MAX_WEIGHT = 256  # roundrobin's largest server weight: the finest split HAProxy can make
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork: the child only calls it
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")  # a URL path part, and valid in HAProxy's server names
 _TOKEN_ALLOWED = re.compile(r"^[A-Za-z0-9._~+/=-]{16,}$")
-MAPS = ("models", "selectors", "status", "invocations")
-
-
-class BalancerError(RuntimeError):
-    """HAProxy refused a command or did not start; the message is HAProxy's own line."""
-
-
-@dataclass
-class _Version:
-    slot: int
-    percent: int = 0
-    state: str = "AVAILABLE"
-    message: str = ""
-    replicas: dict = field(default_factory=dict)  # socket path -> replica number
-    next_replica: int = 0
-
-
-@dataclass
-class _Model:
-    slot: int
-    versions: dict = field(default_factory=dict)  # version number -> _Version
-    labels: dict = field(default_factory=dict)  # label -> version number
-
-
-def _one_line(text):
-    return json.dumps({"error": text})
 
 
 def _is_loopback(host):
@@ -75,14 +42,6 @@ def _is_loopback(host):
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _die_with_parent(parent_pid):
-    """preexec: HAProxy's master gets SIGTERM when the thread that started it dies, even by SIGKILL;
-    its workers leave when the master does (master-worker mode watches the master)."""
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 class Balancer:
@@ -111,8 +70,10 @@ class Balancer:
         if not (isinstance(max_body_bytes, int) and max_body_bytes > 0):
             raise ValueError(f"max_body_bytes={max_body_bytes!r}: a positive integer of bytes")
         if bool(log_socket) != bool(log_format) or '"' in str(log_format or ""):
-            raise ValueError(f"log_socket={log_socket!r}, log_format={log_format!r}: both or neither, "
-                             "the format without double quotes")
+            raise ValueError(
+                f"log_socket={log_socket!r}, log_format={log_format!r}: both or neither, "
+                "the format without double quotes"
+            )
         self.run_dir = Path(run_dir).resolve()
         self.host, self.port, self.max_body_bytes, self.token = host, port, max_body_bytes, token
         self.max_models, self.max_versions = max_models, max_versions
@@ -120,10 +81,9 @@ class Balancer:
         # Each request's line, as log_format spells it, to a Unix datagram socket: HAProxy's statistics
         # hold counters and averages, its log each answer (hetflow.serving.traffic_log reads it).
         self.log_socket, self.log_format = log_socket, log_format
-        self.admin_socket = self.run_dir / "admin.sock"
-        self.master_socket = self.run_dir / "master.sock"
-        self.config_path = self.run_dir / "haproxy.cfg"
-        self.log_path = self.run_dir / "haproxy.log"
+        self._haproxy = HAProxy(self.run_dir)
+        self.admin_socket, self.master_socket = self._haproxy.admin_socket, self._haproxy.master_socket
+        self.config_path, self.log_path = self._haproxy.config_path, self._haproxy.log_path
         self._models = {}
         self._default_model = None
         self._published = {}
@@ -131,7 +91,6 @@ class Balancer:
         # stats() without the lock, which a removal holds while its replicas drain
         self._owners = {}
         self._lock = threading.RLock()
-        self._proc = None
 
     @property
     def url(self):
@@ -144,71 +103,14 @@ class Balancer:
             raise ValueError(f"run_dir={str(self.run_dir)!r}: this balancer is already running")
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for name in MAPS:
-            self._write_private(self._map_path(name), "")
-        self._write_private(self.config_path, self._config())
-        log = self._open_private(self.log_path, "wb")
-        try:
-            self._proc = subprocess.Popen(
-                [HAPROXY, "-W", "-f", str(self.config_path), "-S", f"{self.master_socket},mode,600"],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-                preexec_fn=lambda parent=os.getpid(): _die_with_parent(parent),
-            )
-        finally:
-            log.close()
-        atexit.register(self.stop)
-        try:
-            self._wait_ready(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+            write_private(self._map_path(name), "")
+        self._haproxy.start(self._config(), timeout_s)
         return self
 
-    def _wait_ready(self, timeout_s):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise BalancerError(f"haproxy exited ({self._proc.returncode}): {self._haproxy_error()}")
-            try:
-                # the master serves its CLI from its event loop, its signal handlers set: from then on
-                # stop()'s SIGUSR1 is heard (sent earlier, it was lost)
-                if "Pid:" in self.command("show info") and "worker" in self.command("show proc", master=True):
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise BalancerError(f"haproxy's admin socket did not answer within {timeout_s} s: {self._haproxy_error()}")
-
-    def _haproxy_error(self):
-        """HAProxy's first alert (the cause; later ones say it is exiting), else its last line."""
-        lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
-        alerts = [line for line in lines if "[ALERT]" in line]
-        return (alerts or lines or ["no output"])[0 if alerts else -1]
-
     def stop(self, grace_s=5.0):
-        """Soft stop (requests in flight finish, up to grace_s), then the whole process group is killed,
-        even when a Ctrl-C interrupts the wait. Raises no error: it runs on the way out of failures too."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGUSR1)
-                proc.wait(grace_s)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # a worker still finishing, or the master itself
-            except OSError:
-                pass
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-            atexit.unregister(self.stop)
+        """Soft stop (requests in flight finish, up to grace_s), then HAProxy's whole process group is
+        killed. Raises no error: it runs on the way out of failures too."""
+        self._haproxy.stop(grace_s)
 
     def __enter__(self):
         return self.start()
@@ -218,162 +120,38 @@ class Balancer:
 
     @property
     def pid(self):
-        return self._proc.pid if self._proc else None
+        return self._haproxy.pid
 
     @property
     def running(self):
         """HAProxy's master is alive (it exits if its worker dies: the owner should then stop and start)."""
-        return self._proc is not None and self._proc.poll() is None
+        return self._haproxy.running
 
     # ---- configuration ----
-
-    @staticmethod
-    def _open_private(path, mode="w"):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # a file left by an earlier run keeps its mode otherwise
-        return os.fdopen(fd, mode)
-
-    def _write_private(self, path, text):
-        with self._open_private(path) as out:
-            out.write(text)
 
     def _map_path(self, name):
         return self.run_dir / f"{name}.map"
 
     def _config(self):
-        run = self.run_dir
-        if any(c in str(run) for c in " \"'#\\"):
-            raise ValueError(f"run_dir={str(run)!r}: no spaces, quotes, '#' or backslashes (HAProxy's config)")
-        lines = [
-            "global",
-            f"    stats socket {self.admin_socket} mode 600 level admin expose-fd listeners",
-            "    stats timeout 30s",
-            "    hard-stop-after 10s",
-            # by default a second HAProxy (another endpoint) could bind the same port and take half the traffic
-            "    noreuseport",
-            "    log stderr format raw local0 info",
-            "    maxconn 4096",
-            # L7 retries copy the request into one buffer; 64 KiB covers typical predict bodies
-            "    tune.bufsize 65536",
-            "defaults",
-            "    mode http",
-            # haproxy.log: HAProxy's notices (servers up and down), and the requests that went wrong
-            # (retried or failed, with their termination flags)
-            "    log global",
-            "    option httplog",
-            "    option dontlog-normal",
-            "    timeout connect 2s",
-            "    timeout client 60s",
-            "    timeout server 60s",
-            "    timeout http-request 10s",
-            "    timeout queue 10s",
-            "    timeout http-keep-alive 10s",
-            "    retries 3",
-            "    option redispatch 1",
-            "    retry-on conn-failure empty-response junk-response 503",
-            # a new Unix-socket connection per request costs little (measured faster than reuse with the
-            # stdlib servers), and no request then races a model server closing an idle connection
-            "    http-reuse never",
-        ]
-        for code, reason in (
-            (503, "no replica of this model or version is available"),
-            (502, "a model server gave no valid answer"),
-            (504, "a model server did not answer in time"),
-            (400, "malformed HTTP request"),
-            (408, "the request took too long to arrive"),
-        ):
-            lines.append(f"    http-error status {code} content-type application/json string '{_one_line(reason)}'")
-        lines += self._frontend(run)
-        for model_slot in range(self.max_models):
-            lines += self._backend(f"m{model_slot}")
-            for version_slot in range(self.max_versions):
-                lines += self._backend(f"m{model_slot}s{version_slot}")
-        return "\n".join(lines) + "\n"
-
-    def _request_log(self):
-        """Every request to the owner's socket in its format, where it asked: the frontend logs requests,
-        the backends their servers' notices, so these go on the frontend only."""
-        if not self.log_socket:
-            return []
-        return ["    no log", f"    log unix@{self.log_socket} len 1024 format raw local0 info",
-                f'    log-format "{self.log_format}"', "    no option dontlog-normal"]
-
-    def _frontend(self, run):
-        maps = {name: self._map_path(name) for name in MAPS}
-        json_reply = "content-type application/json"
-        lines = ["frontend endpoint", f"    bind {self.host}:{self.port}", *self._request_log()]
-        if self.token:
-            lines.append(
-                f"    http-request return status 401 {json_reply} string "
-                f"'{_one_line('missing or wrong Authorization: Bearer <token>')}' "
-                f'unless {{ req.hdr(authorization) -m str "Bearer {self.token}" }}'
-            )
-        lines += [
-            f"    http-request return status 413 {json_reply} string "
-            f"'{_one_line(f'the body is over the limit of {self.max_body_bytes} bytes')}' "
-            f"if {{ req.hdr_val(content-length) gt {self.max_body_bytes} }}",
-            # a chunked body's size is unknown until read whole: the limit could not be kept
-            f"    http-request return status 411 {json_reply} string "
-            f"'{_one_line('send the body with a Content-Length')}' "
-            "if { req.hdr(transfer-encoding) -m found } !{ req.hdr(content-length) -m found }",
-            "    http-request use-service prometheus-exporter if { path /metrics }",
-            "    acl models_path path_beg /v1/models/",
-            "    acl invocations path /invocations",
-            "    acl status_path path_reg ^/v1/models/[^/:]+(/(versions|labels)/[^/:]+)?$",
-            "    http-request set-var(txn.model) path,field(4,/),field(1,:) if models_path",
-            "    http-request set-var(txn.backend) var(txn.model),map(" + str(maps["models"]) + ") if models_path",
-            f"    http-request return status 404 {json_reply} lf-string "
-            '\'{"error": "no model named %[var(txn.model),json(utf8s)] is served"}\' '
-            "if models_path !{ var(txn.backend) -m found }",
-            "    http-request set-var(txn.selector) path,field(4,/,3),field(1,:) if models_path",
-            f"    http-request return status 200 {json_reply} lf-string '%[var(txn.selector),map({maps['status']})]' "
-            f"if METH_GET status_path {{ var(txn.selector),map({maps['status']}) -m found }}",
-            "    acl selects path,field(5,/) -m str versions labels",
-            f"    http-request set-var(txn.version_backend) var(txn.selector),map({maps['selectors']}) "
-            "if models_path selects",
-            f"    http-request return status 404 {json_reply} lf-string "
-            '\'{"error": "model %[var(txn.model),json(utf8s)] has no %[path,field(5,/)] '
-            "%[path,field(6,/),field(1,:),json(utf8s)]\"}' "
-            "if models_path selects !{ var(txn.version_backend) -m found }",
-            f"    http-request set-var(txn.backend) str(default),map({maps['invocations']}) if invocations",
-            f"    http-request return status 400 {json_reply} string "
-            f"'{_one_line('several models are served and none is the default: use POST /v1/models/<name>:predict')}' "
-            f"if invocations !{{ var(txn.backend) -m found }} {{ str(several),map({maps['invocations']}) -m found }}",
-            f"    http-request return status 404 {json_reply} string '{_one_line('no model is served')}' "
-            "if invocations !{ var(txn.backend) -m found }",
-            "    use_backend %[var(txn.version_backend)] if models_path selects",
-            "    use_backend %[var(txn.backend)] if models_path || invocations",
-            "    default_backend no_route",
-            "backend no_route",
-            f"    http-request return status 404 {json_reply} string "
-            f"'{_one_line('no such path: use /v1/models/<name>[:predict], /invocations or /metrics')}'",
-        ]
-        return lines
-
-    @staticmethod
-    def _backend(name):
-        return [
-            f"backend {name}",
-            "    balance roundrobin",
-            "    option httpchk",
-            "    http-check send meth GET uri /ping",
-        ]
+        return HAProxyConfig(
+            run_dir=self.run_dir,
+            admin_socket=self.admin_socket,
+            maps={name: self._map_path(name) for name in MAPS},
+            host=self.host,
+            port=self.port,
+            max_body_bytes=self.max_body_bytes,
+            token=self.token,
+            max_models=self.max_models,
+            max_versions=self.max_versions,
+            log_socket=self.log_socket,
+            log_format=self.log_format,
+        ).text()
 
     # ---- runtime API ----
 
     def command(self, line, payload=None, master=False):
         """One runtime API command (several joined by ';'), its answer as text; master: to the master's CLI."""
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(10)
-            conn.connect(str(self.master_socket if master else self.admin_socket))
-            if master:
-                line += ";quit"  # the master's CLI keeps a connection open until told
-            data = line + ("  <<\n" + payload + "\n\n" if payload is not None else "\n")
-            conn.sendall(data.encode())
-            chunks = []
-            while chunk := conn.recv(65536):
-                chunks.append(chunk)
-        return b"".join(chunks).decode(errors="replace")
+        return self._haproxy.command(line, payload, master)
 
     def _expect_silent(self, line, payload=None):
         answer = self.command(line, payload).strip()
@@ -434,14 +212,14 @@ class Balancer:
         free = sorted(set(range(self.max_models)) - {m.slot for m in self._models.values()})
         if not free:
             raise ValueError(f"model={model_name!r}: all {self.max_models} model slots are taken (max_models)")
-        self._models[model_name] = _Model(slot=free[0])
+        self._models[model_name] = Model(slot=free[0])
         return self._models[model_name]
 
     def _new_version(self, model, version):
         free = sorted(set(range(self.max_versions)) - {v.slot for v in model.versions.values()})
         if not free:
             raise ValueError(f"version={version}: all {self.max_versions} version slots are taken (max_versions)")
-        model.versions[version] = _Version(slot=free[0])
+        model.versions[version] = Version(slot=free[0])
         return model.versions[version]
 
     def _add_replica(self, model_name, model, version, entry, path):
@@ -478,7 +256,7 @@ class Balancer:
             return
         self._expect_silent(";".join(f"set server {b}/{s} state drain" for b, s in pairs))
         deadline = time.monotonic() + timeout_s
-        while any(row["scur"] != "0" or row["qcur"] not in ("", "0") for row in self._stat_rows(pairs)):
+        while any(row["scur"] != "0" or row["qcur"] not in ("", "0") for row in self._haproxy.server_rows(pairs)):
             if time.monotonic() > deadline:  # requests stuck past the timeout are cut: the caller chose it
                 self._expect_silent(";".join(f"shutdown sessions server {b}/{s}" for b, s in pairs))
                 break
@@ -505,8 +283,10 @@ class Balancer:
             entry = self._version(model_name, version)
             others = [v.percent for n, v in model.versions.items() if n != version]
             if entry.percent and others and not any(others):
-                raise ValueError(f"version={version}: it takes all the traffic of model {model_name!r}; "
-                                 "set_weights to the others first")
+                raise ValueError(
+                    f"version={version}: it takes all the traffic of model {model_name!r}; "
+                    "set_weights to the others first"
+                )
             entry.state = "UNLOADING"
             model.labels = {label: v for label, v in model.labels.items() if v != version}
             self._publish(hidden=(model_name, version))
@@ -586,46 +366,10 @@ class Balancer:
 
     # ---- maps ----
 
-    def _status_json(self, model, versions):
-        return json.dumps(
-            {
-                "model_version_status": [
-                    {
-                        "version": str(number),
-                        "state": entry.state,
-                        "status": {
-                            "error_code": "OK" if entry.state != "END" or not entry.message else "UNKNOWN",
-                            "error_message": entry.message,
-                        },
-                    }
-                    for number, entry in sorted(versions.items(), reverse=True)
-                ]
-            },
-            separators=(",", ":"),
-        )
-
-    def _maps(self, hidden=None):
-        maps = {name: {} for name in MAPS}
-        for name, model in self._models.items():
-            maps["models"][name] = f"m{model.slot}"
-            shown = {n: v for n, v in model.versions.items() if (name, n) != hidden}
-            maps["status"][name] = self._status_json(model, shown)
-            routes = {f"versions/{n}": n for n in shown}
-            routes.update({f"labels/{label}": n for label, n in model.labels.items() if n in shown})
-            for route, number in routes.items():
-                maps["selectors"][f"{name}/{route}"] = f"m{model.slot}s{shown[number].slot}"
-                maps["status"][f"{name}/{route}"] = self._status_json(model, {number: shown[number]})
-        default = self._default_model or (next(iter(self._models)) if len(self._models) == 1 else None)
-        if default:
-            maps["invocations"]["default"] = f"m{self._models[default].slot}"
-        elif len(self._models) > 1:
-            maps["invocations"]["several"] = "1"
-        return maps
-
     def _publish(self, hidden=None):
         """Replace each changed map whole: a new version filled, then committed in one step, so that no
         request sees a half-written map."""
-        for name, entries in self._maps(hidden).items():
+        for name, entries in route_maps(self._models, self._default_model, hidden).items():
             if self._published.get(name) == entries:
                 continue
             path = self._map_path(name)
@@ -642,50 +386,9 @@ class Balancer:
 
     # ---- statistics ----
 
-    def _stat_rows(self, pairs=None):
-        text = self.command("show stat").lstrip("# ")
-        rows = csv.DictReader(io.StringIO(text))
-        wanted = set(pairs) if pairs is not None else None
-        return [
-            row
-            for row in rows
-            if row["svname"] not in ("FRONTEND", "BACKEND")
-            and (wanted is None or (row["pxname"], row["svname"]) in wanted)
-        ]
-
     def stats(self):
         """{(model, version, replica): requests, 2xx/4xx/5xx, mean response time (ms, HAProxy's last
         1024 requests), status UP/DOWN/DRAIN/MAINT, current sessions, socket}: the model's and the
         version's backends added together."""
-        owners = dict(self._owners)
-        rows = self._stat_rows(list(owners))
-        result = {}
-        for row in rows:
-            key, path, in_model_backend = owners[(row["pxname"], row["svname"])]
-            figures = result.setdefault(
-                key,
-                {
-                    "requests": 0,
-                    "2xx": 0,
-                    "4xx": 0,
-                    "5xx": 0,
-                    "sessions": 0,
-                    "response_ms": 0.0,
-                    "status": "UP",
-                    "socket": path,
-                },
-            )
-            count = int(row["stot"] or 0)
-            total = figures["requests"] + count
-            if total:
-                figures["response_ms"] = (
-                    figures["response_ms"] * figures["requests"] + float(row["rtime"] or 0) * count
-                ) / total
-            figures["requests"] = total
-            for code in ("2xx", "4xx", "5xx"):
-                figures[code] += int(row[f"hrsp_{code}"] or 0)
-            figures["sessions"] += int(row["scur"] or 0)
-            status = row["status"].split()[0]  # "UP 1/2" is UP, going down
-            if in_model_backend:
-                figures["status"] = status
-        return result
+        owners = dict(self._owners)  # a copy: stats() runs without the lock
+        return replica_figures(self._haproxy.server_rows(list(owners)), owners)
