@@ -62,6 +62,7 @@ class Balancer:
         check_interval_ms=500,
         log_socket=None,
         log_format=None,
+        edge_socket=None,
     ):
         if not _is_loopback(host) and not token:
             raise ValueError(f"host={host!r} is not loopback: a token is required (token=...)")
@@ -81,6 +82,8 @@ class Balancer:
         # Each request's line, as log_format spells it, to a Unix datagram socket: HAProxy's statistics
         # hold counters and averages, its log each answer (hetflow.serving.traffic_log reads it).
         self.log_socket, self.log_format = log_socket, log_format
+        # the edge origin (hetflow.serving.edge_origin) answers /v1/edge/ on this Unix socket
+        self.edge_socket = None if edge_socket is None else Path(edge_socket).resolve()
         self._haproxy = HAProxy(self.run_dir)
         self.admin_socket, self.master_socket = self._haproxy.admin_socket, self._haproxy.master_socket
         self.config_path, self.log_path = self._haproxy.config_path, self._haproxy.log_path
@@ -145,6 +148,7 @@ class Balancer:
             max_versions=self.max_versions,
             log_socket=self.log_socket,
             log_format=self.log_format,
+            edge_socket=self.edge_socket,
         ).text()
 
     # ---- runtime API ----

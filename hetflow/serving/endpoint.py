@@ -28,6 +28,7 @@ from typing import Any
 from hetflow.registry import store
 from hetflow.serving import policy, traffic_log
 from hetflow.serving.balancer import Balancer
+from hetflow.serving.edge_origin import EdgeOrigin
 from hetflow.serving.follower import CHAMPION, POLL_SECONDS, Follower, Move
 from hetflow.serving.replicas import VersionServers
 from hetflow.serving.rollout import Rollout, RolloutFailed
@@ -59,6 +60,7 @@ class Endpoint:
         self.start_deadline_seconds = START_DEADLINE_SECONDS
         self.follower = Follower(self.client, models)
         self.traffic = traffic_log.TrafficLog(folder / "haproxy-log.sock")
+        self.edge = EdgeOrigin(self.client, folder / "edge", models)  # GET /v1/edge/<model>/...: the TFLite champion
         self.balancer = Balancer(
             folder / "balancer",
             host=host,
@@ -66,6 +68,7 @@ class Endpoint:
             token=token,
             log_socket=self.traffic.socket_path,
             log_format=traffic_log.LOG_FORMAT,
+            edge_socket=self.edge.socket_path,
         )
         self.serving: dict[str, tuple[str, VersionServers]] = {}  # model → (version, its servers)
         self.failed: set[tuple[str, str]] = set()  # candidates not tried again until champion moves on
@@ -75,6 +78,7 @@ class Endpoint:
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             self.traffic.start()
+            self.edge.start()
             self.balancer.start()
             while not stop.is_set():
                 for move in self.follower.moves():
@@ -180,6 +184,7 @@ class Endpoint:
             servers.stop()
         self.serving.clear()
         self.balancer.stop()
+        self.edge.stop()
         self.traffic.stop()
 
 

@@ -30,12 +30,14 @@ class HAProxyConfig:
     max_versions: int
     log_socket: Path | str | None = None
     log_format: str | None = None
+    edge_socket: Path | None = None  # the edge origin's (hetflow.serving.edge_origin): /v1/edge/
 
     def text(self):
         """The whole configuration, as HAProxy reads it at start."""
         run = self.run_dir
-        if any(c in str(run) for c in " \"'#\\"):
-            raise ValueError(f"run_dir={str(run)!r}: no spaces, quotes, '#' or backslashes (HAProxy's config)")
+        for name, path in (("run_dir", run), ("edge_socket", self.edge_socket or "")):
+            if any(c in str(path) for c in " \"'#\\"):
+                raise ValueError(f"{name}={str(path)!r}: no spaces, quotes, '#' or backslashes (HAProxy's config)")
         lines = [
             "global",
             f"    stats socket {self.admin_socket} mode 600 level admin expose-fd listeners",
@@ -80,6 +82,8 @@ class HAProxyConfig:
             lines += self._backend(f"m{model_slot}")
             for version_slot in range(self.max_versions):
                 lines += self._backend(f"m{model_slot}s{version_slot}")
+        if self.edge_socket:
+            lines += ["backend edge", f"    server origin unix@{self.edge_socket}"]
         return "\n".join(lines) + "\n"
 
     def _request_log(self):
@@ -137,6 +141,7 @@ class HAProxyConfig:
             f"if invocations !{{ var(txn.backend) -m found }} {{ str(several),map({maps['invocations']}) -m found }}",
             f"    http-request return status 404 {json_reply} string '{_one_line('no model is served')}' "
             "if invocations !{ var(txn.backend) -m found }",
+            *(["    use_backend edge if { path_beg /v1/edge/ }"] if self.edge_socket else []),
             "    use_backend %[var(txn.version_backend)] if models_path selects",
             "    use_backend %[var(txn.backend)] if models_path || invocations",
             "    default_backend no_route",
