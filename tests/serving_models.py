@@ -28,13 +28,15 @@ def _pixel_sums(images: np.ndarray) -> np.ndarray:
     return images.reshape(len(images), -1).astype(np.int64).sum(axis=1)
 
 
-def save_version(folder: Path, seed: int, fault: str | None = None, failing_share: float = 0.05) -> np.ndarray:
+def save_version(
+    folder: Path, seed: int, fault: str | None = None, failing_share: float = 0.05, slow_loop: int = 3000
+) -> np.ndarray:
     """A model saved to ``folder``; returns its logits on ``sample_images()``.
 
     :param fault: None; "errors": the graph fails (an assertion, answered 500) on about
         ``failing_share`` of the images (those whose pixel sum is a multiple of 1/share), as a release
         that breaks on some inputs does, but not on the input example MLflow keeps with it (the
-        rollout's warm-up passes); "slow": the graph runs a long loop of dense layers before answering.
+        rollout's warm-up passes); "slow": the graph runs a loop of ``slow_loop`` dense layers before answering.
     """
     import tensorflow as tf
     from mlflow.models import infer_signature
@@ -59,7 +61,7 @@ def save_version(folder: Path, seed: int, fault: str | None = None, failing_shar
         elif fault == "slow":
             weights = tf.eye(64) * 0.5
             loop = tf.while_loop(
-                lambda i, x: i < 3000, lambda i, x: (i + 1, tf.tanh(x @ weights)), (0, tf.ones([1, 64]))
+                lambda i, x: i < slow_loop, lambda i, x: (i + 1, tf.tanh(x @ weights)), (0, tf.ones([1, 64]))
             )
             answer = answer + 0.0 * tf.reduce_sum(loop[1])
         return answer
