@@ -9,9 +9,12 @@ wheels a second time."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -122,6 +125,64 @@ def test_the_first_make_run_writes_nothing_outside_the_clone(make_run, first):
         (".cache",),
         (".cache", "pip"),
     }
+
+
+def test_make_serve_then_answers_tf_serving_requests_with_each_champion_and_leaves_nothing(make_run, first):
+    """The README's third command: `make serve` after `make run`, and a TF Serving client's request."""
+    from hetflow.serving.server import free_port
+
+    port = free_port()
+    serve = subprocess.Popen(
+        ["make", "serve", f"ARGS=--port {port}"], cwd=make_run.clone, env=_user_environment(make_run.home),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in serve.stdout:  # until the endpoint says what it serves
+            lines.append(line)
+            if line.startswith("hetflow serve: "):
+                break
+        assert lines[-1] == (
+            f"hetflow serve: http://127.0.0.1:{port}/v1/models/<name>:predict serves "
+            f"{MODELS[0]} v1, {MODELS[1]} v1; Ctrl-C stops it\n"
+        ), "".join(lines)[-3000:]
+        for name in MODELS:  # a blank 8x8x1 image
+            status, version, answer = _tf_serving_predict(port, name, [[[0]] * 8] * 8)
+            assert (status, version, len(answer["predictions"][0])) == (200, "1", 10), (name, answer)
+        status, _, answer = _tf_serving_predict(port, MODELS[0], [[0] * 8] * 8)  # no channel axis
+        assert status == 400 and "shape" in answer["error"] and "Traceback" not in answer["error"], answer
+        started = _processes_of(f"/tmp/hetflow-serve-{port}-")
+        assert any("haproxy" in command for command in started.values()), started
+        assert sum("serving/model_server " in command for command in started.values()) >= 2, started
+    finally:
+        os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C at the terminal reaches make and hetflow
+        serve.wait(60)
+    assert _processes_of(f"/tmp/hetflow-serve-{port}-") == {}
+    assert not list(Path("/tmp").glob(f"hetflow-serve-{port}-*"))
+
+
+def _tf_serving_predict(port: int, model: str, instance) -> tuple[int, str, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("POST", f"/v1/models/{model}:predict", body=json.dumps({"instances": [instance]}))
+        response = connection.getresponse()
+        return response.status, response.getheader("X-Model-Version", ""), json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def _processes_of(folder: str) -> dict[int, str]:
+    """Every process whose command line names the endpoint's folder (HAProxy's config, the model
+    servers' copies): they run in process groups of their own, not make's."""
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        if folder in command:
+            found[int(cmdline.parent.name)] = command
+    return found
 
 
 @pytest.mark.heavy
