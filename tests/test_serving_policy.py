@@ -2,7 +2,7 @@
 
 from hetflow.serving.policy import Limits, StepFigures, VersionFigures, decide
 
-LIMITS = Limits()  # 1% errors, p99 2x the stable's (5 ms floor), 100 requests and 5 s a step
+LIMITS = Limits()  # 1% errors, p99 2x the stable's (5 ms floor), 100 requests and 5 s a step, 30 s at most
 STEADY = VersionFigures(requests=900, errors=0, p99_ms=12.0)
 
 
@@ -17,6 +17,13 @@ def test_a_healthy_canary_advances_once_the_step_has_lasted_and_answered_enough(
 def test_a_step_too_short_or_too_thin_waits():
     assert decide(step(VersionFigures(120, 0, 13.0), seconds=2.0), LIMITS).action == "wait"
     assert decide(step(VersionFigures(40, 0, 13.0)), LIMITS).action == "wait"
+
+
+def test_thin_traffic_advances_after_the_longest_step_saying_on_what():
+    thin = decide(step(VersionFigures(7, 0, 13.0), seconds=31.0), LIMITS)
+    assert (thin.action, thin.reason) == ("advance", "only 7 answers in 31 s: judged on those")
+    assert decide(step(VersionFigures(0, 0, None), seconds=31.0), LIMITS).action == "advance"
+    assert decide(step(VersionFigures(7, 0, 13.0), seconds=29.0), LIMITS).action == "wait"
 
 
 def test_errors_on_five_percent_of_requests_roll_back_and_say_so():

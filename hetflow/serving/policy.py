@@ -4,7 +4,8 @@ the rollout (``hetflow/serving/rollout.py``) gathers the figures, this decides, 
 no server.
 
 A canary step gives the new version a share of the traffic for at least ``step_seconds`` and
-``min_requests`` requests. It is judged on the requests it answered in that step, against the
+``min_requests`` requests (or, where traffic is too thin for them, ``max_step_seconds``: an idle
+endpoint still moves to its new champion, on the evidence there was). It is judged on the requests it answered in that step, against the
 version it would replace over the same window:
 
 - error rate (5xx answers and failed connections per request) over ``max_error_rate``;
@@ -29,7 +30,8 @@ class Limits:
 
     steps: tuple[int, ...] = (10, 50, 100)  # the canary's traffic share, percent, step by step
     step_seconds: float = 5.0
-    min_requests: int = 100  # a step is judged on no fewer answers of the canary
+    min_requests: int = 100  # a step is judged on no fewer answers of the canary ...
+    max_step_seconds: float = 30.0  # ... unless traffic is too thin for them: then on what came by then
     max_error_rate: float = 0.01
     max_p99_ratio: float = 2.0
     p99_floor_ms: float = 5.0
@@ -98,8 +100,13 @@ def decide(step: StepFigures, limits: Limits) -> Decision:
                 f"({limits.max_p99_ratio:g}x the stable version's {stable.p99_ms:.1f} ms)",
                 figures,
             )
-    if step.seconds < limits.step_seconds or canary.requests < limits.min_requests:
+    if step.seconds < limits.step_seconds:
         return Decision("wait", figures=figures)
+    if canary.requests < limits.min_requests:
+        if step.seconds < limits.max_step_seconds:
+            return Decision("wait", figures=figures)
+        # An endpoint with little or no traffic still moves to its champion, judged on what it saw.
+        return Decision("advance", f"only {canary.requests} answers in {step.seconds:.0f} s: judged on those", figures)
     return Decision("advance", figures=figures)
 
 

@@ -135,7 +135,8 @@ class Rollout:
                 self.record["canary_steps_failed"] = {"share": share, **decision.figures}
                 raise RolloutFailed(f"canary at {share}% rolled back: {decision.reason}")
             if decision.action == "advance":
-                return {"share": share, "seconds": round(time.monotonic() - began, 2), **decision.figures}, stable
+                judged = {"share": share, "seconds": round(time.monotonic() - began, 2), **decision.figures}
+                return {**judged, **({"note": decision.reason} if decision.reason else {})}, stable
 
     def _figures(self, version: str, since: float) -> policy.VersionFigures:
         summary = traffic_log.summarize(self.endpoint.answers_of(self.model, version, since))
