@@ -5,8 +5,8 @@ no server.
 
 A canary step gives the new version a share of the traffic for at least ``step_seconds`` and
 ``min_requests`` requests (or, where traffic is too thin for them, ``max_step_seconds``: an idle
-endpoint still moves to its new champion, on the evidence there was). It is judged on the requests it answered in that step, against the
-version it would replace over the same window:
+endpoint still moves to its new champion, on the evidence there was). It is judged on the
+requests it answered in that step, against the version it would replace over the same window:
 
 - error rate (5xx answers and failed connections per request) over ``max_error_rate``;
 - p99 latency over ``max_p99_ratio`` times the stable version's (and over ``p99_floor_ms``, so
