@@ -385,24 +385,25 @@ def swap_memory(memory: MemorySampler, moved: float, promoted: float, done: floa
     }
 
 
-def move_champion(endpoint, registry, folder: Path, count: int) -> tuple:
-    """A new version from ``folder`` made champion, as a reviewer does; once the endpoint's
-    ``count``-th rollout (this one's) is recorded: the champion before, the new version, when the
+def move_champion(endpoint, registry, folder: Path) -> tuple:
+    """A new version from ``folder`` made champion, as a reviewer does; once the endpoint has
+    recorded its rollout: the champion before, the new version, when the
     alias moved, when the rollout began, its record, when it was done (monotonic times)."""
     from serving_models import register
 
     client = registry["client"]
     before = str(client.get_registered_model(MODEL).aliases["champion"])
     version = register(client, MODEL, folder)
+    count = len(endpoint.rollouts) + 1  # the endpoint's rollouts are one at a time, in order
     moved = time.monotonic()
     client.set_registered_model_alias(MODEL, "champion", version)
     began, record = wait_for_rollout(endpoint, count)
     return before, version, moved, began, record, time.monotonic()
 
 
-def swap_once(endpoint, registry, load, memory, folder: Path, count: int) -> dict:
+def swap_once(endpoint, registry, load, memory, folder: Path) -> dict:
     """Register a version from ``folder``, move champion to it, wait for its rollout; its figures."""
-    old, new, moved, began, record, done = move_champion(endpoint, registry, folder, count)
+    old, new, moved, began, record, done = move_champion(endpoint, registry, folder)
     time.sleep(SETTLE_SECONDS)  # the new version alone, its memory sampled
     promoted = all_traffic_at(began, record)
     answers = [answer for answer in load.answers if moved <= answer.sent < done]
@@ -427,11 +428,11 @@ def swap_once(endpoint, registry, load, memory, folder: Path, count: int) -> dic
     }
 
 
-def bad_candidate(endpoint, registry, load, folder: Path, count: int) -> dict:
+def bad_candidate(endpoint, registry, load, folder: Path) -> dict:
     """A faulty version made champion under the load: how soon after its canary's first answer, and
     after the fault showed (its first failed answer, or its first slow one), traffic went back;
     whether ``champion`` came back; the canary's and the stable version's latency meanwhile."""
-    previous, candidate, moved, began, record, done = move_champion(endpoint, registry, folder, count)
+    previous, candidate, moved, began, record, done = move_champion(endpoint, registry, folder)
     client = registry["client"]
     answers = [answer for answer in load.answers if moved <= answer.sent < done]
     canary = sorted((a for a in answers if a.version == candidate), key=lambda a: a.sent)
@@ -550,12 +551,12 @@ def rollout_phase(endpoint, registry, rate: float, args, loop_ms: float) -> dict
             moved = time.monotonic()
             if swaps and moved + max(swap["seconds_to_recorded"] for swap in swaps) > budget_end:
                 break  # the bench's time bound: the swaps done are reported as fewer than asked
-            swaps.append(swap_once(endpoint, registry, load, memory, root / ("b", "a")[index % 2], index + 2))
+            swaps.append(swap_once(endpoint, registry, load, memory, root / ("b", "a")[index % 2]))
             windows.append((moved, moved + swaps[-1]["seconds_to_recorded"]))
         slow_loop = max(1, round((SLOW_FACTOR - 1) * steady["p50_ms"] / loop_ms))
         save_version(root / "slow", 6, fault="slow", slow_loop=slow_loop)  # between swaps: nothing measured
-        errors = bad_candidate(endpoint, registry, load, root / "errors", args.swaps + 2)
-        slow = bad_candidate(endpoint, registry, load, root / "slow", args.swaps + 3)
+        errors = bad_candidate(endpoint, registry, load, root / "errors")
+        slow = bad_candidate(endpoint, registry, load, root / "slow")
     pooled = [answer for answer in load.answers if any(start <= answer.sent < end for start, end in windows)]
     return {
         "rate_per_second": rate,
