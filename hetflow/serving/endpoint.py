@@ -8,7 +8,7 @@ The parts, each in a room of its own::
                                                     │ steered through its runtime API)
                                                     ▼ Unix sockets
                                   VersionServers (replicas.py): sandboxed model servers
-                                  (model_server.py), one group per version
+                                  (model_server/), one group per version
 
 This module holds them together: it starts the balancer and the log of its answers, serves each
 model's champion, rolls out each new one, writes every rollout on the model version and as a run
