@@ -3,6 +3,8 @@ anything starts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hetflow.cli.main import main
@@ -47,3 +49,17 @@ def test_a_model_without_a_champion_is_refused_naming_those_with_one(capsys, tmp
     assert capsys.readouterr().err.splitlines()[-1] == (
         "hetflow serve: --model hetflow-cats: not a registered model with a champion; those with one: served"
     )
+
+
+def test_a_port_taken_by_another_program_stops_it_in_one_line_leaving_nothing(capsys, tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("hetflow serve: stopped: ") and str(port) in last, last
+    assert not list(Path("/tmp").glob(f"hetflow-serve-{port}-*"))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -124,7 +125,8 @@ def run(args) -> int:
     ready = threading.Event()
     for signal_number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signal_number, lambda *_: stop.set())
-    worker = threading.Thread(target=endpoint.serve, args=(stop, ready), name="endpoint")
+    failures: list[BaseException] = []
+    worker = threading.Thread(target=_serve, args=(endpoint, stop, ready, failures), name="endpoint")
     worker.start()
     while worker.is_alive() and not ready.wait(0.5):
         pass
@@ -140,4 +142,17 @@ def run(args) -> int:
     while worker.is_alive():
         worker.join(0.5)  # the main thread stays free to take the signals
     shutil.rmtree(folder, ignore_errors=True)
+    if failures:
+        print(f"hetflow serve: stopped: {' '.join(str(failures[0]).split())}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _serve(endpoint, stop: threading.Event, ready: threading.Event, failures: list[BaseException]) -> None:
+    """The endpoint's thread (the processes it starts die with it); what ended it, for the command's
+    one line (the traceback goes to the log)."""
+    try:
+        endpoint.serve(stop, ready)
+    except Exception as error:
+        logging.getLogger("hetflow.serving").debug("the endpoint stopped", exc_info=True)
+        failures.append(error)
