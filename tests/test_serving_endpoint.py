@@ -116,6 +116,9 @@ def test_a_new_champion_takes_all_traffic_through_a_canary_with_no_failed_reques
         [registry["client"].get_experiment_by_name(DEPLOYMENTS_EXPERIMENT).experiment_id]
     )
     assert [(run.info.run_name, run.info.status) for run in runs][:1] == [(f"{MODEL} v1 → v2", "FINISHED")]
+    charted = runs[0].data.metrics  # the latest of each: both versions answered, second by second
+    assert {"requests/v1", "requests/v2", "p99_ms/v1", "p99_ms/v2", "errors/v2"} <= set(charted), charted
+    assert charted["errors/v2"] == 0
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mlflow.entities import Metric
+
 from hetflow.registry import store
 from hetflow.serving import policy, traffic_log
 from hetflow.serving.balancer import Balancer
@@ -105,7 +107,7 @@ class Endpoint:
         except RolloutFailed as failure:
             self.failed.add((move.model, move.version))
             log.warning("%s v%s was not deployed: %s", move.model, move.version, failure)
-        self._write_record(rollout.record)
+        self._write_record(rollout)
 
     def version_servers(self, model: str, version: str) -> VersionServers:
         return VersionServers(
@@ -154,8 +156,10 @@ class Endpoint:
                 except ServingError as error:  # tried again at the next poll; the others serve meanwhile
                     log.warning("%s v%s: replica %d did not restart: %s", model, version, replica, error)
 
-    def _write_record(self, record: dict[str, Any]) -> None:
-        """The rollout on its model version (tags) and as a run of the deployments experiment."""
+    def _write_record(self, rollout: Rollout) -> None:
+        """The rollout on its model version (tags) and as a run of the deployments experiment, with
+        each version's requests, errors and p99 latency second by second as its charts."""
+        record = rollout.record
         model, version = record["model"], record["version"]
         sentence = describe(record)
         try:
@@ -172,12 +176,26 @@ class Endpoint:
                 run_name=f"{model} v{record.get('previous') or '-'} → v{version}",
                 tags={"outcome": record.get("outcome", ""), "model": model, "version": version},
             )
+            charts = self._charts(rollout)
+            for start in range(0, len(charts), 1000):  # MLflow's limit per batch
+                self.client.log_batch(run.info.run_id, metrics=charts[start : start + 1000])
             self.client.log_text(run.info.run_id, sentence, "rollout.txt")
             self.client.log_dict(run.info.run_id, record, "rollout.json")
             self.client.set_terminated(run.info.run_id, "FINISHED" if record.get("outcome") == "promoted" else "FAILED")
             self.client.set_model_version_tag(model, version, "deployment.run_id", run.info.run_id)
         except Exception:  # the endpoint keeps serving when the registry cannot be written
             log.exception("could not record the rollout of %s v%s", model, version)
+
+    def _charts(self, rollout: Rollout) -> list[Metric]:
+        now = int(time.time() * 1000)
+        metrics = []
+        for version in filter(None, (rollout.previous, rollout.version)):
+            seconds = traffic_log.per_second(self.answers_of(rollout.model, version, rollout.started), rollout.started)
+            for second, figures in seconds.items():
+                for name in ("requests", "errors", "p99_ms"):
+                    if figures[name] is not None:
+                        metrics.append(Metric(f"{name}/v{version}", round(figures[name], 2), now, second))
+        return metrics
 
     def close(self) -> None:
         for _, servers in list(self.serving.values()):

@@ -45,10 +45,11 @@ class Rollout:
     def __post_init__(self):
         self.record.update(model=self.model, version=self.version, previous=self.previous, steps=[])
         self.servers = None
+        self.started: float | None = None  # time.monotonic() as run() began
 
     def run(self) -> dict[str, Any]:
         """Every step in turn; raises RolloutFailed with the reason once the candidate was rolled back."""
-        started = time.monotonic()
+        self.started = started = time.monotonic()
         try:
             for step in (self.stage, self.start, self.warm_and_check):
                 self._timed(step.__name__, step)

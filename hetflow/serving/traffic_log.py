@@ -92,3 +92,11 @@ def summarize(answers: list[Answer]) -> dict[str, float | int | None]:
         "p50_ms": float(np.percentile(latencies, 50)) if len(latencies) else None,
         "p99_ms": float(np.percentile(latencies, 99)) if len(latencies) else None,
     }
+
+
+def per_second(answers: list[Answer], since: float) -> dict[int, dict[str, float | int | None]]:
+    """``summarize`` for each whole second after ``since`` that holds answers, by its number."""
+    seconds: dict[int, list[Answer]] = {}
+    for answer in answers:
+        seconds.setdefault(int(answer.at - since), []).append(answer)
+    return {second: summarize(held) for second, held in sorted(seconds.items())}
