@@ -108,6 +108,8 @@ def run(args) -> int:
     except ServeOptionError as error:
         print(f"hetflow serve: {error}", file=sys.stderr)
         return 2
+    # Copying a version's files draws MLflow's progress bar, a screenful of carriage returns in a log.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     # The endpoint's working folder (version copies, sockets, HAProxy's files) is short-lived and
     # short-named: a Unix socket's path holds at most 107 bytes, which a checkout's path can exhaust.
     folder = Path(tempfile.mkdtemp(prefix=f"hetflow-serve-{args.port}-"))
@@ -145,6 +147,7 @@ def run(args) -> int:
     if failures:
         print(f"hetflow serve: stopped: {' '.join(str(failures[0]).split())}", file=sys.stderr)
         return 1
+    print("hetflow serve: stopped; its model servers and HAProxy have ended", flush=True)
     return 0
 
 
