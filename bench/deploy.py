@@ -55,6 +55,7 @@ ROLLOUT_DEADLINE_SECONDS = 120.0
 SLOW_FACTOR = 3.0
 MEMORY_SLACK = 1.15
 SETTLE_SECONDS = 1.5  # between swaps
+FIRST_ANSWERS = 20
 
 
 # ---- load ----
@@ -413,9 +414,14 @@ def swap_once(endpoint, registry, load, memory, folder: Path) -> dict:
         window = [answer for answer in answers if at <= answer.sent < at + step["seconds"]]
         phases[step["step"]] = latency_figures(window)
         at += step["seconds"]
+    fresh = sorted((a for a in answers if a.version == new and a.status == 200), key=lambda a: a.sent)
     return {
         "old": old,
         "new": new,
+        # a fresh model server's first answers to the load (its warm-up sent the input example's 5 rows, the
+        # load sends 1) against its later ones in the same swap
+        "new_first_answers": latency_figures(fresh[:FIRST_ANSWERS]),
+        "new_later_answers": latency_figures(fresh[FIRST_ANSWERS:]),
         "outcome": record.get("outcome"),
         "reason": record.get("reason"),
         "detect_seconds": round(began - moved, 2),
@@ -538,13 +544,15 @@ def capacity_phase(endpoint, bodies: list[str], seconds: float, folder: Path) ->
 
 
 def rollout_phase(endpoint, registry, rate: float, args, loop_ms: float) -> dict:
-    """Under one steady load: its steady figures, the swaps, then the two bad candidates."""
+    """Under one steady load: its first seconds, the swaps, then the two bad candidates. The steady
+    figures are the load's answers outside the swaps before the bad candidates (its first seconds and
+    the pauses between swaps): on a shared machine, other work's bursts then weigh on both sides alike."""
     from serving_models import save_version
 
     root = registry["root"]
     with MemorySampler() as memory, LoadProcess(endpoint.balancer.port, rate) as load:
         time.sleep(args.steady_seconds)
-        steady = latency_figures(list(load.answers))
+        first = latency_figures(list(load.answers))
         swaps, windows = [], []
         budget_end = time.monotonic() + args.swap_budget
         for index in range(args.swaps):
@@ -553,6 +561,14 @@ def rollout_phase(endpoint, registry, rate: float, args, loop_ms: float) -> dict
                 break  # the bench's time bound: the swaps done are reported as fewer than asked
             swaps.append(swap_once(endpoint, registry, load, memory, root / ("b", "a")[index % 2]))
             windows.append((moved, moved + swaps[-1]["seconds_to_recorded"]))
+        steady_end = time.monotonic()
+        steady = latency_figures(
+            [
+                a
+                for a in load.answers
+                if a.sent < steady_end and not any(start <= a.sent < end for start, end in windows)
+            ]
+        )
         slow_loop = max(1, round((SLOW_FACTOR - 1) * steady["p50_ms"] / loop_ms))
         save_version(root / "slow", 6, fault="slow", slow_loop=slow_loop)  # between swaps: nothing measured
         errors = bad_candidate(endpoint, registry, load, root / "errors")
@@ -561,6 +577,7 @@ def rollout_phase(endpoint, registry, rate: float, args, loop_ms: float) -> dict
     return {
         "rate_per_second": rate,
         "steady": steady,
+        "first_seconds": first,
         "during_swaps": latency_figures(pooled),
         "load": latency_figures(load.answers),
         "swaps": swaps,
@@ -642,7 +659,7 @@ def main() -> None:
     parser.add_argument("--closed-seconds", type=float, default=8.0, help="each closed loop's duration")
     parser.add_argument("--steady-seconds", type=float, default=10.0, help="the steady load before the swaps")
     parser.add_argument(
-        "--swap-budget", type=float, default=360.0, help="seconds for the swaps: no swap starts that would pass it"
+        "--swap-budget", type=float, default=480.0, help="seconds for the swaps: no swap starts that would pass it"
     )
     parser.add_argument("--render", metavar="JSON", help="only rewrite DEPLOY.md from this results file")
     parser.add_argument("--closed-loop-worker", action="store_true", help=argparse.SUPPRESS)
@@ -688,7 +705,8 @@ def summarize(record: dict) -> dict:
     rps = {case: figures["requests_per_second"] for case, figures in capacity.items()}
     to_all = [swap["to_all_traffic_seconds"] for swap in swaps if swap["outcome"] == "promoted"]
     memory = [swap["memory"] for swap in swaps if swap["memory"]]
-    steps = sorted({step for swap in swaps for step in swap["steps_seconds"]}, key=STEP_ORDER.index)
+    promoted = [swap for swap in swaps if swap["outcome"] == "promoted"]
+    steps = sorted({step for swap in promoted for step in swap["steps_seconds"]}, key=STEP_ORDER.index)
     return {
         "swaps": len(swaps),
         "promoted": len(to_all),
@@ -698,8 +716,8 @@ def summarize(record: dict) -> dict:
         "to_all_traffic_p50_s": _percentile(to_all, 50),
         "to_all_traffic_p95_s": _percentile(to_all, 95),
         "step_median_s": {
-            "detect": _percentile([swap["detect_seconds"] for swap in swaps], 50),
-            **{step: _percentile([swap["steps_seconds"].get(step, 0.0) for swap in swaps], 50) for step in steps},
+            "detect": _percentile([swap["detect_seconds"] for swap in promoted], 50),
+            **{step: _percentile([swap["steps_seconds"][step] for swap in promoted], 50) for step in steps},
         },
         "step_p99_median_ms": {
             step: _percentile(
@@ -712,6 +730,8 @@ def summarize(record: dict) -> dict:
             )
             for step in ("stage", "start", "warm_and_check", "canary", "promote")
         },
+        "first_answers_p99_median_ms": _percentile(_figure(swaps, "new_first_answers", "p99_ms"), 50),
+        "later_answers_p99_median_ms": _percentile(_figure(swaps, "new_later_answers", "p99_ms"), 50),
         "memory_within_limit": sum(entry["peak_mib"] <= entry["limit_mib"] for entry in memory),
         "memory_swaps": len(memory),
         "memory_peak_over_old_plus_new_max": max(
@@ -725,6 +745,10 @@ def summarize(record: dict) -> dict:
 
 
 STEP_ORDER = ["stage", "start", "warm_and_check", "canary_10", "canary_50", "canary", "promote", "roll_back"]
+
+
+def _figure(swaps: list[dict], figures: str, key: str) -> list[float]:
+    return [swap[figures][key] for swap in swaps if swap.get(figures, {}).get(key) is not None]
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -835,20 +859,25 @@ def _swap_lines(record: dict, summary: dict, limits: dict) -> list[str]:
         "",
         f"- swaps in a row: **{summary['swaps']}**{fewer}, {summary['promoted']} promoted",
         *(
-            f"  - v{swap['new']}, a healthy version, was {swap['outcome']}: {swap['reason']}"
+            f"  - v{swap['new']}, a healthy version, was {swap['outcome']}: {swap['reason']}; its first "
+            f"{FIRST_ANSWERS} answers' p99 {swap.get('new_first_answers', {}).get('p99_ms')} ms"
             for swap in record["swaps"]
             if swap["outcome"] != "promoted"
         ),
         f"- failed requests during the swaps: **{summary['failed_during_swaps']} of "
         f"{summary['requests_during_swaps']}** (aim 0: {_verdict(summary['failed_during_swaps'], 0)})",
         f"- p99 during swaps {during['p99_ms']} ms vs steady {steady['p99_ms']} ms (p50 {during['p50_ms']} vs "
-        f"{steady['p50_ms']} ms): **{summary['p99_ratio']}×** (aim ≤ 1.5×: {_verdict(summary['p99_ratio'], 1.5)})",
+        f"{steady['p50_ms']} ms): **{summary['p99_ratio']}×** (aim ≤ 1.5×: {_verdict(summary['p99_ratio'], 1.5)}); "
+        f"steady: the {steady['requests']} answers outside the swaps (the load's first seconds, p99 "
+        f"{record.get('first_seconds', {}).get('p99_ms')} ms, and the pauses between swaps)",
         "- p99 by rollout step (median over the swaps, ms): "
         + ", ".join(f"{step} {value}" for step, value in summary["step_p99_median_ms"].items()),
         f"- alias moved → all traffic on the new version: p50 **{summary['to_all_traffic_p50_s']} s**, p95 "
         f"**{summary['to_all_traffic_p95_s']} s** (aim ≤ 30 s: {_verdict(summary['to_all_traffic_p95_s'], 30)})",
-        "- where the time goes (median seconds; detect: the follower's poll of the alias, every 2 s): "
-        + ", ".join(f"{step} {value}" for step, value in medians.items()),
+        f"- the new version's first {FIRST_ANSWERS} answers to the load: p99 {summary['first_answers_p99_median_ms']} "
+        f"ms, its later answers in the swap {summary['later_answers_p99_median_ms']} ms (medians over the swaps)",
+        "- where the time goes (median seconds over the promoted swaps; detect: the follower's poll of the alias, "
+        "every 2 s): " + ", ".join(f"{step} {value}" for step, value in medians.items()),
     ]
 
 

@@ -36,6 +36,8 @@ def swap(to_all: float, memory: dict) -> dict:
         "steps_seconds": steps,
         "latency_by_step": {step: latency for step in ("stage", "start", "warm_and_check", "canary", "promote")},
         "memory": memory,
+        "new_first_answers": {"requests": 20, "failed": 0, "p50_ms": 3.0, "p99_ms": 30.0},
+        "new_later_answers": latency,
     }
 
 
@@ -104,12 +106,16 @@ def test_deploy_md_states_the_json_figures_and_the_verdicts_on_the_aims():
     assert "same `/invocations` requests: **2.0×**" in text  # 440 / 220
     assert "**1.4×** (aim ≤ 1.5×: met)" in text  # p99 14 ms during swaps / 10 ms steady
     assert "swaps in a row: **5** (**5 of the 20 asked**), 4 promoted" in text
-    assert "  - v6, a healthy version, was rolled back: canary at 50% rolled back: p99 latency 12.6 ms" in text
+    assert (
+        "  - v6, a healthy version, was rolled back: canary at 50% rolled back: p99 latency 12.6 ms over the limit "
+        "12.0 ms; its first 20 answers' p99 30.0 ms" in text
+    )
     assert (
         "p99 by rollout step (median over the swaps, ms): stage 8.0, start 8.0, warm_and_check 8.0, canary 8.0" in text
     )
     assert "failed requests during the swaps: **0 of 9000** (aim 0: met)" in text
     assert "start 9.0" in text and "detect 1.0" in text
+    assert "first 20 answers to the load: p99 30.0 ms, its later answers in the swap 8.0 ms" in text
     assert "peak within old + new + 15%: **2 of 3 swaps**" in text  # the swap without samples is not judged
     assert "(peak / (old + new) at most 1.21×)" in text  # 260 / 215 MiB
     assert "at most **11.0 s** (aim ≤ 10 s: not met)" in text
