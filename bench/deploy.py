@@ -318,9 +318,9 @@ def serving(uri: str, folder: Path, replicas: int, limits):
             super()._roll_out(move)
             self.rollouts.append((began, self._last_record))
 
-        def _write_record(self, record):
-            self._last_record = record
-            super()._write_record(record)
+        def _write_record(self, rollout):
+            self._last_record = rollout.record  # the Rollout's record: its steps, figures, outcome
+            super()._write_record(rollout)
 
     endpoint = RecordedEndpoint(uri, folder, port=free_port(), replicas=replicas, limits=limits)
     endpoint.rollouts = []
