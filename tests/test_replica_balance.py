@@ -226,6 +226,12 @@ def test_plain_sync_runs_the_balanced_loop_with_equal_shares_without_probing(het
     )
     assert record["worker_batches"] == [16, 16] and record["per_replica_batch"] == 16
     assert record["balanced"] is False and not RunPaths(run_dir).plan.exists()
+    # The digits fit the cache budget: each worker holds and reads the whole split (4 files).
+    assert record["training_input"]["mode"] == "whole_split_tensors"
+    assert [(part["read_examples"], len(part["read_files"])) for part in record["per_worker"].values()] == [
+        (1258, 4),
+        (1258, 4),
+    ]
     assert "probe worker-1:" not in (run_dir / "logs/worker-1.log").read_text()
     assert "batches [16, 16] of 32; this worker takes 16" in (run_dir / "logs/worker-0.log").read_text()
 

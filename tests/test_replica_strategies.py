@@ -52,6 +52,9 @@ def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
     assert run.data.params["strategy"] == strategy and run.data.tags["strategy"] == strategy
     training = json.loads(RunPaths(Path(summary["run_dir"])).training.read_text())
     workers = sorted(training["per_worker"])
+    # Sync workers gather their shares from the whole split as tensors; async ones read it cached.
+    mode = "cached" if strategy == "parameter_server" else "whole_split_tensors"
+    assert training["training_input"]["mode"] == mode and training["training_input"]["shuffle_buffer"] == 1258
     for worker in workers:
         key = worker.replace("-", "_")
         assert run.data.metrics[f"{key}_examples_per_second"] > 0

@@ -51,6 +51,8 @@ PATHS = {
     "warmup_epochs": ("training.warmup_epochs", 1.5),
     "optimizer": ("training.optimizer", "sgd"),
     "shuffle": ("training.shuffle", False),
+    "shuffle_buffer": ("training.shuffle_buffer", 512),
+    "cache_budget_mb": ("training.cache_budget_mb", 0),
     "seed": ("training.seed", 7),
     "checkpoint_every": ("training.checkpoint_every", 3),
     "prune": ("compression.prune", False),
@@ -137,7 +139,13 @@ def test_a_flat_and_a_nested_spec_json_load_alike(tmp_path):
     assert RunSpec.from_json(nested_text) == flat
     assert flat.cluster.worker.each[1].slowdown == 2.0 and flat.cluster.resources.cpus == 1.5
     # MLflow params: the same names and values as before, and a key added since at its default
-    added = {"micro_batches": 1, "stage_split": "measured", "calibration_examples": 200}
+    added = {
+        "micro_batches": 1,
+        "stage_split": "measured",
+        "calibration_examples": 200,
+        "shuffle_buffer": 10_000,
+        "cache_budget_mb": 512,
+    }
     assert flat.flat(mode="json") == {**FLAT_RECORD, **added}
 
 

@@ -172,8 +172,14 @@ def prune(
 
 
 def _batches(spec: RunSpec, dataset: DatasetRecord) -> tf.data.Dataset:
+    training = spec.training
     return train_input(
-        dataset, per_worker_batch=spec.training.batch_size, shuffle=spec.training.shuffle, seed=spec.training.seed
+        dataset,
+        per_worker_batch=training.batch_size,
+        shuffle=training.shuffle,
+        seed=training.seed,
+        shuffle_buffer=training.shuffle_buffer,
+        cache_budget_mb=training.cache_budget_mb,
     )
 
 

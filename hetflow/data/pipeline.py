@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Iterator
 
 import numpy as np
@@ -10,6 +11,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from hetflow.records import DatasetRecord
+from hetflow.spec.sections import CACHE_BUDGET_MB, SHUFFLE_BUFFER
 
 
 @functools.lru_cache(maxsize=8)
@@ -44,12 +46,34 @@ def _load(dataset: DatasetRecord, split: str) -> tf.data.Dataset:
     return as_dataset(split=split, as_supervised=True, shuffle_files=False, read_config=read_config)
 
 
+def example_bytes(dataset: DatasetRecord) -> int:
+    """One decoded example's bytes: its uint8 image and int64 label."""
+    return int(np.prod(dataset.input_shape)) + 8
+
+
+def training_input(
+    dataset: DatasetRecord, shuffle_buffer: int = SHUFFLE_BUFFER, cache_budget_mb: int = CACHE_BUDGET_MB
+) -> dict[str, Any]:
+    """How the training split is read (training.json's ``training_input``): ``cached`` in memory where
+    its decoded examples fit ``cache_budget_mb``, else ``streamed`` from the prepared files every
+    epoch; and the shuffle buffer used, the split's size where it is smaller than ``shuffle_buffer``."""
+    split_bytes, budget = dataset.splits["train"] * example_bytes(dataset), cache_budget_mb * 2**20
+    return {
+        "mode": "cached" if split_bytes <= budget else "streamed",
+        "split_bytes": split_bytes,
+        "cache_budget_bytes": budget,
+        "shuffle_buffer": min(shuffle_buffer, dataset.splits["train"]),
+    }
+
+
 def train_input(
     dataset: DatasetRecord,
     *,
     per_worker_batch: int,
     shuffle: bool,
     seed: int,
+    shuffle_buffer: int = SHUFFLE_BUFFER,
+    cache_budget_mb: int = CACHE_BUDGET_MB,
     num_workers: int = 1,
     worker_index: int = 0,
 ) -> tf.data.Dataset:
@@ -59,43 +83,106 @@ def train_input(
     union of the workers' k-th batches is exactly the k-th batch one worker with the global batch
     would see, whatever the number of workers (what makes sync training match single-replica
     training). Endless, so every worker yields the same number of batches per epoch
-    (``steps_per_epoch`` decides where an epoch ends).
+    (``steps_per_epoch`` decides where an epoch ends). The shuffle holds at most ``shuffle_buffer``
+    examples, and the split is cached only where it fits ``cache_budget_mb`` (``training_input``).
     """
-    examples = _training_examples(dataset, shuffle, seed)
+    examples = _training_examples(dataset, shuffle, seed, training_input(dataset, shuffle_buffer, cache_budget_mb))
     if num_workers > 1:
         examples = examples.shard(num_workers, worker_index)
     return _without_autotuning_thread(examples.batch(per_worker_batch, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
 
 
+def _check_slice(start: int, end: int, global_batch: int) -> None:
+    if not 0 <= start < end <= global_batch:
+        raise ValueError(f"examples {start}:{end} are not a slice of a global batch of {global_batch}")
+
+
 def train_slices(
-    examples: tuple[tf.Tensor, tf.Tensor], *, start: int, end: int, global_batch: int, shuffle: bool, seed: int
+    examples: tuple[tf.Tensor, tf.Tensor],
+    *,
+    start: int,
+    end: int,
+    global_batch: int,
+    shuffle: bool,
+    seed: int,
+    shuffle_buffer: int = SHUFFLE_BUFFER,
 ) -> tf.data.Dataset:
     """Endless training batches of the examples ``start:end`` of each global batch, from the
     training split's ``examples`` (``training_tensors``: loaded once, however often the shares change).
 
     For workers with unequal shares of the global batch (balanced sync). Every worker shuffles the
-    example *indices* with the same seed as ``train_input`` shuffles the examples (tf.data's order
-    depends on the seed and the count, not on the elements), groups them into global batches and
-    gathers only the examples at its own positions: the slices of the workers' k-th batches, in
-    order, are exactly the k-th batch of one worker with the global batch, and a worker reads only
-    its own share of each.
+    example *indices* with the same seed and buffer as ``train_input`` shuffles the examples (tf.data's
+    order depends on the seed, the buffer and the count, not on the elements), groups them into global
+    batches and gathers only the examples at its own positions: the slices of the workers' k-th
+    batches, in order, are exactly the k-th batch of one worker with the global batch, and a worker
+    reads only its own share of each.
     """
-    if not 0 <= start < end <= global_batch:
-        raise ValueError(f"examples {start}:{end} are not a slice of a global batch of {global_batch}")
+    _check_slice(start, end, global_batch)
     images, labels = examples
     count = int(labels.shape[0])
     indices = tf.data.Dataset.range(count)
     if shuffle:
-        indices = indices.shuffle(count, seed=seed, reshuffle_each_iteration=True)
+        indices = indices.shuffle(min(shuffle_buffer, count), seed=seed, reshuffle_each_iteration=True)
     mine = indices.repeat().batch(global_batch, drop_remainder=True).map(lambda batch: batch[start:end])
     batches = mine.map(lambda positions: (tf.gather(images, positions), tf.gather(labels, positions)))
     return _without_autotuning_thread(batches.prefetch(tf.data.AUTOTUNE))
 
 
-def _training_examples(dataset: DatasetRecord, shuffle: bool, seed: int) -> tf.data.Dataset:
-    examples = _load(dataset, "train").cache()
+def share_examples(dataset: DatasetRecord, start: int, end: int, global_batch: int) -> tuple[int, int]:
+    """The training examples (first, last) that the share ``start:end`` of each global batch reads
+    when the split streams (``share_input``): the split cut in proportion to the shares, so the
+    shares' ranges are disjoint, cover the split, and each holds at least what its share takes of
+    an epoch (floor(S*end/B) - floor(S*start/B) >= floor(S*(end-start)/B))."""
+    count = dataset.splits["train"]
+    return count * start // global_batch, count * end // global_batch
+
+
+def share_input(
+    dataset: DatasetRecord,
+    *,
+    start: int,
+    end: int,
+    global_batch: int,
+    shuffle: bool,
+    seed: int,
+    shuffle_buffer: int = SHUFFLE_BUFFER,
+) -> tf.data.Dataset:
+    """Endless batches of ``end - start`` examples drawn only from this share's own range of the
+    training split (``share_examples``): TFDS opens only the TFRecord files that hold that range, so
+    a worker reads about its share of the split, not all of it. For a split too large to cache.
+
+    No example is in two shares' batches of a step, and each pass over a share's range reads each
+    of its examples once; unlike ``train_slices``, N workers do not see the batches one worker
+    would (each shuffles only its own range).
+    """
+    _check_slice(start, end, global_batch)
+    first, last = share_examples(dataset, start, end, global_batch)
+    examples = _load(dataset, f"train[{first}:{last}]")
     if shuffle:
-        examples = examples.shuffle(dataset.splits["train"], seed=seed, reshuffle_each_iteration=True)
+        examples = examples.shuffle(min(shuffle_buffer, last - first), seed=seed, reshuffle_each_iteration=True)
+    batches = examples.repeat().batch(end - start, drop_remainder=True)
+    return _without_autotuning_thread(batches.prefetch(tf.data.AUTOTUNE))
+
+
+def share_read(dataset: DatasetRecord, start: int, end: int, global_batch: int) -> dict[str, Any]:
+    """What ``share_input`` reads per pass over its range (training.json's per_worker read_ fields):
+    its examples, the TFRecord files it opens and their bytes (an upper bound: a file it shares with
+    a neighbour is read only up to the end of its range)."""
+    first, last = share_examples(dataset, start, end, global_batch)
+    files = _prepared(dataset.prepared_dir).info.splits[f"train[{first}:{last}]"].file_instructions
+    return {
+        "read_examples": last - first,
+        "read_files": [os.path.basename(file.filename) for file in files],
+        "read_file_bytes": sum(os.path.getsize(file.filename) for file in files),
+    }
+
+
+def _training_examples(dataset: DatasetRecord, shuffle: bool, seed: int, how: dict[str, Any]) -> tf.data.Dataset:
+    examples = _load(dataset, "train")
+    if how["mode"] == "cached":
+        examples = examples.cache()
+    if shuffle:
+        examples = examples.shuffle(how["shuffle_buffer"], seed=seed, reshuffle_each_iteration=True)
     return examples.repeat()
 
 

@@ -49,6 +49,8 @@ FROM_CHAMPION = frozenset(
         "warmup_epochs",
         "optimizer",
         "shuffle",
+        "shuffle_buffer",
+        "cache_budget_mb",
         "seed",
         "checkpoint_every",
         "prune",

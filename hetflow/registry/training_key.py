@@ -9,12 +9,18 @@ import json
 from hetflow.records import DatasetRecord, TrainedBefore
 from hetflow.spec import RunSpec
 from hetflow.spec.cluster import MICRO_BATCHES, STAGE_SPLIT
-from hetflow.spec.sections import CALIBRATION_EXAMPLES
+from hetflow.spec.sections import CACHE_BUDGET_MB, CALIBRATION_EXAMPLES, SHUFFLE_BUFFER
 from mlflow import MlflowClient
 
 # Keys added after versions were registered, at their defaults: left out, so that a spec which
 # does not set them names the same training as it did before they existed.
-ADDED_LATER = {"micro_batches": MICRO_BATCHES, "stage_split": STAGE_SPLIT, "calibration_examples": CALIBRATION_EXAMPLES}
+ADDED_LATER = {
+    "micro_batches": MICRO_BATCHES,
+    "stage_split": STAGE_SPLIT,
+    "calibration_examples": CALIBRATION_EXAMPLES,
+    "shuffle_buffer": SHUFFLE_BUFFER,
+    "cache_budget_mb": CACHE_BUDGET_MB,
+}
 
 
 def training_key(spec: RunSpec, fingerprint: str) -> str:

@@ -231,7 +231,17 @@ def train(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str
         return x
 
     predict = tf.function(forward)
-    batches = iter(train_input(dataset, per_worker_batch=batch, shuffle=spec.training.shuffle, seed=spec.training.seed))
+    training = spec.training
+    batches = iter(
+        train_input(
+            dataset,
+            per_worker_batch=batch,
+            shuffle=training.shuffle,
+            seed=training.seed,
+            shuffle_buffer=training.shuffle_buffer,
+            cache_budget_mb=training.cache_budget_mb,
+        )
+    )
     checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer)
     validation = eval_input(dataset, "validation")
     loop.run(

@@ -85,7 +85,15 @@ class AsyncChief:
         # Every worker builds the same pipeline; an unseeded shuffle gives each its own order
         # (TensorFlow tells workers apart no other way under ParameterServerStrategy). Async
         # training is not reproducible anyway: which worker runs which step is up to scheduling.
-        return train_input(self.dataset, per_worker_batch=self.spec.training.batch_size, shuffle=True, seed=None)
+        training = self.spec.training
+        return train_input(
+            self.dataset,
+            per_worker_batch=training.batch_size,
+            shuffle=True,
+            seed=None,
+            shuffle_buffer=training.shuffle_buffer,
+            cache_budget_mb=training.cache_budget_mb,
+        )
 
     def one_update(self, images, labels):
         model, updates_applied = self.model, self.updates_applied

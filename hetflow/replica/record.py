@@ -8,6 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
+from hetflow.data.pipeline import training_input
 from hetflow.models.schedule import learning_rate_plan
 from hetflow.paths import RunPaths, write_record
 from hetflow.records import DatasetRecord
@@ -84,7 +85,9 @@ def finish(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, trained: Trai
     save_model(trained.model, spec, dataset, paths.model, chief=trained.chief)
     if not trained.chief:
         return
-    record = training_record(spec, trained.loop, **trained.fields)
+    # A strategy that reads the split otherwise says so in its own fields (sync's whole-split tensors).
+    how_read = {"training_input": training_input(dataset, spec.training.shuffle_buffer, spec.training.cache_budget_mb)}
+    record = training_record(spec, trained.loop, **{**how_read, **trained.fields})
     write_record(paths.training, record)
     print(
         f"trained {record['epochs']} epochs x {record['steps_per_epoch']} steps in {record['train_seconds']:.1f} s "

@@ -34,7 +34,14 @@ from typing import Any
 
 import tensorflow as tf
 
-from hetflow.data.pipeline import eval_input, train_slices, training_tensors
+from hetflow.data.pipeline import (
+    eval_input,
+    share_input,
+    share_read,
+    train_slices,
+    training_input,
+    training_tensors,
+)
 from hetflow.models.architectures import build_model
 from hetflow.models.schedule import make_optimizer, steps_per_epoch
 from hetflow.paths import RunPaths
@@ -84,7 +91,9 @@ class SyncWorker:
             )
             self.optimizer = make_optimizer(spec, self.loop.schedule)
         self.loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
-        self.training_examples = training_tensors(dataset)  # once: measuring and training slice them
+        self.reads = training_input(dataset, spec.training.shuffle_buffer, spec.training.cache_budget_mb)
+        # A split that fits the cache budget is loaded once, whole: measuring and training slice it.
+        self.training_examples = training_tensors(dataset) if self.reads["mode"] == "cached" else None
 
     @tf.function
     def _sum_values_over_workers(self, values):
@@ -98,23 +107,34 @@ class SyncWorker:
     def sum_over_workers(self, values: list[float]) -> list[float]:
         return self._sum_values_over_workers(tf.constant(values, tf.float64)).numpy().tolist()
 
+    def replica_offsets(self, worker_shares: list[int]) -> list[int]:
+        """Where each replica's part of a global batch starts (and, last, the batch's end)."""
+        parts = [part for share in worker_shares for part in split_batch(share, [1.0] * self.local_replicas)]
+        return [0, *itertools.accumulate(parts)]
+
+    def share_batches(self, start: int, end: int) -> tf.data.Dataset:
+        """The examples ``start:end`` of every global batch: gathered from the cached split in the order
+        one worker with the global batch would see them (``train_slices``), or, for a split over the
+        cache budget, drawn from the share's own files only (``share_input``)."""
+        training = self.spec.training
+        options = {
+            "start": start,
+            "end": end,
+            "global_batch": training.batch_size,
+            "shuffle": training.shuffle,
+            "seed": training.seed,
+            "shuffle_buffer": training.shuffle_buffer,
+        }
+        if self.training_examples is None:
+            return share_input(self.dataset, **options)
+        return train_slices(self.training_examples, **options)
+
     def worker_slices(self, worker: int, worker_shares: list[int]) -> tf.data.Dataset:
         """The worker's part of every global batch; its replicas take its batches in turn, so it
         yields their slices in turn."""
-        local_replicas, training = self.local_replicas, self.spec.training
-        replica_shares = [part for share in worker_shares for part in split_batch(share, [1.0] * local_replicas)]
-        offsets = [0, *itertools.accumulate(replica_shares)]
-        slices = [
-            train_slices(
-                self.training_examples,
-                start=offsets[r],
-                end=offsets[r + 1],
-                global_batch=training.batch_size,
-                shuffle=training.shuffle,
-                seed=training.seed,
-            )
-            for r in range(worker * local_replicas, (worker + 1) * local_replicas)
-        ]
+        offsets = self.replica_offsets(worker_shares)
+        replicas = range(worker * self.local_replicas, (worker + 1) * self.local_replicas)
+        slices = [self.share_batches(offsets[r], offsets[r + 1]) for r in replicas]
         parts = tf.data.Dataset.zip(tuple(slices))
         return parts.flat_map(
             lambda *batches: functools.reduce(
@@ -211,12 +231,29 @@ class SyncWorker:
             )
         return Trained(self.loop, self.model, fields, chief=self.chief)
 
+    def read(self, worker: int) -> dict[str, Any]:
+        """What the worker reads of the training split's files per pass (``share_read``): all of them
+        where the split is cached, else only its replicas' ranges; as per_worker's read_ fields."""
+        batch = self.spec.training.batch_size
+        if self.training_examples is not None:
+            return share_read(self.dataset, 0, batch, batch)
+        offsets = self.replica_offsets(self.shares.now)
+        reads = [
+            share_read(self.dataset, offsets[r], offsets[r + 1], batch)
+            for r in range(worker * self.local_replicas, (worker + 1) * self.local_replicas)
+        ]
+        return {
+            "read_examples": sum(read["read_examples"] for read in reads),
+            "read_files": sorted({name for read in reads for name in read["read_files"]}),
+            "read_file_bytes": sum(read["read_file_bytes"] for read in reads),
+        }
+
     def record(self) -> dict[str, Any]:
         """What training.json says of this run's workers and their shares."""
         shares, loop = self.shares, self.loop
         total_steps = loop.clock.epochs_done * loop.steps
         per_worker = {
-            f"worker-{i}": {**worker_rate(share, total_steps, loop.train_seconds), "batch": share}
+            f"worker-{i}": {**worker_rate(share, total_steps, loop.train_seconds), "batch": share, **self.read(i)}
             for i, share in enumerate(shares.now)
         }
         return {
@@ -227,5 +264,10 @@ class SyncWorker:
             if shares.balanced
             else split_batch(shares.now[0], [1.0] * self.local_replicas)[0],
             "balanced": shares.balanced,
+            # cached: every worker holds the whole split as tensors and gathers its share from them
+            "training_input": {
+                **self.reads,
+                "mode": "whole_split_tensors" if self.training_examples is not None else "own_files",
+            },
             "worker_batches": shares.now,
         }

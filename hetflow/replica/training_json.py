@@ -73,11 +73,25 @@ class Breakdown(Strict):
     shutdown: Interval
 
 
+class TrainingInput(Strict):
+    """How the training split was read (``pipeline.training_input``): cached or streamed; under sync,
+    the whole split as tensors in every worker or each worker its own files."""
+
+    mode: Literal["cached", "streamed", "whole_split_tensors", "own_files"]
+    split_bytes: Count
+    cache_budget_bytes: Count
+    shuffle_buffer: Annotated[int, Field(ge=1, le=1_000_000)]
+
+
 class WorkerPart(Strict):
     steps: Count
     examples_per_second: Rate
     step_seconds: Seconds | None
     batch: Batch | None = None  # sync
+    # sync: what it read of the training split's files per pass (pipeline.share_read)
+    read_examples: Count | None = None
+    read_files: Annotated[list[Name], Field(max_length=100_000)] | None = None
+    read_file_bytes: Count | None = None
     staleness_mean: Annotated[float, Field(ge=0, le=MAX_COUNT)] | None = None  # parameter_server
     staleness_max: Count | None = None
     layers: Annotated[list[Name], Field(max_length=MAX_LAYERS)] | None = None  # model_parallel across workers
@@ -151,6 +165,7 @@ class TrainingRecord(Strict):
     whole_job_seconds: Seconds
     whole_job_examples_per_second: Rate
     whole_job_breakdown: Breakdown | None
+    training_input: TrainingInput | None = None
     per_worker: Annotated[
         dict[Annotated[str, StringConstraints(pattern=r"^worker-[0-9]{1,4}$")], WorkerPart],
         Field(max_length=MAX_WORKERS),
@@ -212,6 +227,11 @@ def _as_spec_says(record: TrainingRecord, spec: RunSpec, dataset: DatasetRecord)
     shares = record.per_replica_batch if isinstance(record.per_replica_batch, list) else [record.per_replica_batch]
     fits = len(shares) <= workers and max(shares) <= batch
     checks.append(("per_replica_batch", f"one per worker, each at most {batch}", fits))
+    if record.training_input is not None:
+        buffer = min(training.shuffle_buffer, dataset.splits["train"])
+        checks.append(
+            ("training_input.shuffle_buffer", f"{buffer}, the spec's", record.training_input.shuffle_buffer == buffer)
+        )
     if record.worker_batches is not None:
         fits = len(record.worker_batches) == workers and sum(record.worker_batches) == batch
         checks.append(("worker_batches", f"{workers} shares summing to global_batch ({batch})", fits))

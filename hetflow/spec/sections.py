@@ -155,6 +155,13 @@ class ModelSpec(Section):
     )
 
 
+# The training shuffle's bound: above any split hetflow trained on before it existed (the digits'
+# 1,257 training examples), so those are still shuffled as one buffer the size of the split.
+SHUFFLE_BUFFER = 10_000
+# The most of a training split a worker caches in memory, in MB of decoded examples.
+CACHE_BUDGET_MB = 512
+
+
 class TrainingSpec(Section):
     model_config = ConfigDict(title="Training")
 
@@ -202,6 +209,25 @@ class TrainingSpec(Section):
     )
     optimizer: Literal["sgd", "adam"] = spec_field("adam", "Optimizer.", title="Optimizer")
     shuffle: bool = spec_field(True, "Shuffle training examples every epoch.", title="Shuffle")
+    shuffle_buffer: int = spec_field(
+        SHUFFLE_BUFFER,
+        "Examples the training shuffle holds at once: the whole training split where it has fewer (a "
+        "uniform shuffle), otherwise this many, drawn from as the split streams past. Bounds the "
+        "shuffle's memory whatever the split's size.",
+        ge=1,
+        le=1_000_000,
+        title="Shuffle buffer (examples)",
+    )
+    cache_budget_mb: int = spec_field(
+        CACHE_BUDGET_MB,
+        "A training split whose decoded examples fit this many MB is cached in memory, and sync workers "
+        "each hold it whole and take their exact shares of one shuffled order (N workers train as one "
+        "would); a larger split streams from its files every epoch, each sync worker reading only the "
+        "files of its own share. training.json's training_input says which.",
+        ge=0,
+        le=1_000_000,
+        title="Cache budget (MB)",
+    )
     seed: int = spec_field(42, "Seed for weights, shuffling and ops.", ge=0, le=2**31 - 1, title="Random seed")
     checkpoint_every: int = spec_field(
         1,
