@@ -1,9 +1,11 @@
 """bench/deploy.py's arithmetic on hand-made figures: DEPLOY.md states the JSON's figures and its
-verdicts on the aims of #56; a swap's memory is judged against old + new + 15%; a rollout record's
-steps say when all traffic moved."""
+verdicts on the aims of #56, and the committed DEPLOY.md is its JSON's; a swap's memory is judged
+against old + new + 15%; a rollout record's steps say when all traffic moved."""
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 
 from conftest import REPO
@@ -167,3 +169,9 @@ def test_all_traffic_moves_at_promote_after_every_earlier_step():
         "canary_50": 2.5,
         "promote": 3.0,
     }
+
+
+def test_the_committed_deploy_md_is_the_json_it_names_rendered():
+    text = (REPO / "bench" / "DEPLOY.md").read_text()
+    results = re.search(r"from `(bench/results/deploy-[0-9TZ]+\.json)`", text).group(1)
+    assert deploy.markdown(json.loads((REPO / results).read_text())) == text
