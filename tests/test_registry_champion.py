@@ -30,16 +30,14 @@ def _new_registered_model(name: str, champion_accuracy: float, candidates: list[
     """A hetflow registered model whose v1 is champion at ``champion_accuracy``, with one version per
     candidate accuracy not yet gated. Returns the candidates' versions."""
     from hetflow.registry.champion import CHAMPION
-    from hetflow.registry.store import EXPERIMENT
+    from hetflow.registry.store import ensure_experiment
     from hetflow.registry.versions import own_registered_model
     from mlflow import MlflowClient
 
     client = MlflowClient(uri)
     own_registered_model(client, name, name)
-    experiment = client.get_experiment_by_name(EXPERIMENT) or client.get_experiment(
-        client.create_experiment(EXPERIMENT)
-    )
-    run_id = client.create_run(experiment.experiment_id).info.run_id
+    # As the pipeline makes it: a SQLite store's artifacts beside it (MLflow's default is ./mlruns).
+    run_id = client.create_run(ensure_experiment(client)).info.run_id
     versions = []
     for accuracy in [champion_accuracy, *candidates]:
         version = client.create_model_version(name, f"runs:/{run_id}/model", run_id=run_id).version
