@@ -6,8 +6,8 @@ LIMITS = Limits()  # 1% errors, p99 2x the stable's (5 ms floor), 100 requests a
 STEADY = VersionFigures(requests=900, errors=0, p99_ms=12.0)
 
 
-def step(canary: VersionFigures, seconds: float = 6.0, **mirror) -> StepFigures:
-    return StepFigures(canary=canary, stable=STEADY, seconds=seconds, **mirror)
+def step(canary: VersionFigures, seconds: float = 6.0, **more) -> StepFigures:
+    return StepFigures(canary=canary, stable=STEADY, seconds=seconds, **more)
 
 
 def test_a_healthy_canary_advances_once_the_step_has_lasted_and_answered_enough():
@@ -37,10 +37,18 @@ def test_one_early_error_is_not_yet_a_rate_but_two_are():
     assert decide(step(VersionFigures(20, 2, 13.0), seconds=1.0), LIMITS).action == "roll_back"
 
 
-def test_three_times_the_latency_rolls_back_naming_the_limit():
-    decision = decide(step(VersionFigures(150, 0, 36.0)), LIMITS)
+def test_three_times_the_latency_rolls_back_on_the_third_poll_in_a_row_naming_the_limit():
+    slow = VersionFigures(150, 0, 36.0)
+    assert [decide(step(slow, p99_breaches=breaches), LIMITS).action for breaches in (0, 1)] == ["wait", "wait"]
+    decision = decide(step(slow, p99_breaches=2), LIMITS)
     assert decision.action == "roll_back"
-    assert decision.reason == "p99 latency 36.0 ms over the limit 24.0 ms (2x the stable version's 12.0 ms)"
+    assert decision.reason == (
+        "p99 latency 36.0 ms over the limit 24.0 ms (2x the stable version's 12.0 ms) on 3 polls in a row"
+    )
+
+
+def test_a_p99_over_its_limit_never_advances_the_step():
+    assert decide(step(VersionFigures(150, 0, 36.0), seconds=60.0), LIMITS).action == "wait"
 
 
 def test_latency_is_judged_only_on_enough_requests():

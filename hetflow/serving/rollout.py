@@ -67,7 +67,11 @@ class Rollout:
 
     def _timed(self, name: str, step) -> None:
         began = time.monotonic()
-        details = step() or {}
+        try:
+            details = step() or {}
+        except RolloutFailed:  # its time is recorded too: a canary's until the rollback
+            self.record["steps"].append({"step": name, "seconds": round(time.monotonic() - began, 2), "failed": True})
+            raise
         self.record["steps"].append({"step": name, "seconds": round(time.monotonic() - began, 2), **details})
         log.info("rollout %s v%s: %s done in %.1f s", self.model, self.version, name, time.monotonic() - began)
 
@@ -125,13 +129,15 @@ class Rollout:
         return {"canary_steps": judged}
 
     def _judge_step(self, share: int, last_stable: policy.VersionFigures):
-        began = time.monotonic()
+        began, breaches = time.monotonic(), 0
         while True:
             time.sleep(POLL_SECONDS)
             canary, stable = (self._figures(version, began) for version in (self.version, self.previous))
             if stable.p99_ms is None:  # the stable version had no answer in this window yet
                 stable = last_stable
-            decision = policy.decide(policy.StepFigures(canary, stable, time.monotonic() - began), self.limits)
+            figures = policy.StepFigures(canary, stable, time.monotonic() - began, p99_breaches=breaches)
+            decision = policy.decide(figures, self.limits)
+            breaches = breaches + 1 if decision.figures.get("p99_over_limit") else 0
             if decision.action == "roll_back":
                 self.record["canary_steps_failed"] = {"share": share, **decision.figures}
                 raise RolloutFailed(f"canary at {share}% rolled back: {decision.reason}")
