@@ -11,7 +11,9 @@ import sys
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))  # the bench scripts import each other as top-level modules
-import deploy  # noqa: E402
+import deploy_load  # noqa: E402
+import deploy_report  # noqa: E402
+import deploy_swaps  # noqa: E402
 
 MIB = 1 << 20
 
@@ -99,8 +101,8 @@ def record() -> dict:
 
 def test_deploy_md_states_the_json_figures_and_the_verdicts_on_the_aims():
     measured = record()
-    measured["summary"] = deploy.summarize(measured)
-    text = deploy.markdown(measured)
+    measured["summary"] = deploy_report.summarize(measured)
+    text = deploy_report.markdown(measured)
     # numpy's linear percentiles of the promoted ones' 20, 24, 28, 40 s: p50 26, p95 28 + 0.85 * 12
     assert "p50 **26.0 s**, p95 **38.2 s** (aim ≤ 30 s: not met)" in text
     assert "**0.9×** (aim ≥ 0.9×: met)" in text  # 450 / 500 req/s
@@ -127,7 +129,7 @@ def test_deploy_md_states_the_json_figures_and_the_verdicts_on_the_aims():
 
 
 def test_a_swaps_memory_is_old_plus_new_and_the_time_until_only_the_new_version_runs():
-    sampler = deploy.MemorySampler()
+    sampler = deploy_load.MemorySampler()
     sampler.samples = [
         (9.0, 10 * MIB, {"1": 100 * MIB}),  # before the alias moved at 10 s
         (12.0, 10 * MIB, {"1": 100 * MIB, "2": 120 * MIB}),  # the peak: both versions
@@ -135,7 +137,7 @@ def test_a_swaps_memory_is_old_plus_new_and_the_time_until_only_the_new_version_
         (16.5, 10 * MIB, {"2": 105 * MIB}),  # 1.5 s after all traffic moved at 15 s
         (21.0, 10 * MIB, {"2": 104 * MIB}),  # alone, after the rollout's record at 20 s
     ]
-    figures = deploy.swap_memory(sampler, moved=10.0, promoted=15.0, done=20.0, old="1", new="2")
+    figures = deploy_swaps.swap_memory(sampler, moved=10.0, promoted=15.0, done=20.0, old="1", new="2")
     assert figures == {
         "old_mib": 110.0,
         "new_mib": 104.0,
@@ -143,7 +145,7 @@ def test_a_swaps_memory_is_old_plus_new_and_the_time_until_only_the_new_version_
         "limit_mib": 246.1,  # (110 + 104) * 1.15
         "one_version_after_s": 1.5,
     }
-    assert deploy.swap_memory(sampler, moved=30.0, promoted=35.0, done=40.0, old="1", new="2") == {}
+    assert deploy_swaps.swap_memory(sampler, moved=30.0, promoted=35.0, done=40.0, old="1", new="2") == {}
 
 
 def test_all_traffic_moves_at_promote_after_every_earlier_step():
@@ -160,8 +162,8 @@ def test_all_traffic_moves_at_promote_after_every_earlier_step():
             {"step": "promote", "seconds": 3.0},
         ]
     }
-    assert deploy.all_traffic_at(100.0, record) == 116.5
-    assert deploy.step_seconds(record) == {
+    assert deploy_swaps.all_traffic_at(100.0, record) == 116.5
+    assert deploy_swaps.step_seconds(record) == {
         "stage": 0.5,
         "start": 8.0,
         "warm_and_check": 0.5,
@@ -174,4 +176,4 @@ def test_all_traffic_moves_at_promote_after_every_earlier_step():
 def test_the_committed_deploy_md_is_the_json_it_names_rendered():
     text = (REPO / "bench" / "DEPLOY.md").read_text()
     results = re.search(r"from `(bench/results/deploy-[0-9TZ]+\.json)`", text).group(1)
-    assert deploy.markdown(json.loads((REPO / results).read_text())) == text
+    assert deploy_report.markdown(json.loads((REPO / results).read_text())) == text
