@@ -1,5 +1,6 @@
 """hetflow.serving.balancer: real HAProxy (Debian's) in front of small stdlib HTTP servers on Unix sockets
 that answer with their own name (a stand-in for the model servers, which are tested on their own)."""
+
 import http.client
 import json
 import re
@@ -148,16 +149,22 @@ def test_weights_split_traffic_and_versions_and_labels_route_to_one_version(bala
     assert abs(answers["v1a"] - answers["v1b"]) <= 5, answers  # the stable share spread over both replicas
 
     assert {call(balancer, "/v1/models/mnist/versions/2:predict", {}, conn=conn)[1] for _ in range(20)} == {"v2a"}
-    assert {call(balancer, "/v1/models/mnist/versions/1:predict", {}, conn=conn)[1]
-            for _ in range(20)} == {"v1a", "v1b"}
+    assert {call(balancer, "/v1/models/mnist/versions/1:predict", {}, conn=conn)[1] for _ in range(20)} == {
+        "v1a",
+        "v1b",
+    }
     balancer.set_label("mnist", "canary", 2)
     balancer.set_label("mnist", "stable", 1)
     assert {call(balancer, "/v1/models/mnist/labels/canary:predict", {}, conn=conn)[1] for _ in range(20)} == {"v2a"}
-    assert {call(balancer, "/v1/models/mnist/labels/stable:predict", {}, conn=conn)[1]
-            for _ in range(20)} == {"v1a", "v1b"}
+    assert {call(balancer, "/v1/models/mnist/labels/stable:predict", {}, conn=conn)[1] for _ in range(20)} == {
+        "v1a",
+        "v1b",
+    }
     balancer.set_label("mnist", "canary", 1)  # a label moves at runtime
-    assert {call(balancer, "/v1/models/mnist/labels/canary:predict", {}, conn=conn)[1]
-            for _ in range(10)} == {"v1a", "v1b"}
+    assert {call(balancer, "/v1/models/mnist/labels/canary:predict", {}, conn=conn)[1] for _ in range(10)} == {
+        "v1a",
+        "v1b",
+    }
 
     with pytest.raises(ValueError, match="label='beta'"):
         balancer.set_label("mnist", "beta", 1)
@@ -174,11 +181,15 @@ def test_status_json_lists_every_version_and_its_state(balancer, servers):
     balancer.set_version_state("mnist", 4, "LOADING")
     status, text = call(balancer, "/v1/models/mnist")
     assert status == 200
-    assert json.loads(text) == {"model_version_status": [
-        {"version": "4", "state": "LOADING", "status": {"error_code": "OK", "error_message": ""}},
-        {"version": "3", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}}]}
-    assert [v["version"] for v in json.loads(call(balancer, "/v1/models/mnist/versions/3")[1])
-            ["model_version_status"]] == ["3"]
+    assert json.loads(text) == {
+        "model_version_status": [
+            {"version": "4", "state": "LOADING", "status": {"error_code": "OK", "error_message": ""}},
+            {"version": "3", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": ""}},
+        ]
+    }
+    assert [
+        v["version"] for v in json.loads(call(balancer, "/v1/models/mnist/versions/3")[1])["model_version_status"]
+    ] == ["3"]
     balancer.set_weights("mnist", {3: 0, 4: 100})
     balancer.drain("mnist", 3)
     listed = json.loads(call(balancer, "/v1/models/mnist")[1])["model_version_status"]
@@ -186,9 +197,15 @@ def test_status_json_lists_every_version_and_its_state(balancer, servers):
     assert states == {"3": "UNLOADING", "4": "LOADING"}
     balancer.remove_version("mnist", 3)
     balancer.set_version_state("mnist", 4, "END", "failed its check:\n3 of 20 answers differ")
-    assert json.loads(call(balancer, "/v1/models/mnist")[1]) == {"model_version_status": [
-        {"version": "4", "state": "END",
-         "status": {"error_code": "UNKNOWN", "error_message": "failed its check: 3 of 20 answers differ"}}]}
+    assert json.loads(call(balancer, "/v1/models/mnist")[1]) == {
+        "model_version_status": [
+            {
+                "version": "4",
+                "state": "END",
+                "status": {"error_code": "UNKNOWN", "error_message": "failed its check: 3 of 20 answers differ"},
+            }
+        ]
+    }
 
 
 def test_drain_lets_the_request_in_flight_finish_and_sends_new_ones_elsewhere(balancer, servers):
@@ -196,8 +213,9 @@ def test_drain_lets_the_request_in_flight_finish_and_sends_new_ones_elsewhere(ba
     balancer.set_version_servers("mnist", 2, [servers.start("new")])
     balancer.set_weights("mnist", {1: 50, 2: 50})
     slow = {}
-    in_flight = threading.Thread(target=lambda: slow.update(
-        answer=call(balancer, "/v1/models/mnist/versions/1:predict", {"sleep": 1.5})))
+    in_flight = threading.Thread(
+        target=lambda: slow.update(answer=call(balancer, "/v1/models/mnist/versions/1:predict", {"sleep": 1.5}))
+    )
     in_flight.start()
     time.sleep(0.3)
     balancer.drain("mnist", 1)
@@ -223,8 +241,9 @@ def _swap(balancer, servers, old, new):
     time.sleep(0.4)
     balancer.set_weights("mnist", {old: 0, new: 100})
     slow = {}
-    in_flight = threading.Thread(target=lambda: slow.update(
-        answer=call(balancer, f"/v1/models/mnist/versions/{old}:predict", {"sleep": 0.6})))
+    in_flight = threading.Thread(
+        target=lambda: slow.update(answer=call(balancer, f"/v1/models/mnist/versions/{old}:predict", {"sleep": 0.6}))
+    )
     in_flight.start()
     time.sleep(0.2)
     balancer.remove_version("mnist", old)  # waits for the slow request on it
@@ -284,8 +303,10 @@ def test_refusals_are_one_line_json(tmp_path, balancer, servers):
         assert words in json.loads(text)["error"]
 
     with socket.create_connection((balancer.host, balancer.port)) as raw:  # a chunked body, sent at once
-        raw.sendall(b"POST /v1/models/mnist:predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                    b"2\r\n{}\r\n0\r\n\r\n")
+        raw.sendall(
+            b"POST /v1/models/mnist:predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"2\r\n{}\r\n0\r\n\r\n"
+        )
         head, _, body = raw.recv(4096).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 411") and json.loads(body) == {"error": "send the body with a Content-Length"}
 

@@ -55,13 +55,21 @@ def test_a_stop_right_after_start_is_heard_at_once(tmp_path):
 def test_haproxy_dies_with_its_owner(tmp_path, signal_number):
     """SIGKILL and SIGTERM (no handler) end the owner at once: PDEATHSIG ends HAProxy; Ctrl-C unwinds
     it, and stop() runs at exit."""
-    owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import time
         from hetflow.serving.balancer import Balancer
-        lb = Balancer({str(tmp_path / 'lb')!r}, port={free_port()}).start()
+        lb = Balancer({str(tmp_path / "lb")!r}, port={free_port()}).start()
         print(lb.pid, flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         pgid = int(owner.stdout.readline())
         assert len(group_members(pgid)) >= 2
