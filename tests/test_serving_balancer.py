@@ -257,7 +257,11 @@ def test_adding_and_removing_versions_under_load_loses_no_request(balancer, serv
         time.sleep(0.5)
         _swap(balancer, servers, 1, 2)
         _swap(balancer, servers, 2, 3)
-        time.sleep(0.4)
+        # Both new replicas take traffic once their first health check passes (0.5 s apart, or later
+        # on a busy machine): waited for, up to 5 s, rather than assumed after a fixed pause.
+        deadline = time.monotonic() + 5
+        while not {"v3a", "v3b"} <= set(load.answers) and time.monotonic() < deadline:
+            time.sleep(0.1)
     assert load.failures == []
     assert load.total > 200 and set(load.answers) == {"v1", "v2a", "v2b", "v3a", "v3b"}, load.answers
     assert set(balancer.stats()) == {("mnist", 3, 0), ("mnist", 3, 1)}

@@ -251,10 +251,10 @@ class Balancer:
         """Drain these replicas (requests in flight finish, new ones go elsewhere), then delete them."""
         entry = self._models[model_name].versions[version]
         model = self._models[model_name]
-        pairs = [
-            (backend, self._server_name(model_name, version, entry.replicas[path]))
+        pairs = [  # HAProxy's proxy (the model's, the version's) and server names of each replica
+            (proxy, self._server_name(model_name, version, entry.replicas[path]))
             for path in paths
-            for backend in (f"m{model.slot}", f"m{model.slot}s{entry.slot}")
+            for proxy in (f"m{model.slot}", f"m{model.slot}s{entry.slot}")
         ]
         if not pairs:
             return
