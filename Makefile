@@ -87,7 +87,7 @@ swarm-down:
 ## every test but the heavy tier (CI's suite): unit, multi-process, containers, end to end through
 ## Airflow, MLflow and a browser
 test: test-deps
-	$(BIN)/pytest -v --durations=30 -m "not heavy"
+	$(BIN)/pytest -v --durations=80 -m "not heavy"
 
 ## every test: also the heavy tier, which brings up the compose stack (its images built first) and the swarm
 ## (runs across its nodes, one lost mid-run), and runs second variants of make test's scenarios

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.usefixtures("docker_client")
 TOO_BIG = ("model=wide_mlp", "replica_memory_mb=1400", "epochs=1", "steps_per_epoch=3", "backend=docker")
 
 
+@pytest.mark.heavy  # make test splits a model over two replicas (test_e2e_run); this is its memory-limit variant
 @pytest.mark.slow
 def test_a_model_one_container_cannot_hold_fails_in_one_line_there_and_trains_split_over_two(
     hetflow_env,

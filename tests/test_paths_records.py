@@ -265,6 +265,7 @@ def _dag_test(env, conf: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.heavy  # a second DAG run of a failing train; make test fails one once (test_e2e_run)
 @pytest.mark.slow
 def test_a_rerun_of_the_dag_whose_train_fails_ends_failed(hetflow_env):
     from hetflow.paths import run_paths

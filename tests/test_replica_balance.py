@@ -244,6 +244,7 @@ def test_target_accuracy_stops_training_and_times_it(hetflow_env):
     assert 0 < record["seconds_to_target"] <= record["train_seconds"]
 
 
+@pytest.mark.heavy  # auto's decisions are make test's unit tests above; this is their DAG variant
 @pytest.mark.slow
 def test_auto_through_the_dag_logs_its_decision(hetflow_env):
     from pathlib import Path
