@@ -150,6 +150,45 @@ def test_a_bad_candidate_is_rolled_back_by_itself_and_champion_restored(endpoint
     assert all(answer.version in ("", candidate) for answer in failed), "only the candidate's answers failed"
 
 
+def _get(port: int, path: str) -> tuple[str, str]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.getheader("Content-Type"), response.read().decode()
+    finally:
+        connection.close()
+
+
+def _metrics(port: int) -> dict[str, float]:
+    kind, text = _get(port, "/metrics")
+    assert kind.startswith("text/plain; version=0.0.4")
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+
+
+def test_metrics_count_each_versions_answers_by_code_in_a_latency_histogram(endpoint):
+    served, port = endpoint
+    version = served.serving[MODEL][0]  # 2 after the tests above, 1 when run alone
+    labels = f'model="{MODEL}",version="{version}"'
+    ok = f'hetflow_endpoint_requests_total{{{labels},code="200"}}'
+    bad = f'hetflow_endpoint_requests_total{{{labels},code="400"}}'
+    count = f"hetflow_endpoint_request_duration_seconds_count{{{labels}}}"
+    path = f"/v1/models/{MODEL}/versions/{version}:predict"
+    before = _metrics(port)
+    for _ in range(7):
+        assert _predict(port, path, {"instances": sample_images()[:1].tolist()})[0] == 200
+    for _ in range(3):  # a wrong shape: the model server's 400, through the balancer
+        assert _predict(port, path, {"instances": [[1.0, 2.0]]})[0] == 400
+    wait_for(lambda: _metrics(port).get(bad, 0) - before.get(bad, 0) >= 3, 10)
+    after = _metrics(port)
+    assert after[ok] - before.get(ok, 0) == 7 and after[bad] - before.get(bad, 0) == 3
+    assert after[count] - before.get(count, 0) == 10  # every answer has its time
+    bucket = f"hetflow_endpoint_request_duration_seconds_bucket{{{labels}"
+    buckets = [value for key, value in after.items() if key.startswith(bucket)]
+    assert len(buckets) == 14 and buckets == sorted(buckets) and buckets[-1] == after[count]  # cumulative to +Inf
+    assert "haproxy_process_start_time_seconds" in _get(port, "/metrics/haproxy")[1]
+
+
 def test_a_killed_replica_is_restarted_under_load_and_stopping_leaves_no_process(registry, tmp_path):
     """Two replicas; one's model server is killed mid-load: HAProxy's health checks take it out, its
     requests are retried on the other, the endpoint restarts it. Then the endpoint stops."""

@@ -63,6 +63,7 @@ class Balancer:
         log_socket=None,
         log_format=None,
         edge_socket=None,
+        metrics_socket=None,
     ):
         if not _is_loopback(host) and not token:
             raise ValueError(f"host={host!r} is not loopback: a token is required (token=...)")
@@ -84,6 +85,8 @@ class Balancer:
         self.log_socket, self.log_format = log_socket, log_format
         # the edge origin (hetflow.serving.edge_origin) answers /v1/edge/ on this Unix socket
         self.edge_socket = None if edge_socket is None else Path(edge_socket).resolve()
+        # and hetflow.serving.traffic_metrics /metrics on this one (HAProxy's own are /metrics/haproxy)
+        self.metrics_socket = None if metrics_socket is None else Path(metrics_socket).resolve()
         self._haproxy = HAProxy(self.run_dir)
         self.admin_socket, self.master_socket = self._haproxy.admin_socket, self._haproxy.master_socket
         self.config_path, self.log_path = self._haproxy.config_path, self._haproxy.log_path
@@ -149,6 +152,7 @@ class Balancer:
             log_socket=self.log_socket,
             log_format=self.log_format,
             edge_socket=self.edge_socket,
+            metrics_socket=self.metrics_socket,
         ).text()
 
     # ---- runtime API ----
@@ -173,6 +177,11 @@ class Balancer:
             name = self._server_name(model_name, version_number, replica)
             yield f"m{model.slot}", name
             yield f"m{model.slot}s{version.slot}", name
+
+    def model_of_backend(self, backend):
+        """The model whose traffic backend ``m<i>`` (or version backend ``m<i>s<j>``) is, if any."""
+        slot = backend.removeprefix("m").split("s")[0]
+        return next((name for name, model in self._models.items() if str(model.slot) == slot), None)
 
     def _model(self, model_name):
         if model_name not in self._models:

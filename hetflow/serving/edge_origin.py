@@ -22,8 +22,6 @@ import logging
 import os
 import re
 import shutil
-import socket
-import socketserver
 import sys
 import threading
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from typing import Any, BinaryIO
 
 from hetflow.serving.edge import EdgeBundleError, fetch_edge_file, version_manifest
 from hetflow.serving.follower import CHAMPION, POLL_SECONDS, champions
+from hetflow.serving.unix_server import UnixHTTPServer
 from mlflow import MlflowClient
 
 log = logging.getLogger("hetflow.serving")
@@ -223,18 +222,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     do_HEAD = do_GET
 
 
-class _UnixHTTPServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    address_family = socket.AF_UNIX
-    daemon_threads = True  # an idle keep-alive connection does not hold stop()
-
+class _UnixHTTPServer(UnixHTTPServer):
     def __init__(self, path: str, origin: EdgeOrigin):
         self.origin = origin
         super().__init__(path, _Handler)
-        os.chmod(path, 0o600)  # HAProxy runs as this user
-
-    def server_bind(self) -> None:
-        socketserver.TCPServer.server_bind(self)  # HTTPServer's would look up a host name
-        self.server_name, self.server_port = "localhost", 0
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]

@@ -35,6 +35,7 @@ from hetflow.serving.follower import CHAMPION, POLL_SECONDS, Follower, Move
 from hetflow.serving.replicas import VersionServers
 from hetflow.serving.rollout import Rollout, RolloutFailed
 from hetflow.serving.server import ServingError
+from hetflow.serving.traffic_metrics import MetricsOrigin, TrafficMetrics
 
 log = logging.getLogger("hetflow.serving")
 
@@ -61,7 +62,9 @@ class Endpoint:
         self.limits = limits or policy.Limits()
         self.start_deadline_seconds = START_DEADLINE_SECONDS
         self.follower = Follower(self.client, models)
-        self.traffic = traffic_log.TrafficLog(folder / "haproxy-log.sock")
+        self.metrics = TrafficMetrics(lambda backend: self.balancer.model_of_backend(backend))
+        self.traffic = traffic_log.TrafficLog(folder / "haproxy-log.sock", on_answer=self.metrics.observe)
+        self.metrics_origin = MetricsOrigin(self.metrics, folder / "metrics.sock")  # GET /metrics, per version
         self.edge = EdgeOrigin(self.client, folder / "edge", models)  # GET /v1/edge/<model>/...: the TFLite champion
         self.balancer = Balancer(
             folder / "balancer",
@@ -71,6 +74,7 @@ class Endpoint:
             log_socket=self.traffic.socket_path,
             log_format=traffic_log.LOG_FORMAT,
             edge_socket=self.edge.socket_path,
+            metrics_socket=self.metrics_origin.socket_path,
         )
         self.serving: dict[str, tuple[str, VersionServers]] = {}  # model → (version, its servers)
         self.failed: set[tuple[str, str]] = set()  # candidates not tried again until champion moves on
@@ -81,6 +85,7 @@ class Endpoint:
         try:
             self.traffic.start()
             self.edge.start()
+            self.metrics_origin.start()
             self.balancer.start()
             while not stop.is_set():
                 for move in self.follower.moves():
@@ -203,6 +208,7 @@ class Endpoint:
         self.serving.clear()
         self.balancer.stop()
         self.edge.stop()
+        self.metrics_origin.stop()
         self.traffic.stop()
 
 

@@ -2,7 +2,7 @@
 (servers, weights, routes, the status JSON) is runtime state behind it (``hetflow.serving.balancer``).
 
 One frontend answers what needs no model server (the token's 401, the body limits' 411/413, 404s,
-``GET /v1/models/NAME``'s status from a map, ``/metrics``) and routes the rest by the maps: ``m<i>``,
+``GET /v1/models/NAME``'s status from a map, ``/metrics/haproxy``) and routes the rest by the maps: ``m<i>``,
 model i's traffic split, and ``m<i>s<j>``, the version in its slot j, are preallocated backends."""
 
 import json
@@ -31,11 +31,13 @@ class HAProxyConfig:
     log_socket: Path | str | None = None
     log_format: str | None = None
     edge_socket: Path | None = None  # the edge origin's (hetflow.serving.edge_origin): /v1/edge/
+    metrics_socket: Path | None = None  # per-version figures (hetflow.serving.traffic_metrics): /metrics
 
     def text(self):
         """The whole configuration, as HAProxy reads it at start."""
         run = self.run_dir
-        for name, path in (("run_dir", run), ("edge_socket", self.edge_socket or "")):
+        sockets = (("edge_socket", self.edge_socket), ("metrics_socket", self.metrics_socket))
+        for name, path in (("run_dir", run), *((name, path or "") for name, path in sockets)):
             if any(c in str(path) for c in " \"'#\\"):
                 raise ValueError(f"{name}={str(path)!r}: no spaces, quotes, '#' or backslashes (HAProxy's config)")
         lines = [
@@ -84,6 +86,8 @@ class HAProxyConfig:
                 lines += self._backend(f"m{model_slot}s{version_slot}")
         if self.edge_socket:
             lines += ["backend edge", f"    server origin unix@{self.edge_socket}"]
+        if self.metrics_socket:
+            lines += ["backend metrics", f"    server origin unix@{self.metrics_socket}"]
         return "\n".join(lines) + "\n"
 
     def _request_log(self):
@@ -116,7 +120,13 @@ class HAProxyConfig:
             f"    http-request return status 411 {json_reply} string "
             f"'{_one_line('send the body with a Content-Length')}' "
             "if { req.hdr(transfer-encoding) -m found } !{ req.hdr(content-length) -m found }",
-            "    http-request use-service prometheus-exporter if { path /metrics }",
+            # HAProxy's own per-server figures; /metrics is the per-version one where the endpoint serves it
+            "    http-request use-service prometheus-exporter if { path /metrics/haproxy }",
+            *(
+                ["    use_backend metrics if METH_GET { path /metrics }"]
+                if self.metrics_socket
+                else ["    http-request use-service prometheus-exporter if { path /metrics }"]
+            ),
             "    acl models_path path_beg /v1/models/",
             "    acl invocations path /invocations",
             "    acl status_path path_reg ^/v1/models/[^/:]+(/(versions|labels)/[^/:]+)?$",

@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +46,9 @@ def parse(line: str, at: float) -> Answer | None:
 
 
 class TrafficLog:
-    def __init__(self, socket_path: Path):
+    def __init__(self, socket_path: Path, on_answer: Callable[[Answer], None] | None = None):
         self.socket_path = socket_path
+        self.on_answer = on_answer  # told of each answer as it comes (the endpoint's /metrics)
         self._answers: collections.deque[Answer] = collections.deque(maxlen=_MAX_RECORDS)
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
@@ -71,6 +73,8 @@ class TrafficLog:
             if answer is not None:
                 with self._lock:
                     self._answers.append(answer)
+                if self.on_answer is not None:
+                    self.on_answer(answer)
 
     def since(self, started: float) -> list[Answer]:
         with self._lock:
