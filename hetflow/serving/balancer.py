@@ -15,7 +15,6 @@ runtime state over the admin socket, so no reload ever happens while traffic flo
   endpoint holds, across processes, and that answer needs no model server up.
 """
 
-import ipaddress
 import os
 import re
 import stat
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 from hetflow.serving.haproxy import BalancerError, HAProxy, write_private
-from hetflow.serving.haproxy_config import HAProxyConfig
+from hetflow.serving.haproxy_config import HAProxyConfig, is_loopback
 from hetflow.serving.replica_figures import replica_figures
 from hetflow.serving.routing import MAPS, Model, Version, route_maps
 
@@ -33,15 +32,6 @@ STATES = ("START", "LOADING", "AVAILABLE", "UNLOADING", "END")
 MAX_WEIGHT = 256  # roundrobin's largest server weight: the finest split HAProxy can make
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")  # a URL path part, and valid in HAProxy's server names
 _TOKEN_ALLOWED = re.compile(r"^[A-Za-z0-9._~+/=-]{16,}$")
-
-
-def _is_loopback(host):
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Balancer:
@@ -65,7 +55,7 @@ class Balancer:
         edge_socket=None,
         metrics_socket=None,
     ):
-        if not _is_loopback(host) and not token:
+        if not is_loopback(host) and not token:
             raise ValueError(f"host={host!r} is not loopback: a token is required (token=...)")
         if token is not None and not _TOKEN_ALLOWED.match(token):
             raise ValueError("token: at least 16 characters among A-Z a-z 0-9 . _ ~ + / = -")

@@ -5,9 +5,20 @@ One frontend answers what needs no model server (the token's 401, the body limit
 ``GET /v1/models/NAME``'s status from a map, ``/metrics/haproxy``) and routes the rest by the maps: ``m<i>``,
 model i's traffic split, and ``m<i>s<j>``, the version in its slot j, are preallocated backends."""
 
+import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def is_loopback(host):
+    """Whether binding ``host`` keeps the endpoint on this machine (else it requires a token)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _one_line(text):
