@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster_run import HOME, OWNER, RUN_DIR, RUN_ID, ps_spec
+from crd_schema import crd_validator, errors
 from kubernetes.client import (
     V1ContainerState,
     V1ContainerStateRunning,
@@ -152,36 +153,15 @@ def test_tfjob_manifest_has_the_same_replicas_and_cleans_up_running_ps():
     assert list(manifests.tfjob_manifest(k8s.plan(sync, RUN_ID), sync, RUN_DIR)["spec"]["tfReplicaSpecs"]) == ["Worker"]
 
 
-def _closed(schema):
-    """The CRD's schema as the API server applies it to our objects: a field it does not declare
-    would be pruned silently, so here it is an error (objects that preserve unknown fields stay open)."""
-    if isinstance(schema, dict):
-        schema = {key: _closed(value) for key, value in schema.items()}
-        if "properties" in schema and "additionalProperties" not in schema:
-            if not schema.get("x-kubernetes-preserve-unknown-fields"):
-                schema["additionalProperties"] = False
-    elif isinstance(schema, list):
-        schema = [_closed(item) for item in schema]
-    return schema
-
-
-TFJOB_CRD = Path(__file__).parent / "schemas" / "kubeflow.org_tfjobs.yaml"  # schemas/README.md: its source
-
-
 @pytest.mark.parametrize("shape", ["sync", "async"])
 def test_the_tfjob_is_valid_against_the_training_operators_own_crd_schema(shape):
-    import jsonschema
-
-    crd = yaml.safe_load(TFJOB_CRD.read_text())
-    [version] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    validator = jsonschema.Draft7Validator(_closed(version["schema"]["openAPIV3Schema"]))
+    validator = crd_validator("kubeflow.org_tfjobs.yaml", "v1")  # schemas/README.md: its source
     if shape == "sync":
         spec = parse_spec({"backend": "kubernetes", "strategy": "multi_worker_mirrored", "workers": 2})
     else:
         spec = ps_spec("kubernetes", restart_policy="on_failure", replica_cpus=2, replica_memory_mb=4096)
     tfjob = manifests.tfjob_manifest(k8s.plan(spec, RUN_ID), spec, RUN_DIR)
-    errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(tfjob)]
-    assert errors == []
+    assert errors(validator, tfjob) == []
     run_policy = tfjob["spec"]["runPolicy"]
     assert set(run_policy) == {"cleanPodPolicy", "backoffLimit", "activeDeadlineSeconds", "ttlSecondsAfterFinished"}
     # The check can fail: a field the CRD does not have, or a value of the wrong type, is reported.

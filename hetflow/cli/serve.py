@@ -46,6 +46,11 @@ def add_parser(commands) -> None:
         default=defaults.max_p99_ratio,
         help="canary p99 over this times the stable's rolls back",
     )
+    serve.add_argument(
+        "--render",
+        metavar="TARGET",
+        help="print each champion's manifest instead of serving: kubernetes (a KServe InferenceService)",
+    )
     serve.set_defaults(handler=run)
 
 
@@ -96,10 +101,47 @@ def check_models(client, names: list[str]) -> None:
         )
 
 
+RENDER_TARGETS = ("kubernetes",)
+
+
+def render(args) -> int:
+    """``--render kubernetes``: each champion as a KServe InferenceService, YAML on stdout."""
+    import yaml
+
+    from hetflow.registry import store
+    from hetflow.serving import kserve
+    from hetflow.serving.follower import champions
+
+    try:
+        if args.render not in RENDER_TARGETS:
+            raise ServeOptionError(f"--render {args.render}: one of {', '.join(RENDER_TARGETS)}")
+        limits = limits_from(args)
+        check_options(args)
+        tracking_uri = store.tracking_uri()
+        client = store.client(tracking_uri)
+        check_models(client, args.model)
+        served = champions(client, tuple(args.model))
+        documents, left_out = kserve.render(
+            client, tracking_uri, served, args.replicas, limits.steps[0], named=bool(args.model)
+        )
+    except (ServeOptionError, kserve.RenderError) as error:
+        print(f"hetflow serve: {error}", file=sys.stderr)
+        return 2
+    for line in left_out:
+        print(f"hetflow serve: left out: {line}", file=sys.stderr)
+    if not documents:
+        print("hetflow serve: no champion to render (make run registers one)", file=sys.stderr)
+        return 1
+    print(yaml.safe_dump_all(documents, sort_keys=False), end="")
+    return 0
+
+
 def run(args) -> int:
     from hetflow.registry import store
     from hetflow.serving.endpoint import Endpoint
 
+    if args.render is not None:
+        return render(args)
     try:
         limits = limits_from(args)
         token = check_options(args)

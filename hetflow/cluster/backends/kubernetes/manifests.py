@@ -162,6 +162,34 @@ def _resources(spec: RunSpec, replica: Replica) -> dict:
     return {"requests": dict(limits), "limits": limits} if limits else {}
 
 
+def container_security_context() -> dict:
+    """As a docker container's: nothing of the image is writable, so a replica cannot plant code
+    that the image runs (its venv, its hetflow package) for whoever runs next in the pod; no
+    capability, no privilege escalation. Also the serving pods' (``hetflow.serving.kserve``)."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+    }
+
+
+def pod_security_context() -> dict:
+    """The restricted Pod Security Standard's pod-level part: numeric non-root ids (the kubelet can
+    only verify runAsNonRoot for a numeric user) and the runtime's default seccomp profile."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": IMAGE_USER,
+        "runAsGroup": IMAGE_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def tmp_volume() -> dict:
+    """The pod's /tmp (containers.TMP_BYTES), an emptyDir: its root file system is read-only."""
+    return {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": f"{TMP_BYTES // 2**20}Mi"}}
+
+
 def _container(spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, str], name: str) -> dict:
     container = {
         "name": name,
@@ -170,14 +198,7 @@ def _container(spec: RunSpec, replica: Replica, run_dir: Path, env: dict[str, st
         "env": [{"name": key, "value": value} for key, value in {**env, "HOME": "/tmp"}.items()],
         "ports": [{"name": "grpc", "containerPort": SERVICE_PORT}],
         "volumeMounts": [*volume_mounts(run_dir), {"name": TMP_VOLUME, "mountPath": "/tmp"}],
-        # As a docker container's: nothing of the image is writable, so a replica cannot plant code
-        # that the image runs (its venv, its hetflow package) for whoever runs next in the pod.
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-        },
+        "securityContext": container_security_context(),
     }
     resources = _resources(spec, replica)
     if resources:
@@ -212,19 +233,14 @@ def _pod_spec(spec: RunSpec, containers: list[dict], restart_policy: str) -> dic
         # group, group-writable (every run, the stack's secrets, MLflow's files), and
         # fsGroupChangePolicy OnRootMismatch only skips that when the claim's root already matches.
         # The supervisor makes the output folder IMAGE_USER's instead (hand_over_to_pods).
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": IMAGE_USER,
-            "runAsGroup": IMAGE_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security_context(),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,  # no service env vars for every service of the namespace
         "activeDeadlineSeconds": spec.cluster.run_policy.timeout_seconds + DEADLINE_MARGIN_SECONDS,
         "containers": containers,
         "volumes": [
             {"name": "hetflow-home", "persistentVolumeClaim": {"claimName": spec.cluster.kubernetes.volume_claim}},
-            {"name": TMP_VOLUME, "emptyDir": {"sizeLimit": f"{TMP_BYTES // 2**20}Mi"}},
+            tmp_volume(),
         ],
     }
 
