@@ -148,15 +148,17 @@ lint-docker: setup
 # missing), LOGIN=off (no Airflow login: everyone is admin, for local development only).
 AIRFLOW_PORT ?= 8080
 MLFLOW_PORT ?= 5000
+SERVE_PORT ?= 8501
 DB ?= sqlite
 LOGIN ?= on
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-## Airflow (api-server, scheduler, dag-processor, triggerer) and the MLflow server on 127.0.0.1, same stores as make run
-up: setup
+## Airflow (api-server, scheduler, dag-processor, triggerer), the MLflow server and hetflow serve's endpoint (SERVE_PORT,
+## 8501) on 127.0.0.1, same stores as make run
+up: setup sandbox
 	@if [ "$(DB)" = postgres ] && ! command -v pg_ctlcluster >/dev/null; then \
 		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq postgresql; fi
-	$(BIN)/python -m devstack.stack up --airflow-port $(AIRFLOW_PORT) --mlflow-port $(MLFLOW_PORT) \
+	$(BIN)/python -m devstack.stack up --airflow-port $(AIRFLOW_PORT) --mlflow-port $(MLFLOW_PORT) --serve-port $(SERVE_PORT) \
 		$(if $(filter postgres,$(DB)),--postgres) $(if $(filter off,$(LOGIN)),--no-login)
 
 ## stop everything make up started

@@ -1,5 +1,6 @@
-"""The stack's five processes: Airflow's api-server, scheduler, dag-processor and triggerer
-(LocalExecutor) and ``mlflow server`` — starting them, telling whether one still runs, stopping them.
+"""The stack's six processes: Airflow's api-server, scheduler, dag-processor and triggerer
+(LocalExecutor), ``mlflow server`` and ``hetflow serve`` (the endpoint serving each champion) —
+starting them, telling whether one still runs, stopping them.
 
 Each is started in a session of its own, so that stopping it can signal its whole process group
 (uvicorn workers, executor workers, task supervisors and the replicas they started) and then kill
@@ -20,6 +21,7 @@ import psutil
 
 from devstack.mlflow_auth import server_environment
 from devstack.secrets import open_private, private_dir, stack_dir
+from hetflow.cli.serve import TF_SERVING_REST_PORT
 from hetflow.cluster.processes import environments_with, start_ticks
 from hetflow.paths import REPO_ROOT
 from hetflow.registry.store import tracking_uri
@@ -41,7 +43,7 @@ def sqlite_store() -> Path:
     return Path(uri.removeprefix("sqlite:///"))
 
 
-def _commands(airflow_port: int, mlflow_port: int) -> dict[str, list[str]]:
+def _commands(airflow_port: int, mlflow_port: int, serve_port: int = TF_SERVING_REST_PORT) -> dict[str, list[str]]:
     airflow = [sys.executable, "-m", "airflow"]
     store = sqlite_store()
     return {
@@ -52,6 +54,8 @@ def _commands(airflow_port: int, mlflow_port: int) -> dict[str, list[str]]:
         "dag-processor": [*airflow, "dag-processor"],
         "triggerer": [*airflow, "triggerer", "--skip-serve-logs"],
         "mlflow": mlflow_server_command(store, mlflow_port, login=True),
+        # On 127.0.0.1, reading the store directly as the tasks do; SIGTERM ends its HAProxy and model servers.
+        "endpoint": [sys.executable, "-m", "hetflow.cli.main", "serve", "--port", str(serve_port)],
     }  # fmt: skip
 
 
@@ -85,11 +89,11 @@ def component_environment(name: str, env: dict[str, str]) -> dict[str, str]:
     return {**env, **server_environment("up")} if name == "mlflow" else env
 
 
-def start(env: dict[str, str], airflow_port: int, mlflow_port: int) -> dict[str, dict]:
+def start(env: dict[str, str], airflow_port: int, mlflow_port: int, serve_port: int) -> dict[str, dict]:
     """Start every component in a session of its own, its output appended to ``stack/logs/``.
     Returns each one's pid and create time, by name."""
     started = {}
-    for name, command in _commands(airflow_port, mlflow_port).items():
+    for name, command in _commands(airflow_port, mlflow_port, serve_port).items():
         with _log(name) as log:
             process = subprocess.Popen(
                 command,

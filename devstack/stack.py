@@ -1,11 +1,13 @@
-"""``make up`` / ``make down``: Airflow 3 and the MLflow server on 127.0.0.1, over hetflow's own stores.
+"""``make up`` / ``make down``: Airflow 3, the MLflow server and ``hetflow serve``'s endpoint on
+127.0.0.1, over hetflow's own stores.
 
-The stack is five processes (``devstack.processes``) that use the same Airflow home
+The stack is six processes (``devstack.processes``) that use the same Airflow home
 (``$HETFLOW_HOME/airflow``) and MLflow store as ``hetflow run``: runs made either way show in the
 same UIs. Tasks write to the MLflow store directly (``MLFLOW_TRACKING_URI``, a SQLite file), not
 through the server, so training never depends on the server being up; the server only serves the
 UI and the REST API over that same file, to its admin only (``devstack.mlflow_auth``), and the
-store's folder is its owner's only: the registry is not every local user's.
+store's folder is its owner's only: the registry is not every local user's. The endpoint reads that
+file too, and serves each registered model's champion on TF Serving's REST port, following the alias.
 
 State (pids, what was started, logs, generated secrets) lives in ``$HETFLOW_HOME/stack/``, readable
 by its owner only (``devstack.secrets``). ``down`` signals only processes ``up`` started.
@@ -30,6 +32,7 @@ from devstack.postgres import start_postgres, stop_postgres
 from devstack.processes import STACK_ID_ENV, running, sqlite_store, start, stop
 from devstack.secrets import password_file, private_dir, stack_dir, stack_secrets, write_private
 from hetflow.cli.dag_run import airflow_environment
+from hetflow.cli.serve import TF_SERVING_REST_PORT
 from hetflow.cluster.processes import teardown_runs_of_home
 from hetflow.paths import REPO_ROOT, hetflow_home
 from hetflow.registry.store import MLFLOW_UI_ENV, runs_page, tracking_uri
@@ -94,13 +97,17 @@ def _get(url: str) -> bytes | None:
 
 
 def health(state: dict) -> dict[str, str]:
-    """Each component's health as Airflow's /api/v2/monitor/health and MLflow's /health report it."""
-    report = {name: "down" for name in ("metadatabase", "scheduler", "triggerer", "dag_processor", "mlflow")}
+    """Each component's health as Airflow's /api/v2/monitor/health and MLflow's /health report it;
+    the endpoint's as its HAProxy answers (its own statistics): it may serve no champion yet."""
+    names = ("metadatabase", "scheduler", "triggerer", "dag_processor", "mlflow", "endpoint")
+    report = {name: "down" for name in names if name != "endpoint" or "endpoint_url" in state}
     body = _get(f"{state['airflow_url']}/api/v2/monitor/health")
     if body:
         for name, value in json.loads(body).items():
             report[name] = (value or {}).get("status") or "unknown"
     report["mlflow"] = "healthy" if _get(f"{state['mlflow_url']}/health") == b"OK" else "down"
+    if "endpoint" in report:  # a stack started by an earlier hetflow has none
+        report["endpoint"] = "healthy" if _get(f"{state['endpoint_url']}/metrics/haproxy") is not None else "down"
     return report
 
 
@@ -130,7 +137,9 @@ def _free(port: int) -> bool:
     return not any(c.laddr.port == port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
 
 
-def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> tuple[dict, bool]:
+def up(
+    airflow_port: int, mlflow_port: int, login: bool, postgres: bool, serve_port: int = TF_SERVING_REST_PORT
+) -> tuple[dict, bool]:
     """Start the stack, or find it already running; wait until every component is healthy.
     Returns the stack's state and whether this call started it."""
     state = _read_state()
@@ -139,7 +148,7 @@ def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> tupl
         return state, False
     if state:  # a component died: start over cleanly
         down()
-    for port in (airflow_port, mlflow_port):
+    for port in (airflow_port, mlflow_port, serve_port):
         if not _free(port):
             raise SystemExit(f"port {port} on 127.0.0.1 is in use by another program")
     started_at = time.monotonic()
@@ -153,10 +162,11 @@ def up(airflow_port: int, mlflow_port: int, login: bool, postgres: bool) -> tupl
     _ensure_database(env, fresh=postgres)
     private_dir(sqlite_store().parent)  # the store and its artifacts: read around the server's login otherwise
     state = {
-        "processes": start(env, airflow_port, mlflow_port),
+        "processes": start(env, airflow_port, mlflow_port, serve_port),
         "stack_id": stack_id,
         "airflow_url": f"http://127.0.0.1:{airflow_port}",
         "mlflow_url": f"http://127.0.0.1:{mlflow_port}",
+        "endpoint_url": f"http://127.0.0.1:{serve_port}",
         "airflow_home": env["AIRFLOW_HOME"],
         "login": login,
         "database": "postgresql" if postgres else "sqlite",
@@ -219,6 +229,9 @@ def _print_up(state: dict, started: bool) -> None:
     print(f"           log in as admin, password (admin_password) in {credentials_file()} (yours only)")
     print(f"           hetflow's runs: {runs_page(state['mlflow_url'])}")
     print(f"           their key metrics: {runs_page(state['mlflow_url'], key_metrics=True)}")
+    if "endpoint_url" in state:
+        print(f"  Endpoint {state['endpoint_url']}/v1/models/<name>:predict   TF Serving's REST API (hetflow serve)")
+        print("           serves each registered model's champion and follows the alias; make run registers one")
     print("  stop with: make down")
 
 
@@ -228,12 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     up_parser = commands.add_parser("up", help="start the stack (or find it running) and wait until it is healthy")
     up_parser.add_argument("--airflow-port", type=int, default=8080)
     up_parser.add_argument("--mlflow-port", type=int, default=5000)
+    up_parser.add_argument(
+        "--serve-port", type=int, default=TF_SERVING_REST_PORT, help="the endpoint's (hetflow serve)"
+    )
     up_parser.add_argument("--no-login", action="store_true", help="everyone is admin: local development only")
     up_parser.add_argument("--postgres", action="store_true", help="Debian's PostgreSQL as Airflow's metadata DB")
     commands.add_parser("down", help="stop every process of the stack")
     args = parser.parse_args(argv)
     if args.command == "up":
-        _print_up(*up(args.airflow_port, args.mlflow_port, not args.no_login, args.postgres))
+        _print_up(*up(args.airflow_port, args.mlflow_port, not args.no_login, args.postgres, args.serve_port))
     else:
         ended = down()
         if ended["stopped"]:

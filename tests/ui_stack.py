@@ -114,7 +114,7 @@ def stack(tmp_path_factory):
         "HETFLOW_HOME": str(home),
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow' / 'mlflow.db'}",
     }
-    ports = ["--airflow-port", str(_free_port()), "--mlflow-port", str(_free_port())]
+    ports = ["--airflow-port", str(_free_port()), "--mlflow-port", str(_free_port()), "--serve-port", str(_free_port())]
     command = [sys.executable, "-m", "devstack.stack"]
     try:
         up = subprocess.run([*command, "up", *ports], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
