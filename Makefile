@@ -171,7 +171,7 @@ down:
 # make up. The password is in .hetflow/stack/passwords.json, never printed.
 # HETFLOW_HOME is set for compose too: a variable of the caller's environment would outrank the env file's.
 COMPOSE_ENV = HETFLOW_HOME=$(CURDIR)/.hetflow $(BIN)/python -m devstack.compose_env \
-	--airflow-port $(AIRFLOW_PORT) --mlflow-port $(MLFLOW_PORT) $(if $(filter off,$(LOGIN)),--no-login)
+	--airflow-port $(AIRFLOW_PORT) --mlflow-port $(MLFLOW_PORT) --serve-port $(SERVE_PORT) $(if $(filter off,$(LOGIN)),--no-login)
 COMPOSE = HETFLOW_HOME=$(CURDIR)/.hetflow docker compose --env-file $(CURDIR)/.hetflow/stack/compose.env -f docker/compose.yaml
 
 ## `docker compose` (Compose v2: up --wait), installed as the docker CLI's plugin where missing
@@ -182,7 +182,7 @@ compose-cli:
 stack-images: image
 	docker/stack-images.sh
 
-## the compose stack (PostgreSQL, Airflow, MLflow) on this host's Docker engine, healthy, and the replica image
+## the compose stack (PostgreSQL, Airflow, MLflow, hetflow serve's endpoint) on this host's Docker engine, healthy, and the replica image
 up-docker: compose-cli stack-images
 	$(COMPOSE_ENV) >/dev/null
 	@started=$$(date +%s) && $(COMPOSE) up --detach --wait && \

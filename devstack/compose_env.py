@@ -8,7 +8,9 @@ start from those files, so the values stay the same. The admin's password stays 
 ``stack/passwords.json``, which the api-server reads through the bind-mounted HETFLOW_HOME: the
 env file names that file, and nothing prints the password. The images docker/stack-images.sh chose
 (``build/stack-images.env``: PostgreSQL's official image or the one built offline) and the ports
-go in too, so that every compose command of one stack resolves the same file.
+go in too, so that every compose command of one stack resolves the same file. The endpoint's
+bearer token (``stack/serve.json``: beyond its container's loopback ``hetflow serve`` requires one)
+is generated once too, and named, never printed.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import argparse
 import base64
 import json
 import os
+import secrets
 import sys
 from pathlib import Path
 
 # make up's own secrets, so both stacks make and keep their secrets one way.
 from devstack import mlflow_auth
 from devstack.secrets import generated_once, password_file, stack_dir, stack_secrets, write_private
+from hetflow.cli.serve import TF_SERVING_REST_PORT
 from hetflow.paths import REPO_ROOT, hetflow_home
 from hetflow.registry.store import runs_page
 
@@ -66,7 +70,22 @@ def container_gid() -> int:
     return os.getgid() if os.getuid() != 0 and os.getgid() != 0 else IMAGE_GID
 
 
-def write_env_file(socket: Path, login: bool = True, airflow_port: int = 8080, mlflow_port: int = 5000) -> Path:
+SERVE_TOKEN_FILE = "serve.json"
+
+
+def serve_token_file() -> Path:
+    """The endpoint's bearer token (``{"token": ...}``), generated once per HETFLOW_HOME, 0600."""
+    generated_once(SERVE_TOKEN_FILE, lambda: {"token": secrets.token_urlsafe(32)})
+    return stack_dir() / SERVE_TOKEN_FILE
+
+
+def write_env_file(
+    socket: Path,
+    login: bool = True,
+    airflow_port: int = 8080,
+    mlflow_port: int = 5000,
+    serve_port: int = TF_SERVING_REST_PORT,
+) -> Path:
     """Write ``stack/compose.env`` (0600): every variable compose.yaml requires, the ports, and the
     images stack-images.sh built or chose (where it has run; compose.yaml's defaults otherwise)."""
     if not socket.exists():
@@ -93,6 +112,8 @@ def write_env_file(socket: Path, login: bool = True, airflow_port: int = 8080, m
         "AIRFLOW_UI_THEME": json.dumps(json.loads((REPO_ROOT / "plugins" / "ui_theme.json").read_text())),
         "AIRFLOW_PORT": str(airflow_port),
         "MLFLOW_PORT": str(mlflow_port),
+        "SERVE_PORT": str(serve_port),
+        "SERVE_TOKEN": json.loads(serve_token_file().read_text())["token"],
     }
     if IMAGES_FILE.exists():
         values.update(line.split("=", 1) for line in IMAGES_FILE.read_text().splitlines() if "=" in line)
@@ -105,9 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-login", action="store_true", help="everyone is admin: local development only")
     parser.add_argument("--airflow-port", type=int, default=8080)
     parser.add_argument("--mlflow-port", type=int, default=5000)
+    parser.add_argument("--serve-port", type=int, default=TF_SERVING_REST_PORT, help="the endpoint's (hetflow serve)")
     parser.add_argument("--healthy-after", type=int, metavar="SECONDS", help="the stack is up: say where it is")
     args = parser.parse_args(argv)
-    path = write_env_file(DOCKER_SOCKET, not args.no_login, args.airflow_port, args.mlflow_port)
+    path = write_env_file(DOCKER_SOCKET, not args.no_login, args.airflow_port, args.mlflow_port, args.serve_port)
     values = dict(line.split("=", 1) for line in path.read_text().splitlines())
     if args.healthy_after is None:
         print(f"compose env file: {path} (yours only)")
@@ -119,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  Airflow  {airflow}: login off (LOGIN=off): everyone is admin — local development only")
     else:  # the password itself is never printed: terminals and CI jobs keep their output
         print(f"  Airflow  {airflow}: log in as admin, password in {password_file()} (yours only)")
+    endpoint = f"http://127.0.0.1:{args.serve_port}/v1/models/<name>:predict"
+    print(f"  Endpoint {endpoint}: TF Serving's REST API (hetflow serve), each registered model's champion")
+    print(f"           send Authorization: Bearer <token>, the token in {serve_token_file()} (yours only)")
     if args.healthy_after is not None:
         artifacts = Path(values["HETFLOW_HOME"]) / "mlflow-artifacts"
         print(f"  MLflow   {mlflow}: PostgreSQL store, artifacts in {artifacts}")

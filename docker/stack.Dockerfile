@@ -9,11 +9,12 @@ FROM ${RUNTIME_IMAGE}
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONPATH=/opt/hetflow
 # The tasks run what others wrote (register's served check starts a registered model's server)
 # under bubblewrap, as on the host (hetflow/sandbox.py), with the container tools' seccomp profile
-# (hetflow/seccomp.py: /usr/share/containers/seccomp.json).
+# (hetflow/seccomp.py: /usr/share/containers/seccomp.json); the endpoint service (hetflow serve)
+# too, behind Debian's HAProxy.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends bubblewrap \
-        golang-github-containers-common \
+        golang-github-containers-common haproxy \
     && rm -rf /var/lib/apt/lists/*
 COPY requirements.lock /tmp/
 COPY wheelhouse /tmp/wheelhouse

@@ -101,7 +101,11 @@ def test_no_service_runs_as_root_or_gains_capabilities():
         assert service.get("user") in ("postgres", "${HETFLOW_UID:-10001}:${HETFLOW_GID:-10001}"), name
         assert not service.get("privileged") and not service.get("cap_add"), name
     confined_less = {name: s["security_opt"] for name, s in services.items() if s.get("security_opt")}
-    assert confined_less == {"airflow-scheduler": ["seccomp=unconfined", "systempaths=unconfined"]}
+    # and the endpoint, whose model servers bubblewrap sandboxes as the served check's (and which
+    # holds no socket and mounts nothing of the host)
+    unconfined = ["seccomp=unconfined", "systempaths=unconfined"]
+    assert confined_less == {"airflow-scheduler": unconfined, "endpoint": unconfined}
+    assert "volumes" not in services["endpoint"]
 
 
 def test_no_secret_has_a_default_value():
@@ -110,7 +114,13 @@ def test_no_secret_has_a_default_value():
     text = COMPOSE_FILE.read_text()
     references = list(REFERENCE.finditer(text))
     secrets = {m["name"] for m in references if SECRET_NAME.search(m["name"])}
-    assert {"POSTGRES_PASSWORD", "AIRFLOW_JWT_SECRET", "AIRFLOW_API_SECRET_KEY", "AIRFLOW_FERNET_KEY"} <= secrets
+    assert {
+        "POSTGRES_PASSWORD",
+        "AIRFLOW_JWT_SECRET",
+        "AIRFLOW_API_SECRET_KEY",
+        "AIRFLOW_FERNET_KEY",
+        "SERVE_TOKEN",
+    } <= secrets
     for match in references:
         if match["name"] in secrets:
             assert match["op"] == ":?" and "make up-docker" in match["arg"], match[0]
@@ -154,13 +164,14 @@ def test_env_file_holds_every_required_variable_owner_only_generated_once_per_ho
                 "fernet.json",
                 "mlflow.json",
                 "mlflow-auth-compose.ini",
+                "serve.json",
             )
         }
         return _env_values(path)
 
     first, again = write(tmp_path / "a"), write(tmp_path / "a")
     other = write(tmp_path / "b")
-    secrets = ["POSTGRES_PASSWORD", "AIRFLOW_JWT_SECRET", "AIRFLOW_API_SECRET_KEY", "AIRFLOW_FERNET_KEY"]
+    secrets = ["POSTGRES_PASSWORD", "AIRFLOW_JWT_SECRET", "AIRFLOW_API_SECRET_KEY", "AIRFLOW_FERNET_KEY", "SERVE_TOKEN"]
     assert first == again  # re-used on a later start: PostgreSQL keeps the password of its first start
     for name in secrets:
         assert len(first[name]) >= 32 and first[name] != other[name], name
@@ -200,6 +211,33 @@ def test_make_up_docker_says_where_the_password_is_not_what_it_is(home, socket, 
         assert secret not in printed
     compose_env.main(["--no-login"])
     assert "login off" in capsys.readouterr().out
+
+
+def test_the_endpoint_is_published_on_loopback_behind_its_token_and_make_up_docker_names_where_it_is(
+    home, socket, monkeypatch, capsys
+):
+    """hetflow serve listens on the container's every interface (a port on its loopback cannot be
+    published), so it requires its token there; the host sees it on 127.0.0.1 only, at SERVE_PORT."""
+    from devstack import compose_env
+
+    endpoint = _services()["endpoint"]
+    assert endpoint["ports"] == ["127.0.0.1:${SERVE_PORT:-8501}:8501"]
+    assert endpoint["command"][-5:] == ["serve", "--host", "0.0.0.0", "--port", "8501"]
+    assert endpoint["environment"]["HETFLOW_SERVE_TOKEN"].startswith("${SERVE_TOKEN:?")
+    assert endpoint["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"  # the champion, through the server
+    monkeypatch.setattr(compose_env, "DOCKER_SOCKET", socket)
+    compose_env.main(["--serve-port", "9501"])
+    printed = capsys.readouterr().out.splitlines()
+    token_file = home / "stack" / "serve.json"
+    at = printed.index(
+        "  Endpoint http://127.0.0.1:9501/v1/models/<name>:predict: TF Serving's REST API (hetflow serve), "
+        "each registered model's champion"
+    )
+    assert printed[at + 1].strip() == f"send Authorization: Bearer <token>, the token in {token_file} (yours only)"
+    token = json.loads(token_file.read_text())["token"]
+    assert _env_values(home / "stack" / "compose.env")["SERVE_TOKEN"] == token
+    assert _env_values(home / "stack" / "compose.env")["SERVE_PORT"] == "9501"
+    assert token not in "\n".join(printed)
 
 
 def test_no_engine_socket_is_one_line(home, tmp_path):

@@ -3,7 +3,8 @@
 env file devstack/compose_env.py writes, ``docker compose up --wait``. Then a user's path through it:
 log in to Airflow's API with the generated password, trigger one short hetflow_train run whose
 replicas are containers of this host's engine (backend=docker, started by the scheduler container),
-find the run in MLflow, and stop the stack as ``make down-docker`` does. What a user sees of it is
+find the run in MLflow, ask the endpoint service (hetflow serve) for a prediction from the champion
+that run registered, and stop the stack as ``make down-docker`` does. What a user sees of it is
 checked in headless Chromium on the way (tests/ui_pages.py, as test_e2e_ui_airflow.py checks
 ``make up``'s): the trigger form refusing a typed -1 in Epochs, the DAG's docs, and the MLflow links
 it prints.
@@ -73,7 +74,7 @@ def compose(docker_client, tmp_path):
     subprocess.run([REPO / "docker" / "stack-images.sh"], check=True, capture_output=True)
     home = tmp_path / "home"
     project = f"hetflow-test-{os.getpid()}"
-    ports = {"airflow": _free_port(), "mlflow": _free_port()}
+    ports = {"airflow": _free_port(), "mlflow": _free_port(), "endpoint": _free_port()}
     # Only the env file speaks to compose: a variable of this process's environment would outrank it.
     names = set(re.findall(r"\$\{(\w+)", COMPOSE_FILE.read_text()))
     env = {k: v for k, v in os.environ.items() if k not in names} | {
@@ -81,7 +82,7 @@ def compose(docker_client, tmp_path):
         "COMPOSE_PROJECT_NAME": project,
     }
     env_file = [sys.executable, "-m", "devstack.compose_env", "--airflow-port", str(ports["airflow"])]
-    env_file += ["--mlflow-port", str(ports["mlflow"])]
+    env_file += ["--mlflow-port", str(ports["mlflow"]), "--serve-port", str(ports["endpoint"])]
     written = subprocess.run(env_file, cwd=REPO, env=env, capture_output=True, text=True)
     assert written.returncode == 0, written.stderr
     command = ["docker", "compose", "--env-file", str(home / "stack" / "compose.env"), "-f", str(COMPOSE_FILE)]
@@ -126,9 +127,8 @@ def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_no
         )
     }
     health = {name.split("-", 3)[-1].rsplit("-", 1)[0]: s.get("Health", {}).get("Status") for name, s in states.items()}
-    assert {health[name] for name in ("postgres", "airflow-apiserver", "airflow-scheduler", "mlflow")} == {"healthy"}, (
-        health
-    )
+    healthy = ("postgres", "airflow-apiserver", "airflow-scheduler", "mlflow", "endpoint")
+    assert {health[name] for name in healthy} == {"healthy"}, health
     # What make up-docker prints once healthy: where to go and where the password is, never the password.
     summary = subprocess.run(
         [*compose["env_file"], "--healthy-after", str(healthy_after)],
@@ -223,6 +223,18 @@ def test_the_compose_stack_comes_up_runs_a_docker_backend_dag_and_down_leaves_no
     open_runs_page(page, runs_link[1], run_name)
     assert_key_metrics_first(page, charts_link[1], set(metrics))
     page.close()
+
+    # The endpoint service follows the champion the run registered: a TF Serving request, with the
+    # token make up-docker generated (refused without it), on the loopback-published port.
+    predict = f"http://127.0.0.1:{ports['endpoint']}/v1/models/hetflow-digits:predict"
+    serve_token = json.loads((home / "stack" / "serve.json").read_text())["token"]
+    image = {"instances": [[[[0]] * 8] * 8]}  # one 8x8 black image, as raw pixels
+    assert f"http://127.0.0.1:{ports['endpoint']}/v1/models/<name>:predict" in summary.stdout
+    assert requests.post(predict, json=image, timeout=30).status_code == 401
+    bearer = {"Authorization": f"Bearer {serve_token}"}
+    answered = wait_for(lambda: (r := requests.post(predict, json=image, headers=bearer, timeout=30)).ok and r, 240, 2)
+    assert answered and answered.headers["X-Model-Version"] == "1", answered and answered.text
+    assert len(answered.json()["predictions"][0]) == 10  # a digit's logits
 
     # make down-docker: containers and network go, the databases' volume stays for the next start.
     down = run("down", "--remove-orphans", timeout=300)
