@@ -25,7 +25,7 @@ from pathlib import Path
 
 # make up's own secrets, so both stacks make and keep their secrets one way.
 from devstack import mlflow_auth
-from devstack.secrets import generated_once, password_file, stack_dir, stack_secrets, write_private
+from devstack.secrets import generated_once, password_file, private_dir, stack_dir, stack_secrets, write_private
 from hetflow.cli.serve import TF_SERVING_REST_PORT
 from hetflow.paths import REPO_ROOT, hetflow_home
 from hetflow.registry.store import runs_page
@@ -46,15 +46,18 @@ def container_uid() -> int:
     """The uid the stack's containers run as: yours, so that what they write in HETFLOW_HOME is
     yours; never root, whose tasks could not sandbox what others wrote (bubblewrap as root needs
     capabilities a container does not get), so root's stack runs as the images' own user and is
-    handed what it writes: HETFLOW_HOME's top, runs/ and stack/ (not their contents), the prepared
-    data, MLflow's artifacts, the admin's password file and the MLflow login's settings. Root still
-    reads and writes all of it."""
+    handed what it writes: HETFLOW_HOME's top, runs/, serve/ and stack/ (not their contents), the
+    prepared data, MLflow's artifacts, the admin's password file and the MLflow login's settings.
+    Root still reads and writes all of it."""
+    home = hetflow_home()
+    # The endpoint's folder (its control socket), the one part of HETFLOW_HOME its service mounts:
+    # made here, or the engine would make the bind mount's source root's.
+    private_dir(home / "serve")
     if os.getuid() != 0:
         return os.getuid()
-    home = hetflow_home()
     for folder in (home, home / "runs", home / "data", home / "mlflow-artifacts"):
         folder.mkdir(parents=True, exist_ok=True)
-    for path in (home, home / "runs", stack_dir(), password_file(), mlflow_auth.auth_config("compose")):
+    for path in (home, home / "runs", home / "serve", stack_dir(), password_file(), mlflow_auth.auth_config("compose")):
         os.chown(path, IMAGE_UID, -1, follow_symlinks=False)
     for tree in (home / "data", home / "mlflow-artifacts"):
         for parent, folders, files in os.walk(tree):

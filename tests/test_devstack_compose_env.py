@@ -102,10 +102,10 @@ def test_no_service_runs_as_root_or_gains_capabilities():
         assert not service.get("privileged") and not service.get("cap_add"), name
     confined_less = {name: s["security_opt"] for name, s in services.items() if s.get("security_opt")}
     # and the endpoint, whose model servers bubblewrap sandboxes as the served check's (and which
-    # holds no socket and mounts nothing of the host)
+    # holds no socket and mounts only its own folder of HETFLOW_HOME)
     unconfined = ["seccomp=unconfined", "systempaths=unconfined"]
     assert confined_less == {"airflow-scheduler": unconfined, "endpoint": unconfined}
-    assert "volumes" not in services["endpoint"]
+    assert services["endpoint"]["volumes"] == ["${HETFLOW_HOME}/serve:${HETFLOW_HOME}/serve"]
 
 
 def test_no_secret_has_a_default_value():
@@ -188,7 +188,10 @@ def test_env_file_holds_every_required_variable_owner_only_generated_once_per_ho
     assert first["MLFLOW_AUTH_CONFIG"] == str(tmp_path / "a" / "stack" / "mlflow-auth-compose.ini")
     assert "default_permission = NO_PERMISSIONS" in Path(first["MLFLOW_AUTH_CONFIG"]).read_text()
     assert Path(first["MLFLOW_AUTH_CONFIG"]).stat().st_uid == uid  # the MLflow container reads it
-    assert {(tmp_path / "a" / name).stat().st_uid for name in ("", "runs", "data", "stack/passwords.json")} == {uid}
+    assert {
+        (tmp_path / "a" / name).stat().st_uid for name in ("", "runs", "data", "serve", "stack/passwords.json")
+    } == {uid}
+    assert _mode(tmp_path / "a" / "serve") == 0o700  # the endpoint's control socket's folder, which its service mounts
     assert first["DOCKER_GID"] == str(socket.stat().st_gid)
     assert first["AIRFLOW_ALL_ADMINS"] == "False"
     passwords = Path(first["AIRFLOW_PASSWORDS_FILE"])
