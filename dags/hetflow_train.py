@@ -45,11 +45,15 @@ from airflow.sdk import Asset, AssetAlias, dag, task
 
 from hetflow.pipeline.task_log import DAG_ARGUMENTS
 from hetflow.registry.retrain import PREPARED_DATA_URI
+from hetflow.serving.control import CHAMPION_ASSET_URI
 from hetflow.spec import airflow_params
 
 # prepare_data adds an event on the prepared-data Asset through this alias only when the data's
 # fingerprint changed: a task's plain outlets would get an event on every run.
 DATA_CHANGES = AssetAlias("hetflow_data_changes")
+# Likewise register adds an event on the champion Asset (hetflow_deploy's schedule) only for each model
+# whose champion it moved, the model and version in the event's extra.
+CHAMPION_MOVES = AssetAlias("hetflow_champion_moves")
 
 
 @dag(
@@ -130,11 +134,14 @@ def hetflow_train():
 
         return stage.export(run_id, ti.try_number)
 
-    @task
-    def register(run_id: str | None = None, dag=None, ti=None):
+    @task(outlets=[CHAMPION_MOVES])
+    def register(run_id: str | None = None, dag=None, outlet_events=None, ti=None):
         from hetflow.tasks import register as stage
 
-        return stage.register(run_id, dag.dag_id, ti.try_number)
+        returned = stage.register(run_id, dag.dag_id, ti.try_number)
+        for moved in returned["champion_moves"]:
+            outlet_events[CHAMPION_MOVES].add(Asset(CHAMPION_ASSET_URI), extra=moved)
+        return returned
 
     @task(trigger_rule="all_done")
     def summarize(run_id: str | None = None, dag_run=None, ti=None):

@@ -97,6 +97,35 @@ def test_tune_dag_wiring(hetflow_env):
     assert set(dag.params) >= {"strategy", "workers", "learning_rate_range", "target_accuracy", "trials", "base"}
 
 
+def test_deploy_dag_wiring_its_schedule_and_its_conf(hetflow_env):
+    """The rollout's steps in order, scheduled on the Asset register's task emits an event on; a
+    conf's model and version checked as a trigger checks them."""
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk.exceptions import ParamValidationError
+    from airflow.serialization.serialized_objects import DagSerialization
+
+    from hetflow.serving.control import CHAMPION_ASSET_URI
+
+    bag = DagBag(dag_folder=str(REPO / "dags"))
+    dag = bag.dags["hetflow_deploy"]
+    assert [task.task_id for task in dag.topological_sort()] == [
+        "stage",
+        "start",
+        "warm_and_check",
+        "canary",
+        "promote",
+    ]
+    assert all(len(task.downstream_task_ids) <= 1 for task in dag.tasks)
+    assert [asset.uri for asset in dag.timetable.asset_condition.objects] == [CHAMPION_ASSET_URI]
+    register = bag.dags["hetflow_train"].get_task("register")
+    assert [alias.name for alias in register.outlets] == ["hetflow_champion_moves"]
+    params = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag)).params
+    for conf in ({"model": "hetflow-digits", "version": "3"}, {"model": "hetflow-digits", "version": 3}):
+        params.deep_merge(conf).validate()
+    with pytest.raises(ParamValidationError, match=r"^Invalid input for param version: 'v3' does not match '\^\[1-9\]"):
+        params.deep_merge({"model": "hetflow-digits", "version": "v3"}).validate()
+
+
 def test_a_triggered_runs_conf_takes_sections_as_objects_but_model_only_by_path(hetflow_env):
     """What docs/spec.md says of a conf: Airflow checks it against the form's fields before hetflow
     reads it, and `model` is both a section and the architecture's field."""
@@ -179,7 +208,7 @@ def test_every_task_keeps_library_stderr_off_error_and_return_values_out_of_its_
     from hetflow.pipeline.task_log import CALLBACKS
 
     bag = DagBag(dag_folder=str(REPO / "dags"))
-    for dag_id in ("hetflow_train", "hetflow_retrain", "hetflow_tune"):
+    for dag_id in ("hetflow_train", "hetflow_retrain", "hetflow_tune", "hetflow_deploy"):
         for task in bag.dags[dag_id].tasks:
             for name, callback in CALLBACKS.items():
                 assert getattr(task, name) in (callback, [callback]), (dag_id, task.task_id, name)

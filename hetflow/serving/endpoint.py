@@ -18,6 +18,7 @@ of the ``hetflow-deployments`` experiment, restarts a replica found dead, and on
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any
 from mlflow.entities import Metric
 
 from hetflow.registry import store
-from hetflow.serving import policy, traffic_log
+from hetflow.serving import control, policy, traffic_log
 from hetflow.serving.balancer import Balancer
 from hetflow.serving.edge_origin import EdgeOrigin
 from hetflow.serving.follower import CHAMPION, POLL_SECONDS, Follower, Move
@@ -54,6 +55,7 @@ class Endpoint:
         replicas: int = 1,
         limits: policy.Limits | None = None,
         token: str | None = None,
+        control_socket: Path | None | str = "home",
     ):
         self.tracking_uri = tracking_uri
         self.client = store.client(tracking_uri)
@@ -78,6 +80,13 @@ class Endpoint:
         )
         self.serving: dict[str, tuple[str, VersionServers]] = {}  # model → (version, its servers)
         self.failed: set[tuple[str, str]] = set()  # candidates not tried again until champion moves on
+        # The deploy DAG's way in (control.py), under HETFLOW_HOME unless given (None: none); the DAG
+        # follows the rollouts kept here, by (model, version).
+        if control_socket == "home":
+            control_socket = control.socket_path()
+        self.control = control.ControlServer(control_socket, self.rollout_state) if control_socket else None
+        self.rollouts: dict[tuple[str, str], Rollout] = {}
+        self.wake = threading.Event()  # set by a request: read the aliases now, not at the next poll
 
     def serve(self, stop: threading.Event, ready: threading.Event | None = None) -> None:
         """Serve until ``stop`` is set; every process started is stopped before this returns."""
@@ -87,6 +96,7 @@ class Endpoint:
             self.edge.start()
             self.metrics_origin.start()
             self.balancer.start()
+            self._start_control()
             while not stop.is_set():
                 for move in self.follower.moves():
                     if (move.model, move.version) not in self.failed:
@@ -94,12 +104,49 @@ class Endpoint:
                 if ready is not None:
                     ready.set()
                 self._heal()
-                stop.wait(POLL_SECONDS)
+                self._pause(stop)
         finally:
             self.close()
 
+    def _start_control(self) -> None:
+        if self.control is None:
+            return
+        try:
+            self.control.start()
+        except (control.SocketTaken, OSError) as taken:  # a second endpoint on one home, a path over 107 bytes
+            log.warning("no control socket (%s): this endpoint follows champion without the deploy DAG", taken)
+            self.control = None
+
+    def _pause(self, stop: threading.Event) -> None:
+        """Until the next poll, stop, or a control request waking the follower."""
+        deadline = time.monotonic() + POLL_SECONDS
+        while not (stop.is_set() or self.wake.is_set()) and time.monotonic() < deadline:
+            stop.wait(0.1)
+        self.wake.clear()
+
+    def rollout_state(self, model: str, version: str) -> dict[str, Any]:
+        """What the control socket answers: the rollout of (model, version), started by the follower
+        when ``champion`` named it; asked before that, the follower reads the aliases at once."""
+        rollout = self.rollouts.get((model, version))
+        if rollout is not None:
+            record = json.loads(json.dumps(rollout.record))  # a copy: the rollout's thread goes on writing it
+            ended = "seconds" in record and "outcome" in record
+            return {"state": record["outcome"] if ended else "running", "record": record}
+        if self.follower.names and model not in self.follower.names:
+            return {"state": "refused", "reason": f"this endpoint serves only {', '.join(self.follower.names)}"}
+        champion = self._champion(model)
+        if champion != version:
+            return {
+                "state": "refused",
+                "reason": f"champion of {model} names {f'v{champion}' if champion else 'no version'}, not v{version}: "
+                "the endpoint rolls out the champion (move the alias to deploy another version)",
+            }
+        self.wake.set()
+        return {"state": "pending"}
+
     def _roll_out(self, move: Move) -> None:
         rollout = Rollout(self, move.model, move.version, move.previous, self.limits)
+        self.rollouts[(move.model, move.version)] = rollout
         try:
             record = rollout.run()
             log.info(
@@ -203,6 +250,8 @@ class Endpoint:
         return metrics
 
     def close(self) -> None:
+        if self.control is not None:
+            self.control.stop()
         for _, servers in list(self.serving.values()):
             servers.stop()
         self.serving.clear()

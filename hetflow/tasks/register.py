@@ -136,6 +136,8 @@ def register_model(
     record = {
         **models[0],
         "models": models,
+        # What the train DAG's register task emits an Asset event for (the deploy DAG's schedule).
+        "champion_moves": [{"model": m["model_name"], "version": str(m["version"])} for m in models if m["promoted"]],
         "mlflow_run_id": run_id,
         "mlflow_tracking_uri": store.tracking_uri(),
     }
