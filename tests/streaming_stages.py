@@ -93,15 +93,16 @@ def generated_dataset(data_dir: Path, splits: dict[str, int], side: int):
     )
 
 
-def make_run(run_dir: Path, dataset) -> None:
-    """A run directory as the stages find it after training: spec, dataset record, and the model's
-    weights (as initialized: what is measured is the data, not the model)."""
+def make_run(run_dir: Path, dataset, **spec_values) -> None:
+    """A run directory as the stages find it after training: spec (``SPEC`` with ``spec_values``),
+    dataset record, and the model's weights (as initialized: what is measured is the data, not the
+    model)."""
     from hetflow.models.architectures import build_model
     from hetflow.paths import RunPaths
     from hetflow.replica.weights import save_model
     from hetflow.spec import RunSpec
 
-    spec = RunSpec.from_values(SPEC)
+    spec = RunSpec.from_values({**SPEC, **spec_values})
     paths = RunPaths(run_dir)
     paths.output.mkdir(parents=True)
     paths.spec.write_text(spec.model_dump_json())

@@ -53,6 +53,24 @@ def test_the_stages_hold_about_as_much_of_a_split_ten_times_larger(tmp_path):
     assert peaks["large"] - peaks["small"] < 0.35 * added_split, (peaks, sizes)
 
 
+@pytest.mark.slow
+def test_the_pruning_fine_tuning_holds_about_as_much_of_a_training_split_ten_times_larger(tmp_path):
+    """Its 200 steps of 32 read the larger split once over: cached, it would hold all of it."""
+    peaks, sizes = {}, {}
+    for name, scale in (("small", 1), ("large", 10)):
+        dataset = generated_dataset(tmp_path / name / "data", {"train": 640 * scale, "validation": 64, "test": 64}, 64)
+        run_dir = tmp_path / name / "run"
+        make_run(run_dir, dataset, prune=True, quantize="none", cache_budget_mb=0, shuffle_buffer=64, batch_size=32)
+        done = _run_stages(run_dir, ["compress"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        peaks[name], sizes[name] = (
+            json.loads(done.stdout.splitlines()[-1])["peak_rss_bytes"],
+            decoded_bytes(dataset, "train"),
+        )
+    added_split = sizes["large"] - sizes["small"]  # 70.3 MiB of training images more
+    assert peaks["large"] - peaks["small"] < 0.35 * added_split, (peaks, sizes)
+
+
 def _memory_cgroup_v2(name: str) -> Path | None:
     root = Path("/sys/fs/cgroup")
     if "memory" not in (root / "cgroup.controllers").read_text().split():

@@ -87,6 +87,29 @@ def test_a_split_over_the_cache_budget_is_read_from_its_files_every_epoch(digits
         next(batches)
 
 
+def test_a_replicas_validation_over_the_cache_budget_is_read_from_its_files_every_pass(digits, tmp_path):
+    """Validation is iterated once an epoch: cached where it fits cache_budget_mb, else read again."""
+    import tensorflow as tf
+
+    from hetflow.data.pipeline import eval_input
+
+    def second_pass_without_the_files(name: str, budget_mb: int):
+        copy = digits.model_copy(update={"prepared_dir": str(tmp_path / name)})
+        shutil.copytree(digits.prepared_dir, copy.prepared_dir)
+        validation = eval_input(copy, "validation", examples=(0, 100), cache_budget_mb=budget_mb)
+        first = [labels.numpy() for _, labels in validation]
+        for shard in (tmp_path / name).glob("*.tfrecord*"):
+            shard.unlink()
+        return first, validation
+
+    first, validation = second_pass_without_the_files("cached", 1)
+    assert sum(len(labels) for labels in first) == 100
+    np.testing.assert_array_equal(np.concatenate([labels.numpy() for _, labels in validation]), np.concatenate(first))
+    _, validation = second_pass_without_the_files("streamed", 0)
+    with pytest.raises(tf.errors.NotFoundError):
+        list(validation)
+
+
 def test_the_record_says_how_the_split_is_read_and_the_buffer_used(digits):
     from hetflow.data.pipeline import training_input
 
@@ -182,3 +205,41 @@ def test_sync_workers_over_the_cache_budget_each_read_half_the_files(hetflow_env
     assert [read["read_examples"] for read in reads] == [629, 629]
     assert not set(reads[0]["read_files"]) & set(reads[1]["read_files"]) and len(reads[0]["read_files"]) == 2
     assert record["history"]["val_accuracy"][-1] >= 0.8  # it learns from the two halves
+
+
+@pytest.mark.slow
+def test_parameter_server_workers_each_read_their_own_half_of_the_files(hetflow_env):
+    """Before, every async worker read the whole split (create_per_worker_dataset's one function)."""
+    import json
+    from pathlib import Path
+
+    from conftest import hetflow
+
+    sets = ["strategy=parameter_server", "workers=2", "ps=1", "epochs=2", "steps_per_epoch=60", "cache_budget_mb=0"]
+    done = hetflow(hetflow_env, "train", *[arg for assignment in sets for arg in ("--set", assignment)])
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    record = json.loads(Path(done.stdout.strip().splitlines()[-1]).read_text())
+    assert record["training_input"]["mode"] == "own_files"
+    reads = [record["per_worker"][name] for name in ("worker-0", "worker-1")]
+    assert [read["read_examples"] for read in reads] == [629, 629]
+    assert not set(reads[0]["read_files"]) & set(reads[1]["read_files"]) and len(reads[0]["read_files"]) == 2
+    assert all(read["steps"] > 0 for read in reads)  # both workers trained on their halves
+    assert record["history"]["val_accuracy"][-1] >= 0.8
+
+
+def test_each_parameter_server_worker_iterator_yields_only_its_own_half(digits):
+    """The iterators the async chief schedules on, on a real coordinator and in-process servers."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("ps_worker_reads.py")
+    done = subprocess.run(
+        [sys.executable, str(script), digits.model_dump_json()], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(seen) == {"worker-0", "worker-1"}  # both workers ran steps
+    # Each example's half of the split (0: train[0:629], 1: train[629:1258]), for every example yielded.
+    assert set(seen["worker-0"]) == {0} and set(seen["worker-1"]) == {1}, {w: set(h) for w, h in seen.items()}

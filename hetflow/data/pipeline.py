@@ -51,6 +51,11 @@ def example_bytes(dataset: DatasetRecord) -> int:
     return int(np.prod(dataset.input_shape)) + 8
 
 
+def fits_cache(dataset: DatasetRecord, examples: int, cache_budget_mb: int) -> bool:
+    """Whether ``examples`` decoded examples of ``dataset`` fit a cache of ``cache_budget_mb``."""
+    return examples * example_bytes(dataset) <= cache_budget_mb * 2**20
+
+
 def training_input(
     dataset: DatasetRecord, shuffle_buffer: int = SHUFFLE_BUFFER, cache_budget_mb: int = CACHE_BUDGET_MB
 ) -> dict[str, Any]:
@@ -59,7 +64,7 @@ def training_input(
     epoch; and the shuffle buffer used, the split's size where it is smaller than ``shuffle_buffer``."""
     split_bytes, budget = dataset.splits["train"] * example_bytes(dataset), cache_budget_mb * 2**20
     return {
-        "mode": "cached" if split_bytes <= budget else "streamed",
+        "mode": "cached" if fits_cache(dataset, dataset.splits["train"], cache_budget_mb) else "streamed",
         "split_bytes": split_bytes,
         "cache_budget_bytes": budget,
         "shuffle_buffer": min(shuffle_buffer, dataset.splits["train"]),
@@ -148,8 +153,7 @@ def share_input(
     shuffle_buffer: int = SHUFFLE_BUFFER,
 ) -> tf.data.Dataset:
     """Endless batches of ``end - start`` examples drawn only from this share's own range of the
-    training split (``share_examples``): TFDS opens only the TFRecord files that hold that range, so
-    a worker reads about its share of the split, not all of it. For a split too large to cache.
+    training split (``share_examples``, ``range_input``). For a split too large to cache.
 
     No example is in two shares' batches of a step, and each pass over a share's range reads each
     of its examples once; unlike ``train_slices``, N workers do not see the batches one worker
@@ -157,18 +161,43 @@ def share_input(
     """
     _check_slice(start, end, global_batch)
     first, last = share_examples(dataset, start, end, global_batch)
+    return range_input(
+        dataset, first, last, batch=end - start, shuffle=shuffle, seed=seed, shuffle_buffer=shuffle_buffer
+    )
+
+
+def range_input(
+    dataset: DatasetRecord,
+    first: int,
+    last: int,
+    *,
+    batch: int,
+    shuffle: bool,
+    seed: int | None,
+    shuffle_buffer: int = SHUFFLE_BUFFER,
+    cache: bool = False,
+) -> tf.data.Dataset:
+    """Endless batches of ``batch`` training examples drawn only from the examples ``first:last``:
+    TFDS opens only the TFRecord files that hold that range, so a worker reads about its part of
+    the split, not all of it. ``cache`` keeps the range's decoded examples after the first pass."""
     examples = _load(dataset, f"train[{first}:{last}]")
+    if cache:
+        examples = examples.cache()
     if shuffle:
         examples = examples.shuffle(min(shuffle_buffer, last - first), seed=seed, reshuffle_each_iteration=True)
-    batches = examples.repeat().batch(end - start, drop_remainder=True)
+    batches = examples.repeat().batch(batch, drop_remainder=True)
     return _without_autotuning_thread(batches.prefetch(tf.data.AUTOTUNE))
 
 
 def share_read(dataset: DatasetRecord, start: int, end: int, global_batch: int) -> dict[str, Any]:
-    """What ``share_input`` reads per pass over its range (training.json's per_worker read_ fields):
-    its examples, the TFRecord files it opens and their bytes (an upper bound: a file it shares with
-    a neighbour is read only up to the end of its range)."""
-    first, last = share_examples(dataset, start, end, global_batch)
+    """What ``share_input`` reads per pass over its range (``range_read``)."""
+    return range_read(dataset, *share_examples(dataset, start, end, global_batch))
+
+
+def range_read(dataset: DatasetRecord, first: int, last: int) -> dict[str, Any]:
+    """What ``range_input`` reads per pass over ``first:last`` (training.json's per_worker read_
+    fields): its examples, the TFRecord files it opens and their bytes (an upper bound: a file it
+    shares with a neighbour is read only up to the end of its range)."""
     files = _prepared(dataset.prepared_dir).info.splits[f"train[{first}:{last}]"].file_instructions
     return {
         "read_examples": last - first,
@@ -187,14 +216,22 @@ def _training_examples(dataset: DatasetRecord, shuffle: bool, seed: int, how: di
 
 
 def eval_input(
-    dataset: DatasetRecord, split: str, batch_size: int = 256, examples: tuple[int, int] | None = None
+    dataset: DatasetRecord,
+    split: str,
+    batch_size: int = 256,
+    examples: tuple[int, int] | None = None,
+    cache_budget_mb: int = CACHE_BUDGET_MB,
 ) -> tf.data.Dataset:
-    """One ordered pass over ``split`` (or over its examples ``start:end``), for validation and test."""
+    """An ordered pass over ``split`` (or over its examples ``start:end``) each time it is iterated,
+    for validation: cached after the first pass where those examples fit ``cache_budget_mb``, else
+    read from the prepared files every pass."""
     ordered = _load(dataset, split)
+    start, end = examples if examples is not None else (0, dataset.splits[split])
     if examples is not None:
-        start, end = examples
         ordered = ordered.skip(start).take(end - start)
-    return _without_autotuning_thread(ordered.cache().batch(batch_size).prefetch(tf.data.AUTOTUNE))
+    if fits_cache(dataset, end - start, cache_budget_mb):
+        ordered = ordered.cache()
+    return _without_autotuning_thread(ordered.batch(batch_size).prefetch(tf.data.AUTOTUNE))
 
 
 def training_tensors(dataset: DatasetRecord) -> tuple[tf.Tensor, tf.Tensor]:

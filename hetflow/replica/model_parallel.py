@@ -243,7 +243,7 @@ def train(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str
         )
     )
     checkpoint = EpochCheckpoint(spec, paths, True, model, optimizer)
-    validation = eval_input(dataset, "validation")
+    validation = eval_input(dataset, "validation", cache_budget_mb=training.cache_budget_mb)
     loop.run(
         loop.one_step_at_a_time(lambda: train_step(*next(batches))),
         lambda: validation_sums(predict, validation),

@@ -12,13 +12,14 @@ schedule costs a round trip (the same idea as ``steps_per_execution``).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from hetflow.data.pipeline import eval_input, train_input
+from hetflow.data.pipeline import eval_input, fits_cache, range_input, range_read, share_examples, training_input
 from hetflow.models.architectures import build_model
 from hetflow.models.schedule import make_optimizer, steps_per_epoch
 from hetflow.paths import RunPaths
@@ -44,6 +45,23 @@ def _per_worker_ids(coordinator):
         for index, worker in enumerate(coordinator._cluster.workers)
     )
     return tf.distribute.experimental.coordinator.PerWorkerValues(ids)
+
+
+def _per_worker_iterators(coordinator, worker_dataset):
+    """An iterator on each worker over ``worker_dataset(its index)``, for ``schedule``.
+
+    ``create_per_worker_dataset`` traces one dataset function for every worker, which none can
+    tell itself apart in, so every worker would read the whole split; this does what it does (a
+    traced function run on the worker, whose iterator is a resource the coordinator rebuilds if
+    the worker restarts), one function per worker."""
+    iterators = []
+    for index, worker in enumerate(coordinator._cluster.workers):
+        make_dataset = tf.function(functools.partial(worker_dataset, index)).get_concrete_function()
+        remote = worker.create_resource(lambda make_dataset=make_dataset: iter(make_dataset()))
+        # What schedule traces its function with (create_per_worker_dataset sets it the same way).
+        remote._type_spec = tf.data.IteratorSpec(make_dataset.structured_outputs.element_spec)
+        iterators.append(remote)
+    return tf.distribute.experimental.coordinator.PerWorkerValues(tuple(iterators))
 
 
 def train(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, task: dict[str, Any]) -> Trained:
@@ -81,18 +99,28 @@ class AsyncChief:
         self.staleness_by_worker: dict[int, list[int]] = {}
         self.steps_this_epoch: dict[int, int] = {}
 
-    def worker_batches(self) -> tf.data.Dataset:
-        # Every worker builds the same pipeline; an unseeded shuffle gives each its own order
-        # (TensorFlow tells workers apart no other way under ParameterServerStrategy). Async
-        # training is not reproducible anyway: which worker runs which step is up to scheduling.
+    def worker_part(self, worker: int) -> tuple[int, int]:
+        """The training examples (first, last) worker ``worker`` reads: the split cut in equal parts,
+        one per worker, so each opens only the TFRecord files of its own part."""
+        return share_examples(self.dataset, worker, worker + 1, self.spec.cluster.worker.replicas)
+
+    def part_cached(self) -> bool:
+        """Whether every worker's part fits cache_budget_mb (the largest part decides)."""
+        first, last = self.worker_part(self.spec.cluster.worker.replicas - 1)
+        return fits_cache(self.dataset, last - first, self.spec.training.cache_budget_mb)
+
+    def worker_batches(self, worker: int) -> tf.data.Dataset:
+        # Async training is not reproducible anyway (which worker runs which step is up to
+        # scheduling): the seed only fixes each worker's order over its own part.
         training = self.spec.training
-        return train_input(
+        return range_input(
             self.dataset,
-            per_worker_batch=training.batch_size,
-            shuffle=True,
-            seed=None,
+            *self.worker_part(worker),
+            batch=training.batch_size,
+            shuffle=training.shuffle,
+            seed=training.seed + worker,
             shuffle_buffer=training.shuffle_buffer,
-            cache_budget_mb=training.cache_budget_mb,
+            cache=self.part_cached(),
         )
 
     def one_update(self, images, labels):
@@ -173,10 +201,10 @@ class AsyncChief:
         return communication
 
     def train(self) -> Trained:
-        iterator = iter(self.coordinator.create_per_worker_dataset(self.worker_batches))
+        iterator = _per_worker_iterators(self.coordinator, self.worker_batches)
         worker_ids = _per_worker_ids(self.coordinator)
         predict = tf.function(lambda images: self.model(images, training=False))
-        validation = eval_input(self.dataset, "validation")
+        validation = eval_input(self.dataset, "validation", cache_budget_mb=self.spec.training.cache_budget_mb)
         with self.strategy.scope():
             checkpoint = EpochCheckpoint(
                 self.spec, self.paths, True, self.model, self.optimizer, updates_applied=self.updates_applied
@@ -191,6 +219,10 @@ class AsyncChief:
         fields = {
             "replicas_in_sync": 1,
             "per_worker": self.per_worker(),
+            "training_input": {
+                **training_input(self.dataset, self.spec.training.shuffle_buffer, self.spec.training.cache_budget_mb),
+                "mode": "own_files_cached" if self.part_cached() else "own_files",
+            },
             "staleness": self.staleness(),
             "sharded_variables": self.shards(),
             "communication": communication,
@@ -207,10 +239,12 @@ class AsyncChief:
         return shards
 
     def per_worker(self) -> dict[str, dict[str, Any]]:
-        """Each worker's share of the steps, and the staleness of the updates it applied."""
+        """Each worker's share of the steps, the staleness of the updates it applied and what it
+        read of the training split's files per pass."""
         return {
             f"worker-{worker}": {
                 **worker_rate(self.spec.training.batch_size, len(seen), self.loop.train_seconds),
+                **range_read(self.dataset, *self.worker_part(worker)),
                 "staleness_mean": float(np.mean(seen)),
                 "staleness_max": int(max(seen)),
             }

@@ -195,7 +195,9 @@ class SyncWorker:
             round(worker_offsets[i] * validation_size / self.spec.training.batch_size)
             for i in (self.task["index"], self.task["index"] + 1)
         )
-        return eval_input(self.dataset, "validation", examples=(first, last))
+        return eval_input(
+            self.dataset, "validation", examples=(first, last), cache_budget_mb=self.spec.training.cache_budget_mb
+        )
 
     def each_workers_speed(self, epoch_seconds: float) -> dict:
         # In step with the others: each worker's share of every step, over the epoch's time.

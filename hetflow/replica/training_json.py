@@ -75,9 +75,10 @@ class Breakdown(Strict):
 
 class TrainingInput(Strict):
     """How the training split was read (``pipeline.training_input``): cached or streamed; under sync,
-    the whole split as tensors in every worker or each worker its own files."""
+    the whole split as tensors in every worker or each worker its own files; under parameter_server
+    each worker its own files, cached where its part fits the budget."""
 
-    mode: Literal["cached", "streamed", "whole_split_tensors", "own_files"]
+    mode: Literal["cached", "streamed", "whole_split_tensors", "own_files", "own_files_cached"]
     split_bytes: Count
     cache_budget_bytes: Count
     shuffle_buffer: Annotated[int, Field(ge=1, le=1_000_000)]
@@ -88,7 +89,7 @@ class WorkerPart(Strict):
     examples_per_second: Rate
     step_seconds: Seconds | None
     batch: Batch | None = None  # sync
-    # sync: what it read of the training split's files per pass (pipeline.share_read)
+    # sync and parameter_server: what it read of the training split's files per pass (pipeline.range_read)
     read_examples: Count | None = None
     read_files: Annotated[list[Name], Field(max_length=100_000)] | None = None
     read_file_bytes: Count | None = None
