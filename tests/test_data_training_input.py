@@ -227,6 +227,7 @@ def test_parameter_server_workers_each_read_their_own_half_of_the_files(hetflow_
     assert record["history"]["val_accuracy"][-1] >= 0.8
 
 
+@pytest.mark.replicas  # a ps and two workers as gRPC servers, in a process of its own
 def test_each_parameter_server_worker_iterator_yields_only_its_own_half(digits):
     """The iterators the async chief schedules on, on a real coordinator and in-process servers."""
     import json
