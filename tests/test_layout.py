@@ -10,6 +10,7 @@ Each rule is a function that returns what breaks it, run on the tree and on a pl
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import subprocess
 from pathlib import Path
@@ -259,7 +260,11 @@ def test_the_stages_folder_holds_the_dags_tasks_and_nothing_else(hetflow_env):
     bag = DagBag(dag_folder=str(REPO / "dags"))
     task_ids = set(bag.dags["hetflow_train"].task_ids) | set(bag.dags["hetflow_tune"].task_ids)
     held = {path.name for path in STAGES_FOLDER.iterdir() if path.name != "__pycache__"}
-    assert held == {f"{task_id}.py" for task_id in task_ids} | {"__init__.py"}
+    # hetflow_deploy's tasks are the steps of one rollout: each calls deploy.py's one stage with its step.
+    assert held == {f"{task_id}.py" for task_id in task_ids} | {"__init__.py", "deploy.py"}
+    for task in bag.dags["hetflow_deploy"].tasks:
+        assert "from hetflow.tasks import deploy as stage\n" in inspect.getsource(task.python_callable), task.task_id
+        assert "stage.deploy(run_id, " in inspect.getsource(task.python_callable), task.task_id
 
 
 def test_no_stage_imports_another_stage(tmp_path):
