@@ -53,6 +53,7 @@ def test_the_stages_hold_about_as_much_of_a_split_ten_times_larger(tmp_path):
     assert peaks["large"] - peaks["small"] < 0.35 * added_split, (peaks, sizes)
 
 
+@pytest.mark.heavy  # 200 s: the training split's variant of the test above, which make test runs
 @pytest.mark.slow
 def test_the_pruning_fine_tuning_holds_about_as_much_of_a_training_split_ten_times_larger(tmp_path):
     """Its 200 steps of 32 read the larger split once over: cached, it would hold all of it."""

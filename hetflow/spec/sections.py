@@ -223,7 +223,9 @@ class TrainingSpec(Section):
         "A training split whose decoded examples fit this many MB is cached in memory, and sync workers "
         "each hold it whole and take their exact shares of one shuffled order (N workers train as one "
         "would); a larger split streams from its files every epoch, each sync worker reading only the "
-        "files of its own share. training.json's training_input says which.",
+        "files of its own share. Parameter-server workers always read only their own part of the split, "
+        "cached where the part fits; a replica's validation split is cached only where it fits. "
+        "training.json's training_input says which.",
         ge=0,
         le=1_000_000,
         title="Cache budget (MB)",
