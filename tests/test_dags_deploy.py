@@ -76,14 +76,16 @@ def _champion_events(airflow_run_id: str) -> list[tuple[str, dict]]:
         return sorted(((task, dict(extra)) for task, extra in rows), key=json.dumps)
 
 
-def test_register_emits_a_champion_event_for_each_model_whose_champion_it_moved_and_no_other(
-    e2e_first_run, hetflow_env
-):
+def test_register_emits_a_champion_event_for_each_model_whose_champion_it_moved(e2e_first_run):
     _, first = e2e_first_run  # the first versions of the float and TFLite models: both champions
     assert _champion_events(first["run_id"]) == [
         ("register", {"model": E2E_MODEL, "version": "1"}),
         ("register", {"model": f"{E2E_MODEL}-tflite", "version": "1"}),
     ]
+
+
+@pytest.mark.heavy  # a second DAG run, for the event's absence (after the first, whose champion it cannot beat)
+def test_register_emits_no_champion_event_where_champion_did_not_move(e2e_first_run, hetflow_env):
     _, kept = run_dag(hetflow_env, "epochs=1", "min_improvement=1", *NO_COMPRESSION)  # cannot pass the gate
     assert kept["status"] == "success" and kept["registry"]["promoted"] is False
     assert _champion_events(kept["run_id"]) == []
@@ -166,6 +168,7 @@ def test_a_bad_candidate_fails_the_run_at_canary_with_the_reason_and_champion_ba
     assert client.get_model_version(MODEL, "3").tags["deployment.outcome"] == "rolled back"
 
 
+@pytest.mark.heavy  # a third deploy run (45 s): no endpoint, nothing to follow
 def test_with_no_endpoint_the_run_skips_saying_how_to_start_one(hetflow_env, tmp_path):
     elsewhere = {**hetflow_env, "HETFLOW_HOME": str(tmp_path)}  # the same Airflow DB, no socket under this home
     run, output = deploy_run(elsewhere, {"model": MODEL, "version": "2"})

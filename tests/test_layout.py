@@ -71,11 +71,8 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_pipeline_package_has_no_import_cycle():
     graph = _graph("hetflow")
-    assert {
-        "hetflow.tasks.train",
-        "hetflow.replica.sync",
-        "hetflow.cluster.backends.local.replicas",
-    } <= graph.keys()  # the walk found the tree
+    # the walk found the tree
+    assert {"hetflow.tasks.train", "hetflow.replica.sync", "hetflow.cluster.backends.local.replicas"} <= graph.keys()
     assert _cycle(graph) is None, _cycle(graph)
 
 
