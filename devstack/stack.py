@@ -35,7 +35,7 @@ from hetflow.cli.dag_run import airflow_environment
 from hetflow.cli.serve import TF_SERVING_REST_PORT
 from hetflow.cluster.processes import teardown_runs_of_home
 from hetflow.paths import REPO_ROOT, hetflow_home
-from hetflow.registry.store import MLFLOW_UI_ENV, runs_page, tracking_uri
+from hetflow.registry.store import MLFLOW_UI_ENV, client, runs_page, tracking_uri
 
 HEALTHY_TIMEOUT = 180  # seconds: a cold start on two busy cores takes a fraction of it
 
@@ -161,6 +161,9 @@ def up(
     Path(env["AIRFLOW_HOME"], "simple_auth_manager_passwords.json.generated").unlink(missing_ok=True)
     _ensure_database(env, fresh=postgres)
     private_dir(sqlite_store().parent)  # the store and its artifacts: read around the server's login otherwise
+    # The store's tables made once, here: the MLflow server and the endpoint both open it as they start,
+    # and two first migrations of one SQLite file race (alembic: "expected to match one row ... 0 found").
+    client(f"sqlite:///{sqlite_store()}").search_experiments(max_results=1)
     state = {
         "processes": start(env, airflow_port, mlflow_port, serve_port),
         "stack_id": stack_id,
