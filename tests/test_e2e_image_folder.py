@@ -140,6 +140,8 @@ class TestTrainingOnAnImageFolder:
         assert int(client.get_model_version_by_alias(self.MODEL, "champion").version) == 1
         assert len(client.search_model_versions(f"name='{self.MODEL}'")) == 1
 
+    # A second run through the DAG; new images making a new prepared version: test_data_image_folder.py.
+    @pytest.mark.heavy
     def test_new_images_make_a_new_fingerprint_run_and_version(self, env, folder, first, client):
         write_digit_folder(folder, per_class=6, first=DIGITS_PER_CLASS)
         done, summary = self.run(env, folder)

@@ -36,8 +36,9 @@ def client(hetflow_env):
 @pytest.mark.parametrize(
     "strategy",
     # parameter_server through the DAG in make test: the trigger form's run (test_e2e_ui_airflow.py)
-    # and the docker backend's; its staleness histogram here in make test-all.
-    [pytest.param(name, marks=pytest.mark.heavy) if name == "parameter_server" else name for name in CASES],
+    # and the docker backend's; its staleness histogram here in make test-all. mirrored's replica
+    # trains in make test (test_replica_distributed.py); through the DAG in make test-all.
+    [name if name == "multi_worker_mirrored" else pytest.param(name, marks=pytest.mark.heavy) for name in CASES],
 )
 def test_strategy_trains_through_the_dag(strategy, hetflow_env, client):
     from hetflow.cluster.processes import run_processes
