@@ -125,6 +125,14 @@ def test_the_record_says_how_the_split_is_read_and_the_buffer_used(digits):
     assert training_input(digits, 100, 0)["mode"] == "streamed"
 
 
+def test_the_record_says_whether_validation_is_cached(digits):
+    from hetflow.data.pipeline import validation_input
+
+    # 180 examples of 72 bytes (8x8 uint8 pixels, an int64 label): 12,960 bytes, within 1 MB, not 0.
+    assert validation_input(digits, 180, 1) == {"mode": "cached", "examples": 180, "bytes": 12_960}
+    assert validation_input(digits, 90, 0) == {"mode": "streamed", "examples": 90, "bytes": 6_480}
+
+
 @pytest.mark.parametrize("value", [0, 1_000_001])
 def test_a_shuffle_buffer_outside_its_range_is_refused_naming_the_key(value):
     with pytest.raises(ValueError, match="shuffle_buffer"):
@@ -205,6 +213,8 @@ def test_sync_workers_over_the_cache_budget_each_read_half_the_files(hetflow_env
     assert [read["read_examples"] for read in reads] == [629, 629]
     assert not set(reads[0]["read_files"]) & set(reads[1]["read_files"]) and len(reads[0]["read_files"]) == 2
     assert record["history"]["val_accuracy"][-1] >= 0.8  # it learns from the two halves
+    # Each worker validates on its half of the 180 examples, read again every pass.
+    assert record["validation_input"] == {"mode": "streamed", "examples": 90, "bytes": 6_480}
 
 
 @pytest.mark.slow
@@ -225,6 +235,7 @@ def test_parameter_server_workers_each_read_their_own_half_of_the_files(hetflow_
     assert not set(reads[0]["read_files"]) & set(reads[1]["read_files"]) and len(reads[0]["read_files"]) == 2
     assert all(read["steps"] > 0 for read in reads)  # both workers trained on their halves
     assert record["history"]["val_accuracy"][-1] >= 0.8
+    assert record["validation_input"] == {"mode": "streamed", "examples": 180, "bytes": 12_960}  # the chief's, whole
 
 
 @pytest.mark.replicas  # a ps and two workers as gRPC servers, in a process of its own

@@ -71,6 +71,17 @@ def training_input(
     }
 
 
+def validation_input(dataset: DatasetRecord, examples: int, cache_budget_mb: int = CACHE_BUDGET_MB) -> dict[str, Any]:
+    """How a replica validating on ``examples`` of the validation split reads them (training.json's
+    ``validation_input``, as ``eval_input`` does): ``cached`` after the first pass where they fit
+    ``cache_budget_mb``, else ``streamed`` from the prepared files every pass."""
+    return {
+        "mode": "cached" if fits_cache(dataset, examples, cache_budget_mb) else "streamed",
+        "examples": examples,
+        "bytes": examples * example_bytes(dataset),
+    }
+
+
 def train_input(
     dataset: DatasetRecord,
     *,
@@ -229,7 +240,7 @@ def eval_input(
     start, end = examples if examples is not None else (0, dataset.splits[split])
     if examples is not None:
         ordered = ordered.skip(start).take(end - start)
-    if fits_cache(dataset, end - start, cache_budget_mb):
+    if validation_input(dataset, end - start, cache_budget_mb)["mode"] == "cached":
         ordered = ordered.cache()
     return _without_autotuning_thread(ordered.batch(batch_size).prefetch(tf.data.AUTOTUNE))
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from hetflow.data.pipeline import training_input
+from hetflow.data.pipeline import training_input, validation_input
 from hetflow.models.schedule import learning_rate_plan
 from hetflow.paths import RunPaths, write_record
 from hetflow.records import DatasetRecord
@@ -85,8 +85,13 @@ def finish(spec: RunSpec, dataset: DatasetRecord, paths: RunPaths, trained: Trai
     save_model(trained.model, spec, dataset, paths.model, chief=trained.chief)
     if not trained.chief:
         return
-    # A strategy that reads the split otherwise says so in its own fields (sync's whole-split tensors).
-    how_read = {"training_input": training_input(dataset, spec.training.shuffle_buffer, spec.training.cache_budget_mb)}
+    # A strategy that reads the splits otherwise says so in its own fields (sync's whole-split tensors,
+    # each sync worker validating on its share).
+    budget = spec.training.cache_budget_mb
+    how_read = {
+        "training_input": training_input(dataset, spec.training.shuffle_buffer, budget),
+        "validation_input": validation_input(dataset, dataset.splits["validation"], budget),
+    }
     record = training_record(spec, trained.loop, **{**how_read, **trained.fields})
     write_record(paths.training, record)
     print(

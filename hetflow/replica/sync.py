@@ -41,6 +41,7 @@ from hetflow.data.pipeline import (
     train_slices,
     training_input,
     training_tensors,
+    validation_input,
 )
 from hetflow.models.architectures import build_model
 from hetflow.models.schedule import make_optimizer, steps_per_epoch
@@ -94,6 +95,7 @@ class SyncWorker:
         self.reads = training_input(dataset, spec.training.shuffle_buffer, spec.training.cache_budget_mb)
         # A split that fits the cache budget is loaded once, whole: measuring and training slice it.
         self.training_examples = training_tensors(dataset) if self.reads["mode"] == "cached" else None
+        self.validation_read: dict[str, Any] | None = None  # my_validation's, for the record
 
     @tf.function
     def _sum_values_over_workers(self, values):
@@ -187,17 +189,22 @@ class SyncWorker:
             )
         )
 
-    def my_validation(self) -> tf.data.Dataset:
-        """This worker's share of the validation split, in proportion to its share of the batch."""
+    def validation_range(self, worker: int) -> tuple[int, int]:
+        """Worker ``worker``'s share of the validation split, in proportion to its share of the batch."""
         validation_size = self.dataset.splits["validation"]
         worker_offsets = [0, *itertools.accumulate(self.shares.now)]
         first, last = (
-            round(worker_offsets[i] * validation_size / self.spec.training.batch_size)
-            for i in (self.task["index"], self.task["index"] + 1)
+            round(worker_offsets[i] * validation_size / self.spec.training.batch_size) for i in (worker, worker + 1)
         )
-        return eval_input(
-            self.dataset, "validation", examples=(first, last), cache_budget_mb=self.spec.training.cache_budget_mb
-        )
+        return first, last
+
+    def my_validation(self) -> tf.data.Dataset:
+        """This worker's share of the validation split; how the largest share is read goes in the record."""
+        budget = self.spec.training.cache_budget_mb
+        largest = max(last - first for first, last in map(self.validation_range, range(len(self.shares.now))))
+        self.validation_read = validation_input(self.dataset, largest, budget)
+        first, last = self.validation_range(self.task["index"])
+        return eval_input(self.dataset, "validation", examples=(first, last), cache_budget_mb=budget)
 
     def each_workers_speed(self, epoch_seconds: float) -> dict:
         # In step with the others: each worker's share of every step, over the epoch's time.
@@ -272,4 +279,5 @@ class SyncWorker:
                 "mode": "whole_split_tensors" if self.training_examples is not None else "own_files",
             },
             "worker_batches": shares.now,
+            "validation_input": self.validation_read,  # each worker validates on its share
         }

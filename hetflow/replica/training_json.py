@@ -84,6 +84,15 @@ class TrainingInput(Strict):
     shuffle_buffer: Annotated[int, Field(ge=1, le=1_000_000)]
 
 
+class ValidationInput(Strict):
+    """How validation read its split (``pipeline.validation_input``): the most examples one replica
+    validates on (sync workers each take a share), cached after the first pass where they fit the budget."""
+
+    mode: Literal["cached", "streamed"]
+    examples: Count
+    bytes: Count
+
+
 class WorkerPart(Strict):
     steps: Count
     examples_per_second: Rate
@@ -167,6 +176,7 @@ class TrainingRecord(Strict):
     whole_job_examples_per_second: Rate
     whole_job_breakdown: Breakdown | None
     training_input: TrainingInput | None = None
+    validation_input: ValidationInput | None = None
     per_worker: Annotated[
         dict[Annotated[str, StringConstraints(pattern=r"^worker-[0-9]{1,4}$")], WorkerPart],
         Field(max_length=MAX_WORKERS),

@@ -225,7 +225,7 @@ class TrainingSpec(Section):
         "would); a larger split streams from its files every epoch, each sync worker reading only the "
         "files of its own share. Parameter-server workers always read only their own part of the split, "
         "cached where the part fits; a replica's validation split is cached only where it fits. "
-        "training.json's training_input says which.",
+        "training.json's training_input and validation_input say which.",
         ge=0,
         le=1_000_000,
         title="Cache budget (MB)",
