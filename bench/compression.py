@@ -185,14 +185,15 @@ def _target(sparsity: float) -> str:
 
 
 def markdown(record: dict) -> str:
-    rows, runs = record["summary"], record["runs"]
-    worst_int8_drop = max(
-        100 * (run["float_test_accuracy"] - variant["test_accuracy"])
-        for run in runs
-        for variant in run["variants"]
-        if variant["target_sparsity"] and variant["quantize"] == "int8"
-    )
-    lines = [
+    rows = record["summary"]
+    lines = [*_method_lines(record), *_code_lines(record), *_findings_lines(record), "", *gate_markdown(record)]
+    lines += [*_shipped_table(rows), *_every_file_table(rows)]
+    return "\n".join(lines) + "\n"
+
+
+def _method_lines(record: dict) -> list[str]:
+    """The title, how every file was made and measured, what ran and when."""
+    return [
         "# Compression benchmark",
         "",
         f"`hetflow train` (the DAG's training stages, with the spec a DAG run of the model and seed validates) on "
@@ -221,8 +222,19 @@ def markdown(record: dict) -> str:
         f"- machine: {record['machine']}",
         f"- wall time: {record['wall_seconds']:.0f} s",
     ]
-    lines += _code_lines(record)
-    lines += [
+
+
+def _findings_lines(record: dict) -> list[str]:
+    """What the tables leave out, the worst int8 drop, each model's training and what the sparse
+    encoding does to each pruned file."""
+    runs, rows = record["runs"], record["summary"]
+    worst_int8_drop = max(
+        100 * (run["float_test_accuracy"] - variant["test_accuracy"])
+        for run in runs
+        for variant in run["variants"]
+        if variant["target_sparsity"] and variant["quantize"] == "int8"
+    )
+    lines = [
         "",
         "The file tables measure post-training int8 only (the gate section makes the int8 file as compress "
         "does): compress fine-tunes quantization-aware instead only "
@@ -253,39 +265,45 @@ def markdown(record: dict) -> str:
                     f"{plain['bytes']['mean'] / encoded['bytes']['mean']:.2f}x smaller than the same pruned model "
                     f"without it; latency {encoded['latency_ms']['mean'] / plain['latency_ms']['mean']:.2f}x"
                 )
-    lines += ["", *gate_markdown(record)]
-    lines += [
+    return lines
+
+
+def _shipped_table(rows: list[dict]) -> list[str]:
+    """The files compress would ship: the dense ones and the pruned ones with the sparse encoding."""
+    return [
         "## The shipped pruned files (sparse encoding) against the dense ones",
         "",
         "| model | target sparsity | quantization | measured sparsity | bytes "
         "| × smaller than dense, same quantization | × smaller than dense float | accuracy | Δ | latency µs "
         "| fine-tuning s |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['model']} | {_target(r['target_sparsity'])} | {r['quantize']} | {_pm(r['sparsity'], 3)} "
+            f"| {_pm(r['bytes'], 0)} | {_pm(r['smaller_than_dense_same_quantization'], 2)} "
+            f"| {_pm(r['smaller_than_dense_float'], 2)} | {_pm(r['test_accuracy'], 4)} | {_pm(r['drop_points'], 2)} "
+            f"| {_pm(r['latency_ms'], 1, 1000)} | {_pm(r['fine_tuning_seconds'], 1)} |"
+            for r in rows
+            if r["sparse_encoding_asked"] or not r["target_sparsity"]
+        ),
     ]
-    lines += [
-        f"| {r['model']} | {_target(r['target_sparsity'])} | {r['quantize']} | {_pm(r['sparsity'], 3)} "
-        f"| {_pm(r['bytes'], 0)} | {_pm(r['smaller_than_dense_same_quantization'], 2)} "
-        f"| {_pm(r['smaller_than_dense_float'], 2)} | {_pm(r['test_accuracy'], 4)} | {_pm(r['drop_points'], 2)} "
-        f"| {_pm(r['latency_ms'], 1, 1000)} | {_pm(r['fine_tuning_seconds'], 1)} |"
-        for r in rows
-        if r["sparse_encoding_asked"] or not r["target_sparsity"]
-    ]
-    lines += [
+
+
+def _every_file_table(rows: list[dict]) -> list[str]:
+    return [
         "",
         "## Every file",
         "",
         "| model | target sparsity | quantization | encoding asked | encoding in the file | bytes | gzipped | accuracy "
         "| Δ | latency µs |",
         "|---|---:|---|---|---|---:|---:|---:|---:|---:|",
+        *(
+            f"| {r['model']} | {_target(r['target_sparsity'])} | {r['quantize']} "
+            f"| {'sparse' if r['sparse_encoding_asked'] else 'none'} | {', '.join(r['encodings'])} "
+            f"| {_pm(r['bytes'], 0)} | {_pm(r['gzip_bytes'], 0)} | {_pm(r['test_accuracy'], 4)} "
+            f"| {_pm(r['drop_points'], 2)} | {_pm(r['latency_ms'], 1, 1000)} |"
+            for r in rows
+        ),
     ]
-    lines += [
-        f"| {r['model']} | {_target(r['target_sparsity'])} | {r['quantize']} "
-        f"| {'sparse' if r['sparse_encoding_asked'] else 'none'} | {', '.join(r['encodings'])} | {_pm(r['bytes'], 0)} "
-        f"| {_pm(r['gzip_bytes'], 0)} | {_pm(r['test_accuracy'], 4)} | {_pm(r['drop_points'], 2)} "
-        f"| {_pm(r['latency_ms'], 1, 1000)} |"
-        for r in rows
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def diagnose_failures(record: dict) -> None:

@@ -48,14 +48,45 @@ def core_bound_lines(unpipelined_busy: float | None, cores: int) -> list[str]:
 
 
 def summary_text(record: dict) -> str:
-    pipeline, job = record["medians"]["pipeline"], record["cases"]["pipeline"]["stages_mb1"]
+    pipeline = record["medians"]["pipeline"]
     lines = [
+        *header_lines(record),
+        *pipeline_table(record),
+        "",
+        "## What it shows, against the aims",
+        "",
+    ]
+    one = pipeline.get("stages_mb1", {})
+    if not one.get("failed"):
+        lines += pipelining_lines(pipeline, record["machine"]["nproc"])
+        lines.append(memory_share_line(one))
+    lines += data_parallel_lines(pipeline)
+    lines += split_lines(
+        record, "split", "Unequal workers on this machine: the split by measured time against the split by parameters"
+    )
+    lines += split_lines(
+        record,
+        "swarm_split",
+        f"Unequal swarm nodes ({record['swarm_nodes']}, CPUs as docker --cpus): the same pairs across two nodes",
+    )
+    return "\n".join(lines)
+
+
+def header_lines(record: dict) -> list[str]:
+    return [
         "# Model parallelism: pipelining, memory per replica, and the split by measured time",
         "",
         f"Written by `bench/model_parallel.py` from `{record['results_file']}` ({record['when']}); "
         f"{record['machine']['nproc']} cores ({record['machine']['cpu_model']}), TensorFlow "
         f"{record['machine']['tensorflow']}, commit {record['machine']['git']}, {record['repeats']} run(s) per case.",
         other_work_line(record["busy_cores_before"], "before each case"),
+    ]
+
+
+def pipeline_table(record: dict) -> list[str]:
+    """The same job data parallel, model parallel and pipelined: one row per case."""
+    job = record["cases"]["pipeline"]["stages_mb1"]
+    lines = [
         "",
         "## The same job: data parallel, model parallel, pipelined",
         "",
@@ -67,7 +98,7 @@ def summary_text(record: dict) -> str:
         "cores busy, last epoch | peak RSS MiB per replica | variable + slot MB per worker |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, case in pipeline.items():
+    for name, case in record["medians"]["pipeline"].items():
         if case.get("failed"):
             lines.append(f"| {name} | failed | | | | | | | |")
             continue
@@ -85,71 +116,74 @@ def summary_text(record: dict) -> str:
             f"{case['time_to_first_step_seconds']:.1f} | {case['examples_per_second']:.1f} | "
             f"{case['step_seconds']:.2f} | {cores_text(case.get('busy_cores_last_epoch'))} | {peaks} | {held} |"
         )
-    lines += ["", "## What it shows, against the aims", ""]
-    one = pipeline.get("stages_mb1", {})
-    if not one.get("failed"):
-        share = slowest_stage_share(one["stage_split"])
+    return lines
+
+
+def pipelining_lines(pipeline: dict, cores: int) -> list[str]:
+    """Each micro-batch count's step against the unpipelined one (``stages_mb1``, which did not
+    fail), what bounds it, and the best against the aim."""
+    one = pipeline["stages_mb1"]
+    share = slowest_stage_share(one["stage_split"])
+    lines = [
+        f"- the split's slowest stage holds {share:.2f} of the model's measured cost (the layers are cut whole: "
+        f"plan.json's `layer_seconds`), which bounds what pipelining can win where stages overlap perfectly"
+    ]
+    for micro in (2, 4, 8):
+        case = pipeline.get(f"stages_mb{micro}", {})
+        if case.get("failed"):
+            continue
+        theory = 1 / (micro + 1)
         lines.append(
-            f"- the split's slowest stage holds {share:.2f} of the model's measured cost (the layers are cut whole: "
-            f"plan.json's `layer_seconds`), which bounds what pipelining can win where stages overlap perfectly"
+            f"- {micro} micro-batches: step {case['step_seconds']:.2f} s against {one['step_seconds']:.2f} s "
+            f"unpipelined ({one['step_seconds'] / case['step_seconds']:.2f}x; aim >= {PIPELINE_AIM}x at the best; "
+            f"this split overlapping perfectly: {overlap_ceiling(share, micro):.2f}x); "
+            f"bubble measured {bubble(one['step_seconds'], case['step_seconds']):.2f}, theory (N-1)/(M+N-1) = "
+            f"{theory:.2f}"
         )
-        for micro in (2, 4, 8):
-            case = pipeline.get(f"stages_mb{micro}", {})
-            if case.get("failed"):
-                continue
-            theory = 1 / (micro + 1)
-            lines.append(
-                f"- {micro} micro-batches: step {case['step_seconds']:.2f} s against {one['step_seconds']:.2f} s "
-                f"unpipelined ({one['step_seconds'] / case['step_seconds']:.2f}x; aim >= {PIPELINE_AIM}x at the best; "
-                f"this split overlapping perfectly: {overlap_ceiling(share, micro):.2f}x); "
-                f"bubble measured {bubble(one['step_seconds'], case['step_seconds']):.2f}, theory (N-1)/(M+N-1) = "
-                f"{theory:.2f}"
-            )
-        lines += core_bound_lines(one.get("busy_cores_last_epoch"), record["machine"]["nproc"])
-        best = max(
-            (pipeline[f"stages_mb{m}"] for m in (2, 4, 8) if not pipeline.get(f"stages_mb{m}", {}).get("failed")),
-            key=lambda c: -c["step_seconds"],
-            default=None,
-        )
-        if best:
-            speedup = one["step_seconds"] / best["step_seconds"]
-            verdict = "meets" if speedup >= PIPELINE_AIM else "falls short of"
-            lines.append(
-                f"- pipelined at its best: {speedup:.2f}x the unpipelined step, which {verdict} the aim of "
-                f"{PIPELINE_AIM}x"
-            )
-        total = sum((one["variable_bytes"][w] or 0) + (one["slot_bytes"][w] or 0) for w in one["variable_bytes"])
-        shares = [
-            ((one["variable_bytes"][w] or 0) + (one["slot_bytes"][w] or 0)) / total
-            for w in sorted(one["variable_bytes"])
-        ]
-        verdict = "meets" if max(shares) <= SHARE_AIM else "falls short of"
+    lines += core_bound_lines(one.get("busy_cores_last_epoch"), cores)
+    best = max(
+        (pipeline[f"stages_mb{m}"] for m in (2, 4, 8) if not pipeline.get(f"stages_mb{m}", {}).get("failed")),
+        key=lambda c: -c["step_seconds"],
+        default=None,
+    )
+    if best:
+        speedup = one["step_seconds"] / best["step_seconds"]
+        verdict = "meets" if speedup >= PIPELINE_AIM else "falls short of"
         lines.append(
-            f"- each worker's share of the model's variables and slots: {', '.join(f'{s:.2f}' for s in shares)}, "
-            f"which {verdict} the aim of at most {SHARE_AIM} (data parallel: 1.00 on each)"
+            f"- pipelined at its best: {speedup:.2f}x the unpipelined step, which {verdict} the aim of {PIPELINE_AIM}x"
         )
+    return lines
+
+
+def memory_share_line(one: dict) -> str:
+    """Each worker's share of the model's variables and slots in the unpipelined case ``one``, against the aim."""
+    total = sum((one["variable_bytes"][w] or 0) + (one["slot_bytes"][w] or 0) for w in one["variable_bytes"])
+    shares = [
+        ((one["variable_bytes"][w] or 0) + (one["slot_bytes"][w] or 0)) / total for w in sorted(one["variable_bytes"])
+    ]
+    verdict = "meets" if max(shares) <= SHARE_AIM else "falls short of"
+    return (
+        f"- each worker's share of the model's variables and slots: {', '.join(f'{s:.2f}' for s in shares)}, "
+        f"which {verdict} the aim of at most {SHARE_AIM} (data parallel: 1.00 on each)"
+    )
+
+
+def data_parallel_lines(pipeline: dict) -> list[str]:
+    """Data parallelism against the fastest model parallel case, where the model fits one worker."""
     data = pipeline.get("data_parallel", {})
     fastest = min(
         (c for n, c in pipeline.items() if n.startswith("stages") and not c.get("failed")),
         key=lambda c: c["step_seconds"],
         default=None,
     )
-    if fastest and not data.get("failed"):
-        lines.append(
-            f"- where the model fits: data parallel {data['whole_job_examples_per_second']:.1f} whole-job examples/s, "
-            f"the fastest model parallel case {fastest['whole_job_examples_per_second']:.1f} "
-            f"({data['whole_job_examples_per_second'] / fastest['whole_job_examples_per_second']:.2f}x in data "
-            "parallelism's favour where above 1)"
-        )
-    lines += split_lines(
-        record, "split", "Unequal workers on this machine: the split by measured time against the split by parameters"
-    )
-    lines += split_lines(
-        record,
-        "swarm_split",
-        f"Unequal swarm nodes ({record['swarm_nodes']}, CPUs as docker --cpus): the same pairs across two nodes",
-    )
-    return "\n".join(lines)
+    if not fastest or data.get("failed"):
+        return []
+    return [
+        f"- where the model fits: data parallel {data['whole_job_examples_per_second']:.1f} whole-job examples/s, "
+        f"the fastest model parallel case {fastest['whole_job_examples_per_second']:.1f} "
+        f"({data['whole_job_examples_per_second'] / fastest['whole_job_examples_per_second']:.2f}x in data "
+        "parallelism's favour where above 1)"
+    ]
 
 
 def split_lines(record: dict, group: str, title: str) -> list[str]:

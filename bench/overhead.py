@@ -152,16 +152,32 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    machine, runs = report["machine"], report["runs"]
+    runs = report["runs"]
     middle = median_run(runs)
+    lines = [
+        *_headline_lines(report, middle),
+        "",
+        floor_verdict(middle),
+        "",
+        *_runs_table(runs, middle),
+        *_median_run_lines(middle["figures"]),
+        *_stage_import_table(middle),
+        *_served_checks_lines(middle["figures"]),
+        *_set_up_lines(middle),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _headline_lines(report: dict[str, Any], middle: dict[str, Any]) -> list[str]:
+    """The title, what ran on which machine, and the median run's overhead against the aim."""
+    machine, runs = report["machine"], report["runs"]
     result = middle["figures"]
-    parts = list(result["parts"])  # as the results file holds them: older ones have MLflow I/O and work only
     ratios = [headline(run)["imports"] for run in runs]
     met = headline(middle)["imports"] <= AIM_IMPORTS
     airflow_own = result["before_dag_seconds"] + result["airflow_seconds"]
     after_training = sum(timing["wall"] for stage, timing in result["stages"].items() if stage in STAGES_AFTER_TRAINING)
     busy = [run["busy_cores_before"] for run in runs]
-    lines = [
+    return [
         "# Fixed pipeline overhead",
         "",
         f"The default run (`make run`'s spec) through `hetflow run`; runs: {len(runs)}, each in a temporary "
@@ -180,9 +196,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"{'met' if met else 'not met'}. Of it, Airflow's own time (before and after the DAG run, and outside "
         f"every stage) was {airflow_own:.1f} s, {airflow_own / headline(middle)['tf_import']:.1f}× an import, "
         f"and the stages after training (evaluate to summarize) {after_training:.1f} s.",
-        "",
-        floor_verdict(middle),
-        "",
+    ]
+
+
+def _runs_table(runs: list[dict[str, Any]], middle: dict[str, Any]) -> list[str]:
+    lines = [
         "| run | launch to exit | training | launch to exit − training | one TensorFlow import | in imports |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -193,7 +211,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{figures_['training_seconds']:.1f} | {measured['overhead']:.1f} | {measured['tf_import']:.2f} | "
             f"{measured['imports']:.1f}× |"
         )
-    lines += [
+    return lines
+
+
+def _median_run_lines(result: dict[str, Any]) -> list[str]:
+    """The median run's ``figures``: the command's and the DAG's time, then each stage's parts."""
+    parts = list(result["parts"])  # as the results file holds them: older ones have MLflow I/O and work only
+    lines = [
         "",
         "The median run in detail (seconds):",
         "",
@@ -214,13 +238,17 @@ def markdown(report: dict[str, Any]) -> str:
     for stage, timing in result["stages"].items():
         lines.append(f"| {stage} | {timing['wall']:.1f} | {' | '.join(f'{timing[p]:.1f}' for p in parts)} |")
     in_stages = sum(timing["wall"] for timing in result["stages"].values())
-    lines += [
+    return [
+        *lines,
         f"| all stages | {in_stages:.1f} | {' | '.join(f'{seconds:.1f}' for seconds in result['parts'].values())} |",
         f"| Airflow, outside every stage (of it before the first: "
         f"{result['airflow_before_first_stage_seconds']:.1f}) | {result['airflow_seconds']:.1f} |{' |' * len(parts)}",
         "",
     ]
-    lines += [
+
+
+def _stage_import_table(run: dict[str, Any]) -> list[str]:
+    lines = [
         "What importing each stage's module costs, in DAG order, in a fresh interpreter of the same venv "
         "(measured apart, just before the run; each after the ones above it, as one process imports them; "
         "what a stage imports inside its function is not in it, but in its work above):",
@@ -229,22 +257,32 @@ def markdown(report: dict[str, Any]) -> str:
         "|---|---:|---:|",
     ]
     by_now = 0.0
-    for task, seconds in middle["stage_import_seconds"].items():
+    for task, seconds in run["stage_import_seconds"].items():
         by_now += seconds
         lines.append(f"| `hetflow.tasks.{task}` | {seconds:.2f} | {by_now:.2f} |")
     lines.append("")
-    if result["served_checks"]:
-        lines += ["register's served checks, each a model server started for the check (running together):", ""]
-        lines += [
+    return lines
+
+
+def _served_checks_lines(result: dict[str, Any]) -> list[str]:
+    if not result["served_checks"]:
+        return []
+    return [
+        "register's served checks, each a model server started for the check (running together):",
+        "",
+        *(
             f"- `{check['model_uri']}`: up in {check['start_seconds']:.1f} s, check done in {check['seconds']:.1f} s"
             for check in result["served_checks"]
             if check["start_seconds"] is not None
-        ]
-        lines.append("")
-    set_up_seconds = ", ".join(
-        f"{step.replace('_', ' ')} {seconds:.1f} s" for step, seconds in middle["set_up"].items()
-    )
-    lines += [
+        ),
+        "",
+    ]
+
+
+def _set_up_lines(run: dict[str, Any]) -> list[str]:
+    """The home's first-use set-up, outside the run, and what the stages' parts hold."""
+    set_up_seconds = ", ".join(f"{step.replace('_', ' ')} {seconds:.1f} s" for step, seconds in run["set_up"].items())
+    return [
         f"First use of the home, before the run and not in it: {set_up_seconds}.",
         "",
         "train's wall time holds the training but for the replicas' start-up in provision_cluster; MLflow I/O: "
@@ -252,7 +290,6 @@ def markdown(report: dict[str, Any]) -> str:
         "task: each module is imported once, by the first stage that needs it), waiting for the replicas and "
         "the served checks' model servers included.",
     ]
-    return "\n".join(lines) + "\n"
 
 
 def main() -> int:

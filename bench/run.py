@@ -258,7 +258,8 @@ def summarize(
     }
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.Namespace, list[Case]]:
+    """The command line, and the cases it chose in CASES' order."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--cases",
@@ -277,13 +278,14 @@ def main() -> int:
     unknown = [name for name in chosen if name not in CASE_NAMES]
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; cases: {', '.join(CASE_NAMES)}")
-    cases = [case for case in CASES if case.name in chosen]
+    return args, [case for case in CASES if case.name in chosen]
 
-    started_at = datetime.now(timezone.utc)
-    # Other work on the machine skews every figure: what kept the cores busy just before the first
-    # run, the bench waiting, shows whether some was going on.
-    busy_before = busy_cores()
-    commands = {case.name: case_command(case, args.epochs, args.steps_per_epoch) for case in cases}
+
+def run_cases(
+    cases: list[Case], commands: dict[str, list[str]], args: argparse.Namespace
+) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Every case ``args.repeats`` times, interleaved, in a home of its own: each case's samples, and
+    the error of each case that failed."""
     samples: dict[str, list[dict]] = {case.name: [] for case in cases}
     errors: dict[str, str] = {}
     # A home of its own, so bench runs leave the user's .hetflow and MLflow store alone.
@@ -317,21 +319,12 @@ def main() -> int:
                     f"in epochs {result['examples_per_second']:.0f}",
                     flush=True,
                 )
+    return samples, errors
 
-    report = {
-        "date": started_at.isoformat(timespec="seconds"),
-        "command": shown([sys.executable, "bench/run.py", *sys.argv[1:]]),
-        "machine": machine_facts(),
-        "busy_cores_before": busy_before,
-        "settings": {
-            **COMMON,
-            "per_worker_batch": PER_WORKER_BATCH,
-            "epochs": args.epochs,
-            "steps_per_epoch": args.steps_per_epoch,
-            "repeats": args.repeats,
-        },
-        "cases": summarize(cases, commands, samples, errors),
-    }
+
+def add_comparisons(report: dict[str, Any], samples: dict[str, list[dict]], errors: dict[str, str]) -> None:
+    """The report's comparisons with the peer, the two-core ceiling and the loopback socket's bounds;
+    a bound that failed to measure goes into ``errors`` as socket_bound."""
     report["peer"] = peer_comparison(report["cases"])
     report["ceiling"] = ceiling_comparison(report["cases"], CEILING_PAIR[0])
     report["ps_ceiling"] = ceiling_comparison(report["cases"], PS_CASE)
@@ -347,6 +340,31 @@ def main() -> int:
             print(f"[bench] {exc}", file=sys.stderr, flush=True)
     if bound_errors:
         report["socket_bound_error"] = errors["socket_bound"] = "\n".join(bound_errors)
+
+
+def main() -> int:
+    args, cases = parse_args()
+    started_at = datetime.now(timezone.utc)
+    # Other work on the machine skews every figure: what kept the cores busy just before the first
+    # run, the bench waiting, shows whether some was going on.
+    busy_before = busy_cores()
+    commands = {case.name: case_command(case, args.epochs, args.steps_per_epoch) for case in cases}
+    samples, errors = run_cases(cases, commands, args)
+    report = {
+        "date": started_at.isoformat(timespec="seconds"),
+        "command": shown([sys.executable, "bench/run.py", *sys.argv[1:]]),
+        "machine": machine_facts(),
+        "busy_cores_before": busy_before,
+        "settings": {
+            **COMMON,
+            "per_worker_batch": PER_WORKER_BATCH,
+            "epochs": args.epochs,
+            "steps_per_epoch": args.steps_per_epoch,
+            "repeats": args.repeats,
+        },
+        "cases": summarize(cases, commands, samples, errors),
+    }
+    add_comparisons(report, samples, errors)
     print(save("throughput", report, "RESULTS.md", markdown, at=started_at))
     return 1 if errors else 0
 
