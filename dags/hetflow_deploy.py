@@ -1,8 +1,7 @@
 """
 ### Roll a new champion out on the running endpoint
 
-Runs by itself each time `register` (hetflow_train's or hetflow_tune's) moves a registered model's
-`champion` (an event on the Asset
+Runs by itself each time `register` moves a registered model's `champion` (an event on the Asset
 `hetflow://registry/champion`), or by hand with **Trigger**, naming a *model* and a *version*
 (the version `champion` names now: the endpoint rolls out the champion).
 

@@ -45,12 +45,15 @@ from airflow.sdk import Asset, AssetAlias, dag, task
 
 from hetflow.pipeline.task_log import DAG_ARGUMENTS
 from hetflow.registry.retrain import PREPARED_DATA_URI
-from hetflow.pipeline.champion_events import CHAMPION_MOVES, add_champion_events
+from hetflow.serving.control import CHAMPION_ASSET_URI
 from hetflow.spec import airflow_params
 
 # prepare_data adds an event on the prepared-data Asset through this alias only when the data's
 # fingerprint changed: a task's plain outlets would get an event on every run.
 DATA_CHANGES = AssetAlias("hetflow_data_changes")
+# Likewise register adds an event on the champion Asset (hetflow_deploy's schedule) only for each model
+# whose champion it moved, the model and version in the event's extra.
+CHAMPION_MOVES = AssetAlias("hetflow_champion_moves")
 
 
 @dag(
@@ -136,7 +139,8 @@ def hetflow_train():
         from hetflow.tasks import register as stage
 
         returned = stage.register(run_id, dag.dag_id, ti.try_number)
-        add_champion_events(outlet_events, returned)
+        for moved in returned["champion_moves"]:
+            outlet_events[CHAMPION_MOVES].add(Asset(CHAMPION_ASSET_URI), extra=moved)
         return returned
 
     @task(trigger_rule="all_done")

@@ -30,7 +30,6 @@ from typing import Any
 
 from airflow.sdk import dag, task
 
-from hetflow.pipeline.champion_events import CHAMPION_MOVES, add_champion_events
 from hetflow.pipeline.task_log import DAG_ARGUMENTS
 from hetflow.tuning.form import tune_params
 
@@ -79,13 +78,11 @@ def hetflow_tune():
 
         return stage.export(best["best_run_id"], ti.try_number)
 
-    @task(outlets=[CHAMPION_MOVES])
-    def register(best: dict[str, Any], dag=None, outlet_events=None, ti=None):
+    @task
+    def register(best: dict[str, Any], dag=None, ti=None):
         from hetflow.tasks import register as stage
 
-        returned = stage.register(best["best_run_id"], dag.dag_id, ti.try_number)
-        add_champion_events(outlet_events, returned)  # hetflow_deploy rolls the study's winner out
-        return returned
+        return stage.register(best["best_run_id"], dag.dag_id, ti.try_number)
 
     @task
     def finish_study(best: dict[str, Any], run_id: str | None = None):
