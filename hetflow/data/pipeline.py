@@ -240,7 +240,7 @@ def eval_input(
     start, end = examples if examples is not None else (0, dataset.splits[split])
     if examples is not None:
         ordered = ordered.skip(start).take(end - start)
-    if validation_input(dataset, end - start, cache_budget_mb)["mode"] == "cached":
+    if fits_cache(dataset, end - start, cache_budget_mb):
         ordered = ordered.cache()
     return _without_autotuning_thread(ordered.batch(batch_size).prefetch(tf.data.AUTOTUNE))
 
